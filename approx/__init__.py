@@ -1,0 +1,48 @@
+"""approx: swap the self-attention of pretrained Hugging Face encoders for efficient approximations.
+
+import approx
+approx.methods()                                   # ['full', 'clustered', 'i-clustered', ...]
+approx.patch(model, "i-clustered", clusters=25, topk=32)
+approx.unpatch(model)                              # bit-identical to the original again
+"""
+
+__version__ = "0.1.0"
+
+from .config import MethodConfig  # noqa: E402
+from .integration import (  # noqa: E402
+    UnsupportedModelError,
+    is_patched,
+    load,
+    patch,
+    patched_layers,
+    restore,
+    save,
+    settings,
+    unpatch,
+)
+from .layer import ApproxAttention  # noqa: E402
+from .registry import Cost, get_method  # noqa: E402
+from .registry import methods as _registered_methods  # noqa: E402
+
+__all__ = [
+    "ApproxAttention",
+    "Cost",
+    "MethodConfig",
+    "UnsupportedModelError",
+    "get_method",
+    "is_patched",
+    "load",
+    "methods",
+    "patch",
+    "patched_layers",
+    "restore",
+    "save",
+    "settings",
+    "unpatch",
+]
+
+
+def methods() -> list[str]:
+    """Names of the available attention methods, the exact reference ``"full"`` first."""
+    names = _registered_methods()
+    return sorted(names, key=lambda n: (n != "full", n))

@@ -1,0 +1,90 @@
+"""Base class of every method's config dataclass.
+
+Each method declares one frozen dataclass deriving from :class:`MethodConfig`. Its fields are the method's
+options, its defaults are the only defaults (the CLI, the docs and ``approx methods`` read them from here),
+and each field carries its help text in ``metadata["help"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, ClassVar
+
+__all__ = ["MethodConfig", "option", "did_you_mean"]
+
+
+def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
+    """A config field with its help text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` when a close match exists, else an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodConfig:
+    """Options of an attention method. Subclasses add fields with :func:`option` and override ``check``."""
+
+    method: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = hints[f.name]
+            if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{self.method}: option {f.name!r} must be an integer, got {value!r}")
+            if expected is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{self.method}: option {f.name!r} must be a number, got {value!r}")
+            if expected is bool and not isinstance(value, bool):
+                raise ValueError(f"{self.method}: option {f.name!r} must be true or false, got {value!r}")
+            if expected is str and not isinstance(value, str):
+                raise ValueError(f"{self.method}: option {f.name!r} must be a string, got {value!r}")
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the option when a value is impossible."""
+
+    def require(self, ok: bool, name: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.method}: option {name!r} = {getattr(self, name)!r} is invalid: {why}")
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_options(cls, **options: Any) -> MethodConfig:
+        """Build the config from keyword options, refusing names the method does not have."""
+        names = cls.option_names()
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            hints = "".join(did_you_mean(k, names) for k in unknown)
+            valid = ", ".join(names) or "none"
+            raise ValueError(
+                f"{cls.method}: unknown option(s) {', '.join(map(repr, unknown))}{hints}; "
+                f"options of {cls.method!r}: {valid}"
+            )
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> list[dict[str, Any]]:
+        """Name, type, default and help of every option (used by the CLI and the docs)."""
+        hints = typing.get_type_hints(cls)
+        return [
+            {
+                "name": f.name,
+                "type": getattr(hints[f.name], "__name__", str(hints[f.name])),
+                "default": f.default,
+                "help": f.metadata.get("help", ""),
+            }
+            for f in dataclasses.fields(cls)
+        ]

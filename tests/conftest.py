@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny models of every supported family built from configs (no downloads), the data
+folder and the offline MiniLM-L6 for the real-model tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+FAMILIES = ["bert", "roberta", "distilbert", "electra", "xlm-roberta", "albert", "camembert"]
+HEADS = ["base", "sequence-classification", "question-answering", "masked-lm"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--data-dir", default=None, help="evaluation data folder (default: $APPROX_DATA_DIR)")
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    if family == "distilbert":
+        kw = dict(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=512)
+    else:
+        kw = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+        if family == "albert":
+            kw["embedding_size"] = 16
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
+
+
+def tiny_model(family: str, head: str = "base", seed: int = 0, **overrides):
+    import transformers
+
+    cls = {
+        "base": transformers.AutoModel,
+        "sequence-classification": transformers.AutoModelForSequenceClassification,
+        "question-answering": transformers.AutoModelForQuestionAnswering,
+        "masked-lm": transformers.AutoModelForMaskedLM,
+    }[head]
+    torch.manual_seed(seed)
+    model = cls.from_config(tiny_config(family, **overrides)).eval()
+    # Sharpen the attention of the random model (default init makes it almost uniform, where every
+    # approximation looks exact): scale up query and key projections.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("query.weight", "key.weight", "q_lin.weight", "k_lin.weight")):
+                p.mul_(25.0)
+    return model
+
+
+def model_output(model, **inputs) -> torch.Tensor:
+    out = model(**inputs)
+    for name in ("last_hidden_state", "logits", "start_logits"):
+        if getattr(out, name, None) is not None:
+            return getattr(out, name)
+    raise AssertionError(f"no output tensor in {type(out).__name__}")
+
+
+def batch(seq_len: int = 48, pad: int = 0, batch_size: int = 2, seed: int = 1):
+    """input_ids/attention_mask with the second row padded by ``pad`` tokens at the end."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 99, (batch_size, seq_len), generator=g)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if pad:
+        mask[1, seq_len - pad :] = 0
+        ids[1, seq_len - pad :] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="session")
+def data_dir(pytestconfig) -> Path:
+    from approx.data import DataNotFoundError, find_data_dir
+
+    try:
+        return find_data_dir(pytestconfig.getoption("--data-dir"), need="wikitext-2/wiki.test.tokens")
+    except DataNotFoundError as e:
+        pytest.skip(f"real-data test skipped: {e}")
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    try:
+        from approx.data import default_model_path
+
+        return default_model_path()
+    except ModuleNotFoundError as e:
+        pytest.skip(f"real-model test skipped: {e}")

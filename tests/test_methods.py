@@ -1,0 +1,272 @@
+"""Method-level tests on plain tensors. The generic ones are driven by the registry, so a new method is
+covered without editing this file; the clustered-specific ones check the paper's properties."""
+
+import pytest
+import torch
+from reference import naive_attention, naive_weights
+
+import approx
+from approx import ApproxAttention, get_method
+from approx.methods import clustered as clustered_mod
+
+METHODS = approx.methods()
+B, H, D = 2, 3, 16
+
+
+def make_qkv(n=120, seed=0, dtype=torch.float32, sharp=3.0, dv=D):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, n, D, generator=g, dtype=torch.float64) * sharp
+    k = torch.randn(B, H, n, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, n, dv, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def padded_mask(n, real_last_row):
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, real_last_row:] = False
+    return mask
+
+
+def layer(method, **options):
+    spec = get_method(method)
+    return ApproxAttention(method, spec.config_class(**options), head_dim=D)
+
+
+def small_budget(method):
+    """Options that make the method approximate at n = 120 (not its exact fallback)."""
+    names = get_method(method).config_class.option_names()
+    return {"clusters": 8} if "clusters" in names else {}
+
+
+# ---------------------------------------------------------------------------------------------- generic
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_shape_dtype_and_finite(method):
+    q, k, v = make_qkv(dv=D + 4)
+    out = layer(method, **small_budget(method))(q, k, v, padded_mask(120, 90))
+    assert out.shape == (B, H, 120, D + 4) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padding_invariance(method):
+    """Appending pad tokens leaves the outputs of real tokens unchanged (fixed seed)."""
+    n_real, n_pad = 100, 37
+    q, k, v = make_qkv(n_real + n_pad)
+    lyr = layer(method, **small_budget(method))
+    short = lyr(q[:, :, :n_real], k[:, :, :n_real], v[:, :, :n_real], None)
+    padded = lyr(q, k, v, padded_mask(n_real + n_pad, n_real).logical_or(torch.tensor([[True], [False]])))
+    # row 0 is unpadded at full length; row 1 has n_pad pads at the end
+    torch.testing.assert_close(padded[1, :, :n_real], short[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_poisoned_padding(method):
+    """Padded values set to 1e9 must not leak: outputs stay finite and within the range of real values."""
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 70)
+    v = v.clone()
+    v[1, :, 70:] = 1e9
+    k = k.clone()
+    k[1, :, 70:] = 1e3  # keys of pads that would dominate if the mask were dropped
+    out = layer(method, **small_budget(method))(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert out[1, :, :70].abs().max() <= v[1, :, :70].abs().max() + 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method", METHODS)
+def test_half_precision(method, dtype):
+    q, k, v = make_qkv(dtype=torch.float32)
+    mask = padded_mask(120, 90)
+    lyr = layer(method, **small_budget(method))
+    ref = lyr(q, k, v, mask)
+    out = lyr(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    # same clusters up to rounding: compare on average, not elementwise (a flipped hash bit may move a query)
+    assert (out.float() - ref).abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_flow(method):
+    q, k, v = (t.requires_grad_() for t in make_qkv(dtype=torch.float32))
+    out = layer(method, **small_budget(method))(q, k, v, padded_mask(120, 90))
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_deterministic_under_seed(method):
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 90)
+    a = layer(method, **small_budget(method))(q, k, v, mask)
+    b = layer(method, **small_budget(method))(q, k, v, mask)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_weights_are_distributions_consistent_with_output(method):
+    spec = get_method(method)
+    if spec.weights is None:
+        pytest.skip(f"{method} exposes no dense weights")
+    q, k, v = make_qkv(dtype=torch.float64)
+    mask = padded_mask(120, 90)
+    lyr = layer(method, **small_budget(method))
+    w = lyr.weights(q, k, mask)
+    assert (w >= 0).all()
+    torch.testing.assert_close(w.sum(-1), torch.ones_like(w[..., 0]))
+    assert (w[1, :, :, 90:] == 0).all(), "padded keys get attention"
+    # the fast path and the dense path are separate code: they must agree
+    torch.testing.assert_close(lyr(q, k, v, mask), w @ v.masked_fill(~mask[:, None, :, None], 0))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cost_is_reported(method):
+    spec = get_method(method)
+    cost = spec.cost(spec.config_class(**small_budget(method)), n=1024, s=1024, d=64, dv=64)
+    assert 0 < cost.qk_pairs <= 1024 * 1024 and cost.flops > 0
+
+
+def test_full_matches_float64_reference():
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 90)
+    out = layer("full")(q, k, v, mask)
+    ref = naive_attention(q, k, v, mask)
+    err = (out.double() - ref).abs().max()
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5  # the plain float32 eager computation
+    plain = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1) @ v
+    err32 = (plain.double() - ref).abs().max()
+    assert err <= 4 * err32  # within a few times the rounding error of plain float32 attention
+
+
+# -------------------------------------------------------------------------------------- clustered family
+
+
+def test_iclustered_topk_at_least_n_is_exact_while_clustering_runs(monkeypatch):
+    calls = []
+    real = clustered_mod.cluster_queries
+    monkeypatch.setattr(clustered_mod, "cluster_queries", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(n=120, dtype=torch.float64)
+    mask = padded_mask(120, 90)
+    out = layer("i-clustered", clusters=8, topk=120)(q, k, v, mask)
+    assert calls, "clustering did not run"
+    torch.testing.assert_close(out, naive_attention(q, k, v, mask), rtol=1e-9, atol=1e-9)
+    # ... and the plain clustered attention on the same clusters is not exact, so the test can fail
+    assert (layer("clustered", clusters=8)(q, k, v, mask) - naive_attention(q, k, v, mask)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_improved_never_further_than_clustered(seed):
+    """The paper's Proposition 2: L1 distance of every attention row to the exact row."""
+    q, k, v = make_qkv(n=150, seed=seed, dtype=torch.float64)
+    mask = padded_mask(150, 110)
+    exact = naive_weights(q, k, mask)
+    opts = dict(clusters=10, seed=seed)
+    clus = layer("clustered", **opts).weights(q, k, mask)
+    impr = layer("i-clustered", topk=8, **opts).weights(q, k, mask)
+    d_clus = (clus - exact).abs().sum(-1)
+    d_impr = (impr - exact).abs().sum(-1)
+    assert (d_impr <= d_clus + 1e-12).all()
+    assert d_impr.mean() < 0.9 * d_clus.mean()  # and strictly better on average
+
+
+def test_short_sequences_fall_back_to_exact():
+    q, k, v = make_qkv(n=20, dtype=torch.float64)
+    mask = padded_mask(20, 15)
+    for method in ("clustered", "i-clustered"):
+        out = layer(method, clusters=25)(q, k, v, mask)
+        torch.testing.assert_close(out, naive_attention(q, k, v, mask))
+
+
+def test_rows_with_few_real_tokens_fall_back_per_row():
+    """A batch row with at most C real tokens is exact even when the padded length exceeds C."""
+    q, k, v = make_qkv(n=60, dtype=torch.float64)
+    mask = padded_mask(60, 20)  # row 1: 20 real tokens, 40 pads
+    out = layer("clustered", clusters=25)(q, k, v, mask)
+    torch.testing.assert_close(out[1, :, :20], naive_attention(q, k, v, mask)[1, :, :20])
+
+
+def test_clustering_recovers_well_separated_groups():
+    """Hand-made queries: 4 tight groups far apart are recovered exactly (up to label permutation)."""
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(4, D, generator=g) * 10
+    labels = torch.arange(64) % 4
+    q = centers[labels] + 1e-3 * torch.randn(64, D, generator=g)
+    q = q.expand(B, H, 64, D)
+    cfg = get_method("clustered").config_class(clusters=4)
+    state = layer("clustered", clusters=4).state()
+    assign = clustered_mod.cluster_queries(q, None, cfg, state)  # (B, H, N)
+    for row in assign.reshape(-1, 64):
+        pairs = set(zip(labels.tolist(), row.tolist()))
+        assert len(pairs) == 4 and len({c for _, c in pairs}) == 4, pairs
+
+
+def test_clustered_exact_when_queries_take_few_values():
+    """Exact limit of clustered attention: when the queries take at most C distinct values, each cluster is
+    one value, its centroid is that query, and the output is exact."""
+    g = torch.Generator().manual_seed(3)
+    distinct = torch.randn(B, H, 6, D, generator=g, dtype=torch.float64) * 5
+    q = distinct[:, :, torch.arange(90) % 6]
+    _, k, v = make_qkv(n=90, dtype=torch.float64)
+    out = layer("clustered", clusters=6)(q, k, v, None)
+    torch.testing.assert_close(out, naive_attention(q, k, v))
+
+
+def test_hash_bits_track_euclidean_distance():
+    """With the bias term, near queries share more bits than far ones, also for queries far from the origin
+    (without a bias, a shifted cloud would hash every query to the same side of most planes)."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 1, 200, D, generator=g) + 50.0  # a cloud far from the origin
+    state = layer("clustered").state()
+    bits = clustered_mod.hash_queries(base, state["planes"], state["offsets"], None)[0, 0].float()
+    dist = torch.cdist(base[0, 0], base[0, 0])
+    ham = torch.cdist(bits, bits, p=1)
+    iu = torch.triu_indices(200, 200, 1)
+    corr = torch.corrcoef(torch.stack([dist[iu[0], iu[1]], ham[iu[0], iu[1]]]))[0, 1]
+    assert corr > 0.5
+    assert bits.mean(0).sub(0.5).abs().mean() < 0.3  # bits are informative, not constant
+
+
+def test_padded_queries_take_no_part_in_clustering():
+    q, k, v = make_qkv(n=80)
+    mask = padded_mask(80, 50)
+    q_poison = q.clone()
+    q_poison[1, :, 50:] = 1e4  # padded queries far away must not drag centroids
+    lyr = layer("i-clustered", clusters=8)
+    torch.testing.assert_close(lyr(q_poison, k, v, mask)[1, :, :50], lyr(q, k, v, mask)[1, :, :50])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "method, options, words",
+    [
+        ("clustered", {"clusters": 0}, ["clusters"]),
+        ("i-clustered", {"topk": 0}, ["topk"]),
+        ("clustered", {"bits": 0}, ["bits"]),
+        ("clustered", {"bits": 64}, ["bits", "63"]),
+        ("clustered", {"iterations": -1}, ["iterations"]),
+        ("clustered", {"clusters": 2.5}, ["clusters", "integer"]),
+        ("clustered", {"clusters": True}, ["clusters", "integer"]),
+        ("clustered", {"topk": 3}, ["topk", "clusters"]),  # topk is an i-clustered option
+        ("i-clustered", {"cluster": 3}, ["cluster", "did you mean 'clusters'"]),
+        ("full", {"clusters": 3}, ["clusters", "none"]),
+    ],
+)
+def test_bad_options_name_the_option(method, options, words):
+    with pytest.raises(ValueError) as e:
+        get_method(method).make_config(**options)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_unknown_method_lists_methods():
+    with pytest.raises(ValueError) as e:
+        get_method("i-clusterd")
+    msg = str(e.value)
+    assert "did you mean 'i-clustered'" in msg
+    for m in METHODS:
+        assert m in msg

@@ -1,0 +1,224 @@
+"""Patching real transformers models (tiny ones built from configs): every supported family and task head,
+exactness of ``full``, unpatch, layer selection, save/load, refusals."""
+
+import pytest
+import torch
+from conftest import FAMILIES, HEADS, batch, model_output, tiny_config, tiny_model
+
+import approx
+from approx.integration import UnsupportedModelError, _key_mask
+
+METHODS = approx.methods()
+APPROX_OPTIONS = {"clustered": {"clusters": 6}, "i-clustered": {"clusters": 6, "topk": 8}}
+
+
+def options(method):
+    names = approx.get_method(method).config_class.option_names()
+    return {k: v for k, v in APPROX_OPTIONS.get(method, {}).items() if k in names}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("head", HEADS)
+def test_full_reproduces_unpatched_model(family, head):
+    model = tiny_model(family, head)
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        approx.patch(model, "full")
+        out = model_output(model, **inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpatch_is_bit_exact(family):
+    model = tiny_model(family)
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        approx.patch(model, "i-clustered", clusters=6)
+        patched = model_output(model, **inputs)
+        approx.unpatch(model)
+        out = model_output(model, **inputs)
+    assert not torch.equal(patched, ref), "the patch had no effect, so this test could not fail"
+    assert torch.equal(out, ref)
+    assert not approx.is_patched(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", METHODS)
+def test_model_padding_invariance(family, method):
+    """Appending pads to a sequence leaves its real-token outputs unchanged, for every method."""
+    model = approx.patch(tiny_model(family), method, **options(method))
+    short = batch(40)
+    padded = {k: torch.cat([v, torch.zeros(2, 17, dtype=v.dtype)], dim=1) for k, v in short.items()}
+    with torch.no_grad():
+        a = model_output(model, **short)
+        b = model_output(model, **padded)[:, :40]
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_iclustered_with_topk_covering_all_keys_equals_unpatched(family):
+    model = tiny_model(family)
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        approx.patch(model, "i-clustered", clusters=6, topk=48)
+        out = model_output(model, **inputs)
+        approx.patch(model, "clustered", clusters=6)
+        clus = model_output(model, **inputs)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1, :35], ref[1, :35], rtol=1e-4, atol=1e-4)
+    assert (clus - ref).abs().max() > 1e-3, "clustered attention is exact on this model: the test is too weak"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_reach_attention_projections(method):
+    model = approx.patch(tiny_model("bert", "sequence-classification"), method, **options(method))
+    model.train()
+    out = model(**batch(48, pad=13), labels=torch.tensor([0, 1]))
+    out.loss.backward()
+    grad = model.bert.encoder.layer[0].attention.self.query.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_model(dtype):
+    model = tiny_model("bert").to(dtype)
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs).float()
+        for method in METHODS:
+            approx.patch(model, method, **options(method))
+            out = model_output(model, **inputs)
+            assert out.dtype == dtype and torch.isfinite(out).all(), method
+            assert torch.nn.functional.cosine_similarity(out.float(), ref, dim=-1).mean() > 0.5, method
+
+
+def test_layers_select_and_mix_methods():
+    model = tiny_model("bert", num_hidden_layers=3)
+    approx.patch(model, "clustered", layers=[0, 2], clusters=6)
+    approx.patch(model, "i-clustered", layers=[1], clusters=6, topk=4)
+    assert [(s["layer"], s["method"]) for s in approx.settings(model)] == [
+        (0, "clustered"),
+        (1, "i-clustered"),
+        (2, "clustered"),
+    ]
+    approx.patch(model, "full", layers=-1)  # negative indices count from the end
+    assert approx.settings(model)[2]["method"] == "full"
+
+
+def test_unselected_layers_stay_exact():
+    model = tiny_model("bert")
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model(**inputs, output_hidden_states=True).hidden_states
+        approx.patch(model, "clustered", layers=[1], clusters=6)
+        out = model(**inputs, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=1e-6)  # after layer 0: untouched
+    assert (out[2] - ref[2]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("head", ["base", "sequence-classification"])
+def test_save_load_round_trip(tmp_path, method, head):
+    import transformers
+
+    model = tiny_model("roberta", head)
+    approx.patch(model, method, **options(method), seed=3) if "seed" in approx.get_method(
+        method
+    ).config_class.option_names() else approx.patch(model, method)
+    approx.patch(model, "full", layers=[1])
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        out = model_output(model, **inputs)
+    approx.save(model, tmp_path / "ckpt")
+    cls = transformers.AutoModel if head == "base" else transformers.AutoModelForSequenceClassification
+    loaded = approx.load(tmp_path / "ckpt", model_class=cls).eval()
+    assert approx.settings(loaded) == approx.settings(model)
+    for i, lyr in approx.patched_layers(loaded).items():
+        for name, t in lyr.state().items():
+            assert torch.equal(t, approx.patched_layers(model)[i].state()[name])
+    with torch.no_grad():
+        assert torch.equal(model_output(loaded, **inputs), out)
+    # the checkpoint itself is a plain Hugging Face one: it loads without approx and runs exact attention
+    plain = cls.from_pretrained(tmp_path / "ckpt").eval()
+    assert not approx.is_patched(plain)
+
+
+def test_saved_state_is_used_not_redrawn(tmp_path):
+    model = approx.patch(tiny_model("bert"), "clustered", clusters=6)
+    lyr = approx.patched_layers(model)[0]
+    lyr.load_state({**lyr.state(), "planes": torch.randn_like(lyr.state()["planes"])})
+    approx.save(model, tmp_path)
+    loaded = approx.load(tmp_path)
+    assert torch.equal(approx.patched_layers(loaded)[0].state()["planes"], lyr.state()["planes"])
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("family", ["deberta-v2", "mpnet"])
+def test_models_outside_the_registry_are_refused(family):
+    from transformers import AutoModel
+
+    model = AutoModel.from_config(tiny_config(family))
+    with pytest.raises(UnsupportedModelError) as e:
+        approx.patch(model, "full")
+    assert "AttentionInterface" in str(e.value) and family in str(e.value)
+    assert not approx.is_patched(model)
+
+
+def test_decoder_and_cross_attention_are_refused():
+    from transformers import AutoModel
+
+    model = AutoModel.from_config(tiny_config("bert", is_decoder=True, add_cross_attention=True))
+    with pytest.raises(UnsupportedModelError) as e:
+        approx.patch(model, "clustered")
+    reasons = e.value.reasons
+    assert any("causal" in r for r in reasons) and any("cross-attention" in r for r in reasons)
+
+
+def test_non_transformers_module_is_refused():
+    with pytest.raises(UnsupportedModelError, match="PreTrainedModel"):
+        approx.patch(torch.nn.Linear(3, 3), "full")
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"method": "clusterd"}, ["did you mean 'clustered'", "full"]),
+        ({"method": "clustered", "clusters": 0}, ["clusters"]),
+        ({"method": "clustered", "bogus": 1}, ["bogus"]),
+        ({"method": "clustered", "layers": [5]}, ["layer 5", "2 attention layers"]),
+        ({"method": "clustered", "layers": []}, ["empty"]),
+    ],
+)
+def test_bad_input_leaves_model_untouched(kwargs, words):
+    model = tiny_model("bert")
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+    with pytest.raises(ValueError) as e:
+        approx.patch(model, **kwargs)
+    for w in words:
+        assert w in str(e.value)
+    assert not approx.is_patched(model)
+    assert not any(hasattr(m, "approx_attention") for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model_output(model, **inputs), ref)
+
+
+def test_unpatch_of_unpatched_model_raises():
+    with pytest.raises(ValueError, match="not patched"):
+        approx.unpatch(tiny_model("bert"))
+
+
+def test_non_padding_masks_are_refused():
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None, None].expand(2, 1, 4, 4)
+    with pytest.raises(ValueError, match="key-padding"):
+        _key_mask(causal, 2, 4)
+    padding = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(_key_mask(padding[:, None, None, :].expand(2, 1, 4, 4), 2, 4), padding)
+    additive = torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], torch.finfo(torch.float32).min)
+    assert torch.equal(_key_mask(additive, 2, 4), padding)
