@@ -10,11 +10,13 @@ __version__ = "0.1.0"
 
 from .config import MethodConfig  # noqa: E402
 from .integration import (  # noqa: E402
+    RedrawSchedule,
     UnsupportedModelError,
     is_patched,
     load,
     patch,
     patched_layers,
+    redraw,
     restore,
     save,
     settings,
@@ -35,6 +37,8 @@ __all__ = [
     "methods",
     "patch",
     "patched_layers",
+    "redraw",
+    "RedrawSchedule",
     "restore",
     "save",
     "settings",

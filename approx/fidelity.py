@@ -189,3 +189,24 @@ def wikitext_fidelity_report(
         **report,
         "provenance": provenance(seed=seed, device=next(model.parameters()).device, data_dir=str(folder)),
     }
+
+
+def recipe_main(configs: list[MethodConfig], default_output: str, description: str, argv=None) -> dict[str, Any]:
+    """Command line of a WikiText-2 fidelity recipe: run ``configs``, print the table, write the JSON."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=32, help="WikiText-2 test windows (default 32)")
+    parser.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
+    parser.add_argument("--output", type=Path, default=Path(default_output))
+    args = parser.parse_args(argv)
+    setups = [Setup.from_config(c) for c in configs]
+    report = wikitext_fidelity_report(setups, data_dir=args.data_dir, windows=args.windows, length=args.length)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown_table(report))
+    print(f"\nwrote {args.output}")
+    return report

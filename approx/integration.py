@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from . import __version__
-from .layer import ApproxAttention
-from .methods._common import exact_attention
+from .attention._common import exact_attention
+from .layer import ApproxAttention, layer_seed
 from .registry import get_method
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "is_patched",
     "load",
     "patch",
+    "redraw",
+    "RedrawSchedule",
     "restore",
     "save",
     "settings",
@@ -293,6 +295,35 @@ def patched_layers(model: nn.Module) -> dict[int, ApproxAttention]:
     if not is_patched(model):
         return {}
     return {i: getattr(m, _CHILD) for i, m in enumerate(attention_modules(model)) if hasattr(m, _CHILD)}
+
+
+def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] | None = None) -> None:
+    """Draw the random state of patched layers anew (hash planes, random features), deterministically from
+    ``seed`` (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it too)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    chosen = None if layers is None else set(layers)
+    for i, layer in patched_layers(model).items():
+        if chosen is None or i in chosen:
+            layer.redraw(layer_seed(seed, i))
+
+
+class RedrawSchedule:
+    """Redraw the random state every ``every`` steps of a training loop: call :meth:`step` after each
+    optimizer step. Draw ``k`` uses seed ``seed + k``, so a run is reproducible."""
+
+    def __init__(self, model: nn.Module, every: int, *, seed: int = 0) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self.model, self.every, self.seed, self.steps = model, every, seed, 0
+
+    def step(self) -> bool:
+        """Count one step; returns True when it redrew."""
+        self.steps += 1
+        if self.steps % self.every:
+            return False
+        redraw(self.model, seed=self.seed + self.steps // self.every)
+        return True
 
 
 def settings(model: nn.Module) -> list[dict[str, Any]]:

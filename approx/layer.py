@@ -54,6 +54,14 @@ class ApproxAttention(nn.Module):
                 raise ValueError(f"state {name!r}: expected shape {tuple(mine[name].shape)}, got {tuple(tensor.shape)}")
             setattr(self, name, tensor.to(mine[name].device))
 
+    def redraw(self, seed: int) -> None:
+        """Draw the method's random state anew from ``seed`` (e.g. FAVOR+ features during fine-tuning)."""
+        if self.method.init_state is None:
+            return
+        old = self.state()
+        for name, t in self.method.init_state(self.config, head_dim=self.head_dim, seed=seed).items():
+            setattr(self, name, t.to(device=old[name].device, dtype=old[name].dtype))
+
     def forward(
         self,
         q: torch.Tensor,

@@ -83,7 +83,7 @@ def register(
 
 
 def _load_builtin() -> None:
-    from . import methods as _  # noqa: F401  (importing the package registers every method file)
+    from . import attention as _  # noqa: F401  (importing the package registers every method file)
 
 
 def methods() -> list[str]:

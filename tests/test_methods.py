@@ -7,7 +7,7 @@ from reference import naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
-from approx.methods import clustered as clustered_mod
+from approx.attention import clustered as clustered_mod
 
 METHODS = approx.methods()
 B, H, D = 2, 3, 16
@@ -126,7 +126,7 @@ def test_weights_are_distributions_consistent_with_output(method):
 def test_cost_is_reported(method):
     spec = get_method(method)
     cost = spec.cost(spec.config_class(**small_budget(method)), n=1024, s=1024, d=64, dv=64)
-    assert 0 < cost.qk_pairs <= 1024 * 1024 and cost.flops > 0
+    assert 0 <= cost.qk_pairs <= 1024 * 1024 and 0 < cost.flops
 
 
 def test_full_matches_float64_reference():

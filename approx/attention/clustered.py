@@ -107,17 +107,34 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return (bits.long() * weights).sum(-1)
 
 
-def _random_signs(salt: torch.Tensor, tag: int, heads: int, clusters: int, nbits: int, device) -> torch.Tensor:
-    """Pseudo-random +-1 codes (1, H, C, B) for (salt, tag, head, cluster, bit)."""
-    h = torch.arange(heads, device=device)[:, None, None]
-    c = torch.arange(clusters, device=device)[None, :, None]
-    b = torch.arange(nbits, device=device)[None, None, :]
-    r = hash_ints(salt.to(device), tag, h, c, b) & 1
-    return (r.float() * 2 - 1)[None]  # (1, H, C, B)
+class _FreshCodes:
+    """Pseudo-random +-1 codes for (salt, draw, head, cluster, bit), hashed in one go on first use.
+
+    Draw 0 seeds clusters that found no distinct code; draw t > 0 replaces clusters left empty by iteration t.
+    """
+
+    def __init__(self, salt: torch.Tensor, draws: int, heads: int, clusters: int, nbits: int, device) -> None:
+        self.args = (salt, draws, heads, clusters, nbits, device)
+        self.table: torch.Tensor | None = None
+
+    def __getitem__(self, draw: int) -> torch.Tensor:  # (1, H, C, B)
+        if self.table is None:
+            salt, draws, heads, clusters, nbits, device = self.args
+            t = torch.arange(draws, device=device)[:, None, None, None]
+            h = torch.arange(heads, device=device)[None, :, None, None]
+            c = torch.arange(clusters, device=device)[None, None, :, None]
+            b = torch.arange(nbits, device=device)[None, None, None, :]
+            self.table = (hash_ints(salt.to(device), t, h, c, b) & 1).float() * 2 - 1  # (T, H, C, B)
+        return self.table[draw][None]
 
 
 def _initial_centroids(
-    codes: torch.Tensor, signs: torch.Tensor, real: torch.Tensor, clusters: int, salt: torch.Tensor
+    codes: torch.Tensor,
+    signs: torch.Tensor,
+    real: torch.Tensor,
+    clusters: int,
+    salt: torch.Tensor,
+    fresh: _FreshCodes,
 ) -> torch.Tensor:
     """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits)."""
     batch, heads, n, nbits = signs.shape
@@ -136,8 +153,8 @@ def _initial_centroids(
     chosen, sel = rank.topk(clusters, dim=-1, largest=False)  # (B, H, C)
     query = order.gather(-1, by_code.gather(-1, sel))  # positions of the chosen queries
     cent = signs.gather(2, query[..., None].expand(-1, -1, -1, nbits))
-    fresh = _random_signs(salt, 0, heads, clusters, nbits, codes.device)
-    return torch.where((chosen < n)[..., None], cent, fresh)
+    missing = chosen >= n  # fewer distinct codes than clusters
+    return torch.where(missing[..., None], fresh[0], cent) if bool(missing.any()) else cent
 
 
 def _assign(signs: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
@@ -152,7 +169,8 @@ def hamming_kmeans(
     batch, heads, n, nbits = bits.shape
     real = torch.ones(batch, n, dtype=torch.bool, device=bits.device) if query_mask is None else query_mask
     signs = bits.float() * 2 - 1  # (B, H, N, bits)
-    cent = _initial_centroids(pack_bits(bits), signs, real, clusters, salt)  # (B, H, C, bits)
+    fresh = _FreshCodes(salt, iterations + 1, heads, clusters, nbits, bits.device)
+    cent = _initial_centroids(pack_bits(bits), signs, real, clusters, salt, fresh)  # (B, H, C, bits)
     w = real[:, None, :].float().expand(batch, heads, n).reshape(-1)  # (B*H*N,)
     members = (signs * w.view(batch, heads, n, 1)).reshape(-1, nbits)  # padded queries vote with 0
     offset = torch.arange(batch * heads, device=bits.device).view(batch, heads, 1) * clusters
@@ -161,9 +179,10 @@ def hamming_kmeans(
         votes = torch.zeros(batch * heads * clusters, nbits, device=bits.device).index_add_(0, flat, members)
         count = torch.zeros(batch * heads * clusters, device=bits.device).index_add_(0, flat, w)
         votes, count = votes.view_as(cent), count.view(batch, heads, clusters)
-        majority = torch.where(votes == 0, cent, torch.sign(votes))
-        fresh = _random_signs(salt, it + 1, heads, clusters, nbits, bits.device)
-        cent = torch.where((count == 0)[..., None], fresh, majority)
+        cent = torch.where(votes == 0, cent, torch.sign(votes))  # majority; a tie keeps the bit
+        empty = count == 0
+        if bool(empty.any()):
+            cent = torch.where(empty[..., None], fresh[it + 1], cent)
     return _assign(signs, cent)
 
 

@@ -1,0 +1,227 @@
+"""FAVOR+: Fast Attention Via positive Orthogonal Random features (Performer).
+
+Choromanski et al., "Rethinking Attention with Performers", ICLR 2021 (arXiv 2009.14794).
+
+The softmax kernel is a expectation over random features: with x~ = sqrt(s) x (s the attention scale),
+exp(s q.k) = E_w[phi(q~) . phi(k~)] for the positive features
+phi(x) = exp(-|x|^2 / 2) / sqrt(m) [exp(w_1.x), ..., exp(w_m.x)], w_i ~ N(0, I). Attention then needs no
+N x S matrix: O = D^-1 phi(Q) (phi(K)^T V), D = diag(phi(Q) phi(K)^T 1), O(N m d) time and memory.
+
+Choices made here (see ``../shared/reference/methods.md`` section 3):
+
+* The directions w are state: drawn once per layer from the seed, kept as a buffer (saved with the model),
+  redrawn only on request (``approx.redraw``). ``orthogonal=True`` stacks blocks of d exactly orthogonal
+  directions (Q factors of Gaussian matrices) with chi_d-distributed norms, which lowers the variance.
+* ``hyperbolic=True`` uses m/2 directions and their negatives, phi(x) ~ [exp(w.x), exp(-w.x)] (the
+  "FAVOR+ with hyperbolic cosine" estimator), so the cost is the same m features. It is the default
+  because it gave the lower error in our measurements, at every m we tried: on random inputs
+  (``tests/test_favor.py::test_hyperbolic_default_is_the_more_accurate``) and on MiniLM-L6 (see the README).
+* Stability: the query factor exp(-|q~|^2/2) and a per-query maximum of w.q~ are constants of each output
+  row, so they cancel in D^-1 and are dropped / subtracted before exp; for keys one maximum over all real
+  keys of a (batch, head) is subtracted. Nothing overflows in float16/bfloat16 (computed in float32). D is
+  floored at ``stabilizer``, which only matters when every feature of a row underflows.
+* Padding: the feature rows of padded keys are zeroed, so they enter neither the numerator nor the
+  normaliser D (both reference implementations only zero the values, so padding changed real outputs).
+* ``kernel="relu"``: the generalised kernel phi(x) = ReLU(w.x) + relu_eps of the Performer paper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..config import MethodConfig, option
+from ..registry import Cost, register
+from ._common import compute_dtype, safe_key_mask, zero_padded_values
+
+KERNELS = ("softmax", "relu")
+
+
+@dataclasses.dataclass(frozen=True)
+class FavorConfig(MethodConfig):
+    """Options of FAVOR+ attention."""
+
+    method = "favor"
+
+    features: int = option(256, "random features m (Google's default 256; d ln d = 266 for d = 64)")
+    kernel: str = option("softmax", "'softmax': positive features estimating exp(s q.k); 'relu': ReLU(w.x) + eps")
+    orthogonal: bool = option(True, "draw the directions in exactly orthogonal blocks (lower variance than i.i.d.)")
+    hyperbolic: bool = option(True, "use m/2 directions and their negatives (+-w): lower error at the same cost")
+    stabilizer: float = option(1e-12, "floor of the normaliser D; acts only if every feature of a row underflows")
+    relu_eps: float = option(1e-3, "eps added to the relu kernel's features (the Performer code's default)")
+    seed: int = option(0, "seed of the random directions")
+
+    def check(self) -> None:
+        self.require(self.features >= 1, "features", "need at least one random feature")
+        self.require(self.kernel in KERNELS, "kernel", f"unknown kernel; choose one of {', '.join(map(repr, KERNELS))}")
+        self.require(
+            not (self.hyperbolic and self.kernel == "softmax" and self.features % 2),
+            "features",
+            "hyperbolic features come in +-w pairs, so features must be even (or set hyperbolic=False)",
+        )
+        for name in ("stabilizer", "relu_eps"):
+            value = getattr(self, name)
+            self.require(value >= 0 and math.isfinite(value), name, "must be a finite non-negative number")
+        self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
+
+    @property
+    def directions(self) -> int:
+        """Number of random directions w drawn (half the features for hyperbolic softmax features)."""
+        return self.features // 2 if self.hyperbolic and self.kernel == "softmax" else self.features
+
+
+def random_directions(m: int, d: int, *, orthogonal: bool, generator: torch.Generator) -> torch.Tensor:
+    """(m, d) directions: i.i.d. N(0, I) rows, or blocks of d orthogonal rows with chi_d-distributed norms."""
+    if not orthogonal:
+        return torch.randn(m, d, generator=generator)
+    blocks = []
+    for _ in range(-(-m // d)):  # ceil(m / d) blocks of d orthonormal rows
+        q, _ = torch.linalg.qr(torch.randn(d, d, generator=generator))
+        blocks.append(q.t())
+    norms = torch.randn(m, d, generator=generator).norm(dim=-1, keepdim=True)  # chi_d
+    return torch.cat(blocks)[:m] * norms
+
+
+def init_state(config: FavorConfig, *, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"omega": random_directions(config.directions, head_dim, orthogonal=config.orthogonal, generator=g)}
+
+
+def cost(config: FavorConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
+    m = config.features
+    features = 2 * (n + s) * config.directions * d
+    return Cost(flops=features + 2 * s * m * (dv + 1) + 2 * n * m * (dv + 1), qk_pairs=0)
+
+
+def softmax_features(
+    x: torch.Tensor,
+    omega: torch.Tensor,
+    scale: float,
+    *,
+    hyperbolic: bool,
+    stabilize: str | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Positive random features of the softmax kernel, (B, H, N, d) -> (B, H, N, m).
+
+    Without ``stabilize`` they are the unbiased estimator: E[phi(q) . phi(k)] = exp(scale q.k).
+    ``stabilize="query"`` drops the per-row constant exp(-|x|^2/2) / sqrt(m) and subtracts the row maximum;
+    ``stabilize="key"`` subtracts one maximum over the real rows (``mask``) of each (batch, head). Both
+    are constant factors that cancel in the attention normaliser, so they carry no gradient.
+    """
+    if stabilize == "query":
+        proj = x @ (omega * math.sqrt(scale)).t()  # (B, H, N, m'): w . x~ with x~ = sqrt(s) x
+        if hyperbolic:
+            proj = torch.cat([proj, -proj], dim=-1)
+        return proj.sub_(proj.detach().amax(-1, keepdim=True)).exp_()
+    logits = _softmax_logits(x, omega, scale, hyperbolic)  # (B, H, N, m)
+    shift = 0.5 * math.log(logits.shape[-1])  # the 1 / sqrt(m)
+    if stabilize == "key":
+        row_max = logits.detach().amax(-1)  # (B, H, N)
+        if mask is not None:
+            row_max = row_max.masked_fill(~mask[:, None, :], float("-inf"))
+        shift = shift + row_max.amax(-1)[..., None, None]
+    elif stabilize is not None:
+        raise ValueError(f"stabilize must be None, 'query' or 'key', got {stabilize!r}")
+    return logits.sub_(shift).exp_()
+
+
+def relu_features(x: torch.Tensor, omega: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
+    """Generalised-kernel features ReLU(w.x~) + eps, (B, H, N, d) -> (B, H, N, m)."""
+    return torch.relu(x @ (omega * math.sqrt(scale)).t()) + eps
+
+
+def _features(q, k, key_mask, scale, config, omega):
+    if config.kernel == "relu":
+        phi_q, phi_k = (relu_features(x, omega, scale, config.relu_eps) for x in (q, k))
+    else:
+        phi_q = softmax_features(q, omega, scale, hyperbolic=config.hyperbolic, stabilize="query")
+        phi_k = softmax_features(k, omega, scale, hyperbolic=config.hyperbolic, stabilize="key", mask=key_mask)
+    if key_mask is not None:
+        phi_k = phi_k * key_mask[:, None, :, None]  # padded keys: out of the numerator and of D
+    return phi_q, phi_k
+
+
+# Keys and queries are processed in chunks of this many rows: the (rows, m) feature tensors stay small and
+# hot in cache instead of two (N, m) tensors (200 MB each at N = 16384, m = 256).
+_CHUNK = 1024
+
+
+def _key_summary(k, v, key_mask, scale, config, omega):
+    """phi(K)^T V (B, H, m, dv) and phi(K)^T 1 (B, H, m), accumulated over chunks of keys.
+
+    For softmax features the maximum subtracted for stability is tracked online: when a chunk raises it,
+    the running sums are rescaled by exp(old - new), so the result equals one global subtraction.
+    """
+    batch, heads, s, _ = k.shape
+    kv = k.new_zeros(batch, heads, config.features, v.shape[-1])
+    ksum = k.new_zeros(batch, heads, config.features)
+    top = k.new_full((batch, heads), float("-inf"))  # running maximum of the key log-features
+    for start in range(0, s, _CHUNK):
+        kc, vc = k[:, :, start : start + _CHUNK], v[:, :, start : start + _CHUNK]
+        mc = None if key_mask is None else key_mask[:, start : start + _CHUNK]
+        if config.kernel == "relu":
+            phi = relu_features(kc, omega, scale, config.relu_eps)
+        else:
+            logits = _softmax_logits(kc, omega, scale, config.hyperbolic)  # (B, H, n, m)
+            row_max = logits.detach().amax(-1)  # (B, H, n)
+            if mc is not None:
+                row_max = row_max.masked_fill(~mc[:, None, :], float("-inf"))
+            new_top = torch.maximum(top, row_max.amax(-1))
+            new_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # no real key yet
+            rescale = torch.exp(top - new_top)  # exp(-inf) = 0 before the first real key
+            kv, ksum, top = kv * rescale[..., None, None], ksum * rescale[..., None], new_top
+            phi = logits.sub_(top[..., None, None]).exp_()
+        if mc is not None:
+            phi = phi * mc[:, None, :, None]  # padded keys: out of the numerator and of D
+        kv = kv + phi.transpose(-1, -2) @ vc
+        ksum = ksum + phi.sum(-2)
+    return kv, ksum
+
+
+def _softmax_logits(x, omega, scale, hyperbolic):
+    """log(sqrt(m) phi(x)) = w.x~ - |x~|^2 / 2 for every feature (+-w with hyperbolic): (B, H, N, m)."""
+    proj = x @ (omega * math.sqrt(scale)).t()
+    if hyperbolic:
+        proj = torch.cat([proj, -proj], dim=-1)
+    return proj.sub_(x.square().sum(-1, keepdim=True) * (scale / 2))
+
+
+def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
+    """Dense (B, H, N, S) attention implied by the random features (analysis only)."""
+    dt = compute_dtype(q.dtype)
+    key_mask = safe_key_mask(key_mask)
+    phi_q, phi_k = _features(q.to(dt), k.to(dt), key_mask, scale, config, state["omega"].to(dt))
+    a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
+    return a / a.sum(-1, keepdim=True).clamp_min(config.stabilizer)
+
+
+@register("favor", FavorConfig, cost=cost, init_state=init_state, weights=favor_weights)
+def favor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    scale: float,
+    config: FavorConfig,
+    state: dict[str, torch.Tensor],
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """FAVOR+ (Performer): linear attention with positive orthogonal random features."""
+    dt = compute_dtype(q.dtype)
+    key_mask = safe_key_mask(key_mask)
+    q, k, omega = q.to(dt), k.to(dt), state["omega"].to(dt)
+    kv, ksum = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, omega)
+    outs = []
+    for start in range(0, q.shape[-2], _CHUNK):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
+        qc = q[:, :, start : start + _CHUNK]
+        if config.kernel == "relu":
+            phi = relu_features(qc, omega, scale, config.relu_eps)
+        else:
+            phi = softmax_features(qc, omega, scale, hyperbolic=config.hyperbolic, stabilize="query")
+        outs.append((phi @ kv) / (phi @ ksum[..., None]).clamp_min(config.stabilizer))
+    return torch.cat(outs, dim=2).to(v.dtype)  # (B, H, N, dv)

@@ -1,0 +1,181 @@
+"""FAVOR+ specific properties (the generic padding / dtype / gradient / save-load tests cover it as well)."""
+
+import functools
+import math
+
+import pytest
+import torch
+from conftest import batch, model_output, tiny_model
+from reference import naive_attention
+
+import approx
+from approx import ApproxAttention
+from approx.attention.favor import FavorConfig, random_directions, softmax_features
+
+B, H, N, D = 2, 4, 96, 16
+
+
+def inputs(seed, n=N):
+    """Queries and keys with |x~|^2 = s |x|^2 about 1: the variance of positive random features grows like
+    exp(|q~ + k~|^2), so at the norms of unit Gaussians in d = 16 (|x~|^2 about 4) the 1/sqrt(m) decay
+    only shows at very large m (a property of FAVOR+, and why pretrained models need fine-tuning)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (0.5 * torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, n, D, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, n - 20 :] = False
+    return q, k, v, mask
+
+
+def error(seed, **options):
+    """Mean absolute error of FAVOR+ against float64 exact attention on the real tokens."""
+    q, k, v, mask = inputs(seed)
+    out = ApproxAttention("favor", FavorConfig(seed=seed, **options), head_dim=D)(q, k, v, mask)
+    exact = naive_attention(q, k, v, mask)
+    return (out - exact)[1, :, : N - 20].abs().mean().item() / 2 + (out - exact)[0].abs().mean().item() / 2
+
+
+SEEDS = range(5)
+
+
+@functools.cache
+def _mean_error(options: tuple) -> float:
+    return sum(error(s, **dict(options)) for s in SEEDS) / len(SEEDS)
+
+
+def mean_error(**options):
+    return _mean_error(tuple(sorted(options.items())))
+
+
+def test_error_falls_as_features_grow():
+    errors = [mean_error(features=m) for m in (16, 64, 256, 4096)]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+
+
+def test_many_features_are_close_to_exact():
+    """Monte-Carlo error shrinks like 1/sqrt(m): 8192 features must be far closer than 16 (sqrt(512) = 23x)."""
+    assert mean_error(features=8192) < 0.15 * mean_error(features=16)
+
+
+def test_orthogonal_beats_iid():
+    for m in (64, 256):
+        assert mean_error(features=m, orthogonal=True) < mean_error(features=m, orthogonal=False)
+
+
+def test_hyperbolic_default_is_the_more_accurate():
+    """The reason ``hyperbolic=True`` is the default: lower error at the same number of features."""
+    assert FavorConfig().hyperbolic
+    for m in (64, 256):
+        assert mean_error(features=m, hyperbolic=True) < mean_error(features=m, hyperbolic=False)
+
+
+@pytest.mark.parametrize("hyperbolic", [False, True])
+def test_softmax_kernel_estimator_is_unbiased(hyperbolic):
+    """Mean of phi(q).phi(k) over many independent directions approaches exp(s q.k), within the Monte-Carlo
+    standard error measured from the same samples."""
+    g = torch.Generator().manual_seed(0)
+    draws = 200_000
+    omega = random_directions(draws, D, orthogonal=False, generator=g).double()
+    scale = D**-0.5
+    for _ in range(3):
+        q, k = (torch.randn(1, 1, 1, D, generator=g, dtype=torch.float64) * 0.7 for _ in range(2))
+        fq = softmax_features(q, omega, scale, hyperbolic=hyperbolic)[0, 0, 0]
+        fk = softmax_features(k, omega, scale, hyperbolic=hyperbolic)[0, 0, 0]
+        m = fq.numel()
+        samples = fq * fk * m  # each term times m is one unbiased sample of the kernel
+        if hyperbolic:  # the two halves of a +-w pair are one sample
+            samples = (samples[: m // 2] + samples[m // 2 :]) / 2
+        target = math.exp(scale * (q * k).sum().item())
+        stderr = samples.std().item() / math.sqrt(samples.numel())
+        assert abs(samples.mean().item() - target) < 4 * stderr, (samples.mean().item(), target, stderr)
+
+
+def test_relu_kernel_runs_and_is_a_different_approximation():
+    q, k, v, mask = inputs(0)
+    soft = ApproxAttention("favor", FavorConfig(), head_dim=D)(q, k, v, mask)
+    relu = ApproxAttention("favor", FavorConfig(kernel="relu", hyperbolic=False), head_dim=D)(q, k, v, mask)
+    assert torch.isfinite(relu).all() and (relu - soft).abs().max() > 1e-3
+
+
+def test_no_overflow_in_half_precision_with_large_scores():
+    q, k, v, mask = inputs(0)
+    lyr = ApproxAttention("favor", FavorConfig(), head_dim=D)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = lyr((q * 30).to(dtype), (k * 30).to(dtype), v.to(dtype), mask)  # exp(s q.k) ~ e^1000
+        assert torch.isfinite(out).all(), dtype
+
+
+def test_features_are_state_fixed_until_redrawn():
+    model = approx.patch(tiny_model("bert"), "favor", features=64)
+    inputs_ = batch(48, pad=13)
+    with torch.no_grad():
+        a, b = model_output(model, **inputs_), model_output(model, **inputs_)
+        assert torch.equal(a, b)
+        omega = approx.patched_layers(model)[0].state()["omega"].clone()
+        approx.redraw(model, seed=1)
+        assert not torch.equal(approx.patched_layers(model)[0].state()["omega"], omega)
+        c = model_output(model, **inputs_)
+        assert not torch.equal(c, a)
+        approx.redraw(model, seed=1)  # the same seed gives the same features
+        assert torch.equal(model_output(model, **inputs_), c)
+
+
+def test_redraw_schedule():
+    model = approx.patch(tiny_model("bert"), "favor", features=64)
+    schedule = approx.RedrawSchedule(model, every=3, seed=5)
+    omega = approx.patched_layers(model)[1].state()["omega"].clone()
+    assert [schedule.step() for _ in range(6)] == [False, False, True, False, False, True]
+    assert not torch.equal(approx.patched_layers(model)[1].state()["omega"], omega)
+    with pytest.raises(ValueError, match="every"):
+        approx.RedrawSchedule(model, every=0)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"features": 0}, ["features"]),
+        ({"features": 7}, ["features", "even"]),
+        ({"kernel": "rbf"}, ["kernel", "'softmax'", "'relu'"]),
+        ({"stabilizer": -1.0}, ["stabilizer"]),
+        ({"orthogonal": "yes"}, ["orthogonal", "true or false"]),
+        ({"feature": 64}, ["did you mean 'features'"]),
+    ],
+)
+def test_bad_options(options, words):
+    with pytest.raises(ValueError) as e:
+        approx.get_method("favor").make_config(**options)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_odd_features_allowed_without_hyperbolic():
+    assert FavorConfig(features=7, hyperbolic=False).directions == 7
+    assert FavorConfig(features=64).directions == 32
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_gradcheck_float64(kernel):
+    q, k, v, mask = (t[:1, :2, :12] if t.dim() == 4 else t[:1, :12] for t in inputs(0, n=12))
+    mask = mask.clone()
+    mask[0, 9:] = False
+    cfg = FavorConfig(features=8, kernel=kernel, hyperbolic=kernel == "softmax")
+    lyr = ApproxAttention("favor", cfg, head_dim=D).double()
+    args = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda a, b, c: lyr(a, b, c, mask), args)
+
+
+@pytest.mark.parametrize("kernel", ["softmax", "relu"])
+def test_chunked_computation_equals_one_pass(monkeypatch, kernel):
+    """The fast path runs over chunks of keys (with an online maximum) and queries; the dense weights path
+    computes the same features in one pass. Small chunks exercise the rescaling."""
+    import approx.attention.favor as favor
+
+    q, k, v, mask = inputs(0)
+    k = k.clone()
+    k[0, :, 50:] *= 3  # a later chunk raises the running maximum
+    mask[0, :10] = False  # the first chunk of row 0 has no real key
+    lyr = ApproxAttention("favor", FavorConfig(kernel=kernel, hyperbolic=kernel == "softmax"), head_dim=D)
+    monkeypatch.setattr(favor, "_CHUNK", 8)
+    out = lyr(q, k, v, mask)
+    dense = lyr.weights(q, k, mask) @ v.masked_fill(~mask[:, None, :, None], 0)
+    torch.testing.assert_close(out, dense)
