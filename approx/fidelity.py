@@ -140,15 +140,24 @@ def hidden_state_fidelity(
     return {"reference_seconds": ref_seconds, "windows": len(windows), "results": results}
 
 
-def markdown_table(report: dict[str, Any]) -> str:
+def short_label(method: dict[str, Any]) -> str:
+    """``name:opt=value`` with only the options that differ from the method's defaults."""
+    name = method["name"]
+    defaults = get_method(name).config_class().to_dict()
+    opts = ",".join(f"{k}={v}" for k, v in method.items() if k != "name" and defaults.get(k) != v)
+    return f"{name}:{opts}" if opts else name
+
+
+def markdown_table(report: dict[str, Any], *, short: bool = False) -> str:
     rows = [
         "| setup | token cosine | worst window | pooled cosine | seconds | speed vs full |",
         "| --- | --- | --- | --- | --- | --- |",
         f"| full (unpatched) | 1.0000 | 1.0000 | 1.0000 | {report['reference_seconds']:.2f} | 1.00x |",
     ]
     for r in report["results"]:
+        label = short_label(r["method"]) if short else r["label"]
         rows.append(
-            f"| {r['label']} | {r['token_cosine']:.4f} | {r['worst_window_cosine']:.4f} | "
+            f"| {label} | {r['token_cosine']:.4f} | {r['worst_window_cosine']:.4f} | "
             f"{r['pooled_cosine']:.4f} | {r['seconds']:.2f} | {r['speedup']:.2f}x |"
         )
     return "\n".join(rows)
