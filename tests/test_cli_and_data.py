@@ -104,3 +104,13 @@ def test_readme_method_table_is_generated_from_the_configs():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = readme.split("<!-- methods-table:start -->\n")[1].split("\n<!-- methods-table:end -->")[0]
     assert table == methods_markdown(), "README method table is stale: paste `approx methods --markdown`"
+
+
+def test_readme_results_are_rendered_from_the_committed_result_files():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    check = subprocess.run([sys.executable, "recipes/update_readme.py", "--check"], cwd=root)
+    assert check.returncode == 0, "README results block is stale: run python recipes/update_readme.py"

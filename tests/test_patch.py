@@ -222,3 +222,14 @@ def test_non_padding_masks_are_refused():
     assert torch.equal(_key_mask(padding[:, None, None, :].expand(2, 1, 4, 4), 2, 4), padding)
     additive = torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], torch.finfo(torch.float32).min)
     assert torch.equal(_key_mask(additive, 2, 4), padding)
+
+
+def test_transformers_4_is_refused(monkeypatch):
+    import sys
+
+    model = tiny_model("bert")
+    # transformers replaces its lazy module in sys.modules once models are loaded: patch the live one
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(UnsupportedModelError, match="transformers 4.57.1"):
+        approx.patch(model, "full")
+    assert not approx.is_patched(model)
