@@ -15,15 +15,19 @@ import torch
 from . import __version__
 
 
+# What "dirty" means: uncommitted changes to code, not to the result files or docs that runs write.
+_CODE = ["approx", "recipes", "benchmarks", "pyproject.toml", ":!recipes/results", ":!benchmarks/results"]
+
+
 def git_commit() -> str | None:
-    """The commit of the approx checkout (with ``+dirty`` when it has uncommitted changes), else None."""
+    """The commit of the approx checkout (``+dirty`` when its code has uncommitted changes), else None."""
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain"],
+            ["git", "status", "--porcelain", "--", *_CODE],
             cwd=root,
             capture_output=True,
             text=True,
