@@ -14,7 +14,6 @@ import torch
 
 from . import __version__
 
-
 # What "dirty" means: uncommitted changes to code, not to the result files or docs that runs write.
 _CODE = ["approx", "recipes", "benchmarks", "pyproject.toml", ":!recipes/results", ":!benchmarks/results"]
 

@@ -17,6 +17,9 @@ What is measured, for q, k, v of shape (B=1, H=12, N, d=64), float32, forward on
   reset through /proc/self/clear_refs, because ``ru_maxrss`` of a child inherits the parent's high-water
   mark across exec; elsewhere ``ru_maxrss`` is used. It is a peak-RSS delta, not an allocator count.
 * cost model: ``qk_pairs`` and ``flops`` from each method's ``spec.cost`` (N*N pairs for sdpa and eager).
+* dense methods: a method whose cost model evaluates every query-key pair (``qk_pairs == N*N``) computes an
+  N x N score matrix like the eager baseline, so it runs only up to ``--eager-max`` too; the skipped lengths
+  are listed in the report and in the JSON (``skipped``). ``full`` is exempt: it calls the fused SDPA kernel.
 
 Results go to stdout (markdown), a JSON file (``--output``) and a PNG plot next to it.
 """
@@ -50,6 +53,8 @@ METHOD_OPTIONS: dict[str, dict[str, Any]] = {
     "clustered": {"clusters": 100},
     "i-clustered": {"clusters": 100, "topk": 32},
 }
+# dense by their cost model but computed by the fused SDPA kernel (no N x N matrix): never skipped
+FUSED = ("full",)
 ROOT = Path(__file__).resolve().parent.parent
 
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,7 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="METHOD.KEY=VALUE",
         help="override a method option (repeatable)",
     )
-    p.add_argument("--eager-max", type=int, default=4096, help="largest N for the eager baseline (it needs N^2 memory)")
+    p.add_argument(
+        "--eager-max", type=int, default=4096, help="largest N for the eager baseline and dense methods (N^2 memory)"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -117,8 +124,20 @@ def contender_fn(name: str, configs: dict[str, MethodConfig]) -> Fn:
     return lambda q, k, v: layer(q, k, v, None)
 
 
-def contenders_at(n: int, args: argparse.Namespace) -> list[str]:
-    return ["sdpa"] + (["eager"] if n <= args.eager_max else []) + list(args.methods)
+def is_dense(name: str, configs: dict[str, MethodConfig], n: int) -> bool:
+    """True for a method that scores every query-key pair (an N x N matrix), other than the fused ``full``."""
+    return name not in FUSED and cost_of(name, configs, n)["qk_pairs"] >= n * n
+
+
+def skipped_dense(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[str, list[int]]:
+    """{method: [N, ...]}: the lengths above ``--eager-max`` at which a dense method is not run."""
+    skipped = {m: [n for n in args.lengths if n > args.eager_max and is_dense(m, configs, n)] for m in args.methods}
+    return {m: ns for m, ns in skipped.items() if ns}
+
+
+def contenders_at(n: int, args: argparse.Namespace, configs: dict[str, MethodConfig]) -> list[str]:
+    methods = [m for m in args.methods if n <= args.eager_max or not is_dense(m, configs, n)]
+    return ["sdpa"] + (["eager"] if n <= args.eager_max else []) + methods
 
 
 def make_inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,7 +162,7 @@ def time_all(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict
     times: dict[int, dict[str, list[float]]] = {}
     for n in args.lengths:
         q, k, v = make_inputs(n, args.seed)
-        names = contenders_at(n, args)
+        names = contenders_at(n, args, configs)
         times[n] = {c: [] for c in names}
         with torch.inference_mode():
             for c in names:
@@ -196,13 +215,13 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
     return {"peak_extra_mib": (after - before) / 1024, "rss_before_mib": before / 1024, "counter": counter}
 
 
-def measure_memory(args: argparse.Namespace) -> dict[int, dict[str, dict[str, Any]]]:
+def measure_memory(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[int, dict[str, dict[str, Any]]]:
     passthrough = ["--threads", str(args.threads), "--seed", str(args.seed), "--methods", *args.methods]
     passthrough += [f"--option={o}" for o in args.option]
     mem: dict[int, dict[str, dict[str, Any]]] = {}
     for n in args.lengths:
         mem[n] = {}
-        for c in contenders_at(n, args):
+        for c in contenders_at(n, args, configs):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--_memory-probe", c, str(n), *passthrough]
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if res.returncode != 0:
@@ -256,6 +275,11 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
         counter = next(iter(next(iter(mem.values())).values()))["counter"]
         out.append(
             f"Memory: peak-RSS delta ({counter}) of the first call in a fresh process, MiB; 'inputs' = q+k+v size."
+        )
+    for m, skipped in res.get("skipped", {}).items():
+        out.append(
+            f"Not run: {m} at N = {', '.join(map(str, skipped))}: it is dense (qk_pairs = N*N in its cost model, an"
+            f" N x N score matrix like eager), so like eager it runs only up to --eager-max = {res['eager_max']}."
         )
     out += ["", "## Cost model per batch item and head (qk_pairs / GFLOP)", ""]
     out += ["| N | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
@@ -332,7 +356,10 @@ def main(argv: list[str] | None = None) -> None:
         "configs": {m: cfg.to_dict() for m, cfg in configs.items()},
         "cost": {n: {c: cost_of(c, configs, n) for c in ["sdpa", "eager", *args.methods]} for n in args.lengths},
     }
-    res["memory"] = {} if args.no_memory else measure_memory(args)
+    res["skipped"] = skipped_dense(args, configs)
+    for m, ns in res["skipped"].items():
+        print(f"[skip] {m} at N={ns}: dense (N x N scores) above --eager-max={args.eager_max}", file=sys.stderr)
+    res["memory"] = {} if args.no_memory else measure_memory(args, configs)
     res["times_s"] = time_all(args, configs)
     res["provenance"]["loadavg_after"] = os.getloadavg()
     res["provenance"]["wall_s"] = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()

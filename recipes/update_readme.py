@@ -43,8 +43,8 @@ def benchmark_block(path: str) -> str:
     head = "| N | sdpa ms | " + " | ".join(f"{m} ms (× SDPA)" for m in methods) + " |"
     rows = [head, "|" + " --- |" * (2 + len(methods))]
     for n in res["lengths"]:
-        times = {c: sorted(v)[len(v) // 2] * 1000 for c, v in res["times_s"][str(n)].items()}
-        cells = [f"{times[m]:.0f} ({times['sdpa'] / times[m]:.2f}×)" for m in methods]
+        times = {c: sorted(v)[len(v) // 2] * 1000 for c, v in res["times_s"][str(n)].items() if v}
+        cells = [f"{times[m]:.0f} ({times['sdpa'] / times[m]:.2f}×)" if m in times else "not run" for m in methods]
         rows.append(f"| {n} | {times['sdpa']:.0f} | " + " | ".join(cells) + " |")
     mem = res["memory"]
     big = str(max(res["lengths"]))
@@ -57,7 +57,8 @@ def benchmark_block(path: str) -> str:
         f"threads, median of {res['repeats']} interleaved calls (`python benchmarks/attention_op.py`; "
         f"{_provenance_line(res['provenance'])}; full table, memory and plot in `benchmarks/results/`):\n\n"
         + "\n".join(rows)
-        + f"\n\nPeak extra memory at N = {big}: {mem_line}. Settings: {configs}.\n"
+        + f"\n\nPeak extra memory at N = {big}: {mem_line}. Settings: {configs}. Dense O(N²) methods are not run"
+        " above the eager limit (`--eager-max`).\n"
     )
 
 

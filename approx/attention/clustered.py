@@ -90,8 +90,8 @@ def hash_queries(
     """Bits of the LSH code of every query: (B, H, N, d) -> (B, H, N, bits) bool."""
     proj = q.float() @ planes.float().t()  # (B, H, N, bits)
     if query_mask is None:
-        mean = proj.mean(2, keepdim=True)
-        std = proj.std(2, unbiased=False, keepdim=True)
+        var, mean = torch.var_mean(proj, dim=2, keepdim=True, correction=0)
+        std = var.sqrt()
     else:
         w = query_mask[:, None, :, None].float()  # (B, 1, N, 1)
         n = w.sum(2, keepdim=True).clamp_min(1.0)
@@ -159,7 +159,7 @@ def _initial_centroids(
 
 def _assign(signs: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     """Nearest centroid in Hamming distance: argmax of +-1 agreement. (B, H, N)."""
-    return (signs @ cent.transpose(-1, -2)).argmax(-1)
+    return (signs @ cent.transpose(-1, -2)).max(-1).indices  # first maximum on ties, like argmax; faster on CPU
 
 
 def hamming_kmeans(
