@@ -152,36 +152,55 @@ def _features(q, k, key_mask, scale, config, omega):
 _CHUNK = 1024
 
 
-def _key_summary(k, v, key_mask, scale, config, omega):
-    """phi(K)^T V (B, H, m, dv) and phi(K)^T 1 (B, H, m), accumulated over chunks of keys.
+def _feature_blocks(x, omega, scale, config, *, with_norm: bool) -> list[torch.Tensor]:
+    """Log-features of x in blocks of m' columns, (B, H, n, m') each: [w.x~] for the relu kernel, and for
+    softmax features w.x~ (minus |x~|^2 / 2 ``with_norm``) plus, when hyperbolic, the mirrored block for -w.
+    The fast path keeps the +-w blocks apart instead of concatenating them (no copies)."""
+    proj = x @ (omega * math.sqrt(scale)).t()
+    if config.kernel == "relu":
+        return [proj]
+    neg_half_sq = x.square().sum(-1, keepdim=True) * (-scale / 2) if with_norm else None
+    if not config.hyperbolic:
+        return [proj if neg_half_sq is None else proj.add_(neg_half_sq)]
+    minus = proj.neg() if neg_half_sq is None else torch.sub(neg_half_sq, proj)
+    return [proj if neg_half_sq is None else proj.add_(neg_half_sq), minus]
+
+
+def _key_summary(k, v, key_mask, scale, config, omega) -> list[torch.Tensor]:
+    """[phi(K)^T [V, 1]] per feature block, (B, H, m', dv + 1): the value sums and, in the last column,
+    the normaliser sums, accumulated over chunks of keys.
 
     For softmax features the maximum subtracted for stability is tracked online: when a chunk raises it,
     the running sums are rescaled by exp(old - new), so the result equals one global subtraction.
     """
     batch, heads, s, _ = k.shape
-    kv = k.new_zeros(batch, heads, config.features, v.shape[-1])
-    ksum = k.new_zeros(batch, heads, config.features)
+    ones = v.new_ones(batch, heads, s, 1)
+    summary: list[torch.Tensor] | None = None
     top = k.new_full((batch, heads), float("-inf"))  # running maximum of the key log-features
     for start in range(0, s, _CHUNK):
-        kc, vc = k[:, :, start : start + _CHUNK], v[:, :, start : start + _CHUNK]
+        kc = k[:, :, start : start + _CHUNK]
+        vc = torch.cat([v[:, :, start : start + _CHUNK], ones[:, :, start : start + _CHUNK]], dim=-1)
         mc = None if key_mask is None else key_mask[:, start : start + _CHUNK]
+        blocks = _feature_blocks(kc, omega, scale, config, with_norm=True)
         if config.kernel == "relu":
-            phi = relu_features(kc, omega, scale, config.relu_eps)
+            phis = [torch.relu(blocks[0]) + config.relu_eps]
         else:
-            logits = _softmax_logits(kc, omega, scale, config.hyperbolic)  # (B, H, n, m)
-            row_max = logits.detach().amax(-1)  # (B, H, n)
+            row_max = torch.stack([b.detach().amax(-1) for b in blocks]).amax(0)  # (B, H, n)
             if mc is not None:
                 row_max = row_max.masked_fill(~mc[:, None, :], float("-inf"))
             new_top = torch.maximum(top, row_max.amax(-1))
             new_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # no real key yet
-            rescale = torch.exp(top - new_top)  # exp(-inf) = 0 before the first real key
-            kv, ksum, top = kv * rescale[..., None, None], ksum * rescale[..., None], new_top
-            phi = logits.sub_(top[..., None, None]).exp_()
+            rescale = torch.exp(top - new_top)[..., None, None]  # exp(-inf) = 0 before the first real key
+            if summary is not None:
+                summary = [t * rescale for t in summary]
+            top = new_top
+            phis = [b.sub_(top[..., None, None]).exp_() for b in blocks]
         if mc is not None:
-            phi = phi * mc[:, None, :, None]  # padded keys: out of the numerator and of D
-        kv = kv + phi.transpose(-1, -2) @ vc
-        ksum = ksum + phi.sum(-2)
-    return kv, ksum
+            phis = [phi * mc[:, None, :, None] for phi in phis]  # padded keys: out of the numerator and of D
+        parts = [phi.transpose(-1, -2) @ vc for phi in phis]  # (B, H, m', dv + 1)
+        summary = parts if summary is None else [t + p for t, p in zip(summary, parts, strict=True)]
+    assert summary is not None
+    return summary
 
 
 def _softmax_logits(x, omega, scale, hyperbolic):
@@ -218,13 +237,15 @@ def favor_attention(
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     q, k, omega = q.to(dt), k.to(dt), state["omega"].to(dt)
-    kv, ksum = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, omega)
+    summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, omega)
     outs = []
     for start in range(0, q.shape[-2], _CHUNK):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
-        qc = q[:, :, start : start + _CHUNK]
+        blocks = _feature_blocks(q[:, :, start : start + _CHUNK], omega, scale, config, with_norm=False)
         if config.kernel == "relu":
-            phi = relu_features(qc, omega, scale, config.relu_eps)
-        else:
-            phi = softmax_features(qc, omega, scale, hyperbolic=config.hyperbolic, stabilize="query")
-        outs.append((phi @ kv) / (phi @ ksum[..., None]).clamp_min(config.stabilizer))
+            phis = [torch.relu(blocks[0]) + config.relu_eps]
+        else:  # exp(-|q~|^2 / 2) / sqrt(m) and the row maximum are per-row constants: they cancel
+            row_max = torch.stack([b.detach().amax(-1, keepdim=True) for b in blocks]).amax(0)
+            phis = [b.sub_(row_max).exp_() for b in blocks]
+        both = sum(phi @ t for phi, t in zip(phis, summary, strict=True))  # (B, H, n, dv + 1): numerator | D
+        outs.append(both[..., :-1] / both[..., -1:].clamp_min(config.stabilizer))
     return torch.cat(outs, dim=2).to(v.dtype)  # (B, H, N, dv)
