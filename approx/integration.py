@@ -30,7 +30,10 @@ __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_MODEL_TYPES",
     "UnsupportedModelError",
+    "attach",
     "attention_modules",
+    "attention_probe",
+    "checkpoint_heads",
     "is_patched",
     "load",
     "patch",
@@ -130,7 +133,13 @@ def _attention_forward(
         out = exact_attention(query, key, value, key_mask, scale, dropout)
     else:
         out = layer(query, key, value, key_mask, scale=scale, dropout=dropout)
+        for probe in _PROBES:
+            probe(layer, query, key, value, key_mask, scale, out)
     return out.transpose(1, 2).contiguous(), None
+
+
+# Callables run after every patched layer: probe(layer, q, k, v, key_mask, scale, out); see attention_probe.
+_PROBES: list[Any] = []
 
 
 _registered = False
@@ -406,3 +415,70 @@ def load_pretrained(name_or_path: str, *, task: str | None = None, **kwargs: Any
     tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     model = classes[task].from_pretrained(name_or_path, **kwargs)
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# used by the evaluation harness
+
+
+def attach(model: nn.Module, layers: dict[int, ApproxAttention]) -> nn.Module:
+    """Patch ``model`` with existing :class:`ApproxAttention` modules (e.g. taken from
+    :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is."""
+    modules = attention_modules(model)
+    _select_layers(list(layers), len(modules))
+    _register()
+    if not is_patched(model):
+        original = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+        setattr(model, _ORIGINAL, original)
+    for i, layer in layers.items():
+        setattr(modules[i], _CHILD, layer)
+    return model
+
+
+class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
+    """Within the block, call ``probe(layer, q, k, v, key_mask, scale, out)`` after every patched layer's
+    attention: q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None, ``out`` the layer's (B, H, N, dv)
+    output. For measuring (attention error, graph statistics), not for changing the output."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+
+    def __enter__(self) -> Any:
+        _PROBES.append(self.probe)
+        return self.probe
+
+    def __exit__(self, *exc: Any) -> None:
+        _PROBES.remove(self.probe)
+
+
+def checkpoint_heads(name_or_path: str) -> list[str]:
+    """The task heads a checkpoint was saved with, from its config's ``architectures`` (e.g.
+    ``BertForSequenceClassification`` -> ``["sequence-classification"]``); ``[]`` for a bare encoder."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    return [h for h in map(model_head_from_name, config.architectures or []) if h != "base"]
+
+
+def model_head_from_name(class_name: str) -> str:
+    """``"BertForQuestionAnswering"`` -> ``"question-answering"``; a bare ``...Model`` -> ``"base"``."""
+    for suffix, head in _HEADS.items():
+        if class_name.endswith(suffix):
+            return head
+    return "base"
+
+
+_HEADS = {
+    "ForSequenceClassification": "sequence-classification",
+    "ForQuestionAnswering": "question-answering",
+    "ForMaskedLM": "masked-lm",
+}
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(attention layers, heads, head dimension) of a supported model."""
+    modules = attention_modules(model)
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None) or config.n_heads
+    return len(modules), heads, _head_dim(modules[0], model)

@@ -11,6 +11,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The tests run many tiny ops: one thread avoids thread-pool waits (tens of ms per op on a busy machine).
+torch.set_num_threads(1)
 
 FAMILIES = ["bert", "roberta", "distilbert", "electra", "xlm-roberta", "albert", "camembert"]
 HEADS = ["base", "sequence-classification", "question-answering", "masked-lm"]

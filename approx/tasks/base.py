@@ -1,0 +1,288 @@
+"""What a task is, where its data comes from, and the task registry.
+
+A task turns raw examples into model inputs (*features*; SQuAD makes several per long example), reads the
+model's outputs back into per-example predictions and scores them. The harness
+(:mod:`approx.evaluation`) does the rest: batching, running the unpatched model and every method on the
+same batches, fidelity, cost, time, memory and provenance.
+
+Data comes from a local folder in the GLUE download layout (``--data-dir`` / ``$APPROX_DATA_DIR``) or from
+the Hugging Face hub through ``datasets`` (``--source hub`` / ``$APPROX_DATA_SOURCE``). ``auto`` (the
+default) takes the local file when it is there and the hub otherwise, failing at once, with what was looked
+for, when neither can be had.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import did_you_mean
+from ..data import ENV_VAR, find_data_dir
+
+__all__ = [
+    "SOURCE_ENV_VAR",
+    "DataSource",
+    "Feature",
+    "Task",
+    "get_task",
+    "read_tsv",
+    "register_task",
+    "tasks",
+]
+
+SOURCE_ENV_VAR = "APPROX_DATA_SOURCE"
+SOURCES = ("auto", "local", "hub")
+
+
+class DataError(ValueError):
+    """A data file is malformed; the message names the file and line."""
+
+
+@dataclasses.dataclass
+class Feature:
+    """One model input row. ``example`` is the index of the example it belongs to."""
+
+    example: int
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """Where examples come from: ``kind`` is ``"local"`` (``folder``) or ``"hub"``."""
+
+    kind: str
+    folder: Path | None = None
+
+    def describe(self) -> str:
+        return f"local folder {self.folder}" if self.kind == "local" else "Hugging Face hub (datasets)"
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_tsv(
+    path: Path, columns: int | None = None, *, header: bool, min_columns: int | None = None
+) -> list[list[str]]:
+    """Rows of a GLUE TSV file, quoting disabled (GLUE sentences contain stray quotes), BOM dropped.
+
+    ``columns``: the exact number of fields every row must have (``min_columns``: at least that many).
+    A row that does not fit raises :class:`DataError` naming the file and line.
+    """
+    rows = []
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        for lineno, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
+            if header and lineno == 1:
+                continue
+            if not row or row == [""]:
+                continue
+            if (columns is not None and len(row) != columns) or (min_columns is not None and len(row) < min_columns):
+                want = columns if columns is not None else f"at least {min_columns}"
+                raise DataError(f"{path}, line {lineno}: expected {want} tab-separated fields, found {len(row)}")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no data rows")
+    return rows
+
+
+class Task:
+    """Base class of a task. Subclasses set the class attributes and implement the methods below."""
+
+    name: ClassVar[str]
+    version: ClassVar[int]
+    metrics: ClassVar[tuple[str, ...]]
+    default_max_length: ClassVar[int]
+    # checkpoint heads the task can use, best first, with the mode each one runs; "base" is any encoder
+    modes: ClassVar[dict[str, str]]
+    splits: ClassVar[tuple[str, ...]] = ("dev",)
+    default_split: ClassVar[str] = "dev"
+
+    # ------------------------------------------------------------------------------------------ data
+    def local_files(self, split: str) -> list[str | tuple[str, ...]]:
+        """Files (relative to the data folder) that hold ``split``; a tuple lists alternatives."""
+        raise NotImplementedError
+
+    def read_local(self, folder: Path, split: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def read_hub(self, split: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def resolve_source(self, split: str, *, source: str | None = None, data_dir: str | None = None):
+        """The :class:`DataSource` to read ``split`` from; fails at once when there is none."""
+        source = source or os.environ.get(SOURCE_ENV_VAR) or "auto"
+        if source not in SOURCES:
+            raise ValueError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
+        self.check_split(split)
+        files = self.local_files(split)
+        looked = []
+        if source in ("auto", "local"):
+            try:
+                folder = find_data_dir(data_dir)
+                alternatives = [(f,) if isinstance(f, str) else f for f in files]
+                missing = [alt for alt in alternatives if not any((folder / f).is_file() for f in alt)]
+                if not missing:
+                    return DataSource("local", folder)
+                looked.append(" and ".join(" or ".join(str(folder / f) for f in alt) for alt in missing) + " (missing)")
+            except FileNotFoundError as e:
+                looked.append(str(e))
+        if source in ("auto", "hub"):
+            if _hub_reachable():
+                return DataSource("hub")
+            looked.append("the Hugging Face hub (unreachable or HF_HUB_OFFLINE set)")
+        raise FileNotFoundError(
+            f"no data for task {self.name!r} ({split}): looked for {'; '.join(looked)}. Provide the files in a "
+            f"folder with the GLUE layout and pass --data-dir (or set ${ENV_VAR}), or use --source hub with a "
+            "network."
+        )
+
+    def check_split(self, split: str) -> None:
+        if split not in self.splits:
+            raise ValueError(f"task {self.name!r} has no split {split!r}; splits: {', '.join(self.splits)}")
+
+    def load(
+        self,
+        split: str | None = None,
+        *,
+        source: str | None = None,
+        data_dir: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[dict[str, Any]], DataSource]:
+        """``(examples, source)``: the first ``limit`` examples of ``split`` (all when None)."""
+        split = split or self.default_split
+        where = self.resolve_source(split, source=source, data_dir=data_dir)
+        examples = self.read_local(where.folder, split) if where.kind == "local" else self.read_hub(split)
+        if limit is not None:
+            if limit < 1:
+                raise ValueError(f"limit must be at least 1, got {limit}")
+            examples = examples[:limit]
+        return examples, where
+
+    # -------------------------------------------------------------------------------------- protocol
+    def mode_for(self, head: str) -> str:
+        """The mode this task runs with a checkpoint whose head is ``head``; ``ValueError`` if none."""
+        if head in self.modes:
+            return self.modes[head]
+        if "base" in self.modes:  # any checkpoint has the encoder
+            return self.modes["base"]
+        need = " or ".join(h for h in self.modes)
+        raise ValueError(
+            f"task {self.name!r} needs a checkpoint with a {need} head, but the model has "
+            f"{'no task head' if head == 'base' else f'a {head} head'}. Fine-tune one first (approx finetune) "
+            "or pass a fine-tuned checkpoint."
+        )
+
+    def head_for(self, checkpoint_heads: Sequence[str]) -> str:
+        """Which head to load, given the heads a checkpoint has (``"base"`` is always possible)."""
+        for head in self.modes:
+            if head in checkpoint_heads or head == "base":
+                return head
+        return checkpoint_heads[0] if checkpoint_heads else "base"
+
+    def prepare(self, model: torch.nn.Module, mode: str) -> dict[str, Any]:
+        """Check the model fits the task in ``mode``; returns what the result should record (label map...)."""
+        return {}
+
+    def features(self, examples: list[dict[str, Any]], tokenizer: Any, *, max_length: int, mode: str) -> list[Feature]:
+        raise NotImplementedError
+
+    def outputs(self, model_output: Any, inputs: dict[str, torch.Tensor], features: list[Feature], mode: str) -> list:
+        """Per-feature outputs (CPU tensors) from the model's output on one batch."""
+        raise NotImplementedError
+
+    def predict(self, examples: list[dict[str, Any]], features: list[Feature], outputs: list, mode: str) -> list:
+        """Per-example predictions from all features' outputs."""
+        raise NotImplementedError
+
+    def score(self, examples: list[dict[str, Any]], predictions: list, mode: str) -> dict[str, float]:
+        raise NotImplementedError
+
+    def divergence(self, reference: Any, output: Any, mode: str) -> float | None:
+        """Distance between the unpatched and the patched output of one feature, computed as soon as both
+        exist (default: KL(unpatched || patched) of the softmax over the last dimension); None if undefined."""
+        return self.kl(reference, output)
+
+    def compact(self, output: Any, feature: Feature, mode: str) -> Any:
+        """What of a feature's output to keep for :meth:`predict` (the harness keeps it for every feature)."""
+        return output
+
+    def fidelity(self, divergences: list, ref_predictions: list, predictions: list, mode: str) -> dict[str, float]:
+        """How close the patched model's predictions are to the unpatched model's, on the same examples.
+
+        Default (classification-like tasks): ``agreement``, the share of examples with identical predictions,
+        and ``kl_divergence``, the mean per-feature KL(unpatched || patched) of the output distributions.
+        """
+        same = [a == b for a, b in zip(ref_predictions, predictions, strict=True)]
+        kl = [d for d in divergences if d is not None]
+        result = {"agreement": sum(same) / len(same)}
+        if kl:
+            result["kl_divergence"] = sum(kl) / len(kl)
+        return result
+
+    @staticmethod
+    def kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+        """KL(softmax(reference) || softmax(logits)) over the last dimension, averaged over leading ones."""
+        p = torch.log_softmax(reference_logits.double(), -1)
+        q = torch.log_softmax(logits.double(), -1)
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    def protocol(self, mode: str, max_length: int) -> str:
+        return (self.__doc__ or "").strip()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "metrics": list(self.metrics),
+            "default_max_length": self.default_max_length,
+            "modes": dict(self.modes),
+            "splits": list(self.splits),
+            "default_split": self.default_split,
+            "summary": (self.__doc__ or "").strip().splitlines()[0],
+        }
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Class decorator: register one instance of the task under ``cls.name``."""
+    if cls.name in _TASKS:
+        raise ValueError(f"task {cls.name!r} is registered twice")
+    _TASKS[cls.name] = cls()
+    return cls
+
+
+def _load_builtin() -> None:
+    from . import glue, squad, wikitext  # noqa: F401
+
+
+def tasks() -> list[str]:
+    """Names of the registered tasks."""
+    _load_builtin()
+    return list(_TASKS)
+
+
+def get_task(name: str) -> Task:
+    """The task ``name``; ``ValueError`` listing the available ones otherwise."""
+    _load_builtin()
+    if name not in _TASKS:
+        raise ValueError(
+            f"unknown task {name!r}{did_you_mean(str(name), _TASKS)}; available tasks: {', '.join(_TASKS)}"
+        )
+    return _TASKS[name]

@@ -1,0 +1,155 @@
+"""SQuAD v1.1 (Rajpurkar et al. 2016): extractive question answering; exact match and F1.
+
+Protocol (version 1): question and context are tokenised as a pair with the model's fast tokenizer, the
+context truncated (``only_second``) to windows of at most ``max_length`` tokens (default 384) that overlap
+by a document stride of 128 tokens (a third of the window when it is shorter than 384), as in transformers'
+``run_qa`` example. For every window the 20 best
+start and end positions inside the context are combined (end >= start, at most 30 tokens); the answer is
+the span of highest start + end logit over all windows of the question, cut from the context by the token
+offsets. Exact match and F1 use the official v1.1 normalisation and take the best over the gold answers.
+Fidelity: agreement is the share of questions with the same predicted text; the KL divergence is the mean
+of the start and end distributions' KL over each window's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .. import metrics as M
+from .base import DataError, Feature, Task, register_task
+
+DOC_STRIDE = 128
+N_BEST = 20
+MAX_ANSWER_TOKENS = 30
+
+
+def read_squad_json(path: Path) -> list[dict[str, Any]]:
+    """Questions of a SQuAD v1.1 JSON file; malformed files raise :class:`DataError` naming file and place."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise DataError(f"{path}: expected a SQuAD file with a top-level 'data' list")
+    examples = []
+    for a, article in enumerate(data["data"]):
+        title = article.get("title", f"article {a}")
+        for p, para in enumerate(article.get("paragraphs", [])):
+            try:
+                context = para["context"]
+                for qa in para["qas"]:
+                    answers = [ans["text"] for ans in qa["answers"]]
+                    if not answers:
+                        raise KeyError("answers (empty)")
+                    examples.append(
+                        {
+                            "id": qa["id"],
+                            "question": qa["question"],
+                            "context": context,
+                            "answers": answers,
+                            "title": title,
+                        }
+                    )
+            except (KeyError, TypeError) as e:
+                raise DataError(f"{path}: article {a} ({title!r}), paragraph {p}: missing or bad field {e}") from None
+    if not examples:
+        raise DataError(f"{path}: no questions")
+    return examples
+
+
+def doc_stride(max_length: int) -> int:
+    """Overlap of consecutive windows: 128 tokens (a third of a window for max lengths below 384)."""
+    return min(DOC_STRIDE, max_length // 3)
+
+
+@register_task
+class Squad(Task):
+    """SQuAD v1.1: extractive question answering; exact match and F1 (official normalisation)."""
+
+    name = "squad"
+    version = 1
+    metrics = ("exact_match", "f1")
+    default_max_length = 384
+    modes: ClassVar[dict[str, str]] = {"question-answering": "fine-tuned"}
+    splits = ("dev", "train")
+
+    def local_files(self, split):
+        return ["squad/dev-v1.1.json" if split == "dev" else "squad/train-v1.1.json"]
+
+    def read_local(self, folder, split):
+        return read_squad_json(folder / self.local_files(split)[0])
+
+    def read_hub(self, split):
+        import datasets
+
+        rows = datasets.load_dataset("rajpurkar/squad", split="validation" if split == "dev" else "train")
+        return [
+            {
+                "id": r["id"],
+                "question": r["question"],
+                "context": r["context"],
+                "answers": list(r["answers"]["text"]),
+                "title": r["title"],
+            }
+            for r in rows
+        ]
+
+    def features(self, examples, tokenizer, *, max_length, mode):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("squad needs a fast tokenizer (token offsets); this model's tokenizer is not one")
+        if max_length < 32:
+            raise ValueError(f"squad: max_length must be at least 32 tokens, got {max_length}")
+        feats = []
+        chunk = 256
+        for start in range(0, len(examples), chunk):
+            part = examples[start : start + chunk]
+            enc = tokenizer(
+                [ex["question"].lstrip() for ex in part],
+                [ex["context"] for ex in part],
+                truncation="only_second",
+                max_length=max_length,
+                stride=doc_stride(max_length),
+                return_overflowing_tokens=True,
+                return_offsets_mapping=True,
+            )
+            for j, sample in enumerate(enc["overflow_to_sample_mapping"]):
+                seq = enc.sequence_ids(j)
+                offsets = [tuple(o) if s == 1 else None for o, s in zip(enc["offset_mapping"][j], seq, strict=True)]
+                types = enc["token_type_ids"][j] if "token_type_ids" in enc else None
+                feats.append(Feature(start + sample, enc["input_ids"][j], types, {"offsets": offsets}))
+        return feats
+
+    def outputs(self, model_output, inputs, features, mode):
+        start, end = model_output.start_logits.float().cpu(), model_output.end_logits.float().cpu()
+        return [torch.stack([start[i, : len(f.input_ids)], end[i, : len(f.input_ids)]]) for i, f in enumerate(features)]
+
+    def predict(self, examples, features, outputs, mode):
+        best: list[tuple[float, str]] = [(-float("inf"), "")] * len(examples)
+        for f, out in zip(features, outputs, strict=True):
+            offsets = f.extra["offsets"]
+            start_logits, end_logits = out[0], out[1]
+            context = examples[f.example]["context"]
+            starts = start_logits.topk(min(N_BEST, len(offsets))).indices.tolist()
+            ends = end_logits.topk(min(N_BEST, len(offsets))).indices.tolist()
+            for s in starts:
+                for e in ends:
+                    if offsets[s] is None or offsets[e] is None or e < s or e - s + 1 > MAX_ANSWER_TOKENS:
+                        continue
+                    score = float(start_logits[s] + end_logits[e])
+                    if score > best[f.example][0]:
+                        best[f.example] = (score, context[offsets[s][0] : offsets[e][1]])
+        return [text for _, text in best]
+
+    def score(self, examples, predictions, mode):
+        answers = [ex["answers"] for ex in examples]
+        return {"exact_match": M.squad_exact_match(predictions, answers), "f1": M.squad_f1(predictions, answers)}
+
+    def protocol(self, mode, max_length):
+        return (
+            f"question + context windows of {max_length} tokens, document stride {doc_stride(max_length)}; best span (start + end "
+            f"logit, top {N_BEST} each, at most {MAX_ANSWER_TOKENS} tokens) over all windows; official v1.1 EM/F1"
+        )

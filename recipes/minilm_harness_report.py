@@ -1,0 +1,57 @@
+"""Recipe: the evaluation harness on the real MiniLM-L6 encoder, every method against full attention.
+
+Two runs through ``approx.evaluate`` (the same code as ``approx eval``), each comparing every method with
+the unpatched model on the same batches:
+
+* ``stsb`` zero-shot on the full STS-B dev set (1,500 pairs): Spearman / Pearson of the cosine between
+  mean-pooled sentence embeddings (MiniLM-L6 is a sentence-embedding model without a task head);
+* ``wikitext2`` fidelity on 64 WikiText-2 test windows of 512 tokens (hidden-state cosine per layer,
+  attention-output error; no task metric, as the encoder has no masked-LM head).
+
+Methods: clustered-25, i-clustered-25 (k = 32), FAVOR+ (m = 256) and entmax (α = 1.5), defaults otherwise.
+
+    python recipes/minilm_harness_report.py     # about 10 minutes on 2 CPU cores
+
+Writes recipes/results/minilm_stsb_zero_shot.json and recipes/results/minilm_wikitext2_harness.json (one
+result per method, with provenance) and prints the tables with each run's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import approx
+from approx.attention.clustered import ClusteredConfig
+from approx.attention.entmax import EntmaxConfig
+from approx.attention.favor import FavorConfig
+from approx.attention.iclustered import IClusteredConfig
+from approx.data import default_model_path
+from approx.evaluation import markdown_report
+
+RESULTS = Path(__file__).parent / "results"
+METHODS = [ClusteredConfig(clusters=25), IClusteredConfig(clusters=25, topk=32), FavorConfig(features=256), EntmaxConfig()]
+RUNS = [
+    ("stsb", {"batch_size": 64}, "minilm_stsb_zero_shot.json"),
+    ("wikitext2", {"limit": 64, "batch_size": 4}, "minilm_wikitext2_harness.json"),
+]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
+    parser.add_argument("--only", choices=[t for t, _, _ in RUNS], help="run one task only")
+    args = parser.parse_args(argv)
+    for task, options, filename in RUNS:
+        if args.only and task != args.only:
+            continue
+        results = approx.evaluate(default_model_path(), task, METHODS, data_dir=args.data_dir, **options)
+        out = RESULTS / filename
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(markdown_report(results))
+        print(f"\nwall time {results[0]['provenance']['wall_seconds']:.0f} s; wrote {out}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""The evaluation harness end to end on synthetic files and tiny checkpoints, checked against independent
+computations (a plain forward pass of the unpatched model, hand-written metric formulas)."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from evalfixtures import write_checkpoint, write_data
+
+import approx
+from approx.cli import main
+from approx.tasks import DataError, get_task, tasks
+
+REQUIRED = {
+    "task",
+    "task_version",
+    "model",
+    "method",
+    "metrics",
+    "reference_metrics",
+    "fidelity",
+    "examples",
+    "provenance",
+}
+GLUE_CLASSIFICATION = {"cola": 2, "sst2": 2, "mrpc": 2, "qqp": 2, "mnli": 3, "qnli": 2, "rte": 2, "wnli": 2}
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    made = {}
+
+    def get(head, num_labels=2):
+        key = (head, num_labels)
+        if key not in made:
+            made[key] = str(write_checkpoint(root / f"{head}-{num_labels}", head, num_labels=num_labels))
+        return made[key]
+
+    return get
+
+
+def _run(model, task, methods, data, **kw):
+    return approx.evaluate(model, task, methods, data_dir=str(data), source="local", progress=False, **kw)
+
+
+def _plain_logits(path, task_name, data):
+    """Independent reference: the unpatched checkpoint run example by example, no batching, no harness."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    examples, _ = get_task(task_name).load(source="local", data_dir=str(data))
+    with torch.no_grad():
+        logits = [
+            model(**tok(ex["text"], ex["text_pair"], truncation=True, max_length=128, return_tensors="pt")).logits[0]
+            for ex in examples
+        ]
+    return examples, logits
+
+
+@pytest.mark.parametrize("task_name", sorted(GLUE_CLASSIFICATION))
+def test_glue_classification_end_to_end(task_name, fixture_dir, checkpoints):
+    path = checkpoints("sequence-classification", GLUE_CLASSIFICATION[task_name])
+    full, clustered = _run(path, task_name, ["full", "clustered:clusters=2"], fixture_dir, batch_size=5)
+    assert REQUIRED <= set(full)
+    assert full["task_version"] == get_task(task_name).version and full["mode"] == "fine-tuned"
+    examples, logits = _plain_logits(path, task_name, fixture_dir)
+    preds = [int(x.argmax()) for x in logits]
+    gold = [ex["label"] for ex in examples]
+    ref = full["reference_metrics"]
+    if task_name == "cola":
+        tp = sum(p == g == 1 for p, g in zip(preds, gold))
+        tn = sum(p == g == 0 for p, g in zip(preds, gold))
+        fp = sum(p == 1 and g == 0 for p, g in zip(preds, gold))
+        fn = sum(p == 0 and g == 1 for p, g in zip(preds, gold))
+        denom = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+        assert ref["matthews_correlation"] == pytest.approx(100 * (tp * tn - fp * fn) / denom if denom else 0.0)
+    elif task_name == "mnli":
+        for group in ("matched", "mismatched"):
+            idx = [i for i, ex in enumerate(examples) if ex["group"] == group]
+            assert ref[f"accuracy_{group}"] == pytest.approx(100 * sum(preds[i] == gold[i] for i in idx) / len(idx))
+    else:
+        assert ref["accuracy"] == pytest.approx(100 * sum(p == g for p, g in zip(preds, gold)) / len(gold))
+    # the exact method reproduces the unpatched model; the approximation is measured, not assumed
+    f = full["fidelity"]
+    assert full["metrics"] == ref and f["agreement"] == 1.0 and f["kl_divergence"] < 1e-9
+    assert f["hidden_state_cosine"]["last"] == pytest.approx(1.0, abs=1e-5)
+    assert f["attention_relative_error"]["mean"] < 1e-5
+    assert f["cost"]["flops_vs_full"] == 1.0
+    c = clustered["fidelity"]
+    assert c["kl_divergence"] > 0 and c["attention_relative_error"]["mean"] > 1e-3
+    assert clustered["method"] == {
+        "name": "clustered",
+        **approx.get_method("clustered").config_class(clusters=2).to_dict(),
+    }
+    assert full["examples"] == len(examples) and full["provenance"]["seed"] == 0
+
+
+def test_attention_error_matches_a_float64_reference(fixture_dir, checkpoints):
+    """The harness's per-layer attention error equals one computed by hand from captured q, k, v."""
+    from reference import naive_attention
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from approx.integration import attention_probe
+
+    path = checkpoints("sequence-classification")
+    (r,) = _run(path, "sst2", ["clustered:clusters=2"], fixture_dir, limit=3, batch_size=3)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    examples, _ = get_task("sst2").load(source="local", data_dir=str(fixture_dir), limit=3)
+    enc = tok([e["text"] for e in examples], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    num, den = {}, {}
+
+    def probe(layer, q, k, v, key_mask, scale, out):
+        exact = naive_attention(q.double(), k.double(), v.double(), key_mask, scale)
+        m = key_mask[:, None, :, None]
+        num[layer.layer_index] = num.get(layer.layer_index, 0) + float(((out.double() - exact) * m).pow(2).sum())
+        den[layer.layer_index] = den.get(layer.layer_index, 0) + float((exact * m).pow(2).sum())
+
+    approx.patch(model, "clustered", clusters=2)
+    with torch.no_grad(), attention_probe(probe):
+        model(**enc)
+    got = r["fidelity"]["attention_relative_error"]["per_layer"]
+    for i in num:
+        assert got[str(i)] == pytest.approx(math.sqrt(num[i] / den[i]), rel=1e-4)
+
+
+def test_label_mapping_by_name(fixture_dir, tmp_path):
+    """A checkpoint whose id2label names the labels in another order is read by name."""
+    from transformers import AutoConfig
+
+    path = write_checkpoint(tmp_path / "rev", "sequence-classification")
+    config = AutoConfig.from_pretrained(path)
+    config.id2label, config.label2id = {0: "positive", 1: "negative"}, {"positive": 0, "negative": 1}
+    config.save_pretrained(path)
+    (r,) = _run(str(path), "sst2", ["full"], fixture_dir)
+    examples, logits = _plain_logits(str(path), "sst2", fixture_dir)
+    preds = [1 - int(x.argmax()) for x in logits]  # model index 0 = positive = task label 1
+    assert r["reference_metrics"]["accuracy"] == pytest.approx(
+        100 * sum(p == e["label"] for p, e in zip(preds, examples)) / len(preds)
+    )
+    assert "by name" in r["label_mapping"]
+
+
+def test_stsb_zero_shot_and_fine_tuned(fixture_dir, checkpoints):
+    from scipy.stats import pearsonr, spearmanr
+    from transformers import AutoModel, AutoTokenizer
+
+    path = checkpoints("base")
+    (r,) = _run(path, "stsb", ["i-clustered:clusters=2,topk=2"], fixture_dir)
+    assert r["mode"] == "zero-shot-cosine"
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    examples, _ = get_task("stsb").load(source="local", data_dir=str(fixture_dir))
+
+    def emb(text):
+        with torch.no_grad():
+            h = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        return h.mean(0)
+
+    cos = [float(torch.cosine_similarity(emb(e["text"]), emb(e["text_pair"]), dim=0)) for e in examples]
+    gold = [e["label"] for e in examples]
+    assert r["reference_metrics"]["spearman"] == pytest.approx(100 * spearmanr(cos, gold)[0], abs=1e-3)
+    assert r["reference_metrics"]["pearson"] == pytest.approx(100 * pearsonr(cos, gold)[0], abs=1e-3)
+    assert r["fidelity"]["mean_abs_difference"] >= 0 and "agreement" not in r["fidelity"]
+    (ft,) = _run(checkpoints("sequence-classification", 1), "stsb", ["full"], fixture_dir)
+    assert ft["mode"] == "fine-tuned" and ft["fidelity"]["max_abs_difference"] < 1e-5
+
+
+def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
+    path = checkpoints("question-answering")
+    full, fav = _run(path, "squad", ["full", "favor:features=16"], fixture_dir, max_length=48, batch_size=4)
+    assert full["features"] > full["examples"] == 12  # contexts span several windows
+    assert full["metrics"] == full["reference_metrics"] and full["fidelity"]["agreement"] == 1.0
+    assert 0 <= fav["metrics"]["f1"] <= 100 and fav["fidelity"]["kl_divergence"] > 0
+    assert "stride 16" in full["protocol"]
+
+
+def test_squad_best_span_over_windows_by_hand():
+    """Post-processing on hand-made logits: the best valid span over all windows of a question wins."""
+    from approx.tasks import Feature
+
+    task = get_task("squad")
+    ex = [{"context": "alpha beta gamma delta", "answers": ["gamma"]}]
+    offsets = [None, (0, 5), (6, 10), (11, 16), (17, 22), None]
+    f1 = Feature(0, [0] * 6, None, {"offsets": offsets})
+    f2 = Feature(0, [0] * 6, None, {"offsets": [None, None, (6, 10), (11, 16), (17, 22), None]})
+    lo = -10.0
+    w1 = torch.tensor([[lo, 1, lo, lo, lo, 9], [lo, 1, lo, lo, lo, 9]])  # best valid: "alpha" (2); [SEP] ignored
+    w2 = torch.tensor([[lo, lo, lo, 3, lo, lo], [lo, lo, lo, 2, lo, lo]])  # "gamma" (5) beats it
+    assert task.predict(ex, [f1, f2], [w1, w2], "fine-tuned") == ["gamma"]
+    w3 = torch.tensor([[lo, lo, lo, lo, 4, lo], [lo, lo, 5, lo, lo, lo]])  # end before start: invalid
+    assert task.predict(ex, [f1, f2], [w1, w3], "fine-tuned") == ["alpha"]
+
+
+def test_wikitext_masked_lm_loss_against_a_plain_forward(fixture_dir, checkpoints):
+    from transformers import AutoModelForMaskedLM
+
+    from approx.tasks.wikitext import mask_positions
+
+    path = checkpoints("masked-lm")
+    (r,) = _run(path, "wikitext2", ["full"], fixture_dir, max_length=32, limit=3)
+    assert r["mode"] == "masked-lm" and r["examples"] == 3
+    model = AutoModelForMaskedLM.from_pretrained(path).eval()
+    task = get_task("wikitext2")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    examples, _ = task.load(source="local", data_dir=str(fixture_dir), limit=3)
+    plain = task.features(examples, tok, max_length=32, mode="fidelity")  # unmasked windows
+    total, count = 0.0, 0
+    for i, f in enumerate(plain):
+        ids = torch.tensor([f.input_ids])
+        pos = mask_positions(i, 30)
+        masked = ids.clone()
+        masked[0, pos] = tok.mask_token_id
+        with torch.no_grad():
+            logits = model(input_ids=masked).logits[0, pos]
+        total += float(torch.nn.functional.cross_entropy(logits, ids[0, pos], reduction="sum"))
+        count += len(pos)
+    assert r["reference_metrics"]["mlm_loss"] == pytest.approx(total / count, rel=1e-5)
+    assert r["reference_metrics"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert r["fidelity"]["agreement"] == 1.0
+
+
+def test_wikitext_fidelity_mode_on_a_bare_encoder(fixture_dir, checkpoints):
+    (r,) = _run(checkpoints("base"), "wikitext2", ["clustered:clusters=3"], fixture_dir, max_length=32, limit=4)
+    assert r["mode"] == "fidelity" and r["metrics"] == {} and r["examples"] == 4
+    cos = r["fidelity"]["hidden_state_cosine"]
+    assert len(cos["per_layer"]) == 2 and 0 < cos["last"] < 1
+
+
+def test_several_methods_share_one_reference_run(fixture_dir, checkpoints):
+    res = _run(checkpoints("sequence-classification"), "sst2", ["full", "clustered:clusters=3", "favor"], fixture_dir)
+    assert [r["method"]["name"] for r in res] == ["full", "clustered", "favor"]
+    assert all(r["reference_metrics"] == res[0]["reference_metrics"] for r in res)
+    assert len({r["fidelity"]["reference_seconds"] for r in res}) == 1
+
+
+def test_model_without_the_needed_head_is_refused(fixture_dir, checkpoints):
+    with pytest.raises(ValueError, match="sequence-classification head"):
+        _run(checkpoints("base"), "sst2", ["full"], fixture_dir)
+    with pytest.raises(ValueError, match="3 labels"):
+        _run(checkpoints("sequence-classification", 3), "sst2", ["full"], fixture_dir)
+
+
+# ------------------------------------------------------------------------------------------ data loading
+
+REAL_ROWS = {"sst2": 872, "cola": 1043, "mrpc": 408, "stsb": 1500, "qnli": 5463, "rte": 277, "wnli": 71, "squad": 10570}
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("task_name", sorted(REAL_ROWS))
+def test_loaders_read_the_real_dev_files(task_name, data_dir):
+    examples, where = get_task(task_name).load(source="local", data_dir=str(data_dir))
+    assert where.kind == "local" and len(examples) == REAL_ROWS[task_name]
+    labels = {e["label"] for e in examples} if task_name != "squad" else None
+    if task_name not in ("stsb", "squad"):
+        assert labels == {0, 1}
+    if task_name == "stsb":
+        assert min(labels) >= 0 and max(labels) <= 5
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("task_name, rows", [("cola", 8551), ("mrpc", 3668), ("stsb", 5749), ("rte", 2490)])
+def test_loaders_read_the_real_train_files(task_name, rows, data_dir):
+    examples, _ = get_task(task_name).load("train", source="local", data_dir=str(data_dir))
+    assert len(examples) == rows
+
+
+@pytest.mark.realmodel
+def test_rte_train_labels_follow_the_dev_convention(data_dir):
+    """The parquet export's 0 = entailment is the task's label 0, as in the TSV dev file."""
+    train, _ = get_task("rte").load("train", source="local", data_dir=str(data_dir))
+    assert {e["label"] for e in train} == {0, 1} and get_task("rte").labels[0] == "entailment"
+
+
+def test_malformed_tsv_names_file_and_line(tmp_path):
+    write_data(tmp_path)
+    path = tmp_path / "glue/SST-2/dev.tsv"
+    lines = path.read_text().splitlines()
+    lines[3] = lines[3] + "\textra"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"SST-2/dev.tsv, line 4: expected 2"):
+        get_task("sst2").load(source="local", data_dir=str(tmp_path))
+    lines[3] = "a sentence\tmaybe"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"dev.tsv, row 3: label 'maybe' is not one of negative, positive"):
+        get_task("sst2").load(source="local", data_dir=str(tmp_path))
+
+
+def test_malformed_squad_names_file_and_line(tmp_path):
+    write_data(tmp_path)
+    path = tmp_path / "squad/dev-v1.1.json"
+    path.write_text('{"data": [\n{"title": "x",\n "paragraphs": [}\n]}')
+    with pytest.raises(DataError, match=r"dev-v1.1.json, line 3"):
+        get_task("squad").load(source="local", data_dir=str(tmp_path))
+    path.write_text(json.dumps({"data": [{"title": "T", "paragraphs": [{"context": "c", "qas": [{"id": "1"}]}]}]}))
+    with pytest.raises(DataError, match=r"article 0 \('T'\), paragraph 0"):
+        get_task("squad").load(source="local", data_dir=str(tmp_path))
+
+
+def test_missing_data_fails_at_once_saying_what_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as e:
+        get_task("mnli").load(data_dir=str(tmp_path))
+    assert time.perf_counter() - start < 2
+    msg = str(e.value)
+    assert "dev_matched.tsv" in msg and "hub" in msg and "--data-dir" in msg
+    with pytest.raises(ValueError, match="unknown data source 'web'"):
+        get_task("sst2").load(source="web", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="no split 'test'"):
+        get_task("sst2").load("test", data_dir=str(tmp_path))
+
+
+def test_unknown_task_lists_the_tasks():
+    with pytest.raises(ValueError, match=r"did you mean 'sst2'.*available tasks: cola"):
+        get_task("sst3")
+    assert {"cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "squad", "wikitext2"} <= set(tasks())
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_eval_writes_the_contract_json(fixture_dir, checkpoints, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = [
+        "eval",
+        "--model",
+        checkpoints("sequence-classification"),
+        "--task",
+        "mrpc",
+        "--method",
+        "clustered",
+        "--clusters",
+        "3",
+        "--data-dir",
+        str(fixture_dir),
+        "--limit",
+        "8",
+        "--batch-size",
+        "4",
+        "--seed",
+        "3",
+        "--output",
+        str(out),
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert REQUIRED <= set(r) and r["examples"] == 8
+    assert r["method"]["clusters"] == 3 and r["method"]["seed"] == 3  # --seed feeds the method's seed
+    assert set(r["metrics"]) == {"f1", "accuracy"}
+    for key in ("git_commit", "libraries", "seed", "device", "wall_seconds", "peak_memory_mib"):
+        assert key in r["provenance"]
+    assert "| clustered:clusters=3" in capsys.readouterr().out
+
+
+def test_cli_eval_binds_options_to_the_method_they_follow(fixture_dir, checkpoints, tmp_path):
+    out = tmp_path / "r.json"
+    argv = [
+        "eval",
+        "--model",
+        checkpoints("sequence-classification"),
+        "--task",
+        "sst2",
+        "--iterations",
+        "2",
+        "--method",
+        "clustered",
+        "--clusters",
+        "3",
+        "--method",
+        "i-clustered:clusters=4",
+        "--topk",
+        "2",
+        "--data-dir",
+        str(fixture_dir),
+        "--limit",
+        "4",
+        "--output",
+        str(out),
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    a, b = json.loads(out.read_text())
+    assert (a["method"]["clusters"], a["method"]["iterations"]) == (3, 2)
+    assert (b["method"]["clusters"], b["method"]["topk"], b["method"]["iterations"]) == (4, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--task", "sst3", "--method", "full"], ["unknown task 'sst3'", "available tasks"]),
+        (["--task", "sst2", "--method", "clusterd"], ["did you mean 'clustered'", "available methods"]),
+        (["--task", "sst2", "--method", "clustered", "--topk", "3"], ["no option --topk", "--clusters"]),
+        (["--task", "sst2", "--method", "clustered", "--clustrs", "3"], ["unknown argument --clustrs", "--clusters"]),
+        (["--task", "sst2", "--method", "favor", "--features", "0"], ["features"]),
+        (["--task", "sst2"], ["at least one --method", "clustered"]),
+    ],
+)
+def test_cli_eval_bad_input_exits_2(extra, words, capsys):
+    assert main(["eval", *extra]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err
+
+
+def test_cli_tasks_lists_every_task(capsys):
+    assert main(["tasks"]) == 0
+    out = capsys.readouterr().out
+    for name in tasks():
+        assert f"{name} (v{get_task(name).version})" in out
+
+
+# ---------------------------------------------------------------------------------------------- accelerate
+
+
+@pytest.mark.slow
+def test_two_processes_under_accelerate_give_the_single_process_metrics(fixture_dir, checkpoints, tmp_path):
+    if shutil.which("accelerate") is None and not (Path(sys.executable).parent / "accelerate").exists():
+        pytest.skip("accelerate launcher not installed")
+    launcher = str(Path(sys.executable).parent / "accelerate")
+    common = [
+        "eval",
+        "--model",
+        checkpoints("sequence-classification"),
+        "--task",
+        "rte",
+        "--method",
+        "clustered:clusters=3",
+        "--method",
+        "favor:features=8",
+        "--data-dir",
+        str(fixture_dir),
+        "--batch-size",
+        "3",
+        "--quiet",
+    ]
+    single = tmp_path / "single.json"
+    assert main([*common, "--output", str(single)]) == 0
+    double = tmp_path / "double.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    # --multi_gpu makes accelerate start the processes with torchrun; without a GPU they join on CPU (gloo)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [
+        launcher,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "approx.cli",
+        *common,
+        "--output",
+        str(double),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = json.loads(single.read_text()), json.loads(double.read_text())
+    assert two[0]["provenance"]["processes"] == 2 and one[0]["provenance"]["processes"] == 1
+    for a, b in zip(one, two):
+        assert a["metrics"] == b["metrics"] and a["reference_metrics"] == b["reference_metrics"]
+        assert a["examples"] == b["examples"]
+        assert b["fidelity"]["agreement"] == a["fidelity"]["agreement"]
+        assert b["fidelity"]["kl_divergence"] == pytest.approx(a["fidelity"]["kl_divergence"], rel=1e-6)

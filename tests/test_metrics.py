@@ -1,0 +1,57 @@
+"""Task metrics against hand-computed values, and SQuAD's answer normalisation against known cases."""
+
+import math
+
+import pytest
+
+from approx import metrics as M
+
+
+def test_accuracy_and_binary_f1_by_hand():
+    preds, gold = [1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 1, 1]
+    assert M.accuracy(preds, gold) == pytest.approx(100 * 4 / 6)
+    # positive class: tp = 3, fp = 1, fn = 1 -> precision 3/4, recall 3/4, F1 0.75
+    assert M.binary_f1(preds, gold) == pytest.approx(75.0)
+
+
+def test_matthews_by_hand():
+    preds, gold = [1, 1, 0, 0, 1, 0, 1], [1, 0, 0, 0, 1, 1, 1]
+    tp, tn, fp, fn = 3, 2, 1, 1
+    mcc = (tp * tn - fp * fn) / math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert M.matthews(preds, gold) == pytest.approx(100 * mcc)
+    assert M.matthews([1, 1, 1], [0, 1, 0]) == 0.0  # constant predictions
+
+
+def test_pearson_and_spearman_by_hand():
+    x, y = [1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 4.0, 3.0]
+    mx, my = 2.5, 2.5
+    cov = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    r = cov / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
+    assert M.pearson(x, y) == pytest.approx(100 * r)  # 0.6
+    # ranks equal the values here, so Spearman is the same; a monotone transform keeps it
+    assert M.spearman([v**3 for v in x], y) == pytest.approx(100 * r)
+    # ties get average ranks: x ranks [1.5, 1.5, 3], y ranks [1, 2, 3] -> r = 0.866...
+    assert M.spearman([5.0, 5.0, 7.0], [1.0, 2.0, 3.0]) == pytest.approx(100 * math.sqrt(3) / 2)
+    assert math.isnan(M.pearson([1.0, 1.0], [1.0, 2.0]))
+
+
+@pytest.mark.parametrize(
+    "text, normal",
+    [
+        ("The Eiffel Tower", "eiffel tower"),
+        ("  a  cat, an owl and the dog! ", "cat owl and dog"),
+        ("Theatre", "theatre"),  # "the" only as a word
+        ("1,000 B.C.", "1000 bc"),
+        ("anthem", "anthem"),
+    ],
+)
+def test_squad_normalisation_known_cases(text, normal):
+    assert M.normalize_answer(text) == normal
+
+
+def test_squad_exact_match_and_f1_by_hand():
+    preds = ["the Denver Broncos", "Broncos of Denver", "Santa Clara"]
+    golds = [["Denver Broncos"], ["Denver Broncos", "Broncos"], ["Levi's Stadium"]]
+    assert M.squad_exact_match(preds, golds) == pytest.approx(100 / 3)
+    # 2nd: vs "denver broncos": common 2, p = 2/3, r = 1 -> 0.8; vs "broncos": p = 1/3, r = 1 -> 0.5; best 0.8
+    assert M.squad_f1(preds, golds) == pytest.approx(100 * (1 + 0.8 + 0) / 3)
