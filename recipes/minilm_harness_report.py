@@ -31,7 +31,12 @@ from approx.data import default_model_path
 from approx.evaluation import markdown_report
 
 RESULTS = Path(__file__).parent / "results"
-METHODS = [ClusteredConfig(clusters=25), IClusteredConfig(clusters=25, topk=32), FavorConfig(features=256), EntmaxConfig()]
+METHODS = [
+    ClusteredConfig(clusters=25),
+    IClusteredConfig(clusters=25, topk=32),
+    FavorConfig(features=256),
+    EntmaxConfig(),
+]
 RUNS = [
     ("stsb", {"batch_size": 64}, "minilm_stsb_zero_shot.json"),
     ("wikitext2", {"limit": 64, "batch_size": 4}, "minilm_wikitext2_harness.json"),

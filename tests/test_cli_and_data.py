@@ -114,3 +114,13 @@ def test_readme_results_are_rendered_from_the_committed_result_files():
     root = Path(__file__).parent.parent
     check = subprocess.run([sys.executable, "recipes/update_readme.py", "--check"], cwd=root)
     assert check.returncode == 0, "README results block is stale: run python recipes/update_readme.py"
+
+
+def test_readme_task_table_is_generated_from_the_tasks():
+    from pathlib import Path
+
+    from approx.cli import tasks_markdown
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("<!-- tasks-table:start -->\n")[1].split("\n<!-- tasks-table:end -->")[0]
+    assert table == tasks_markdown(), "README task table is stale: paste `approx tasks --markdown`"

@@ -482,3 +482,44 @@ def test_two_processes_under_accelerate_give_the_single_process_metrics(fixture_
         assert a["examples"] == b["examples"]
         assert b["fidelity"]["agreement"] == a["fidelity"]["agreement"]
         assert b["fidelity"]["kl_divergence"] == pytest.approx(a["fidelity"]["kl_divergence"], rel=1e-6)
+
+
+def test_hub_source_reads_the_datasets_rows(monkeypatch, tmp_path):
+    """With --source hub, rows come from `datasets.load_dataset` with the hub's names (faked here: no network)."""
+    import datasets
+
+    import approx.tasks.base as base
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        if path == "nyu-mll/glue":
+            return [{"premise": f"p{split}", "hypothesis": "h", "label": 2}]
+        if path == "rajpurkar/squad":
+            return [
+                {
+                    "id": "q",
+                    "question": "Q?",
+                    "context": "C",
+                    "answers": {"text": ["C"], "answer_start": [0]},
+                    "title": "T",
+                }
+            ]
+        return {"text": [" = A = \n", " b c \n"]}
+
+    monkeypatch.setattr(base, "_hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    mnli, where = get_task("mnli").load(source="hub", data_dir=str(tmp_path))
+    assert where.kind == "hub" and [e["group"] for e in mnli] == ["matched", "mismatched"]
+    assert mnli[0] == {"text": "pvalidation_matched", "text_pair": "h", "label": 2, "group": "matched"}
+    squad, _ = get_task("squad").load(source="hub")
+    assert squad[0]["answers"] == ["C"] and squad[0]["title"] == "T"
+    wiki, _ = get_task("wikitext2").load("valid", source="hub", limit=2)
+    assert wiki[0]["text"] == " = A = \n b c \n" and wiki[0]["windows"] == 2
+    assert calls == [
+        ("nyu-mll/glue", "mnli", "validation_matched"),
+        ("nyu-mll/glue", "mnli", "validation_mismatched"),
+        ("rajpurkar/squad", None, "validation"),
+        ("Salesforce/wikitext", "wikitext-2-v1", "validation"),
+    ]
