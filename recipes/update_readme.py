@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from approx.evaluation import markdown_report
 from approx.fidelity import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +21,10 @@ FIDELITY = [
     ("recipes/results/minilm_wikitext2_favor.json", "recipes/minilm_wikitext2_favor.py", "FAVOR+"),
 ]
 BENCHMARK = "benchmarks/results/attention_op_cpu.json"
+HARNESS = [
+    "recipes/results/minilm_stsb_zero_shot.json",
+    "recipes/results/minilm_wikitext2_harness.json",
+]
 
 
 def _provenance_line(p: dict) -> str:
@@ -62,8 +67,25 @@ def benchmark_block(path: str) -> str:
     )
 
 
+def harness_block(paths: list[str]) -> str:
+    runs = [json.loads((ROOT / p).read_text()) for p in paths if (ROOT / p).is_file()]
+    if not runs:
+        return ""
+    prov = runs[0][0]["provenance"]
+    text = (
+        "**Evaluation harness**, MiniLM-L6 zero-shot, every method against the unpatched model on the same batches "
+        f"(`python recipes/minilm_harness_report.py`; {_provenance_line(prov)}). Wall time of each run, all "
+        "methods included: "
+        + ", ".join(f"{r[0]['task']} {r[0]['provenance']['wall_seconds']:.0f} s" for r in runs)
+        + ". *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta, "
+        "which reads low when a method reuses memory the allocator kept from earlier runs.\n\n"
+    )
+    return text + "\n\n".join(markdown_report(r) for r in runs) + "\n"
+
+
 def render() -> str:
     parts = [fidelity_block(*f) for f in FIDELITY if (ROOT / f[0]).is_file()]
+    parts.append(harness_block(HARNESS))
     if (ROOT / BENCHMARK).is_file():
         parts.append(benchmark_block(BENCHMARK))
     return "\n".join(parts)
