@@ -246,15 +246,14 @@ def _setup_fidelity(task, mode, records, s, ref_predictions, predictions, n_feat
     return fidelity
 
 
-def _resolve_model(model, tokenizer, task: Task):
+def _resolve_model(model, tokenizer, head: str, progress: bool):
     if isinstance(model, str):
-        head = task.head_for(checkpoint_heads(model))
-        loaded, tok = load_pretrained(model, task=None if head == "base" else head)
-        return loaded, tokenizer or tok, model, head
+        loaded, tok = load_pretrained(model, task=None if head == "base" else head, progress=progress)
+        return loaded, tokenizer or tok, model
     if tokenizer is None:
         raise ValueError("pass the tokenizer with a model object (or pass the model's folder or hub id)")
     name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None) or type(model).__name__
-    return model, tokenizer, name, model_head_from_name(type(model).__name__)
+    return model, tokenizer, name
 
 
 def evaluate(
@@ -296,8 +295,14 @@ def evaluate(
     setups = [as_setup(m, seed) for m in methods]
     max_length = max_length or task.default_max_length
     torch.manual_seed(seed)
-    model, tokenizer, model_name, head = _resolve_model(model, tokenizer, task)
+    # what the checkpoint can do and whether the data is there are checked before any weights are loaded
+    head = (
+        task.head_for(checkpoint_heads(model)) if isinstance(model, str) else model_head_from_name(type(model).__name__)
+    )
     mode = task.mode_for(head)
+    split = split or task.default_split
+    examples, where = task.load(split, source=source, data_dir=data_dir, limit=limit)
+    model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     device = (
         torch.device(device)
         if device is not None
@@ -305,8 +310,6 @@ def evaluate(
     )
     model.to(device).eval()
     model_info = task.prepare(model, mode)
-    split = split or task.default_split
-    examples, where = task.load(split, source=source, data_dir=data_dir, limit=limit)
     features = task.features(examples, tokenizer, max_length=max_length, mode=mode)
     n_layers, n_heads, head_dim = attention_shape(model)
     layers = []

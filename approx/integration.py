@@ -399,10 +399,13 @@ def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwa
     return restore(model, path)
 
 
-def load_pretrained(name_or_path: str, *, task: str | None = None, **kwargs: Any):
+def load_pretrained(name_or_path: str, *, task: str | None = None, progress: bool = True, **kwargs: Any):
     """(model, tokenizer) from a local folder or a hub id. ``task``: None (bare encoder), ``"masked-lm"``,
-    ``"sequence-classification"`` or ``"question-answering"``."""
+    ``"sequence-classification"`` or ``"question-answering"``; ``progress=False`` hides the loading bar."""
     import transformers
+
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()
 
     classes = {
         None: transformers.AutoModel,

@@ -183,8 +183,8 @@ class Task:
         need = " or ".join(h for h in self.modes)
         raise ValueError(
             f"task {self.name!r} needs a checkpoint with a {need} head, but the model has "
-            f"{'no task head' if head == 'base' else f'a {head} head'}. Fine-tune one first (approx finetune) "
-            "or pass a fine-tuned checkpoint."
+            f"{'no task head' if head == 'base' else f'a {head} head'}. Pass a checkpoint fine-tuned for "
+            f"{self.name}."
         )
 
     def head_for(self, checkpoint_heads: Sequence[str]) -> str:
