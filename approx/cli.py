@@ -3,6 +3,7 @@
 approx methods                 list the attention methods with their options and defaults
 approx tasks                   list the evaluation tasks with their metrics, modes and defaults
 approx eval                    evaluate a task under one or more methods against full attention
+approx finetune                fine-tune a model (patched or not) on a task with accelerate
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered
 """
 
@@ -247,13 +248,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument(
         "--method", action="append", metavar="METHOD[:OPT=VAL,...]", help="repeatable (see `approx methods`)"
     )
-    p.add_argument("--data-dir", help="local data folder (default: $APPROX_DATA_DIR, then ../shared/data)")
-    p.add_argument(
-        "--source",
-        choices=["auto", "local", "hub"],
-        help="where data comes from (default: "
-        "$APPROX_DATA_SOURCE, else auto: the local file when present, else the hub)",
-    )
+    _data_args(p)
     p.add_argument("--split", help="split to evaluate (default: the task's, dev or test)")
     p.add_argument("--limit", type=int, help="first N examples only (WikiText: N windows), for quick looks")
     p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
@@ -263,10 +258,106 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--output", help="write the result JSON here (one object per method; a list for several)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _method_option_args(p)
+    p.set_defaults(func=_cmd_eval)
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", help="local data folder (default: $APPROX_DATA_DIR, then ../shared/data)")
+    p.add_argument(
+        "--source",
+        choices=["auto", "local", "hub"],
+        help="where data comes from (default: $APPROX_DATA_SOURCE, else auto: the local file when present, else "
+        "the hub)",
+    )
+
+
+def _method_option_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("method options (generated from the methods' configs; see `approx methods`)")
     for flag, (_name, kind, owners) in method_flags().items():
-        g.add_argument(flag, metavar=kind.upper(), help=f"{', '.join(owners)}")
-    p.set_defaults(func=_cmd_eval)
+        g.add_argument(flag, metavar=kind.upper(), help=", ".join(owners))
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    from .finetune import finetune
+    from .tasks import get_task
+
+    get_task(args.task)
+    if len(args.setups) > 1:
+        raise ValueError("finetune takes at most one --method")
+    model = args.model
+    if model is None:
+        from .data import default_model_path
+
+        model = default_model_path()
+    record = finetune(
+        model,
+        args.task,
+        output_dir=args.output_dir,
+        method=args.setups[0] if args.setups else None,
+        train_split=args.train_split,
+        eval_split=args.eval_split,
+        data_dir=args.data_dir,
+        source=args.source,
+        limit=args.limit,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        seed=args.seed,
+        mixed_precision=args.mixed_precision,
+        redraw_every=args.redraw_every,
+        checkpoint_every=args.checkpoint_every,
+        stop_after=args.stop_after,
+        resume=args.resume,
+        progress=not args.quiet,
+    )
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        if "evaluation" in record:
+            from .evaluation import markdown_report
+
+            print(markdown_report(record["evaluation"]))
+        print(f"saved to {args.output_dir} ({len(record['losses'])} steps, last loss {record['losses'][-1]:.4f})")
+    return 0
+
+
+def _add_finetune_parser(sub) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a model, patched or not, on a task (accelerate: CPU, GPU, mixed precision, processes)",
+        description="Fine-tunes MODEL on TASK (a fresh task head when it has none), optionally patched with "
+        "--method, saves a Hugging Face checkpoint (plus approx settings when patched) and evaluates it on "
+        "--eval-split. Cross-fitting: --train-split dev/0 --eval-split dev/1, then the swap.",
+    )
+    p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6)")
+    p.add_argument("--task", required=True, help="a task (see `approx tasks`)")
+    p.add_argument("--output-dir", required=True, help="where the checkpoint (and training state) go")
+    p.add_argument("--method", metavar="METHOD[:OPT=VAL,...]", action="append", help="patch before training")
+    p.add_argument("--train-split", default="train", help="split to train on (default train; dev/0 for a half)")
+    p.add_argument("--eval-split", help="split to evaluate on at the end (e.g. dev, dev/1)")
+    _data_args(p)
+    p.add_argument("--limit", type=int, help="first N training examples only")
+    p.add_argument("--epochs", type=float, default=3.0)
+    p.add_argument("--max-steps", type=int, help="cap on optimizer steps")
+    p.add_argument("--learning-rate", type=float, default=5e-5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=float, default=0.1, help="share of steps with linear warm-up (default 0.1)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-length", type=int, help="default: the task's")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
+    p.add_argument("--redraw-every", type=int, help="redraw the method's random state every N steps")
+    p.add_argument("--checkpoint-every", type=int, help="also save training state every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
+    p.add_argument("--stop-after", type=int, help="stop after N steps in this call (continue later with --resume)")
+    p.add_argument("--quiet", action="store_true")
+    _method_option_args(p)
+    p.set_defaults(func=_cmd_finetune)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_tasks)
 
     _add_eval_parser(sub)
+    _add_finetune_parser(sub)
 
     p = sub.add_parser(
         "demo",
@@ -314,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        if argv and argv[0] == "eval" and not {"-h", "--help"} & set(argv):
+        if argv and argv[0] in ("eval", "finetune") and not {"-h", "--help"} & set(argv):
             rest, groups, shared = split_method_args(argv)
             args, unknown = parser.parse_known_args(rest)
             if unknown:
@@ -324,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 bad = next((u.partition("=")[0] for u in unknown if u.startswith("-")), unknown[0])
                 raise ValueError(f"unknown argument {bad}{did_you_mean(bad, flags)}; see `approx eval --help`")
-            args.setups = eval_setups(groups, shared)
+            args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
             args = parser.parse_args(argv)
         return args.func(args)

@@ -49,6 +49,7 @@ from .integration import (
     attention_probe,
     attention_shape,
     checkpoint_heads,
+    is_patched,
     load_pretrained,
     model_head_from_name,
     patch,
@@ -64,9 +65,13 @@ __all__ = ["evaluate", "as_setup", "markdown_report"]
 log = logging.getLogger(__name__)
 
 
-def as_setup(method: str | Setup | MethodConfig, seed: int | None = None) -> Setup:
-    """A method given as ``"name[:opt=val,...]"``, a :class:`Setup` or a config object; a method with a
-    ``seed`` option that was not set explicitly takes ``seed``."""
+def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None) -> Setup:
+    """A method given as ``"name[:opt=val,...]"``, a :class:`Setup`, a config object or the patched layers of
+    a model (``approx.patched_layers(model)``); a method with a ``seed`` option not set explicitly takes
+    ``seed``."""
+    if isinstance(method, dict):  # existing layers: their own method and options, state as it is
+        first = next(iter(method.values()))
+        return Setup(first.method.name, first.config.to_dict())
     if isinstance(method, MethodConfig):
         setup = Setup.from_config(method)
     elif isinstance(method, Setup):
@@ -276,7 +281,9 @@ def evaluate(
 
     ``model``: a local folder or hub id (the head the task needs is read from the checkpoint), or a loaded
     model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
-    :class:`~approx.fidelity.Setup` or config objects. Returns one self-describing result per method.
+    :class:`~approx.fidelity.Setup` or config objects, or the layers of a patched model
+    (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first). Returns one
+    self-describing result per method.
     """
     wall = time.perf_counter()
     from accelerate import PartialState
@@ -308,12 +315,20 @@ def evaluate(
         if device is not None
         else (state.device if state.num_processes > 1 else next(model.parameters()).device)
     )
+    if is_patched(model):
+        raise ValueError(
+            "the model is patched: unpatch it and pass its layers as a method, "
+            "e.g. layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
+        )
     model.to(device).eval()
     model_info = task.prepare(model, mode)
     features = task.features(examples, tokenizer, max_length=max_length, mode=mode)
     n_layers, n_heads, head_dim = attention_shape(model)
     layers = []
-    for s in setups:  # make each method's layers once (drawn or fitted state kept across batches)
+    for s, given in zip(setups, methods, strict=True):  # each method's layers once: state kept across batches
+        if isinstance(given, dict):
+            layers.append({i: lyr.to(device) for i, lyr in given.items()})
+            continue
         patch(model, s.method, **s.options)
         layers.append(patched_layers(model))
         unpatch(model)

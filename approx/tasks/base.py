@@ -100,6 +100,35 @@ def read_tsv(
     return rows
 
 
+def parse_split(split: str) -> tuple[str, int | None]:
+    """``"dev"`` -> ("dev", None); ``"dev/1"`` -> ("dev", 1): one half of the split (2-fold cross-fitting)."""
+    name, slash, half = split.partition("/")
+    if not slash:
+        return name, None
+    if half not in ("0", "1"):
+        raise ValueError(f"split {split!r}: a cross-fitting half is written {name}/0 or {name}/1")
+    return name, int(half)
+
+
+CROSS_FIT_SEED = 20_201_122
+
+
+def cross_fit_half(examples: list[dict[str, Any]], half: int) -> list[dict[str, Any]]:
+    """One of two fixed, disjoint halves of ``examples`` (original order kept), for 2-fold cross-fitting:
+    fine-tune on one half, evaluate on the other, then swap. Examples with a ``title`` (SQuAD articles) are
+    split by title, so no article is on both sides; others by a fixed random permutation of their indices."""
+    g = torch.Generator().manual_seed(CROSS_FIT_SEED)
+    if examples and "title" in examples[0]:
+        titles = sorted({ex["title"] for ex in examples})
+        order = torch.randperm(len(titles), generator=g).tolist()
+        chosen = {titles[j] for j in order[half::2]}
+        return [ex for ex in examples if ex["title"] in chosen]
+    order = torch.randperm(len(examples), generator=g).tolist()
+    cut = (len(examples) + 1) // 2
+    keep = set(order[:cut] if half == 0 else order[cut:])
+    return [ex for i, ex in enumerate(examples) if i in keep]
+
+
 class Task:
     """Base class of a task. Subclasses set the class attributes and implement the methods below."""
 
@@ -125,6 +154,7 @@ class Task:
 
     def resolve_source(self, split: str, *, source: str | None = None, data_dir: str | None = None):
         """The :class:`DataSource` to read ``split`` from; fails at once when there is none."""
+        split = parse_split(split)[0]
         source = source or os.environ.get(SOURCE_ENV_VAR) or "auto"
         if source not in SOURCES:
             raise ValueError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
@@ -163,10 +193,15 @@ class Task:
         data_dir: str | None = None,
         limit: int | None = None,
     ) -> tuple[list[dict[str, Any]], DataSource]:
-        """``(examples, source)``: the first ``limit`` examples of ``split`` (all when None)."""
-        split = split or self.default_split
+        """``(examples, source)``: the first ``limit`` examples of ``split`` (all when None).
+
+        ``split`` may name one half of a split for 2-fold cross-fitting, ``"dev/0"`` or ``"dev/1"`` (see
+        :func:`cross_fit_half`)."""
+        split, half = parse_split(split or self.default_split)
         where = self.resolve_source(split, source=source, data_dir=data_dir)
         examples = self.read_local(where.folder, split) if where.kind == "local" else self.read_hub(split)
+        if half is not None:
+            examples = cross_fit_half(examples, half)
         if limit is not None:
             if limit < 1:
                 raise ValueError(f"limit must be at least 1, got {limit}")
@@ -200,6 +235,10 @@ class Task:
 
     def features(self, examples: list[dict[str, Any]], tokenizer: Any, *, max_length: int, mode: str) -> list[Feature]:
         raise NotImplementedError
+
+    def train_features(self, examples: list[dict[str, Any]], tokenizer: Any, *, max_length: int) -> list[Feature]:
+        """Features with their training targets in ``extra["labels"]`` (a dict of model keyword arguments)."""
+        raise ValueError(f"task {self.name!r} cannot be fine-tuned (it has no training targets)")
 
     def outputs(self, model_output: Any, inputs: dict[str, torch.Tensor], features: list[Feature], mode: str) -> list:
         """Per-feature outputs (CPU tensors) from the model's output on one batch."""

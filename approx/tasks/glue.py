@@ -133,6 +133,22 @@ class GlueTask(Task):
                 feats.append(Feature(i, enc["input_ids"], enc.get("token_type_ids"), {"side": side}))
         return feats
 
+    def train_features(self, examples, tokenizer, *, max_length):
+        feats = self.features(examples, tokenizer, max_length=max_length, mode=FINE_TUNED)
+        for f in feats:
+            f.extra["labels"] = {"labels": examples[f.example]["label"]}
+        return feats
+
+    def head_options(self) -> dict[str, Any]:
+        """Keyword arguments for a fresh classification head: label count and names."""
+        if not self.labels:
+            return {"num_labels": 1, "problem_type": "regression"}
+        return {
+            "num_labels": len(self.labels),
+            "id2label": dict(enumerate(self.labels)),
+            "label2id": {name: i for i, name in enumerate(self.labels)},
+        }
+
     def outputs(self, model_output, inputs, features, mode):
         if mode == ZERO_SHOT:
             pooled = mean_pool(model_output.last_hidden_state.float(), inputs["attention_mask"])

@@ -51,6 +51,7 @@ def read_squad_json(path: Path) -> list[dict[str, Any]]:
                             "question": qa["question"],
                             "context": context,
                             "answers": answers,
+                            "answer_start": int(qa["answers"][0]["answer_start"]),
                             "title": title,
                         }
                     )
@@ -93,6 +94,7 @@ class Squad(Task):
                 "question": r["question"],
                 "context": r["context"],
                 "answers": list(r["answers"]["text"]),
+                "answer_start": int(r["answers"]["answer_start"][0]),
                 "title": r["title"],
             }
             for r in rows
@@ -122,6 +124,28 @@ class Squad(Task):
                 types = enc["token_type_ids"][j] if "token_type_ids" in enc else None
                 feats.append(Feature(start + sample, enc["input_ids"][j], types, {"offsets": offsets}))
         return feats
+
+    def train_features(self, examples, tokenizer, *, max_length):
+        """Windows as in evaluation, each labelled with the token span of the first gold answer, or with the
+        first token (``[CLS]``) when the answer is not inside the window (as in transformers' ``run_qa``)."""
+        feats = self.features(examples, tokenizer, max_length=max_length, mode="fine-tuned")
+        for f in feats:
+            ex = examples[f.example]
+            start_char = ex.get("answer_start")
+            if start_char is None:
+                raise ValueError(f"squad example {ex.get('id')!r} has no answer_start: it cannot be used for training")
+            end_char = start_char + len(ex["answers"][0])
+            offsets = f.extra["offsets"]
+            inside = [i for i, o in enumerate(offsets) if o is not None]
+            start = end = 0
+            if inside and offsets[inside[0]][0] <= start_char and offsets[inside[-1]][1] >= end_char:
+                start = next(i for i in inside if offsets[i][1] > start_char)
+                end = next(i for i in reversed(inside) if offsets[i][0] < end_char)
+            f.extra["labels"] = {"start_positions": start, "end_positions": end}
+        return feats
+
+    def head_options(self) -> dict[str, Any]:
+        return {}
 
     def outputs(self, model_output, inputs, features, mode):
         start, end = model_output.start_logits.float().cpu(), model_output.end_logits.float().cpu()

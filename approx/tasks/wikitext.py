@@ -61,6 +61,8 @@ class WikiText(Task):
 
     def load(self, split=None, *, source=None, data_dir=None, limit=None):
         # one "example" holds the whole text; windows are made with the tokenizer, and `limit` counts windows
+        if split and "/" in split:
+            raise ValueError(f"{self.name}: cross-fitting halves ({split!r}) are for GLUE and SQuAD, not WikiText")
         examples, where = super().load(split, source=source, data_dir=data_dir)
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
