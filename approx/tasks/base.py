@@ -168,17 +168,19 @@ class Task:
                 missing = [alt for alt in alternatives if not any((folder / f).is_file() for f in alt)]
                 if not missing:
                     return DataSource("local", folder)
-                looked.append(" and ".join(" or ".join(str(folder / f) for f in alt) for alt in missing) + " (missing)")
+                wanted = " and ".join(" or ".join(str(folder / f) for f in alt) for alt in missing)
+                looked.append(f"local files: {wanted} (missing)")
             except FileNotFoundError as e:
-                looked.append(str(e))
+                looked.append(f"local folder: {e}")
         if source in ("auto", "hub"):
             if _hub_reachable():
                 return DataSource("hub")
-            looked.append("the Hugging Face hub (unreachable or HF_HUB_OFFLINE set)")
+            looked.append("the Hugging Face hub: unreachable, or HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set")
+        places = "".join(f"\n  - {entry}" for entry in looked)
         raise FileNotFoundError(
-            f"no data for task {self.name!r} ({split}): looked for {'; '.join(looked)}. Provide the files in a "
-            f"folder with the GLUE layout and pass --data-dir (or set ${ENV_VAR}), or use --source hub with a "
-            "network."
+            f"no data for task {self.name!r} ({split}, source {source!r}). Looked at:{places}\n"
+            f"Provide the files in a folder with the GLUE layout and pass --data-dir (or set ${ENV_VAR}), "
+            "or use --source hub on a machine with a network."
         )
 
     def check_split(self, split: str) -> None:
