@@ -20,4 +20,8 @@ demo:
 	approx demo
 
 bench:
-	$(PY) benchmarks/attention_op.py
+	$(PY) benchmarks/cost_model.py --output benchmarks/results/cost_model.json
+	$(PY) benchmarks/attention_op.py --output benchmarks/results/attention_op_cpu.json
+	$(PY) benchmarks/attention_op.py --backward --lengths 512 1024 2048 4096 8192 --methods clustered favor i-clustered \
+		--output benchmarks/results/attention_op_cpu_backward.json
+	$(PY) benchmarks/whole_model.py --output benchmarks/results/whole_model_cpu.json

@@ -5,12 +5,14 @@ approx.methods()                                   # ['full', 'clustered', 'i-cl
 approx.patch(model, "i-clustered", clusters=25, topk=32)
 approx.unpatch(model)                              # bit-identical to the original again
 approx.evaluate("ckpt/", "sst2", ["clustered:clusters=25", "i-clustered"])  # metrics, fidelity, cost, time
+approx.fit(model, windows)                         # learn the state of fitted methods (sparsefinder)
 """
 
 __version__ = "0.1.0"
 
 from .config import MethodConfig  # noqa: E402
 from .evaluation import evaluate  # noqa: E402
+from .fitting import fit, graph_stats  # noqa: E402
 from .integration import (  # noqa: E402
     RedrawSchedule,
     UnsupportedModelError,
@@ -34,7 +36,9 @@ __all__ = [
     "MethodConfig",
     "UnsupportedModelError",
     "evaluate",
+    "fit",
     "get_method",
+    "graph_stats",
     "is_patched",
     "load",
     "methods",

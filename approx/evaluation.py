@@ -21,6 +21,8 @@ Fidelity, per method:
   not the drift it causes downstream);
 * ``cost``: attention FLOPs and query-key pairs from the method's cost model at the real lengths, and their
   ratio to full attention's;
+* ``graph`` (methods that predict an attention graph, e.g. Sparsefinder): ``sparsity`` (1 - |Ĝ| / real pairs),
+  ``recall`` (|G ∩ Ĝ| / |G|) and ``exact_fraction`` (queries with recall 1), overall, per layer and per head;
 * ``seconds`` (model forward passes, exact-attention probing excluded), ``speedup`` (unpatched seconds /
   method seconds) and ``peak_memory_mib`` (see :mod:`approx.memory`).
 
@@ -44,6 +46,7 @@ from tqdm.auto import tqdm
 from .attention._common import exact_attention
 from .config import MethodConfig
 from .fidelity import Setup, parse_setup, short_label
+from .fitting import GraphStatsProbe, graph_summary
 from .integration import (
     attach,
     attention_probe,
@@ -96,6 +99,7 @@ class _Probe:
         self.flops = self.pairs = self.full_flops = self.full_pairs = 0
         self.seconds = 0.0
         self._full = get_method("full")
+        self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
 
     def __call__(self, layer, q, k, v, key_mask, scale, out) -> None:
         start = time.perf_counter()
@@ -117,6 +121,7 @@ class _Probe:
             self.pairs += heads * c.qk_pairs
             self.full_flops += heads * f.flops
             self.full_pairs += heads * f.qk_pairs
+        self.graph(layer, q, k, v, key_mask, scale, out)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
         self.seconds += time.perf_counter() - start
@@ -127,6 +132,7 @@ class _Probe:
             "err_den": self.err_den,
             "cost": [self.flops, self.pairs, self.full_flops, self.full_pairs],
             "overhead": self.seconds,
+            "graph": self.graph.counts,
         }
 
 
@@ -246,6 +252,14 @@ def _setup_fidelity(task, mode, records, s, ref_predictions, predictions, n_feat
     fidelity["seconds"] = seconds
     fidelity["reference_seconds"] = ref_seconds
     fidelity["speedup"] = ref_seconds / seconds if seconds else None
+    graph: dict[int, dict[str, Any]] = {}
+    for r in recs:
+        for i, counts in r.get("graph", {}).items():
+            mine = graph.setdefault(i, {})
+            for name, t in counts.items():
+                mine[name] = mine.get(name, 0) + t
+    if graph:  # sparsity, recall and exact fraction of the predicted graph against the gold one
+        fidelity["graph"] = graph_summary(graph)
     fidelity["peak_memory_mib"] = _max_or_none(r["peak"] for r in recs)
     fidelity["reference_peak_memory_mib"] = _max_or_none(r["ref"]["peak"] for r in records)
     return fidelity
@@ -276,6 +290,7 @@ def evaluate(
     seed: int = 0,
     device: str | torch.device | None = None,
     progress: bool = True,
+    predictions: bool = False,
 ) -> list[dict[str, Any]]:
     """Evaluate ``task`` on ``model`` under each of ``methods`` and under full attention, on the same batches.
 
@@ -283,7 +298,9 @@ def evaluate(
     model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
     :class:`~approx.fidelity.Setup` or config objects, or the layers of a patched model
     (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first). Returns one
-    self-describing result per method.
+    self-describing result per method. ``predictions``: also return the per-example predictions under the method
+    and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order), e.g.
+    to score the two halves of a cross-fitted split together (:mod:`approx.crossfit`).
     """
     wall = time.perf_counter()
     from accelerate import PartialState
@@ -300,6 +317,13 @@ def evaluate(
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     setups = [as_setup(m, seed) for m in methods]
+    for s, given in zip(setups, methods, strict=True):
+        if get_method(s.method).needs_fit and not isinstance(given, dict):
+            raise ValueError(
+                f"{s.method} must be fitted before it is evaluated: fit it (approx.fit(model, data) or `approx fit`), "
+                "then pass its layers: layers = approx.patched_layers(model); approx.unpatch(model); "
+                "evaluate(model, task, [layers], tokenizer=...)"
+            )
     max_length = max_length or task.default_max_length
     torch.manual_seed(seed)
     # what the checkpoint can do and whether the data is there are checked before any weights are loaded
@@ -362,7 +386,7 @@ def evaluate(
     results = []
     for s, setup in enumerate(setups):
         outputs = _in_feature_order(records, "outputs", len(features), s)
-        predictions = task.predict(examples, features, outputs, mode)
+        method_predictions = task.predict(examples, features, outputs, mode)
         results.append(
             {
                 "task": task.name,
@@ -374,16 +398,19 @@ def evaluate(
                 "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
                 **model_info,
                 "method": {"name": setup.method, **setup.config()},
-                "metrics": task.score(examples, predictions, mode),
+                "metrics": task.score(examples, method_predictions, mode),
                 "reference_metrics": reference_metrics,
                 "fidelity": _setup_fidelity(
-                    task, mode, records, s, ref_predictions, predictions, len(features), ref_seconds
+                    task, mode, records, s, ref_predictions, method_predictions, len(features), ref_seconds
                 ),
                 "examples": len(ref_predictions),
                 "features": len(features),
                 "max_length": max_length,
                 "batch_size": batch_size,
                 "provenance": prov,
+                **(
+                    {"predictions": method_predictions, "reference_predictions": ref_predictions} if predictions else {}
+                ),
             }
         )
     return results

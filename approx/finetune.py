@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ def finetune(
     stop_after: int | None = None,
     resume: bool = False,
     progress: bool = True,
+    callback: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (a folder or hub id) on ``task``; returns the ``finetune.json`` record (with the
     evaluation results under ``"evaluation"`` when ``eval_split`` is given).
@@ -93,6 +95,8 @@ def finetune(
     fractional; ``max_steps`` caps the optimizer steps. ``resume``: continue from ``output_dir/checkpoint``;
     ``stop_after``: run at most that many steps in this call (checkpointed; continue with ``resume=True``), to
     split a long run across jobs with a time limit. The final checkpoint is written when training completes.
+    ``callback(step, model)`` is called after every optimizer step with the unwrapped model (in training mode;
+    restore it if the callback changes it), e.g. to evaluate during training.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -174,6 +178,8 @@ def finetune(
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             if redraw_every and setup is not None and step % redraw_every == 0:
                 redraw_layers(accelerator.unwrap_model(net), seed=seed + step // redraw_every)
+            if callback is not None:
+                callback(step, accelerator.unwrap_model(net))
             if (checkpoint_every and step % checkpoint_every == 0) or step % steps_per_epoch == 0 or step == stop:
                 checkpoint()
             if step >= stop:

@@ -42,7 +42,7 @@ class ApproxAttention(nn.Module):
 
     def state(self) -> dict[str, torch.Tensor]:
         """The method's state tensors (random planes, features, fitted projections...)."""
-        return dict(self.named_buffers(recurse=False))
+        return dict(self.named_buffers(recurse=False, remove_duplicate=False))  # two names may share a tensor
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the state tensors (e.g. from a saved model); names and shapes must match."""
@@ -50,17 +50,39 @@ class ApproxAttention(nn.Module):
         if set(state) != set(mine):
             raise ValueError(f"state of {self.method.name!r} has {sorted(mine)}, got {sorted(state)}")
         for name, tensor in state.items():
-            if tensor.shape != mine[name].shape:
+            # an empty tensor is a placeholder of fitted state whose shape is known only once fitted
+            if tensor.shape != mine[name].shape and mine[name].numel() > 0:
                 raise ValueError(f"state {name!r}: expected shape {tuple(mine[name].shape)}, got {tuple(tensor.shape)}")
             setattr(self, name, tensor.to(mine[name].device))
 
     def redraw(self, seed: int) -> None:
-        """Draw the method's random state anew from ``seed`` (e.g. FAVOR+ features during fine-tuning)."""
-        if self.method.init_state is None:
+        """Draw the method's random state anew from ``seed`` (e.g. FAVOR+ features during fine-tuning).
+        Fitted state (``approx.fit``) is learned, not random, and is kept."""
+        if self.method.init_state is None or self.method.needs_fit:
             return
         old = self.state()
         for name, t in self.method.init_state(self.config, head_dim=self.head_dim, seed=seed).items():
             setattr(self, name, t.to(device=old[name].device, dtype=old[name].dtype))
+
+    def fit(self, samples: list, **options) -> None:
+        """Learn the method's state from ``samples`` = [(q, k, key_mask, scale), ...] of this layer (the model's
+        own queries and keys, see ``approx.fit``); ``options`` go to the method's fit function."""
+        if not self.method.needs_fit:
+            raise ValueError(f"method {self.method.name!r} has no fitted state")
+        old = self.state()
+        for name, t in self.method.fit(self.config, old, samples, **options).items():
+            setattr(self, name, t.to(device=old[name].device))
+
+    def graph_stats(self, q, k, key_mask=None, *, scale=None) -> dict[str, torch.Tensor] | None:
+        """Counts of the method's predicted attention graph against its gold graph (None if it has none)."""
+        if self.method.stats is None:
+            return None
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
+        return self.method.stats(
+            q, k, key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config, state=self.state()
+        )
 
     def forward(
         self,

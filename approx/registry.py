@@ -41,6 +41,12 @@ CostFn = Callable[..., Cost]
 # weights(q, k, *, key_mask, query_mask, scale, config, state) -> (B, H, N, S): the dense attention matrix the
 # method implies, for analysis and plots on short inputs (it is O(N * S) by construction).
 WeightsFn = Callable[..., torch.Tensor]
+# fit(config, state, samples, **options) -> {name: tensor}: state learned from the model's own queries and keys,
+#   samples = [(q, k, key_mask, scale), ...]; a method with ``fit`` must be fitted before it runs.
+FitFn = Callable[..., dict[str, torch.Tensor]]
+# stats(q, k, *, key_mask, query_mask, scale, config, state) -> {name: (H,) tensor}: counts summed over the batch
+#   that the evaluation harness adds up per layer (e.g. Sparsefinder's predicted and gold graph sizes).
+StatsFn = Callable[..., dict[str, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,13 @@ class Method:
     init_state: InitStateFn | None = None
     weights: WeightsFn | None = None
     summary: str = ""
+    fit: FitFn | None = None
+    stats: StatsFn | None = None
+
+    @property
+    def needs_fit(self) -> bool:
+        """True when the method's state is learned (``approx.fit``) rather than drawn."""
+        return self.fit is not None
 
     def make_config(self, **options: Any) -> MethodConfig:
         return self.config_class.from_options(**options)
@@ -67,6 +80,8 @@ def register(
     cost: CostFn,
     init_state: InitStateFn | None = None,
     weights: WeightsFn | None = None,
+    fit: FitFn | None = None,
+    stats: StatsFn | None = None,
 ) -> Callable[[AttendFn], AttendFn]:
     """Decorator registering an attend function as method ``name``."""
 
@@ -76,7 +91,7 @@ def register(
         if config_class.method != name:
             raise ValueError(f"{config_class.__name__}.method is {config_class.method!r}, expected {name!r}")
         summary = (attend.__doc__ or "").strip().splitlines()[0] if attend.__doc__ else ""
-        _METHODS[name] = Method(name, config_class, attend, cost, init_state, weights, summary)
+        _METHODS[name] = Method(name, config_class, attend, cost, init_state, weights, summary, fit=fit, stats=stats)
         return attend
 
     return deco

@@ -1,12 +1,15 @@
-"""Benchmark one attention op: every registered ``approx`` method against torch's SDPA, on CPU.
+"""Benchmark one attention op: every registered ``approx`` method against torch's SDPA.
 
 Usage::
 
-    python benchmarks/attention_op.py                                   # full run (~10 min on 2 cores)
-    python benchmarks/attention_op.py --lengths 512 1024 --repeats 1    # smoke run
+    python benchmarks/attention_op.py                                   # full run, forward (~25 min on 2 cores)
+    python benchmarks/attention_op.py --backward                        # forward + backward
+    python benchmarks/attention_op.py --lengths 1024 4096 --repeats 3 --no-memory   # quick run
     python benchmarks/attention_op.py --option i-clustered.clusters=25 --methods i-clustered
+    python benchmarks/attention_op.py --device cuda                     # same code on a GPU (untested here)
 
-What is measured, for q, k, v of shape (B=1, H=12, N, d=64), float32, forward only, no mask:
+What is measured, for q, k, v of shape (B=1, H=12, N, d=64), float32, forward (``--backward``: forward and
+backward of ``out.sum()``), no mask:
 
 * time: all contenders (``sdpa`` = ``F.scaled_dot_product_attention``, ``eager`` = softmax(QK^T/sqrt(d))V up
   to ``--eager-max``, and each method through ``approx.ApproxAttention``) run side by side in this process,
@@ -17,6 +20,13 @@ What is measured, for q, k, v of shape (B=1, H=12, N, d=64), float32, forward on
   reset through /proc/self/clear_refs, because ``ru_maxrss`` of a child inherits the parent's high-water
   mark across exec; elsewhere ``ru_maxrss`` is used. It is a peak-RSS delta, not an allocator count.
 * cost model: ``qk_pairs`` and ``flops`` from each method's ``spec.cost`` (N*N pairs for sdpa and eager).
+* fallback rows: ``METHOD+exact<L`` is METHOD with ``exact_below=L`` (``--fallback METHOD=L``, defaults at the
+  crossovers measured on this machine), i.e. exact SDPA below L and the approximation from L on.
+* sparsefinder (when registered) needs fitted projections: it is fitted here on the benchmark's own random
+  queries and keys (a few optimizer steps; the graph it predicts is meaningless for quality, only its size
+  and shape matter for time) with k-means grouping and about sqrt(N) clusters; if fitting fails, it is skipped
+  and the reason is printed and recorded (``skipped_reasons``).
+* SDPA above ``--sdpa-max`` is not run (it is O(N^2) in time); ratios are then not available.
 * dense methods: a method whose cost model evaluates every query-key pair (``qk_pairs == N*N``) computes an
   N x N score matrix like the eager baseline, so it runs only up to ``--eager-max`` too; the skipped lengths
   are listed in the report and in the JSON (``skipped``). ``full`` is exempt: it calls the fused SDPA kernel.
@@ -27,8 +37,10 @@ Results go to stdout (markdown), a JSON file (``--output``) and a PNG plot next 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import resource
 import statistics
@@ -52,7 +64,10 @@ BASELINES = ("sdpa", "eager")
 METHOD_OPTIONS: dict[str, dict[str, Any]] = {
     "clustered": {"clusters": 100},
     "i-clustered": {"clusters": 100, "topk": 32},
+    "sparsefinder": {"grouping": "kmeans"},  # clusters: about sqrt(N), set per length
 }
+# exact_below of the fallback rows: the crossover lengths measured on the 2-core CPU (README "Speed")
+FALLBACK = {"clustered": 2048, "i-clustered": 4096, "favor": 2048}
 # dense by their cost model but computed by the fused SDPA kernel (no N x N matrix): never skipped
 FUSED = ("full",)
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +78,22 @@ Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384], help="sequence lengths N"
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+        help="sequence lengths N",
+    )
+    p.add_argument("--backward", action="store_true", help="time forward + backward of out.sum() instead of forward")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is untested on the CI machines)")
+    p.add_argument("--sdpa-max", type=int, default=16384, help="largest N for the SDPA baseline (O(N^2) time)")
+    p.add_argument(
+        "--fallback",
+        action="append",
+        default=None,
+        metavar="METHOD=LENGTH",
+        help=f"add METHOD with exact_below=LENGTH as the contender METHOD+exact<LENGTH (default: {FALLBACK}; "
+        "'none' for no fallback rows)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed calls per contender and N (median reported)")
     p.add_argument("--methods", nargs="+", default=None, help="approx methods to run (default: all registered)")
@@ -83,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/attention_op.json", help="JSON path (PNG next to it)"
     )
+    p.add_argument("--replot", type=Path, default=None, help="only redraw the PNG of a result JSON")
     p.add_argument("--_memory-probe", nargs=2, metavar=("CONTENDER", "N"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     registered = approx.methods()
@@ -90,6 +121,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.methods if m not in registered]
     if unknown:
         p.error(f"unknown method(s) {unknown}; registered: {registered}")
+    if args.fallback is None:
+        args.fallback = [f"{m}={n}" for m, n in FALLBACK.items() if m in args.methods]
+    args.fallback = [] if args.fallback == ["none"] else args.fallback
+    args.variants = {}
+    for item in args.fallback:
+        method, _, length = item.partition("=")
+        if method not in args.methods or not length.isdigit():
+            p.error(f"--fallback {item!r}: expected METHOD=LENGTH with METHOD in {args.methods}")
+        args.variants[f"{method}+exact<{length}"] = (method, int(length))
     return args
 
 
@@ -115,42 +155,103 @@ def build_configs(methods: list[str], overrides: list[str]) -> dict[str, MethodC
     return {m: get_method(m).make_config(**opts) for m, opts in options.items()}
 
 
-def contender_fn(name: str, configs: dict[str, MethodConfig]) -> Fn:
+def all_configs(args: argparse.Namespace) -> dict[str, MethodConfig]:
+    """Configs of the methods and of the fallback rows (``METHOD+exact<L``), by contender name."""
+    configs = build_configs(args.methods, args.option)
+    for name, (method, length) in args.variants.items():
+        configs[name] = dataclasses.replace(configs[method], exact_below=length)
+    return configs
+
+
+def method_of(name: str) -> str:
+    return name.split("+exact<")[0]
+
+
+def config_at(name: str, configs: dict[str, MethodConfig], n: int) -> MethodConfig:
+    """The config a contender runs with at length n (sparsefinder: about sqrt(N) k-means clusters)."""
+    cfg = configs[name]
+    if method_of(name) == "sparsefinder" and "sparsefinder.clusters" not in " ".join(sys.argv):
+        cfg = dataclasses.replace(cfg, clusters=max(2, round(math.sqrt(n))))
+    return cfg
+
+
+_SPARSEFINDER_SKIP: dict[int, str] = {}
+
+
+def contender_fn(name: str, configs: dict[str, MethodConfig], n: int, device: str) -> Fn | None:
+    """The callable timed for a contender at length n; None (reason in ``_SPARSEFINDER_SKIP``) if unusable."""
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
     if name == "eager":
         return lambda q, k, v: torch.softmax((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, dim=-1) @ v
-    layer = ApproxAttention(name, configs[name], head_dim=D)
+    method, cfg = method_of(name), config_at(name, configs, n)
+    layer = ApproxAttention(method, cfg, head_dim=D).to(device)
+    if getattr(get_method(method), "needs_fit", False):
+        if n in _SPARSEFINDER_SKIP:
+            return None
+        try:  # fitted on the benchmark's random inputs: the graph's size matters here, not its quality
+            q, k, _ = make_inputs(min(n, 512), 1, device)
+            with torch.inference_mode(False):
+                layer.fit([(q, k, None, D**-0.5)], steps=30, queries=128)
+        except Exception as err:  # noqa: BLE001 - any failure of another module's fit: skip, saying why
+            _SPARSEFINDER_SKIP[n] = f"{type(err).__name__}: {err}"
+            print(f"[skip] {name} at N={n}: fitting failed: {_SPARSEFINDER_SKIP[n]}", file=sys.stderr)
+            return None
     return lambda q, k, v: layer(q, k, v, None)
 
 
 def is_dense(name: str, configs: dict[str, MethodConfig], n: int) -> bool:
-    """True for a method that scores every query-key pair (an N x N matrix), other than the fused ``full``."""
-    return name not in FUSED and cost_of(name, configs, n)["qk_pairs"] >= n * n
+    """True for a method that scores every query-key pair (an N x N matrix), other than the fused ``full`` and
+    a fallback row running its exact branch (fused SDPA too)."""
+    if name in FUSED or "+exact<" in name:
+        return False
+    return cost_of(name, configs, n)["qk_pairs"] >= n * n
+
+
+def contender_names(args: argparse.Namespace) -> list[str]:
+    return ["sdpa", "eager", *args.methods, *args.variants]
 
 
 def skipped_dense(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[str, list[int]]:
-    """{method: [N, ...]}: the lengths above ``--eager-max`` at which a dense method is not run."""
-    skipped = {m: [n for n in args.lengths if n > args.eager_max and is_dense(m, configs, n)] for m in args.methods}
+    """{contender: [N, ...]}: the lengths above ``--eager-max`` (``--sdpa-max`` for SDPA) not run."""
+    names = [*args.methods, *args.variants]
+    skipped = {m: [n for n in args.lengths if n > args.eager_max and is_dense(m, configs, n)] for m in names}
+    skipped["sdpa"] = [n for n in args.lengths if n > args.sdpa_max]
     return {m: ns for m, ns in skipped.items() if ns}
 
 
 def contenders_at(n: int, args: argparse.Namespace, configs: dict[str, MethodConfig]) -> list[str]:
-    methods = [m for m in args.methods if n <= args.eager_max or not is_dense(m, configs, n)]
-    return ["sdpa"] + (["eager"] if n <= args.eager_max else []) + methods
+    methods = [m for m in [*args.methods, *args.variants] if n <= args.eager_max or not is_dense(m, configs, n)]
+    return (["sdpa"] if n <= args.sdpa_max else []) + (["eager"] if n <= args.eager_max else []) + methods
 
 
-def make_inputs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + n)
-    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+def make_inputs(n: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + n)  # drawn on the CPU: the same numbers on every device
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device) for _ in range(3))
     return q, k, v
 
 
 def cost_of(name: str, configs: dict[str, MethodConfig], n: int) -> dict[str, int]:
     if name in BASELINES:
         return {"qk_pairs": n * n, "flops": 2 * n * n * (D + D)}
-    c = get_method(name).cost(configs[name], n=n, s=n, d=D, dv=D)
+    c = get_method(method_of(name)).cost(config_at(name, configs, n), n=n, s=n, d=D, dv=D)
     return {"qk_pairs": int(c.qk_pairs), "flops": int(c.flops)}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def call(fn: Fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> torch.Tensor:
+    """One forward (and with ``backward`` one backward of out.sum()) call."""
+    if not backward:
+        with torch.inference_mode():
+            return fn(q, k, v)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.sum().backward()
+    return out.detach()
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -158,20 +259,25 @@ def cost_of(name: str, configs: dict[str, MethodConfig], n: int) -> dict[str, in
 
 def time_all(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[int, dict[str, list[float]]]:
     """{N: {contender: [seconds per repeat]}}, contenders interleaved within each repeat."""
-    fns = {c: contender_fn(c, configs) for c in ["sdpa", "eager", *args.methods]}
     times: dict[int, dict[str, list[float]]] = {}
     for n in args.lengths:
-        q, k, v = make_inputs(n, args.seed)
+        q, k, v = make_inputs(n, args.seed, args.device)
         names = contenders_at(n, args, configs)
-        times[n] = {c: [] for c in names}
-        with torch.inference_mode():
-            for c in names:
-                fns[c](q, k, v)  # warm-up
-            for _ in range(args.repeats):
-                for c in names:
-                    t0 = time.perf_counter()
-                    fns[c](q, k, v)
-                    times[n][c].append(time.perf_counter() - t0)
+        failed = [c for c in names if args.memory.get(n) is not None and c not in args.memory[n]]
+        for c in failed:  # its memory probe failed (e.g. out of memory): not run here either
+            print(f"[skip] {c} at N={n}: its memory probe failed", file=sys.stderr)
+        fns = {c: contender_fn(c, configs, n, args.device) for c in names if c not in failed}
+        fns = {c: f for c, f in fns.items() if f is not None}
+        times[n] = {c: [] for c in fns}
+        for f in fns.values():
+            call(f, q, k, v, args.backward)  # warm-up
+        for _ in range(args.repeats):
+            for c, f in fns.items():
+                _sync(args.device)
+                t0 = time.perf_counter()
+                call(f, q, k, v, args.backward)
+                _sync(args.device)
+                times[n][c].append(time.perf_counter() - t0)
         med = {c: f"{statistics.median(t) * 1e3:.0f}" for c, t in times[n].items()}
         print(f"[time] N={n}: " + ", ".join(f"{c} {m} ms" for c, m in med.items()), file=sys.stderr, flush=True)
     return times
@@ -201,15 +307,24 @@ def _reset_peak() -> bool:
 def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     """Runs inside the fresh subprocess: peak extra RSS of the first call."""
     torch.set_num_threads(args.threads)
-    fn = contender_fn(contender, build_configs(args.methods, args.option))
-    q, k, v = make_inputs(n, args.seed)
+    fn = contender_fn(contender, all_configs(args), n, args.device)
+    if fn is None:
+        raise SystemExit(f"{contender} cannot run: {_SPARSEFINDER_SKIP.get(n)}")
+    q, k, v = make_inputs(n, args.seed, args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = call(fn, q, k, v, args.backward)
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+        return {"peak_extra_mib": extra, "rss_before_mib": before / 2**20, "counter": "cuda_max_memory_allocated"}
     if _reset_peak():
         counter, read = "VmHWM", lambda: _proc_status_kib("VmHWM") or 0
     else:
         counter, read = "ru_maxrss", lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     before = read()
-    with torch.inference_mode():
-        out = fn(q, k, v)
+    out = call(fn, q, k, v, args.backward)
     after = read()
     del out
     return {"peak_extra_mib": (after - before) / 1024, "rss_before_mib": before / 1024, "counter": counter}
@@ -217,7 +332,9 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
 
 def measure_memory(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[int, dict[str, dict[str, Any]]]:
     passthrough = ["--threads", str(args.threads), "--seed", str(args.seed), "--methods", *args.methods]
-    passthrough += [f"--option={o}" for o in args.option]
+    passthrough += [f"--option={o}" for o in args.option] + ["--device", args.device]
+    passthrough += [f"--fallback={f}" for f in args.fallback] or ["--fallback=none"]
+    passthrough += ["--backward"] if args.backward else []
     mem: dict[int, dict[str, dict[str, Any]]] = {}
     for n in args.lengths:
         mem[n] = {}
@@ -243,67 +360,88 @@ def _label(name: str, configs: dict[str, MethodConfig]) -> str:
     cfg = configs.get(name)
     if cfg is None:
         return name
-    short = {"clusters": "C", "topk": "k"}
+    if method_of(name) == "sparsefinder":
+        return f"{name} (kmeans, B ~ sqrt(N))"
+    short = {"clusters": "C", "topk": "k", "features": "m"}
     opts = [f"{short[k]}={v}" for k, v in cfg.to_dict().items() if k in short]
     return f"{name} ({', '.join(opts)})" if opts else name
 
 
+# issue #7: minimum speed-up over SDPA (ratio) per method and N; at N = 1024 a fallback row may meet it
+TARGETS: dict[str, dict[int, float]] = {
+    "i-clustered": {1024: 1.0, 4096: 2.0, 16384: 10.0},
+    "clustered": {1024: 1.0, 4096: 3.0, 16384: 20.0},
+    "favor": {1024: 1.0, 4096: 3.0, 16384: 20.0},
+    "sparsefinder": {4096: 1.0, 16384: 5.0},
+}
+
+
+def _ratio(time_ms: dict[int, dict[str, float]], n: int, c: str) -> float | None:
+    t = time_ms.get(n, {})
+    return t["sdpa"] / t[c] if "sdpa" in t and c in t else None
+
+
 def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
-    names = ["sdpa", "eager", *res["methods"]]
+    names = res["contenders"]
     ns = [int(n) for n in res["lengths"]]
     time_ms = {n: {c: statistics.median(t) * 1e3 for c, t in res["times_s"][n].items()} for n in ns}
     mem = res["memory"]
-    head = ["N", "inputs MiB"]
-    for c in names:
-        ratio_cols = [] if c == "sdpa" else [f"{c} x SDPA"] + ([f"{c} mem/SDPA"] if mem else [])
-        head += [f"{c} ms"] + ([f"{c} MiB"] if mem else []) + ratio_cols
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    mode = "forward + backward" if res.get("backward") else "forward"
+    cols = [c for c in names if any(c in time_ms[n] for n in ns)]
+    lines = ["| N | " + " | ".join(f"{c} ms" + ("" if c == "sdpa" else " (x SDPA)") for c in cols) + " |"]
+    lines.append("|" + "---|" * (len(cols) + 1))
     for n in ns:
-        row = [str(n), f"{3 * B * H * n * D * 4 / 2**20:.1f}"]
-        for c in names:
-            t, m, ms = time_ms[n].get(c), mem.get(n, {}).get(c), mem.get(n, {}).get("sdpa")
-            row += [f"{t:.1f}" if t else "-"] + ([f"{m['peak_extra_mib']:.1f}" if m else "-"] if mem else [])
-            if c != "sdpa":
-                row.append(f"{time_ms[n]['sdpa'] / t:.2f}" if t else "-")
-                ok = m and ms and ms["peak_extra_mib"] > 0
-                row += [f"{m['peak_extra_mib'] / ms['peak_extra_mib']:.2f}" if ok else "-"] if mem else []
-        lines.append("| " + " | ".join(row) + " |")
-    out = ["## Time (median ms), speed-up vs SDPA (>1 = faster)" + (" and peak memory" if mem else ""), "", *lines, ""]
-    out.append(f"Time: median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; ")
-    out[-1] += f"B={B}, H={H}, d={D}, float32, forward only; ratio = median(sdpa) / median(contender)."
+        cells = []
+        for c in cols:
+            t, r = time_ms[n].get(c), _ratio(time_ms, n, c)
+            cells.append("-" if t is None else f"{t:.1f}" + (f" ({r:.2f}x)" if r is not None and c != "sdpa" else ""))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    out = [f"## Time, {mode} (median ms; x SDPA = median(sdpa) / median(contender), > 1 = faster)", "", *lines, ""]
+    out.append(f"Median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; ")
+    out[-1] += f"B={B}, H={H}, d={D}, float32, {mode}, device {res.get('device', 'cpu')}."
+    out.append("Settings: " + "; ".join(_label(c, configs) for c in cols if c in configs) + ".")
     if mem:
         counter = next(iter(next(iter(mem.values())).values()))["counter"]
-        out.append(
-            f"Memory: peak-RSS delta ({counter}) of the first call in a fresh process, MiB; 'inputs' = q+k+v size."
-        )
+        mcols = [c for c in cols if any(c in mem.get(n, {}) for n in ns)]
+        out += ["", f"## Peak extra memory, {mode} (MiB; {counter} delta of the first call in a fresh process)", ""]
+        out += ["| N | inputs | " + " | ".join(mcols) + " |", "|" + "---|" * (len(mcols) + 2)]
+        for n in ns:
+            cells = [f"{mem[n][c]['peak_extra_mib']:.1f}" if c in mem.get(n, {}) else "-" for c in mcols]
+            out.append(f"| {n} | {3 * B * H * n * D * 4 / 2**20:.1f} | " + " | ".join(cells) + " |")
     for m, skipped in res.get("skipped", {}).items():
-        out.append(
-            f"Not run: {m} at N = {', '.join(map(str, skipped))}: it is dense (qk_pairs = N*N in its cost model, an"
-            f" N x N score matrix like eager), so like eager it runs only up to --eager-max = {res['eager_max']}."
-        )
+        why = f"--sdpa-max = {res.get('sdpa_max')}" if m == "sdpa" else f"dense, --eager-max = {res['eager_max']}"
+        out.append(f"Not run: {m} at N = {', '.join(map(str, skipped))} ({why}).")
+    for n, why in res.get("skipped_reasons", {}).items():
+        out.append(f"Not run: sparsefinder at N = {n}: {why}")
     out += ["", "## Cost model per batch item and head (qk_pairs / GFLOP)", ""]
-    out += ["| N | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    out += ["| N | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for n in ns:
-        cells = [f"{res['cost'][n][c]['qk_pairs']:,} / {res['cost'][n][c]['flops'] / 1e9:.3g}" for c in names]
+        cells = [f"{res['cost'][n][c]['qk_pairs']:,} / {res['cost'][n][c]['flops'] / 1e9:.3g}" for c in cols]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    out += ["", "## Targets", ""]
-    if "i-clustered" in res["methods"]:
-        big = [n for n in ns if n >= 4096]
-        ratios = [time_ms[n]["sdpa"] / time_ms[n]["i-clustered"] for n in big]
-        detail = ", ".join(f"N={n}: {r:.2f}x" for n, r in zip(big, ratios, strict=True))
-        verdict = (
-            f"{'met' if min(ratios) > 1 else 'not met'} (ratios {detail})" if big else "not evaluated (no N >= 4096)"
-        )
-        out.append(f"{_label('i-clustered', configs)} faster than SDPA from N=4096 up: {verdict}")
+    out += ["", "## Targets (issue #7, CPU forward)", ""]
+    for method, goals in TARGETS.items():
+        if method not in names:
+            continue
+        for n, goal in goals.items():
+            fallbacks = [c for c in names if method_of(c) == method and c != method]
+            tried = [method] + (fallbacks if n <= 1024 else [])
+            got = {c: _ratio(time_ms, n, c) for c in tried if _ratio(time_ms, n, c) is not None}
+            if not got:
+                out.append(f"- {_label(method, configs)} at N={n}: >= {goal}x: not measured")
+                continue
+            best = max(got, key=lambda c: got[c])
+            ok = got[best] >= goal if goal > 1 else got[best] > goal - 0.05  # 1.0x: within 5 % counts as met
+            detail = ", ".join(f"{c} {r:.2f}x" for c, r in got.items())
+            out.append(f"- {_label(method, configs)} at N={n}: >= {goal}x: {'met' if ok else 'not met'} ({detail})")
     big2 = sorted(n for n in ns if n in mem)[-2:]
-    for c in names:
+    for c in cols:
         if len(big2) < 2 or not all(c in mem[n] for n in big2):
             continue
         (n0, n1), (m0, m1) = big2, (mem[n][c]["peak_extra_mib"] for n in big2)
         growth, limit = (m1 / m0 if m0 > 0 else float("inf")), 1.3 * n1 / n0
         verdict = "met" if growth <= limit else "not met"
         out.append(
-            f"memory linear in N ({_label(c, configs)}): {verdict} (peak {m0:.1f} MiB at N={n0} -> {m1:.1f} MiB at"
+            f"- memory linear in N ({_label(c, configs)}): {verdict} (peak {m0:.1f} MiB at N={n0} -> {m1:.1f} MiB at"
             f" N={n1}: x{growth:.2f} for N x{n1 / n0:.2f}; linear if <= 1.3 x {n1 / n0:.2f} = {limit:.2f})"
         )
     return "\n".join(out)
@@ -316,21 +454,28 @@ def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
-    for c in ["sdpa", "eager", *res["methods"]]:
+    base = [c for c in res["contenders"] if "+exact<" not in c]
+    for c in res["contenders"]:  # a fallback row: dashed, in the colour of its method
+        i = base.index(method_of(c)) if method_of(c) in base else len(base)
+        style = dict(color=f"C{i % 10}", linestyle="--" if "+exact<" in c else "-", marker="o", label=c)
         ns = [n for n in res["lengths"] if c in res["times_s"][n]]
-        ax_t.plot(ns, [statistics.median(res["times_s"][n][c]) * 1e3 for n in ns], "o-", label=c)
+        ax_t.plot(ns, [statistics.median(res["times_s"][n][c]) * 1e3 for n in ns], **style)
         mn = [n for n in ns if c in res["memory"].get(n, {})]
         if mn:
-            ax_m.plot(mn, [max(res["memory"][n][c]["peak_extra_mib"], 1e-2) for n in mn], "o-", label=c)
+            ax_m.plot(mn, [max(res["memory"][n][c]["peak_extra_mib"], 1e-2) for n in mn], **style)
     ax_t.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="median time per call (ms)")
-    ax_t.set_title(f"Forward time, B={B} H={H} d={D}, {res['threads']} threads")
+    mode = "Forward + backward" if res.get("backward") else "Forward"
+    ax_t.set_title(f"{mode} time, B={B} H={H} d={D}, {res['threads']} threads, {res.get('device', 'cpu')}")
     ax_m.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="peak extra RSS (MiB)")
     ax_m.set_title("Peak memory of the first call (peak-RSS delta)")
     for ax in (ax_t, ax_m):
         ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
         ax.minorticks_off()
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend()
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    if not res["memory"]:
+        ax_m.set_visible(False)  # --no-memory
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -338,15 +483,26 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.replot is not None:
+        res = json.loads(args.replot.read_text())
+        for key in ("times_s", "memory", "cost"):
+            res[key] = {int(n): v for n, v in res[key].items()}
+        plot(res, args.replot.with_suffix(".png"))
+        return
     if args._memory_probe is not None:
         contender, n = args._memory_probe
         print(json.dumps(memory_probe(contender, int(n), args)))
         return
     torch.set_num_threads(args.threads)
-    configs = build_configs(args.methods, args.option)
+    configs = all_configs(args)
+    names = contender_names(args)
     started = dt.datetime.now(dt.timezone.utc)
     res: dict[str, Any] = {
-        "provenance": provenance(seed=args.seed, loadavg_before=os.getloadavg()),
+        "provenance": provenance(seed=args.seed, device=args.device, loadavg_before=os.getloadavg()),
+        "backward": args.backward,
+        "device": args.device,
+        "sdpa_max": args.sdpa_max,
+        "contenders": names,
         "shape": {"B": B, "H": H, "d": D, "dtype": "float32"},
         "lengths": args.lengths,
         "repeats": args.repeats,
@@ -354,13 +510,15 @@ def main(argv: list[str] | None = None) -> None:
         "eager_max": args.eager_max,
         "methods": args.methods,
         "configs": {m: cfg.to_dict() for m, cfg in configs.items()},
-        "cost": {n: {c: cost_of(c, configs, n) for c in ["sdpa", "eager", *args.methods]} for n in args.lengths},
+        "cost": {n: {c: cost_of(c, configs, n) for c in names} for n in args.lengths},
     }
     res["skipped"] = skipped_dense(args, configs)
     for m, ns in res["skipped"].items():
-        print(f"[skip] {m} at N={ns}: dense (N x N scores) above --eager-max={args.eager_max}", file=sys.stderr)
+        print(f"[skip] {m} at N={ns}: above --eager-max / --sdpa-max", file=sys.stderr)
     res["memory"] = {} if args.no_memory else measure_memory(args, configs)
+    args.memory = res["memory"]
     res["times_s"] = time_all(args, configs)
+    res["skipped_reasons"] = dict(_SPARSEFINDER_SKIP)
     res["provenance"]["loadavg_after"] = os.getloadavg()
     res["provenance"]["wall_s"] = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
     print(report(res, configs))

@@ -1,4 +1,5 @@
-"""Render the README's results block from the committed result files (so the README is never typed).
+"""Render the README's results blocks from the committed result files (so the README is never typed): the
+results block, and the reproduced clustered-attention table (``approx table``).
 
 python recipes/update_readme.py            # rewrite the block between the results markers
 python recipes/update_readme.py --check    # exit 1 if the README is stale
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,11 +18,18 @@ from approx.fidelity import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->\n", "<!-- results:end -->"
+TABLE_START, TABLE_END = "<!-- clustered-table:start -->\n", "<!-- clustered-table:end -->"
 FIDELITY = [
     ("recipes/results/minilm_wikitext2_fidelity.json", "recipes/minilm_wikitext2_fidelity.py", "Clustered attention"),
     ("recipes/results/minilm_wikitext2_favor.json", "recipes/minilm_wikitext2_favor.py", "FAVOR+"),
 ]
-BENCHMARK = "benchmarks/results/attention_op_cpu.json"
+BENCHMARKS = [
+    "benchmarks/results/attention_op_cpu.json",
+    "benchmarks/results/attention_op_cpu_1thread.json",
+    "benchmarks/results/attention_op_cpu_sparsefinder.json",
+    "benchmarks/results/attention_op_cpu_backward.json",
+]
+WHOLE_MODEL = "benchmarks/results/whole_model_cpu.json"
 HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
     "recipes/results/minilm_wikitext2_harness.json",
@@ -42,28 +51,67 @@ def fidelity_block(path: str, recipe: str, title: str) -> str:
     )
 
 
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1000
+
+
 def benchmark_block(path: str) -> str:
     res = json.loads((ROOT / path).read_text())
-    methods = [m for m in res["methods"] if m != "full"]
-    head = "| N | sdpa ms | " + " | ".join(f"{m} ms (× SDPA)" for m in methods) + " |"
-    rows = [head, "|" + " --- |" * (2 + len(methods))]
+    names = res.get("contenders", ["sdpa", "eager", *res["methods"]])
+    cols = [c for c in names if c not in ("sdpa", "eager", "full")]
+    head = "| N | sdpa ms | " + " | ".join(f"{m} ms (× SDPA)" for m in cols) + " |"
+    rows = [head, "|" + " --- |" * (2 + len(cols))]
     for n in res["lengths"]:
-        times = {c: sorted(v)[len(v) // 2] * 1000 for c, v in res["times_s"][str(n)].items() if v}
-        cells = [f"{times[m]:.0f} ({times['sdpa'] / times[m]:.2f}×)" if m in times else "not run" for m in methods]
-        rows.append(f"| {n} | {times['sdpa']:.0f} | " + " | ".join(cells) + " |")
+        times = {c: _median_ms(v) for c, v in res["times_s"][str(n)].items() if v}
+        sdpa = times.get("sdpa")
+        cells = []
+        for m in cols:
+            ratio = f" ({sdpa / times[m]:.2f}×)" if sdpa and m in times else ""
+            cells.append(f"{times[m]:.0f}{ratio}" if m in times else "not run")
+        rows.append(f"| {n} | {f'{sdpa:.0f}' if sdpa else 'not run'} | " + " | ".join(cells) + " |")
     mem = res["memory"]
-    big = str(max(res["lengths"]))
+    big = str(max((int(n) for n in mem if mem[n].get("sdpa")), default=max(res["lengths"])))
     mem_line = ", ".join(
-        f"{c} {mem[big][c]['peak_extra_mib']:.0f} MiB" for c in ["sdpa", *methods] if c in mem.get(big, {})
+        f"{c} {mem[big][c]['peak_extra_mib']:.0f} MiB" for c in ["sdpa", *cols] if c in mem.get(big, {})
     )
-    configs = "; ".join(f"{m}: " + ", ".join(f"{k}={v}" for k, v in res["configs"][m].items()) for m in methods)
+    configs = "; ".join(
+        f"{m}: " + ", ".join(f"{k}={v}" for k, v in res["configs"][m].items()) for m in cols if m in res["configs"]
+    )
+    mode = "forward + backward" if res.get("backward") else "forward"
+    load = res["provenance"].get("loadavg_before")
     return (
-        f"**Attention op alone**, shape (1, 12, N, 64), float32 forward, {res['provenance']['torch_threads']} "
-        f"threads, median of {res['repeats']} interleaved calls (`python benchmarks/attention_op.py`; "
-        f"{_provenance_line(res['provenance'])}; full table, memory and plot in `benchmarks/results/`):\n\n"
+        f"**Attention op alone**, shape (1, 12, N, 64), float32 {mode}, {res['provenance']['torch_threads']} "
+        f"threads, median of {res['repeats']} interleaved calls (`{res['provenance'].get('command', path)}`; "
+        f"{_provenance_line(res['provenance'])}"
+        + (f"; load average {load[0]:.1f} before the run" if load else "")
+        + "; full table, memory and plot in `benchmarks/results/`):\n\n"
         + "\n".join(rows)
-        + f"\n\nPeak extra memory at N = {big}: {mem_line}. Settings: {configs}. Dense O(N²) methods are not run"
-        " above the eager limit (`--eager-max`).\n"
+        + (f"\n\nPeak extra memory at N = {big}: {mem_line}." if mem_line else "\n\n")
+        + f" Settings: {configs}"
+        + (" (clusters: about sqrt(N) per length)" if "sparsefinder" in cols else "")
+        + ". `METHOD+exact<L` is METHOD with `exact_below=L` (exact SDPA below L). Dense"
+        " O(N²) methods are not run above the eager limit (`--eager-max`), SDPA not above `--sdpa-max`.\n"
+    )
+
+
+def whole_model_block(path: str) -> str:
+    res = json.loads((ROOT / path).read_text())
+    names = [c for c in res["contenders"] if c != "sdpa"]
+    rows = ["| N | sdpa ms | " + " | ".join(f"{c} ms (× sdpa)" for c in names) + " |"]
+    rows.append("|" + " --- |" * (2 + len(names)))
+    for n in res["lengths"]:
+        t = {c: _median_ms(v) for c, v in res["times_s"][str(n)].items()}
+        cells = [f"{t[c]:.0f} ({t['sdpa'] / t[c]:.2f}×)" for c in names]
+        rows.append(f"| {n} | {t['sdpa']:.0f} | " + " | ".join(cells) + " |")
+    load = res["provenance"].get("loadavg_before")
+    return (
+        f"**Whole model**, MiniLM-L6 with positions extended (random beyond 512), batch 1, float32 forward, "
+        f"{res['threads']} threads, median of {res['repeats']} interleaved calls, every layer patched with the "
+        f"attention-op settings (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
+        + (f"; load average {load[0]:.1f} before the run" if load else "")
+        + "). *no-attention* returns the values unchanged: the ceiling of any attention approximation.\n\n"
+        + "\n".join(rows)
+        + "\n"
     )
 
 
@@ -83,12 +131,90 @@ def harness_block(paths: list[str]) -> str:
     return text + "\n\n".join(markdown_report(r) for r in runs) + "\n"
 
 
+SPARSEFINDER = "recipes/results/minilm_sparsefinder.json"
+
+
+def sparsefinder_block(path: str) -> str:
+    """Sparsity-recall per grouping and budget, and the hidden-state cosine at a few operating points."""
+    res = json.loads((ROOT / path).read_text())
+    fit, test = res["fit"], res["test"]
+    rows = ["| curve | knob | sparsity | recall | exact fraction |", "| --- | --- | --- | --- | --- |"]
+    for r in res["curves"]:
+        cells = [f"{r[x]:.3f}" for x in ("sparsity", "recall", "exact_fraction")]
+        rows.append(f"| {r['curve']} | {r['knob']}={r['value']} | " + " | ".join(cells) + " |")
+    ops = ["| setting | sparsity | recall | token cosine | worst token |", "| --- | --- | --- | --- | --- |"]
+    for o in res["operating_points"]:
+        knob = {"kmeans": "clusters", "bucketing": "buckets", "distance": "threshold"}[o["grouping"]]
+        top = f", top_clusters={o['top_clusters']}" if "top_clusters" in o else ""
+        ops.append(
+            f"| {o['grouping']} {knob}={o[knob]}{top} | {o['sparsity']:.3f} | {o['recall']:.3f} | "
+            f"{o['token_cosine']:.4f} | {o['worst_token_cosine']:.4f} |"
+        )
+    return (
+        f"**Sparsefinder**, zero-shot (`target=softmax`) on MiniLM-L6: fitted on {fit['windows']} WikiText-2 "
+        f"validation windows ({fit['steps']} steps per layer, {fit['seconds']:.0f} s with "
+        f"{fit['threads']} thread), measured on {test['windows']} test windows of {test['length']} tokens "
+        f"(`python recipes/minilm_sparsefinder.py`; {_provenance_line(res['provenance'])}; plot "
+        "`recipes/results/minilm_sparsefinder.png`). Gold graph: the 1.5-entmax support of the unpatched model's "
+        "scores; every setting adds window 1 and global CLS; all layers and heads summed:\n\n"
+        + "\n".join(rows)
+        + "\n\nHidden-state cosine to the unpatched model at a few of these settings (softmax on Ĝ in every "
+        "layer, fast path; sparsity and recall as in the sweep):\n\n" + "\n".join(ops) + "\n"
+    )
+
+
 def render() -> str:
     parts = [fidelity_block(*f) for f in FIDELITY if (ROOT / f[0]).is_file()]
     parts.append(harness_block(HARNESS))
-    if (ROOT / BENCHMARK).is_file():
-        parts.append(benchmark_block(BENCHMARK))
+    if (ROOT / SPARSEFINDER).is_file():
+        parts.append(sparsefinder_block(SPARSEFINDER))
+    for path in BENCHMARKS:
+        if (ROOT / path).is_file():
+            parts.append(benchmark_block(path))
+    if (ROOT / WHOLE_MODEL).is_file():
+        parts.append(whole_model_block(WHOLE_MODEL))
     return "\n".join(parts)
+
+
+def clustered_table() -> str:
+    """The reproduced clustered-attention table (``approx table``), from recipes/results/clustered_table_*.json."""
+    from approx.table import load_results, markdown_table
+
+    text = markdown_table(load_results(ROOT / "recipes" / "results")) + "\n"
+    for path in sorted((ROOT / "recipes" / "results").glob("favor_recovery_*.json")):
+        text += "\n" + favor_recovery_block(json.loads(path.read_text()))
+    return text
+
+
+def favor_recovery_block(r: dict) -> str:
+    """The Performer claim on one task: zero-shot drop and the recovery curve (recipes/favor_recovery.py)."""
+    metric = r["metric"]
+    within = r["steps_to_within_1_point"]
+    steps = r["curve"][-1]["step"]
+    verdict = (
+        f"within 1 point of full attention after **{within} steps**"
+        if within is not None
+        else f"**not** within 1 point of full attention after {steps} steps"
+    )
+    curve = ", ".join(f"{c['step']}: {c[metric]:.1f}" for c in r["curve"])
+    w = r["wall_seconds"]
+    return (
+        f"**FAVOR+ recovery** (`python recipes/favor_recovery.py`; {_provenance_line(r['provenance'])}): "
+        f"{r['task']} {metric} of the full-attention checkpoint {r['full']:.1f}; with FAVOR+ "
+        f"({r['method']['features']} features) swapped in zero-shot {r['zero_shot']:.1f} "
+        f"({-r['zero_shot_drop']:+.1f}); fine-tuning the patched model, it is {verdict} "
+        f"(step: {metric}: {curve}). Protocol: {r['protocol']}; {r['examples']} evaluation examples. CPU wall "
+        f"time {w['favor_finetune_with_evaluations'] / 60:.0f} min for the FAVOR+ fine-tuning with its evaluations "
+        "(the base checkpoint is the clustered table's).\n"
+    )
+
+
+def _replace_block(text: str, start: str, end: str, body: str) -> str:
+    if start not in text:  # the block is optional: nothing to do when its markers are absent
+        return text
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return head + start + body + end + tail
 
 
 def main() -> int:
@@ -97,9 +223,8 @@ def main() -> int:
     args = parser.parse_args()
     readme = ROOT / "README.md"
     text = readme.read_text()
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    new = head + START + render() + END + tail
+    new = _replace_block(text, START, END, render())
+    new = _replace_block(new, TABLE_START, TABLE_END, clustered_table())
     if args.check:
         return 0 if new == text else 1
     readme.write_text(new)

@@ -27,9 +27,22 @@ def padded_mask(n, real_last_row):
     return mask
 
 
+_FITTED: dict = {}
+
+
 def layer(method, **options):
+    """A fresh layer; a method with learned state (``needs_fit``) is fitted on the tests' own inputs
+    (``make_qkv()`` with a padded row), once per option set."""
     spec = get_method(method)
-    return ApproxAttention(method, spec.config_class(**options), head_dim=D)
+    lyr = ApproxAttention(method, spec.config_class(**options), head_dim=D)
+    if spec.needs_fit:
+        key = (method, tuple(sorted(options.items())))
+        if key not in _FITTED:
+            q, k, _ = make_qkv()
+            lyr.fit([(q, k, padded_mask(120, 90), D**-0.5)])
+            _FITTED[key] = lyr.state()
+        lyr.load_state(_FITTED[key])
+    return lyr
 
 
 def small_budget(method):
@@ -127,6 +140,40 @@ def test_cost_is_reported(method):
     spec = get_method(method)
     cost = spec.cost(spec.config_class(**small_budget(method)), n=1024, s=1024, d=64, dv=64)
     assert 0 <= cost.qk_pairs <= 1024 * 1024 and 0 < cost.flops
+
+
+FALLBACK = [m for m in METHODS if "exact_below" in get_method(m).config_class.option_names()]
+
+
+@pytest.mark.parametrize("method", FALLBACK)
+def test_exact_below_threshold_equals_reference(method):
+    """``exact_below``: a batch row with fewer real tokens gets exact attention (float64 reference); a row
+    at or above the threshold is approximated, in the same batch and on the whole-batch short cut."""
+    q, k, v = make_qkv(dtype=torch.float64)
+    mask = padded_mask(120, 90)  # row 0: 120 real tokens, row 1: 90
+    ref = naive_attention(q, k, v, mask)
+    out = layer(method, exact_below=100, **small_budget(method))(q, k, v, mask)
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-9, atol=1e-9)
+    assert (out[0] - ref[0]).abs().max() > 1e-3, "row 0 (120 >= 100 real tokens) should be approximated"
+    approx_only = layer(method, **small_budget(method))(q, k, v, mask)  # default 0: never exact
+    torch.testing.assert_close(out[0], approx_only[0], rtol=1e-9, atol=1e-9)
+    assert (approx_only[1] - ref[1]).abs().max() > 1e-3
+    everything = layer(method, exact_below=121, **small_budget(method))(q, k, v, mask)
+    torch.testing.assert_close(everything, ref, rtol=1e-9, atol=1e-9)
+    w = layer(method, exact_below=100, **small_budget(method)).weights(q, k, mask)
+    torch.testing.assert_close(w[1], naive_weights(q, k, mask)[1], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", FALLBACK)
+def test_exact_below_default_off_and_in_cost(method):
+    spec = get_method(method)
+    assert spec.config_class().exact_below == 0  # honest measurements by default
+    on = spec.cost(spec.config_class(exact_below=2048, **small_budget(method)), n=1024, s=1024, d=64, dv=64)
+    assert on.qk_pairs == 1024 * 1024
+    off = spec.cost(spec.config_class(exact_below=1024, **small_budget(method)), n=1024, s=1024, d=64, dv=64)
+    assert off.qk_pairs < 1024 * 1024
+    with pytest.raises(ValueError, match="exact_below"):
+        spec.config_class(exact_below=-1)
 
 
 def test_full_matches_float64_reference():

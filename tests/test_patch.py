@@ -17,6 +17,14 @@ def options(method):
     return {k: v for k, v in APPROX_OPTIONS.get(method, {}).items() if k in names}
 
 
+def patched(model, method, **opts):
+    """``approx.patch``, then ``approx.fit`` on the tests' own batch for methods with learned state."""
+    approx.patch(model, method, **opts)
+    if approx.get_method(method).needs_fit:
+        approx.fit(model, [batch(48, pad=13)], progress=False, steps=100)
+    return model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head", HEADS)
 def test_full_reproduces_unpatched_model(family, head):
@@ -48,7 +56,7 @@ def test_unpatch_is_bit_exact(family):
 @pytest.mark.parametrize("method", METHODS)
 def test_model_padding_invariance(family, method):
     """Appending pads to a sequence leaves its real-token outputs unchanged, for every method."""
-    model = approx.patch(tiny_model(family), method, **options(method))
+    model = patched(tiny_model(family), method, **options(method))
     short = batch(40)
     padded = {k: torch.cat([v, torch.zeros(2, 17, dtype=v.dtype)], dim=1) for k, v in short.items()}
     with torch.no_grad():
@@ -74,7 +82,7 @@ def test_iclustered_with_topk_covering_all_keys_equals_unpatched(family):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_gradients_reach_attention_projections(method):
-    model = approx.patch(tiny_model("bert", "sequence-classification"), method, **options(method))
+    model = patched(tiny_model("bert", "sequence-classification"), method, **options(method))
     model.train()
     out = model(**batch(48, pad=13), labels=torch.tensor([0, 1]))
     out.loss.backward()
@@ -89,7 +97,7 @@ def test_half_precision_model(dtype):
     with torch.no_grad():
         ref = model_output(model, **inputs).float()
         for method in METHODS:
-            approx.patch(model, method, **options(method))
+            patched(model, method, **options(method))
             out = model_output(model, **inputs)
             assert out.dtype == dtype and torch.isfinite(out).all(), method
             assert torch.nn.functional.cosine_similarity(out.float(), ref, dim=-1).mean() > 0.5, method
@@ -125,9 +133,9 @@ def test_save_load_round_trip(tmp_path, method, head):
     import transformers
 
     model = tiny_model("roberta", head)
-    approx.patch(model, method, **options(method), seed=3) if "seed" in approx.get_method(
+    patched(model, method, **options(method), seed=3) if "seed" in approx.get_method(
         method
-    ).config_class.option_names() else approx.patch(model, method)
+    ).config_class.option_names() else patched(model, method)
     approx.patch(model, "full", layers=[1])
     inputs = batch(48, pad=13)
     with torch.no_grad():

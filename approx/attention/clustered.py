@@ -20,7 +20,13 @@ Choices made here (see ``../shared/reference/methods.md`` section 1):
   position), never on the padded length, so appending padding changes nothing for real tokens.
   Hamming distances are computed as +-1 dot products (``B - 2 * hamming``); centroids are the bitwise
   majority of their members (a tie keeps the previous bit); an empty cluster gets a fresh random code.
-* Sequences with at most C real queries fall back to exact attention, per batch row.
+* Sequences with at most C real queries fall back to exact attention, per batch row; so do sequences with
+  fewer than ``exact_below`` real tokens (off by default, so that measurements at short lengths measure the
+  approximation; set it to the crossover length for speed).
+* Speed (plain PyTorch, no Python loop over clusters, heads or batch items): the vote sums of the K-means are
+  updated with the queries that moved only and the loop stops at a fixed point (both give identical
+  results), only the 4C first queries in priority order are packed to pick the initial codes, and per-cluster
+  rows are copied with ``index_select`` on flattened tables rather than gathered element by element.
 """
 
 from __future__ import annotations
@@ -52,9 +58,15 @@ class ClusteredConfig(MethodConfig):
     iterations: int = option(10, "Lloyd iterations of the Hamming K-means (reference default 10)")
     bits: int = option(63, "bits B of the LSH code of a query; codes are packed in int64, so at most 63")
     seed: int = option(0, "seed of the hash planes and of the K-means initialisation")
+    exact_below: int = option(
+        0,
+        "sequences with fewer real tokens get exact attention (0 = never; set it to the measured crossover for "
+        "speed, README 'Speed'; rows with at most C real tokens are always exact)",
+    )
 
     def check(self) -> None:
         self.require(self.clusters >= 1, "clusters", "need at least one cluster")
+        self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
         self.require(self.iterations >= 0, "iterations", "cannot be negative")
         self.require(1 <= self.bits <= 63, "bits", "a code is packed into a signed 64-bit integer: 1 to 63 bits")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
@@ -71,7 +83,7 @@ def init_state(config: ClusteredConfig, *, head_dim: int, seed: int) -> dict[str
 
 
 def cost(config: ClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    if n <= config.clusters:
+    if n <= config.clusters or n < config.exact_below:
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s)
     c, b = config.clusters, config.bits
     hashing = 2 * n * b * d
@@ -102,9 +114,16 @@ def hash_queries(
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """(..., B) bool -> (...,) int64 code, B <= 63."""
-    weights = torch.ones((), dtype=torch.int64, device=bits.device) << torch.arange(bits.shape[-1], device=bits.device)
-    return (bits.long() * weights).sum(-1)
+    """(..., B) bool -> (...,) int64 code, B <= 63: eight bits to a byte, eight bytes viewed as one int64.
+
+    Only equality of codes is used, so the byte order does not matter; working in uint8 moves an eighth of
+    the memory that int64 shifts would.
+    """
+    lead, nbits = bits.shape[:-1], bits.shape[-1]
+    padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, 64 - nbits))  # (..., 64)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    packed = (padded.view(*lead, 8, 8) * weights).sum(-1, dtype=torch.uint8)  # (..., 8) bytes
+    return packed.view(torch.int64).view(lead)
 
 
 class _FreshCodes:
@@ -128,62 +147,135 @@ class _FreshCodes:
         return self.table[draw][None]
 
 
+def _distinct_by_priority(codes: torch.Tensor, real: torch.Tensor, clusters: int):
+    """Among queries listed in priority order, the first occurrence of each distinct real code.
+
+    ``codes`` and ``real`` are (B, H, M) in priority order. Returns the rank (position in that order) of the
+    C best distinct codes (B, H, C), ``>= M`` where fewer than C distinct real codes exist, and their positions.
+    """
+    m = codes.shape[-1]
+    by_code = codes.argsort(dim=-1, stable=True)  # equal codes together, highest priority first
+    codes_g = codes.gather(-1, by_code)
+    first = torch.ones_like(codes_g, dtype=torch.bool)
+    first[..., 1:] = codes_g[..., 1:] != codes_g[..., :-1]
+    rank = torch.where(first & real.gather(-1, by_code), by_code, by_code + m)  # priority rank of each code
+    chosen, sel = rank.topk(min(clusters, m), dim=-1, largest=False)  # (B, H, C)
+    return chosen, by_code.gather(-1, sel)
+
+
 def _initial_centroids(
-    codes: torch.Tensor,
+    bits: torch.Tensor,
     signs: torch.Tensor,
     real: torch.Tensor,
     clusters: int,
     salt: torch.Tensor,
     fresh: _FreshCodes,
 ) -> torch.Tensor:
-    """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits)."""
+    """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits).
+
+    The order is by a hash of (salt, head, position), padded queries last. Only the first 4C queries in that
+    order are packed and compared; where they hold fewer than C distinct codes (many equal queries), every
+    query is. Both give the same choice: the C highest-priority distinct codes.
+    """
     batch, heads, n, nbits = signs.shape
-    pos = torch.arange(n, device=codes.device)
-    head = torch.arange(heads, device=codes.device)
-    prio = hash_ints(salt.to(codes.device), head[:, None], pos[None, :]).expand(batch, heads, n)
+    pos = torch.arange(n, device=signs.device)
+    head = torch.arange(heads, device=signs.device)
+    prio = hash_ints(salt.to(signs.device), head[:, None], pos[None, :]).expand(batch, heads, n)
     prio = prio.masked_fill(~real[:, None, :], 2**40)  # padded queries last
-    order = prio.argsort(dim=-1, stable=True)  # (B, H, N) positions by priority
-    codes_o = codes.gather(-1, order)
-    by_code = codes_o.argsort(dim=-1, stable=True)  # equal codes together, highest priority first
-    codes_g = codes_o.gather(-1, by_code)
-    first = torch.ones_like(codes_g, dtype=torch.bool)
-    first[..., 1:] = codes_g[..., 1:] != codes_g[..., :-1]
-    real_g = real[:, None, :].expand(batch, heads, n).gather(-1, order).gather(-1, by_code)
-    rank = torch.where(first & real_g, by_code, by_code + n)  # priority rank of each distinct code
-    chosen, sel = rank.topk(clusters, dim=-1, largest=False)  # (B, H, C)
-    query = order.gather(-1, by_code.gather(-1, sel))  # positions of the chosen queries
+    key = prio * n + pos  # unique, so the order equals a stable sort of the priorities
+    real_h = real[:, None, :].expand(batch, heads, n)
+
+    def pick(m: int):
+        order = key.topk(m, dim=-1, largest=False).indices if m < n else key.argsort(dim=-1)  # (B, H, M)
+        cand = bits.gather(2, order[..., None].expand(-1, -1, -1, nbits))
+        chosen, sel = _distinct_by_priority(pack_bits(cand), real_h.gather(-1, order), clusters)
+        return chosen, order.gather(-1, sel), m
+
+    chosen, query, m = pick(min(n, 4 * clusters))
+    if m < n and bool((chosen >= m).any()):
+        chosen, query, m = pick(n)
     cent = signs.gather(2, query[..., None].expand(-1, -1, -1, nbits))
-    missing = chosen >= n  # fewer distinct codes than clusters
+    missing = chosen >= m  # fewer distinct codes than clusters
     return torch.where(missing[..., None], fresh[0], cent) if bool(missing.any()) else cent
 
 
 def _assign(signs: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """Nearest centroid in Hamming distance: argmax of +-1 agreement. (B, H, N)."""
-    return (signs @ cent.transpose(-1, -2)).max(-1).indices  # first maximum on ties, like argmax; faster on CPU
+    """Nearest centroid in Hamming distance: the first maximum of the +-1 agreement. (B, H, N).
+
+    The agreement ``signs . cent`` is an integer in [-bits, bits]; with P >= C a power of two, the key
+    ``P * agreement - c`` is largest for the best cluster and, among equal agreements, for the first one, so a
+    plain ``amax`` (much faster than ``max(...).indices`` over a short last dimension) gives the index as
+    ``-key mod P``. The key is one matrix product of ``[signs, 1]`` with ``[P * cent, -c]``: integers below
+    2**24, exact in float32 whatever the summation order.
+    """
+    clusters, nbits = cent.shape[-2], cent.shape[-1]
+    p = 1 << max(clusters - 1, 1).bit_length()  # power of two >= C
+    if (nbits + 1) * p >= 2**24:  # keys would not be exact in float32: plain argmax
+        return (signs[..., :nbits] @ cent.transpose(-1, -2)).max(-1).indices
+    tag = -torch.arange(clusters, dtype=cent.dtype, device=cent.device).expand(*cent.shape[:-1])
+    key = signs @ torch.cat([cent * p, tag[..., None]], dim=-1).transpose(-1, -2)  # (B, H, N, C)
+    return torch.remainder(-key.amax(-1).long(), p)
 
 
 def hamming_kmeans(
     bits: torch.Tensor, query_mask: torch.Tensor | None, clusters: int, iterations: int, salt: torch.Tensor
 ) -> torch.Tensor:
-    """Cluster index of every query, (B, H, N) long. Padded queries take no part (their index is arbitrary)."""
+    """Cluster index of every query, (B, H, N) long. Padded queries take no part (their index is arbitrary).
+
+    Lloyd iterations: assign every query to its nearest centroid, then set each centroid to the bitwise
+    majority of its members. Each (batch row, head) is its own K-means; all of them run together as one
+    batch of matrix products. Two shortcuts leave the result identical:
+
+    * the vote sums are integers held exactly in float32, so after the first iteration they are updated
+      with the queries that moved only;
+    * a (batch row, head) in which no query moved and no cluster is empty is at a fixed point (its centroids
+      would not change again), so its assignment is final and it leaves the batch.
+    """
     batch, heads, n, nbits = bits.shape
-    real = torch.ones(batch, n, dtype=torch.bool, device=bits.device) if query_mask is None else query_mask
-    signs = bits.float() * 2 - 1  # (B, H, N, bits)
-    fresh = _FreshCodes(salt, iterations + 1, heads, clusters, nbits, bits.device)
-    cent = _initial_centroids(pack_bits(bits), signs, real, clusters, salt, fresh)  # (B, H, C, bits)
-    w = real[:, None, :].float().expand(batch, heads, n).reshape(-1)  # (B*H*N,)
-    members = (signs * w.view(batch, heads, n, 1)).reshape(-1, nbits)  # padded queries vote with 0
-    offset = torch.arange(batch * heads, device=bits.device).view(batch, heads, 1) * clusters
+    g, dev = batch * heads, bits.device
+    real = torch.ones(batch, n, dtype=torch.bool, device=dev) if query_mask is None else query_mask
+    signs = torch.where(bits, 1.0, -1.0)  # (B, H, N, bits)
+    fresh = _FreshCodes(salt, iterations + 1, heads, clusters, nbits, dev)
+    cent = _initial_centroids(bits, signs, real, clusters, salt, fresh).reshape(g, clusters, nbits)
+    w = real[:, None, :].float().expand(batch, heads, n).reshape(g * n, 1)  # padded queries vote with 0
+    # one row per query: its +-1 vote on every bit and, last, its weight; votes[:, -1] counts the members.
+    # Votes and counts move together in one index_add_ per iteration (few kernel launches: each can stall
+    # when the CPU cores are shared).
+    members = torch.cat([signs.reshape(g * n, nbits) * w, w], dim=-1)  # (G*N, bits + 1)
+    live_signs = torch.cat([signs, signs.new_ones(batch, heads, n, 1)], dim=-1).reshape(g, n, nbits + 1)
+    votes = torch.zeros(g * clusters, nbits + 1, device=dev)
+    result = torch.empty(g, n, dtype=torch.long, device=dev)
+    live = torch.arange(g, device=dev)  # the (batch row, head) series still iterating
+    previous = empty = None  # (L, N) assignments and (L, C) empty clusters of the live series
     for it in range(iterations):
-        flat = (_assign(signs, cent) + offset).reshape(-1)  # cluster index in a (B*H*C) table
-        votes = torch.zeros(batch * heads * clusters, nbits, device=bits.device).index_add_(0, flat, members)
-        count = torch.zeros(batch * heads * clusters, device=bits.device).index_add_(0, flat, w)
-        votes, count = votes.view_as(cent), count.view(batch, heads, clusters)
-        cent = torch.where(votes == 0, cent, torch.sign(votes))  # majority; a tie keeps the bit
-        empty = count == 0
+        a = _assign(live_signs, cent[live])  # (L, N)
+        rows = live[:, None] * clusters + a  # rows of the (G*C) vote table
+        if previous is None or empty is None:
+            votes.index_add_(0, rows.reshape(-1), members)
+        else:
+            moved = a != previous
+            s_idx, pos = moved.nonzero(as_tuple=True)
+            if s_idx.numel():
+                src = members[live[s_idx] * n + pos]
+                into, out_of = rows[s_idx, pos], live[s_idx] * clusters + previous[s_idx, pos]
+                votes.index_add_(0, torch.cat([into, out_of]), torch.cat([src, -src]))
+            done = ~moved.any(-1) & ~empty.any(-1)  # fixed points: their assignment is final
+            if bool(done.any()):
+                result[live[done]] = a[done]
+                keep = ~done
+                live, a, live_signs = live[keep], a[keep], live_signs[keep]
+                if live.numel() == 0:
+                    return result.view(batch, heads, n)
+        previous = a
+        v = votes.view(g, clusters, nbits + 1)[live]  # (L, C, bits + 1)
+        c = torch.where(v[..., :-1] == 0, cent[live], torch.sign(v[..., :-1]))  # majority; a tie keeps the bit
+        empty = v[..., -1] == 0
         if bool(empty.any()):
-            cent = torch.where(empty[..., None], fresh[it + 1], cent)
-    return _assign(signs, cent)
+            codes = fresh[it + 1].expand(batch, heads, clusters, nbits).reshape(g, clusters, nbits)
+            c = torch.where(empty[..., None], codes[live], c)
+        cent[live] = c
+    result[live] = _assign(live_signs, cent[live])
+    return result.view(batch, heads, n)
 
 
 def cluster_queries(
@@ -194,15 +286,25 @@ def cluster_queries(
     return hamming_kmeans(bits, query_mask, config.clusters, config.iterations, state["salt"])
 
 
+def _flat_index(assign: torch.Tensor, clusters: int) -> torch.Tensor:
+    """(B, H, N) cluster indices -> (B*H*N,) row indices into a (B*H*C, ...) table."""
+    batch, heads, _ = assign.shape
+    offset = torch.arange(batch * heads, device=assign.device).view(batch, heads, 1) * clusters
+    return (assign + offset).reshape(-1)
+
+
 def centroids(q: torch.Tensor, assign: torch.Tensor, query_mask: torch.Tensor | None, clusters: int):
     """Mean of the member queries of each cluster (B, H, C, d) and the member counts (B, H, C)."""
     batch, heads, n, d = q.shape
-    real = torch.ones(batch, n, dtype=torch.bool, device=q.device) if query_mask is None else query_mask
-    w = real[:, None, :].to(q.dtype).expand(batch, heads, n)
-    q = q.masked_fill(~real[:, None, :, None], 0.0)
-    total = torch.zeros(batch, heads, clusters, d, dtype=q.dtype, device=q.device)
-    total = total.scatter_add(2, assign[..., None].expand(-1, -1, -1, d), q)
-    count = torch.zeros(batch, heads, clusters, dtype=q.dtype, device=q.device).scatter_add(2, assign, w)
+    flat = _flat_index(assign, clusters)
+    rows = q.reshape(-1, d)
+    if query_mask is not None:
+        rows = q.masked_fill(~query_mask[:, None, :, None], 0.0).reshape(-1, d)
+        w = query_mask[:, None, :].to(q.dtype).expand(batch, heads, n).reshape(-1)
+    else:
+        w = torch.ones(batch * heads * n, dtype=q.dtype, device=q.device)
+    sums = q.new_zeros(batch * heads * clusters, d + 1).index_add(0, flat, torch.cat([rows, w[:, None]], dim=-1))
+    total, count = sums[:, :d].view(batch, heads, clusters, d), sums[:, d].view(batch, heads, clusters)
     return total / count.clamp_min(1.0)[..., None], count
 
 
@@ -214,19 +316,21 @@ def centroid_attention(qc: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor
     return scores.softmax(-1)
 
 
-def short_rows(query_mask: torch.Tensor | None, n: int, clusters: int, batch: int, device) -> torch.Tensor:
-    """Batch rows with at most ``clusters`` real queries: they get exact attention. (B,) bool."""
-    if query_mask is None:
-        return torch.full((batch,), n <= clusters, dtype=torch.bool, device=device)
-    return query_mask.sum(-1) <= clusters
+def short_rows(query_mask: torch.Tensor | None, n: int, config: ClusteredConfig, batch: int, device) -> torch.Tensor:
+    """Batch rows that get exact attention: at most C real queries, or fewer than ``exact_below``. (B,) bool."""
+    real = torch.full((batch,), n, device=device) if query_mask is None else query_mask.sum(-1)
+    return (real <= config.clusters) | (real < config.exact_below)
 
 
 def gather_clusters(x: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
-    """Per-query rows of a per-cluster tensor: (B, H, C, *F) x (B, H, N) -> (B, H, N, *F)."""
+    """Per-query rows of a per-cluster tensor: (B, H, C, *F) x (B, H, N) -> (B, H, N, *F).
+
+    Rows are copied whole (``index_select`` on a (B*H*C, F) table), much faster on CPU than an elementwise
+    ``gather`` with an index expanded over F.
+    """
     batch, heads, c = x.shape[:3]
-    flat = x.reshape(batch, heads, c, -1)
-    out = flat.gather(2, assign[..., None].expand(-1, -1, -1, flat.shape[-1]))
-    return out.reshape(*assign.shape, *x.shape[3:])
+    flat = x.reshape(batch * heads * c, -1).index_select(0, _flat_index(assign, c))
+    return flat.view(*assign.shape, *x.shape[3:])
 
 
 def prepare(q, k, v, key_mask, query_mask, config, state, scale):
@@ -247,17 +351,19 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
 def run(q, k, v, key_mask, query_mask, scale, config, state, finish, *, dense: bool = False) -> torch.Tensor:
     """The driver shared by clustered and improved-clustered attention.
 
-    Sequences with at most C real queries get exact attention (or, with ``dense``, the exact attention
-    matrix); the others are clustered and ``finish(q, k, v, key_mask, assign, ac)`` computes their output.
+    Sequences with at most C real queries, or fewer than ``config.exact_below``, get exact attention (or, with
+    ``dense``, the exact attention matrix); the others are clustered and ``finish(q, k, v, key_mask, assign, ac)`` computes their output.
     """
 
     def exact(q_, k_, v_, m_):
         return dense_softmax(q_, k_, m_, scale) if dense else exact_attention(q_, k_, v_, m_, scale)
 
     batch, _, n, _ = q.shape
-    if n <= config.clusters:
+    if n <= config.clusters or n < config.exact_below:
         return exact(q, k, v, key_mask)
-    short = short_rows(query_mask, n, config.clusters, batch, q.device)
+    short = short_rows(query_mask, n, config, batch, q.device)
+    if bool(short.all()):
+        return exact(q, k, v, key_mask)
     qf, kf, vf, km, assign, ac = prepare(q, k, v, key_mask, query_mask, config, state, scale)
     out = finish(qf, kf, vf, km, assign, ac)
     out = exact_for_rows(out, short, lambda r: exact(qf[r], kf[r], vf[r], None if km is None else km[r]))

@@ -19,12 +19,15 @@ Choices made here (see ``../shared/reference/methods.md`` section 3):
   (``tests/test_favor.py::test_hyperbolic_default_is_the_more_accurate`` keeps checking it). On MiniLM-L6
   zero-shot the two are within noise of each other (``recipes/results/minilm_wikitext2_favor.json``).
 * Stability: the query factor exp(-|q~|^2/2) and a per-query maximum of w.q~ are constants of each output
-  row, so they cancel in D^-1 and are dropped / subtracted before exp; for keys one maximum over all real
+  row, so they cancel in D^-1 and are dropped / subtracted before exp (the fast path takes a row softmax of
+  the query projections, which is phi(q) over a per-row constant); for keys one maximum over all real
   keys of a (batch, head) is subtracted, tracked online while keys are summed in chunks (so no (N, m)
   feature tensor is ever held whole: memory O(chunk * m + m * dv) beyond inputs). Nothing overflows in float16/bfloat16 (computed in float32). D is
   floored at ``stabilizer``, which only matters when every feature of a row underflows.
 * Padding: the feature rows of padded keys are zeroed, so they enter neither the numerator nor the
   normaliser D (both reference implementations only zero the values, so padding changed real outputs).
+* ``exact_below``: batch rows with fewer real tokens than this get exact attention (0, the default, never:
+  measurements at short lengths then measure the approximation, not the fallback).
 * ``kernel="relu"``: the generalised kernel phi(x) = ReLU(w.x) + relu_eps of the Performer paper.
 """
 
@@ -37,7 +40,14 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, register
-from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._common import (
+    compute_dtype,
+    dense_softmax,
+    exact_attention,
+    exact_for_rows,
+    safe_key_mask,
+    zero_padded_values,
+)
 
 KERNELS = ("softmax", "relu")
 
@@ -55,6 +65,11 @@ class FavorConfig(MethodConfig):
     stabilizer: float = option(1e-12, "floor of the normaliser D; acts only if every feature of a row underflows")
     relu_eps: float = option(1e-3, "eps added to the relu kernel's features (the Performer code's default)")
     seed: int = option(0, "seed of the random directions")
+    exact_below: int = option(
+        0,
+        "sequences with fewer real tokens get exact attention (0 = never; set it to the measured crossover for "
+        "speed, README 'Speed')",
+    )
 
     def check(self) -> None:
         self.require(self.features >= 1, "features", "need at least one random feature")
@@ -68,6 +83,7 @@ class FavorConfig(MethodConfig):
             value = getattr(self, name)
             self.require(value >= 0 and math.isfinite(value), name, "must be a finite non-negative number")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
+        self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
 
     @property
     def directions(self) -> int:
@@ -93,6 +109,8 @@ def init_state(config: FavorConfig, *, head_dim: int, seed: int) -> dict[str, to
 
 
 def cost(config: FavorConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
+    if n < config.exact_below:
+        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s)
     m = config.features
     features = 2 * (n + s) * config.directions * d
     return Cost(flops=features + 2 * s * m * (dv + 1) + 2 * n * m * (dv + 1), qk_pairs=0)
@@ -152,53 +170,50 @@ def _features(q, k, key_mask, scale, config, omega):
 _CHUNK = 1024
 
 
-def _feature_blocks(x, omega, scale, config, *, with_norm: bool) -> list[torch.Tensor]:
-    """Log-features of x in blocks of m' columns, (B, H, n, m') each: [w.x~] for the relu kernel, and for
-    softmax features w.x~ (minus |x~|^2 / 2 ``with_norm``) plus, when hyperbolic, the mirrored block for -w.
-    The fast path keeps the +-w blocks apart instead of concatenating them (no copies)."""
-    proj = x @ (omega * math.sqrt(scale)).t()
-    if config.kernel == "relu":
-        return [proj]
-    neg_half_sq = x.square().sum(-1, keepdim=True) * (-scale / 2) if with_norm else None
-    if not config.hyperbolic:
-        return [proj if neg_half_sq is None else proj.add_(neg_half_sq)]
-    minus = proj.neg() if neg_half_sq is None else torch.sub(neg_half_sq, proj)
-    return [proj if neg_half_sq is None else proj.add_(neg_half_sq), minus]
+def _fast_directions(omega: torch.Tensor, scale: float, config: FavorConfig) -> torch.Tensor:
+    """(d, m) matrix of the feature projections w.x~: sqrt(s) w, followed by -sqrt(s) w when hyperbolic."""
+    w = omega * math.sqrt(scale)
+    if config.kernel == "softmax" and config.hyperbolic:
+        w = torch.cat([w, -w])
+    return w.t()
 
 
-def _key_summary(k, v, key_mask, scale, config, omega) -> list[torch.Tensor]:
-    """[phi(K)^T [V, 1]] per feature block, (B, H, m', dv + 1): the value sums and, in the last column,
-    the normaliser sums, accumulated over chunks of keys.
+def _key_summary(k, v, key_mask, scale, config, w) -> torch.Tensor:
+    """phi(K)^T [V, 1], (B, H, m, dv + 1): the value sums and, in the last column, the normaliser sums,
+    accumulated over chunks of keys.
 
     For softmax features the maximum subtracted for stability is tracked online: when a chunk raises it,
-    the running sums are rescaled by exp(old - new), so the result equals one global subtraction.
+    the running sums are rescaled by exp(old - new), so the result equals one global subtraction. The
+    log-features w.k~ - |k~|^2 / 2 come from one ``baddbmm`` (the norm term is its additive input).
     """
-    batch, heads, s, _ = k.shape
+    batch, heads, s, d = k.shape
     ones = v.new_ones(batch, heads, s, 1)
-    summary: list[torch.Tensor] | None = None
+    summary: torch.Tensor | None = None
     top = k.new_full((batch, heads), float("-inf"))  # running maximum of the key log-features
     for start in range(0, s, _CHUNK):
         kc = k[:, :, start : start + _CHUNK]
+        n = kc.shape[2]
         vc = torch.cat([v[:, :, start : start + _CHUNK], ones[:, :, start : start + _CHUNK]], dim=-1)
         mc = None if key_mask is None else key_mask[:, start : start + _CHUNK]
-        blocks = _feature_blocks(kc, omega, scale, config, with_norm=True)
         if config.kernel == "relu":
-            phis = [torch.relu(blocks[0]) + config.relu_eps]
+            phi = torch.relu(kc @ w) + config.relu_eps
         else:
-            row_max = torch.stack([b.detach().amax(-1) for b in blocks]).amax(0)  # (B, H, n)
+            neg_half_sq = kc.square().sum(-1, keepdim=True) * (-scale / 2)  # (B, H, n, 1)
+            logits = torch.baddbmm(neg_half_sq.reshape(-1, n, 1), kc.reshape(-1, n, d), w.expand(batch * heads, d, -1))
+            logits = logits.view(batch, heads, n, -1)  # (B, H, n, m): log(sqrt(m) phi(k))
+            row_max = logits.detach().amax(-1)  # (B, H, n)
             if mc is not None:
                 row_max = row_max.masked_fill(~mc[:, None, :], float("-inf"))
             new_top = torch.maximum(top, row_max.amax(-1))
             new_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # no real key yet
-            rescale = torch.exp(top - new_top)[..., None, None]  # exp(-inf) = 0 before the first real key
             if summary is not None:
-                summary = [t * rescale for t in summary]
+                summary = summary * torch.exp(top - new_top)[..., None, None]  # exp(-inf) = 0: no real key before
             top = new_top
-            phis = [b.sub_(top[..., None, None]).exp_() for b in blocks]
+            phi = logits.sub_(top[..., None, None]).exp_()
         if mc is not None:
-            phis = [phi * mc[:, None, :, None] for phi in phis]  # padded keys: out of the numerator and of D
-        parts = [phi.transpose(-1, -2) @ vc for phi in phis]  # (B, H, m', dv + 1)
-        summary = parts if summary is None else [t + p for t, p in zip(summary, parts, strict=True)]
+            phi = phi * mc[:, None, :, None]  # padded keys: out of the numerator and of D
+        part = phi.transpose(-1, -2) @ vc  # (B, H, m, dv + 1)
+        summary = part if summary is None else summary + part
     assert summary is not None
     return summary
 
@@ -217,7 +232,20 @@ def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.
     key_mask = safe_key_mask(key_mask)
     phi_q, phi_k = _features(q.to(dt), k.to(dt), key_mask, scale, config, state["omega"].to(dt))
     a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
-    return a / a.sum(-1, keepdim=True).clamp_min(config.stabilizer)
+    a = a / a.sum(-1, keepdim=True).clamp_min(config.stabilizer)
+    short = _short_rows(q, query_mask, config)
+    return exact_for_rows(a, short, lambda r: dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale))
+
+
+def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if mask is None else mask[rows]
+
+
+def _short_rows(q: torch.Tensor, query_mask: torch.Tensor | None, config: FavorConfig) -> torch.Tensor:
+    """Batch rows with fewer than ``exact_below`` real tokens: they get exact attention. (B,) bool."""
+    batch, n = q.shape[0], q.shape[-2]
+    real = torch.full((batch,), n, device=q.device) if query_mask is None else query_mask.sum(-1)
+    return real < config.exact_below
 
 
 @register("favor", FavorConfig, cost=cost, init_state=init_state, weights=favor_weights)
@@ -234,18 +262,27 @@ def favor_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """FAVOR+ (Performer): linear attention with positive orthogonal random features."""
+    if q.shape[-2] < config.exact_below:
+        return exact_attention(q, k, v, key_mask, scale)
+    short = _short_rows(q, query_mask, config)
+    if bool(short.all()):
+        return exact_attention(q, k, v, key_mask, scale)
+    out = _favor(q, k, v, key_mask, scale, config, state)
+    return exact_for_rows(out, short, lambda r: exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale))
+
+
+def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
-    q, k, omega = q.to(dt), k.to(dt), state["omega"].to(dt)
-    summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, omega)
+    q, k, w = q.to(dt), k.to(dt), _fast_directions(state["omega"].to(dt), scale, config)
+    summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, w)
     outs = []
     for start in range(0, q.shape[-2], _CHUNK):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
-        blocks = _feature_blocks(q[:, :, start : start + _CHUNK], omega, scale, config, with_norm=False)
+        proj = q[:, :, start : start + _CHUNK] @ w  # (B, H, n, m): w.q~ (and -w.q~)
         if config.kernel == "relu":
-            phis = [torch.relu(blocks[0]) + config.relu_eps]
-        else:  # exp(-|q~|^2 / 2) / sqrt(m) and the row maximum are per-row constants: they cancel
-            row_max = torch.stack([b.detach().amax(-1, keepdim=True) for b in blocks]).amax(0)
-            phis = [b.sub_(row_max).exp_() for b in blocks]
-        both = sum(phi @ t for phi, t in zip(phis, summary, strict=True))  # (B, H, n, dv + 1): numerator | D
+            phi = torch.relu(proj) + config.relu_eps
+        else:  # exp(-|q~|^2 / 2) / sqrt(m) and any per-row factor cancel in D^-1: a softmax row is phi(q) / const
+            phi = proj.softmax(-1)
+        both = phi @ summary  # (B, H, n, dv + 1): numerator | D
         outs.append(both[..., :-1] / both[..., -1:].clamp_min(config.stabilizer))
     return torch.cat(outs, dim=2).to(v.dtype)  # (B, H, N, dv)

@@ -41,7 +41,7 @@ class IClusteredConfig(ClusteredConfig):
 
 def cost(config: IClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     base = clustered_cost(config, n=n, s=s, d=d, dv=dv)
-    if n <= config.clusters:
+    if n <= config.clusters or n < config.exact_below:
         return base
     k = min(config.topk, s)
     return Cost(flops=base.flops + 2 * n * k * (d + dv), qk_pairs=base.qk_pairs + n * k)
@@ -60,10 +60,12 @@ def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int):
 
 
 def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of x (B, H, S, F) at index (B, H, C, k) -> (B, H, C, k, F)."""
+    """Rows of x (B, H, S, F) at index (B, H, C, k) -> (B, H, C, k, F), copied whole with ``index_select``."""
     batch, heads, c, k = index.shape
-    flat = index.reshape(batch, heads, c * k, 1).expand(-1, -1, -1, x.shape[-1])
-    return x.gather(2, flat).reshape(batch, heads, c, k, x.shape[-1])
+    s = x.shape[2]
+    offset = torch.arange(batch * heads, device=x.device).view(batch, heads, 1, 1) * s
+    rows = x.reshape(batch * heads * s, x.shape[-1]).index_select(0, (index + offset).reshape(-1))
+    return rows.view(batch, heads, c, k, x.shape[-1])
 
 
 def _recomputed(q, kt, assign, mass, real_top, scale) -> torch.Tensor:
@@ -108,10 +110,13 @@ def _improved(q, k, v, key_mask, assign, ac, topk, scale) -> torch.Tensor:
     """Improved clustered output (B, H, N, dv) from the clusters and A^c.
 
     Queries are sorted by cluster into blocks that share their cluster's top-k keys, so the recomputed
-    scores are (L, d) x (d, k) matrix products per block rather than one gather of k keys per query.
+    scores are (L, d) x (d, k) matrix products per block rather than one gather of k keys per query. Every
+    move of rows (queries into blocks, cluster keys to blocks, outputs back) is one ``index_select`` on a
+    flattened table.
     """
     batch, heads, n, d = q.shape
     dv, clusters = v.shape[-1], ac.shape[2]
+    bh = batch * heads
     index, weight, real_top = _top_keys(ac, key_mask, topk)  # (B, H, C, k)
     mass = weight.sum(-1)  # (B, H, C)
     kt, vt = _gather_keys(k, index), _gather_keys(v, index)  # (B, H, C, k, d), (B, H, C, k, dv)
@@ -119,16 +124,24 @@ def _improved(q, k, v, key_mask, assign, ac, topk, scale) -> torch.Tensor:
 
     block = _block_size(n, clusters)
     order, slot, block_cluster, nb = _cluster_blocks(assign, clusters, block)
-    qs = q.gather(2, order[..., None].expand(-1, -1, -1, d))  # (B, H, N, d) sorted by cluster
-    qp = q.new_zeros(batch, heads, nb * block, d).scatter(2, slot[..., None].expand(-1, -1, -1, d), qs)
-    qp = qp.view(batch, heads, nb, block, d)
-    scores = (qp @ gather_clusters(kt, block_cluster).transpose(-1, -2)) * scale  # (B, H, nb, L, k)
+    head = torch.arange(bh, device=q.device).view(batch, heads, 1)
+    slot = slot + head * (nb * block)  # row of the i-th sorted query in the (B*H*nb*L) block table
+    # each block row reads its query, or the zero row appended after the B*H*N queries (padding rows)
+    src = torch.full((bh * nb * block,), bh * n, dtype=torch.long, device=q.device)
+    src[slot.reshape(-1)] = (order + head * n).reshape(-1)
+    qp = torch.cat([q.reshape(bh * n, d), q.new_zeros(1, d)]).index_select(0, src).view(bh, nb, block, d)
+    bc = (block_cluster + head * clusters).reshape(-1)  # (B*H*nb,) row of each block's cluster
+
+    def per_block(x: torch.Tensor) -> torch.Tensor:  # (B, H, C, *F) -> (B*H, nb, *F)
+        return x.reshape(bh * clusters, -1).index_select(0, bc).view(bh, nb, *x.shape[3:])
+
+    scores = (qp @ per_block(kt).transpose(-1, -2)) * scale  # (B*H, nb, L, k)
     if real_top is not None:
-        scores = scores.masked_fill(~gather_clusters(real_top, block_cluster)[..., None, :], float("-inf"))
-    au = scores.softmax(-1) * gather_clusters(mass, block_cluster)[..., None, None]
-    out = au @ gather_clusters(vt, block_cluster) + gather_clusters(rest, block_cluster)[..., None, :]
-    out = out.view(batch, heads, nb * block, dv).gather(2, slot[..., None].expand(-1, -1, -1, dv))
-    return torch.empty_like(out).scatter(2, order[..., None].expand(-1, -1, -1, dv), out)  # (B, H, N, dv)
+        scores = scores.masked_fill(~per_block(real_top)[..., None, :], float("-inf"))
+    au = scores.softmax(-1) * per_block(mass)[..., None, None]
+    out = au @ per_block(vt) + per_block(rest)[..., None, :]  # (B*H, nb, L, dv)
+    back = torch.empty_like(slot).scatter_(-1, order, slot)  # (B, H, N): block row of every query
+    return out.reshape(-1, dv).index_select(0, back.reshape(-1)).view(batch, heads, n, dv)
 
 
 def iclustered_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:

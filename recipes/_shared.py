@@ -1,0 +1,125 @@
+"""Helpers shared by the recipes: cached fine-tuned checkpoints and (cross-fitted) evaluation on them.
+
+A checkpoint is fine-tuned once per (base model, task, train split, settings) into
+``runs/checkpoints/<task>-<split>-<key>/`` (``/runs/`` is git-ignored) and reused when its ``finetune.json``
+is there; an interrupted run resumes from its training state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import approx
+from approx.crossfit import merge_halves
+from approx.finetune import finetune
+from approx.tasks import get_task
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "recipes" / "results"
+CHECKPOINTS = ROOT / "runs" / "checkpoints"
+CROSS_FIT = (("dev/0", "dev/1"), ("dev/1", "dev/0"))  # (train half, evaluation half)
+CROSS_FIT_PROTOCOL = (
+    "2-fold cross-fitting on the dev set (no train split offline): a model fine-tuned on one fixed half of dev "
+    "(approx.tasks.base.cross_fit_half; SQuAD split by article) scores the other half, then the swap; the metrics "
+    "are computed once over all predictions, so every dev example is scored by a model that never saw it"
+)
+TRAIN_PROTOCOL = "fine-tuned on the task's train split, evaluated on the dev split"
+
+
+def checkpoint_key(base: str, task: str, train_split: str, settings: dict[str, Any]) -> str:
+    """Folder name of a fine-tuned checkpoint: task, split and a hash of everything that shapes it."""
+    what = {
+        "base": Path(base).name if Path(base).exists() else base,
+        "task": task,
+        "task_version": get_task(task).version,
+        "train_split": train_split,
+        "settings": dict(sorted(settings.items())),
+    }
+    digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{task}-{train_split.replace('/', '')}-{digest}"
+
+
+def ensure_checkpoint(
+    base: str,
+    task: str,
+    train_split: str,
+    settings: dict[str, Any],
+    *,
+    root: Path = CHECKPOINTS,
+    data_dir: str | None = None,
+    source: str | None = None,
+    progress: bool = True,
+) -> tuple[Path, dict[str, Any], bool]:
+    """``(folder, finetune record, reused)``: the cached checkpoint, fine-tuned now if it is not there."""
+    folder = Path(root) / checkpoint_key(base, task, train_split, settings)
+    done = folder / "finetune.json"
+    if done.is_file():
+        return folder, json.loads(done.read_text()), True
+    resume = (folder / "checkpoint" / "progress.json").is_file()
+    record = finetune(
+        base,
+        task,
+        output_dir=folder,
+        train_split=train_split,
+        data_dir=data_dir,
+        source=source,
+        resume=resume,
+        progress=progress,
+        **settings,
+    )
+    return folder, record, False
+
+
+def checkpoint_summary(folder: Path, record: dict[str, Any], reused: bool) -> dict[str, Any]:
+    losses = record.get("losses") or [None]
+    return {
+        "folder": str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder),
+        "base_model": record.get("base_model"),
+        "train_split": record.get("train_split"),
+        "examples": record.get("examples"),
+        "settings": record.get("settings"),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "finetune_wall_seconds": record.get("provenance", {}).get("wall_seconds"),
+        "reused_from_cache": reused,
+    }
+
+
+def evaluate_checkpoints(
+    task: str,
+    checkpoints: list[tuple[str, str]],
+    methods: list[Any],
+    *,
+    limit: int | None = None,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Evaluate ``[(checkpoint, split)]`` under ``methods`` (and full attention on the same batches). One
+    pair: that evaluation. Two (cross-fitting): the halves merged, metrics over every example of both."""
+    if len(checkpoints) == 1:
+        path, split = checkpoints[0]
+        return approx.evaluate(path, task, methods, split=split, limit=limit, **options)
+    halves, examples = [], []
+    for path, split in checkpoints:
+        halves.append(approx.evaluate(path, task, methods, split=split, limit=limit, predictions=True, **options))
+        examples.append(
+            get_task(task).load(split, source=options.get("source"), data_dir=options.get("data_dir"), limit=limit)[0]
+        )
+    return merge_halves(halves, examples, protocol=CROSS_FIT_PROTOCOL)
+
+
+def write_json(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self.start
