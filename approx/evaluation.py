@@ -53,10 +53,13 @@ from .integration import (
     attention_shape,
     checkpoint_heads,
     is_patched,
+    is_saved_setting,
     load_pretrained,
     model_head_from_name,
     patch,
     patched_layers,
+    saved_layers,
+    saved_settings,
     unpatch,
 )
 from .memory import PeakMemory
@@ -75,6 +78,9 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     if isinstance(method, dict):  # existing layers: their own method and options, state as it is
         first = next(iter(method.values()))
         return Setup(first.method.name, first.config.to_dict())
+    if is_saved_setting(method):  # a folder written by approx.save / `approx fit`: its first layer's settings
+        first = saved_settings(method)[0]
+        return Setup(first["method"], dict(first["config"]))
     if isinstance(method, MethodConfig):
         setup = Setup.from_config(method)
     elif isinstance(method, Setup):
@@ -297,7 +303,8 @@ def evaluate(
     ``model``: a local folder or hub id (the head the task needs is read from the checkpoint), or a loaded
     model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
     :class:`~approx.fidelity.Setup` or config objects, or the layers of a patched model
-    (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first). Returns one
+    (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first), or a folder
+    written by :func:`approx.save` / ``approx fit`` (its layers, with their fitted or drawn state). Returns one
     self-describing result per method. ``predictions``: also return the per-example predictions under the method
     and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order), e.g.
     to score the two halves of a cross-fitted split together (:mod:`approx.crossfit`).
@@ -318,11 +325,11 @@ def evaluate(
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     setups = [as_setup(m, seed) for m in methods]
     for s, given in zip(setups, methods, strict=True):
-        if get_method(s.method).needs_fit and not isinstance(given, dict):
+        if get_method(s.method).needs_fit and not (isinstance(given, dict) or is_saved_setting(given)):
             raise ValueError(
-                f"{s.method} must be fitted before it is evaluated: fit it (approx.fit(model, data) or `approx fit`), "
-                "then pass its layers: layers = approx.patched_layers(model); approx.unpatch(model); "
-                "evaluate(model, task, [layers], tokenizer=...)"
+                f"{s.method} must be fitted before it is evaluated: fit it (`approx fit ... --output-dir OUT`, then "
+                "pass OUT as the method), or in Python approx.fit(model, data) and pass its layers: "
+                "layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers], ...)"
             )
     max_length = max_length or task.default_max_length
     torch.manual_seed(seed)
@@ -352,6 +359,9 @@ def evaluate(
     for s, given in zip(setups, methods, strict=True):  # each method's layers once: state kept across batches
         if isinstance(given, dict):
             layers.append({i: lyr.to(device) for i, lyr in given.items()})
+            continue
+        if is_saved_setting(given):
+            layers.append({i: lyr.to(device) for i, lyr in saved_layers(model, given).items()})
             continue
         patch(model, s.method, **s.options)
         layers.append(patched_layers(model))

@@ -391,6 +391,28 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     return model
 
 
+def is_saved_setting(path: Any) -> bool:
+    """Is ``path`` a folder written by :func:`save` (or ``approx fit``), i.e. does it hold ``approx_config.json``?"""
+    return isinstance(path, (str, os.PathLike)) and (Path(path) / SETTINGS_FILE).is_file()
+
+
+def saved_settings(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The per-layer settings recorded by :func:`save` in ``path`` (``[{"layer", "method", "config"}, ...]``)."""
+    return json.loads((Path(path) / SETTINGS_FILE).read_text())["layers"]
+
+
+def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxAttention]:
+    """The :class:`ApproxAttention` layers saved in ``path`` (method, options and state, fitted or drawn), built
+    for ``model`` without leaving it patched: e.g. a fitted Sparsefinder to evaluate on another checkpoint of
+    the same architecture."""
+    if is_patched(model):
+        raise ValueError("the model is already patched; unpatch it first")
+    restore(model, path)
+    layers = patched_layers(model)
+    unpatch(model)
+    return layers
+
+
 def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a model written by :func:`save` (``model_class`` defaults to ``AutoModel``) and re-patch it."""
     if model_class is None:

@@ -307,3 +307,21 @@ def test_cli_fit_saves_a_fitted_model_that_loads_and_runs(tmp_path, capsys):
         == 2
     )
     assert "must be fitted" in capsys.readouterr().err
+    # the fitted folder is a method of `approx eval`: its layers run, and the harness reports their graph,
+    # equal to graph_stats of the reloaded model on the same windows
+    from transformers import AutoTokenizer
+
+    from approx.data import wikitext_windows
+
+    res = tmp_path / "eval.json"
+    ev = ["eval", "--model", str(path), "--task", "wikitext2", "--data-dir", str(data), "--max-length", "32"]
+    assert main([*ev, "--limit", "3", "--method", str(out), "--method", "clustered", "--output", str(res)]) == 0
+    fitted, clustered = json.loads(res.read_text())
+    assert fitted["method"]["name"] == "sparsefinder" and fitted["method"]["clusters"] == 3
+    windows = wikitext_windows(AutoTokenizer.from_pretrained(path), data, split="test", length=32, count=3)
+    expected = approx.graph_stats(approx.load(out).eval(), windows, progress=False)
+    for name in ("sparsity", "recall", "exact_fraction"):
+        assert fitted["fidelity"]["graph"][name] == pytest.approx(expected[name], rel=1e-9)
+    assert "graph" not in clustered["fidelity"]
+    assert main([*ev, "--method", str(out), "--clusters", "4"]) == 2
+    assert "saved setting" in capsys.readouterr().err
