@@ -19,11 +19,14 @@ Choices made here (see ``../shared/reference/methods.md`` section 3):
   (``tests/test_favor.py::test_hyperbolic_default_is_the_more_accurate`` keeps checking it). On MiniLM-L6
   zero-shot the two are within noise of each other (``recipes/results/minilm_wikitext2_favor.json``).
 * Stability: the query factor exp(-|q~|^2/2) and a per-query maximum of w.q~ are constants of each output
-  row, so they cancel in D^-1 and are dropped / subtracted before exp (the fast path takes a row softmax of
-  the query projections, which is phi(q) over a per-row constant); for keys one maximum over all real
+  row, so they cancel in D^-1 and are dropped / subtracted before exp; for keys one maximum over all real
   keys of a (batch, head) is subtracted, tracked online while keys are summed in chunks (so no (N, m)
-  feature tensor is ever held whole: memory O(chunk * m + m * dv) beyond inputs). Nothing overflows in float16/bfloat16 (computed in float32). D is
-  floored at ``stabilizer``, which only matters when every feature of a row underflows.
+  feature tensor is ever held whole: memory O(chunk * m + m * dv) beyond inputs). Nothing overflows in
+  float16/bfloat16 (computed in float32). D is floored at ``stabilizer``, which only matters when every
+  feature of a row underflows.
+* Speed: every head of a layer shares the directions, so the feature projections of a chunk are one plain
+  (B*H*n, d) x (d, m) product (about twice as fast on CPU as a batched one); the key norm term rides along
+  as an extra input column ([k, -s |k|^2 / 2] x [w; 1]); without gradients the output is written in place.
 * Padding: the feature rows of padded keys are zeroed, so they enter neither the numerator nor the
   normaliser D (both reference implementations only zero the values, so padding changed real outputs).
 * ``exact_below``: batch rows with fewer real tokens than this get exact attention (0, the default, never:
@@ -167,7 +170,7 @@ def _features(q, k, key_mask, scale, config, omega):
 
 # Keys and queries are processed in chunks of this many rows: the (rows, m) feature tensors stay small and
 # hot in cache instead of two (N, m) tensors (200 MB each at N = 16384, m = 256).
-_CHUNK = 1024
+_CHUNK = 512
 
 
 def _fast_directions(omega: torch.Tensor, scale: float, config: FavorConfig) -> torch.Tensor:
@@ -184,38 +187,45 @@ def _key_summary(k, v, key_mask, scale, config, w) -> torch.Tensor:
 
     For softmax features the maximum subtracted for stability is tracked online: when a chunk raises it,
     the running sums are rescaled by exp(old - new), so the result equals one global subtraction. The
-    log-features w.k~ - |k~|^2 / 2 come from one ``baddbmm`` (the norm term is its additive input).
+    log-features w.k~ - |k~|^2 / 2 come from one batched product of [k, -s |k|^2 / 2] with [w; 1].
     """
     batch, heads, s, d = k.shape
-    ones = v.new_ones(batch, heads, s, 1)
-    summary: torch.Tensor | None = None
+    m = w.shape[-1]
+    if config.kernel == "relu":
+        k_in, w_in = k, w
+    else:
+        k_in = torch.cat([k, k.square().sum(-1, keepdim=True) * (-scale / 2)], dim=-1)  # (B, H, S, d + 1)
+        w_in = torch.cat([w, w.new_ones(1, m)])  # (d + 1, m)
+    values: torch.Tensor | None = None  # (B, H, m, dv): phi(K)^T V
+    norms: torch.Tensor | None = None  # (B, H, m): phi(K)^T 1
     top = k.new_full((batch, heads), float("-inf"))  # running maximum of the key log-features
     for start in range(0, s, _CHUNK):
-        kc = k[:, :, start : start + _CHUNK]
+        kc = k_in[:, :, start : start + _CHUNK]
+        vc = v[:, :, start : start + _CHUNK]
         n = kc.shape[2]
-        vc = torch.cat([v[:, :, start : start + _CHUNK], ones[:, :, start : start + _CHUNK]], dim=-1)
         mc = None if key_mask is None else key_mask[:, start : start + _CHUNK]
+        # every head shares w: one (B*H*n, d) x (d, m) product, about twice as fast as a batched one
+        proj = torch.mm(kc.reshape(-1, kc.shape[-1]), w_in).view(batch, heads, n, m)  # (B, H, n, m)
         if config.kernel == "relu":
-            phi = torch.relu(kc @ w) + config.relu_eps
-        else:
-            neg_half_sq = kc.square().sum(-1, keepdim=True) * (-scale / 2)  # (B, H, n, 1)
-            logits = torch.baddbmm(neg_half_sq.reshape(-1, n, 1), kc.reshape(-1, n, d), w.expand(batch * heads, d, -1))
-            logits = logits.view(batch, heads, n, -1)  # (B, H, n, m): log(sqrt(m) phi(k))
-            row_max = logits.detach().amax(-1)  # (B, H, n)
+            phi = torch.relu(proj) + config.relu_eps
+        else:  # proj = log(sqrt(m) phi(k))
+            row_max = proj.detach().amax(-1)  # (B, H, n)
             if mc is not None:
                 row_max = row_max.masked_fill(~mc[:, None, :], float("-inf"))
             new_top = torch.maximum(top, row_max.amax(-1))
             new_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # no real key yet
-            if summary is not None:
-                summary = summary * torch.exp(top - new_top)[..., None, None]  # exp(-inf) = 0: no real key before
+            if values is not None and norms is not None:
+                rescale = torch.exp(top - new_top)  # exp(-inf) = 0: no real key before
+                values, norms = values * rescale[..., None, None], norms * rescale[..., None]
             top = new_top
-            phi = logits.sub_(top[..., None, None]).exp_()
+            phi = proj.sub_(top[..., None, None]).exp_()
         if mc is not None:
             phi = phi * mc[:, None, :, None]  # padded keys: out of the numerator and of D
-        part = phi.transpose(-1, -2) @ vc  # (B, H, m, dv + 1)
-        summary = part if summary is None else summary + part
-    assert summary is not None
-    return summary
+        part_v, part_n = phi.transpose(-1, -2) @ vc, phi.sum(-2)  # (B, H, m, dv), (B, H, m)
+        values = part_v if values is None else values + part_v
+        norms = part_n if norms is None else norms + part_n
+    assert values is not None and norms is not None
+    return torch.cat([values, norms[..., None]], dim=-1)
 
 
 def _softmax_logits(x, omega, scale, hyperbolic):
@@ -276,13 +286,23 @@ def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:
     key_mask = safe_key_mask(key_mask)
     q, k, w = q.to(dt), k.to(dt), _fast_directions(state["omega"].to(dt), scale, config)
     summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, w)
+    batch, heads, n_q, d = q.shape
+    # written in place when no gradient is needed (out= has no autograd), else concatenated
+    in_place = not (torch.is_grad_enabled() and (q.requires_grad or summary.requires_grad))
+    out = summary.new_empty(batch, heads, n_q, summary.shape[-1] - 1)  # (B, H, N, dv)
     outs = []
-    for start in range(0, q.shape[-2], _CHUNK):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
-        proj = q[:, :, start : start + _CHUNK] @ w  # (B, H, n, m): w.q~ (and -w.q~)
+    for start in range(0, n_q, _CHUNK):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
+        qc = q[:, :, start : start + _CHUNK]
+        n = qc.shape[2]
+        proj = torch.mm(qc.reshape(-1, d), w).view(batch, heads, n, -1)  # w.q~ (and -w.q~), (B, H, n, m)
         if config.kernel == "relu":
             phi = torch.relu(proj) + config.relu_eps
-        else:  # exp(-|q~|^2 / 2) / sqrt(m) and any per-row factor cancel in D^-1: a softmax row is phi(q) / const
-            phi = proj.softmax(-1)
+        else:  # exp(-|q~|^2 / 2) / sqrt(m) and the row maximum are per-row factors: they cancel in D^-1
+            phi = proj.sub_(proj.detach().amax(-1, keepdim=True)).exp_()
         both = phi @ summary  # (B, H, n, dv + 1): numerator | D
-        outs.append(both[..., :-1] / both[..., -1:].clamp_min(config.stabilizer))
-    return torch.cat(outs, dim=2).to(v.dtype)  # (B, H, N, dv)
+        den = both[..., -1:].clamp_min(config.stabilizer)
+        if in_place:
+            torch.div(both[..., :-1], den, out=out[:, :, start : start + n])
+        else:
+            outs.append(both[..., :-1] / den)
+    return (out if in_place else torch.cat(outs, dim=2)).to(v.dtype)  # (B, H, N, dv)
