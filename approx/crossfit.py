@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .evaluation import cost_block
 from .tasks import Task, get_task
 
 __all__ = ["merge_halves"]
@@ -54,12 +55,7 @@ def _merge_fidelity(task: Task, mode: str, halves: list[dict[str, Any]], preds, 
     full_pairs = sum(
         f["cost"]["qk_pairs"] / f["cost"]["qk_pairs_vs_full"] for f in fids if f["cost"]["qk_pairs_vs_full"]
     )
-    merged["cost"] = {
-        "attention_flops": flops,
-        "qk_pairs": pairs,
-        "flops_vs_full": flops / full_flops if full_flops else None,
-        "qk_pairs_vs_full": pairs / full_pairs if full_pairs else None,
-    }
+    merged["cost"] = cost_block(flops, pairs, full_flops, full_pairs)
     seconds = sum(f["seconds"] for f in fids)
     ref_seconds = sum(f["reference_seconds"] for f in fids)
     merged.update(seconds=seconds, reference_seconds=ref_seconds, speedup=ref_seconds / seconds if seconds else None)

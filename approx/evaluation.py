@@ -231,6 +231,17 @@ def _max_or_none(values):
     return max(values) if values else None
 
 
+def cost_block(flops: float, pairs: float, full_flops: float, full_pairs: float) -> dict[str, Any]:
+    """The ``fidelity["cost"]`` entry: a method's attention FLOPs and query-key pairs and their ratio to full
+    attention's."""
+    return {
+        "attention_flops": flops,
+        "qk_pairs": pairs,
+        "flops_vs_full": flops / full_flops if full_flops else None,
+        "qk_pairs_vs_full": pairs / full_pairs if full_pairs else None,
+    }
+
+
 def _setup_fidelity(task, mode, records, s, ref_predictions, predictions, n_features, ref_seconds):
     recs = [r["setups"][s] for r in records]
     divergences = _in_feature_order(records, "divergence", n_features, s)
@@ -247,13 +258,7 @@ def _setup_fidelity(task, mode, records, s, ref_predictions, predictions, n_feat
         "mean": sum(errors) / len(errors) if errors else None,
         "per_layer": dict(zip(map(str, layers), errors, strict=True)),
     }
-    flops, pairs, full_flops, full_pairs = (sum(r["cost"][j] for r in recs) for j in range(4))
-    fidelity["cost"] = {
-        "attention_flops": flops,
-        "qk_pairs": pairs,
-        "flops_vs_full": flops / full_flops if full_flops else None,
-        "qk_pairs_vs_full": pairs / full_pairs if full_pairs else None,
-    }
+    fidelity["cost"] = cost_block(*(sum(r["cost"][j] for r in recs) for j in range(4)))
     seconds = sum(r["seconds"] for r in recs)
     fidelity["seconds"] = seconds
     fidelity["reference_seconds"] = ref_seconds

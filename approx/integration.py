@@ -369,8 +369,8 @@ def save(model: nn.Module, path: str | os.PathLike, **save_pretrained_kwargs: An
     return path
 
 
-def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Patch a loaded model as recorded in ``path`` by :func:`save`, state included."""
+def _patch_as_saved(model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
+    """Patch ``model`` with the layers, options and state saved in ``path``; returns the saved settings."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -387,6 +387,12 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         prefix = f"layer.{i}."
         mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         layer.load_state(mine)
+    return meta
+
+
+def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Patch a loaded model as recorded in ``path`` by :func:`save`, state included."""
+    meta = _patch_as_saved(model, path)
     setattr(model, _ORIGINAL, meta.get("original_attn_implementation", getattr(model, _ORIGINAL)))
     return model
 
@@ -407,7 +413,7 @@ def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxA
     the same architecture."""
     if is_patched(model):
         raise ValueError("the model is already patched; unpatch it first")
-    restore(model, path)
+    _patch_as_saved(model, path)  # not restore: the model keeps its own original attention implementation
     layers = patched_layers(model)
     unpatch(model)
     return layers

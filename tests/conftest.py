@@ -92,3 +92,20 @@ def minilm_path() -> str:
         return default_model_path()
     except ModuleNotFoundError as e:
         pytest.skip(f"real-model test skipped: {e}")
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    """Small synthetic GLUE / SQuAD / WikiText files (16 rows each) for fine-tuning and recipe tests;
+    tests/test_evaluation.py overrides it with its own, larger files."""
+    from evalfixtures import write_data
+
+    return write_data(tmp_path_factory.mktemp("data"), n=16)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """A tiny bare BERT checkpoint folder (with tokenizer) to fine-tune."""
+    from evalfixtures import write_checkpoint
+
+    return str(write_checkpoint(tmp_path_factory.mktemp("base"), "base"))

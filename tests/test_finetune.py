@@ -5,23 +5,13 @@ import json
 
 import pytest
 import torch
-from evalfixtures import write_checkpoint, write_data
+from evalfixtures import write_checkpoint
 
 import approx
 from approx.cli import main
 from approx.finetune import finetune
 from approx.tasks import get_task
 from approx.tasks.base import cross_fit_half
-
-
-@pytest.fixture(scope="module")
-def fixture_dir(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("data"), n=16)
-
-
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    return str(write_checkpoint(tmp_path_factory.mktemp("base"), "base"))
 
 
 def _run(base, data, out, **kw):

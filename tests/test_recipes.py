@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from evalfixtures import write_checkpoint, write_data
+from evalfixtures import write_checkpoint
 
 import approx
 from approx.cli import main
@@ -25,16 +25,6 @@ def _recipe(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def fixture_dir(tmp_path_factory):
-    return write_data(tmp_path_factory.mktemp("data"), n=16)
-
-
-@pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    return str(write_checkpoint(tmp_path_factory.mktemp("base"), "base"))
 
 
 @pytest.mark.parametrize("task", ["mrpc", "squad"])

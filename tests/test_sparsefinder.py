@@ -325,3 +325,20 @@ def test_cli_fit_saves_a_fitted_model_that_loads_and_runs(tmp_path, capsys):
     assert "graph" not in clustered["fidelity"]
     assert main([*ev, "--method", str(out), "--clusters", "4"]) == 2
     assert "saved setting" in capsys.readouterr().err
+
+
+def test_saved_layers_leave_the_model_as_it_was(tmp_path):
+    """approx.integration.saved_layers builds a saved folder's layers for another model without patching it
+    and without giving it the saved checkpoint's attention implementation."""
+    from approx.integration import saved_layers
+
+    model = tiny_model("bert")
+    approx.patch(model, "sparsefinder", window=64)
+    approx.fit(model, [batch(40, seed=s) for s in range(2)], progress=False, steps=5)
+    approx.save(model, tmp_path / "sf")
+    other = tiny_model("bert", seed=1)
+    other.set_attn_implementation("eager")
+    layers = saved_layers(other, tmp_path / "sf")
+    assert not approx.is_patched(other) and other.config._attn_implementation == "eager"
+    assert sorted(layers) == [0, 1] and int(layers[0].state()["fitted"]) == 1
+    torch.testing.assert_close(layers[1].state()["proj_q"], approx.patched_layers(model)[1].state()["proj_q"])
