@@ -46,6 +46,13 @@ def _version(name: str) -> str | None:
         return None
 
 
+def accelerator(device: str | torch.device | None) -> str | None:
+    """The GPU's name (``torch.cuda.get_device_name``) when ``device`` is a CUDA device, else None."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def provenance(seed: int | None = None, device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "approx_version": __version__,
@@ -56,6 +63,7 @@ def provenance(seed: int | None = None, device: str | torch.device | None = None
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device) if device is not None else "cpu",
+        "accelerator": accelerator(device),
         "seed": seed,
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),

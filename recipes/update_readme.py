@@ -1,5 +1,6 @@
 """Render the README's results blocks from the committed result files (so the README is never typed): the
-results block, and the reproduced clustered-attention table (``approx table``).
+results block, the reproduced clustered-attention table (``approx table``) and Sparsefinder on a fine-tuned
+task (``recipes/sparsefinder_task.py``).
 
 python recipes/update_readme.py            # rewrite the block between the results markers
 python recipes/update_readme.py --check    # exit 1 if the README is stale
@@ -19,6 +20,9 @@ from approx.fidelity import markdown_table
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->\n", "<!-- results:end -->"
 TABLE_START, TABLE_END = "<!-- clustered-table:start -->\n", "<!-- clustered-table:end -->"
+SF_TASK_START, SF_TASK_END = "<!-- sparsefinder-task:start -->\n", "<!-- sparsefinder-task:end -->"
+CPU_TABLE_START, CPU_TABLE_END = "<!-- clustered-table-cpu:start -->\n", "<!-- clustered-table-cpu:end -->"
+CPU_RESULTS = ROOT / "recipes" / "results" / "cpu"  # the clustered table with --profile cpu
 FIDELITY = [
     ("recipes/results/minilm_wikitext2_fidelity.json", "recipes/minilm_wikitext2_fidelity.py", "Clustered attention"),
     ("recipes/results/minilm_wikitext2_favor.json", "recipes/minilm_wikitext2_favor.py", "FAVOR+"),
@@ -28,8 +32,10 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cpu_1thread.json",
     "benchmarks/results/attention_op_cpu_sparsefinder.json",
     "benchmarks/results/attention_op_cpu_backward.json",
+    "benchmarks/results/attention_op_cuda.json",
+    "benchmarks/results/attention_op_cuda_bf16.json",
 ]
-WHOLE_MODEL = "benchmarks/results/whole_model_cpu.json"
+WHOLE_MODEL = ["benchmarks/results/whole_model_cpu.json", "benchmarks/results/whole_model_cuda.json"]
 HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
     "recipes/results/minilm_wikitext2_harness.json",
@@ -55,6 +61,19 @@ def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1000
 
 
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
+def _hardware(res: dict) -> str:
+    """ "float32 forward, 2 threads" on the CPU; "bfloat16 forward on NVIDIA H100 80GB HBM3" on a GPU."""
+    prov, mode = res["provenance"], "forward + backward" if res.get("backward") else "forward"
+    dtype = res.get("shape", {}).get("dtype") or res.get("dtype") or "float32"
+    if str(res.get("device", "cpu")).startswith("cuda"):
+        return f"{dtype} {mode} on {prov.get('accelerator') or 'a GPU'}"
+    return f"{dtype} {mode}, {prov['torch_threads']} threads"
+
+
 def benchmark_block(path: str) -> str:
     res = json.loads((ROOT / path).read_text())
     names = res.get("contenders", ["sdpa", "eager", *res["methods"]])
@@ -67,8 +86,8 @@ def benchmark_block(path: str) -> str:
         cells = []
         for m in cols:
             ratio = f" ({sdpa / times[m]:.2f}×)" if sdpa and m in times else ""
-            cells.append(f"{times[m]:.0f}{ratio}" if m in times else "not run")
-        rows.append(f"| {n} | {f'{sdpa:.0f}' if sdpa else 'not run'} | " + " | ".join(cells) + " |")
+            cells.append(f"{_ms(times[m])}{ratio}" if m in times else "not run")
+        rows.append(f"| {n} | {_ms(sdpa) if sdpa else 'not run'} | " + " | ".join(cells) + " |")
     mem = res["memory"]
     big = str(max((int(n) for n in mem if mem[n].get("sdpa")), default=max(res["lengths"])))
     mem_line = ", ".join(
@@ -77,11 +96,10 @@ def benchmark_block(path: str) -> str:
     configs = "; ".join(
         f"{m}: " + ", ".join(f"{k}={v}" for k, v in res["configs"][m].items()) for m in cols if m in res["configs"]
     )
-    mode = "forward + backward" if res.get("backward") else "forward"
     load = res["provenance"].get("loadavg_before")
     return (
-        f"**Attention op alone**, shape (1, 12, N, 64), float32 {mode}, {res['provenance']['torch_threads']} "
-        f"threads, median of {res['repeats']} interleaved calls (`{res['provenance'].get('command', path)}`; "
+        f"**Attention op alone**, shape (1, 12, N, 64), {_hardware(res)}, "
+        f"median of {res['repeats']} interleaved calls (`{res['provenance'].get('command', path)}`; "
         f"{_provenance_line(res['provenance'])}"
         + (f"; load average {load[0]:.1f} before the run" if load else "")
         + "; full table, memory and plot in `benchmarks/results/`):\n\n"
@@ -101,12 +119,13 @@ def whole_model_block(path: str) -> str:
     rows.append("|" + " --- |" * (2 + len(names)))
     for n in res["lengths"]:
         t = {c: _median_ms(v) for c, v in res["times_s"][str(n)].items()}
-        cells = [f"{t[c]:.0f} ({t['sdpa'] / t[c]:.2f}×)" for c in names]
-        rows.append(f"| {n} | {t['sdpa']:.0f} | " + " | ".join(cells) + " |")
+        cells = [f"{_ms(t[c])} ({t['sdpa'] / t[c]:.2f}×)" for c in names]
+        rows.append(f"| {n} | {_ms(t['sdpa'])} | " + " | ".join(cells) + " |")
     load = res["provenance"].get("loadavg_before")
+    weights = "random weights" if "random weights" in res.get("model", "") else "positions extended (random beyond 512)"
     return (
-        f"**Whole model**, MiniLM-L6 with positions extended (random beyond 512), batch 1, float32 forward, "
-        f"{res['threads']} threads, median of {res['repeats']} interleaved calls, every layer patched with the "
+        f"**Whole model**, MiniLM-L6 ({weights}), batch 1, {_hardware(res)}, "
+        f"median of {res['repeats']} interleaved calls, every layer patched with the "
         f"attention-op settings (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
         + (f"; load average {load[0]:.1f} before the run" if load else "")
         + "). *no-attention* returns the values unchanged: the ceiling of any attention approximation.\n\n"
@@ -163,6 +182,42 @@ def sparsefinder_block(path: str) -> str:
     )
 
 
+SPARSEFINDER_TASK = "recipes/results/sparsefinder_task_sst2.json"
+
+
+def sparsefinder_task_block(r: dict) -> str:
+    """Sparsity, recall, exact fraction and accuracy per budget on a fine-tuned task, for both targets
+    (recipes/sparsefinder_task.py)."""
+    targets = r["targets"]
+    metric = r["metric"]
+    head = "| budget | " + " | ".join(f"{t}: sparsity | recall | exact | {metric}" for t in targets) + " |"
+    rows = [head, "|" + " --- |" * (1 + 4 * len(targets))]
+    rows.append("| dense | " + " | ".join(f"0 | 1 | 1 | {t['dense'][metric]:.1f}" for t in targets.values()) + " |")
+    labels = [p["label"] for p in next(iter(targets.values()))["points"]]
+    for i, name in enumerate(labels):
+        cells = []
+        for t in targets.values():
+            p = t["points"][i]
+            cells.append(f"{p['sparsity']:.3f} | {p['recall']:.3f} | {p['exact_fraction']:.3f} | {p[metric]:.1f}")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    w = r["wall_seconds"]
+    parts = []
+    for name, t in targets.items():
+        tw = t["wall_seconds"]
+        trained = f"fine-tuning {tw['finetune_this_run'] / 60:.0f} min, " if tw["finetune_this_run"] > 60 else ""
+        parts.append(f"{name}: {trained}fitting {tw['fit'] / 60:.1f} min, evaluation {tw['evaluate'] / 60:.0f} min")
+    threads = r["provenance"].get("torch_threads")
+    return (
+        f"**Sparsefinder on {r['task'].upper().replace('SST2', 'SST-2')}** (`python recipes/sparsefinder_task.py`; "
+        f"{_provenance_line(r['provenance'])}; plot `recipes/results/sparsefinder_task_{r['task']}.png`): "
+        f"{next(iter(targets.values()))['examples']} dev sentences, each scored by a model that never saw it. "
+        f"CPU wall time {w['total'] / 60:.0f} min with {threads} thread ({'; '.join(parts)}). *dense* is the model "
+        "without Sparsefinder (" + ", ".join(f"{n}: {t['dense']['attention']}" for n, t in targets.items()) + "); "
+        "the exact limit B = 1 predicts every pair. Sparsity, "
+        "recall and exact fraction over every layer and head of the scored half:\n\n" + "\n".join(rows) + "\n"
+    )
+
+
 def render() -> str:
     parts = [fidelity_block(*f) for f in FIDELITY if (ROOT / f[0]).is_file()]
     parts.append(harness_block(HARNESS))
@@ -171,8 +226,9 @@ def render() -> str:
     for path in BENCHMARKS:
         if (ROOT / path).is_file():
             parts.append(benchmark_block(path))
-    if (ROOT / WHOLE_MODEL).is_file():
-        parts.append(whole_model_block(WHOLE_MODEL))
+    for path in WHOLE_MODEL:
+        if (ROOT / path).is_file():
+            parts.append(whole_model_block(path))
     return "\n".join(parts)
 
 
@@ -225,6 +281,13 @@ def main() -> int:
     text = readme.read_text()
     new = _replace_block(text, START, END, render())
     new = _replace_block(new, TABLE_START, TABLE_END, clustered_table())
+    if CPU_RESULTS.is_dir():
+        from approx.table import load_results, markdown_table
+
+        new = _replace_block(new, CPU_TABLE_START, CPU_TABLE_END, markdown_table(load_results(CPU_RESULTS)) + "\n")
+    if (ROOT / SPARSEFINDER_TASK).is_file():
+        sf_task = sparsefinder_task_block(json.loads((ROOT / SPARSEFINDER_TASK).read_text()))
+        new = _replace_block(new, SF_TASK_START, SF_TASK_END, sf_task)
     if args.check:
         return 0 if new == text else 1
     readme.write_text(new)

@@ -219,6 +219,24 @@ def test_improved_never_further_than_clustered(seed):
     assert d_impr.mean() < 0.9 * d_clus.mean()  # and strictly better on average
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_sync_free_kmeans_gives_the_same_clusters(seed):
+    """The GPU K-means (every iteration in full, no host synchronisation) against the CPU one (incremental votes,
+    stop at a fixed point): identical assignments, padding and empty clusters included."""
+    g = torch.Generator().manual_seed(seed)
+    n, heads, clusters = 300, 3, [5, 40][seed % 2]
+    q = torch.randn(2, heads, n, D, generator=g) * torch.rand(2, heads, 1, D, generator=g) * 3
+    q[:, :, : n // 3] = q[:, :, :1]  # many equal queries: fewer distinct codes than clusters for some heads
+    mask = padded_mask(n, n - 70)
+    state = get_method("clustered").init_state(clustered_mod.ClusteredConfig(seed=seed), head_dim=D, seed=seed)
+    bits = clustered_mod.hash_queries(q, state["planes"], state["offsets"], mask)
+    for iterations in (1, 3, 10):
+        args = (bits, mask, clusters, iterations, state["salt"])
+        incremental = clustered_mod.hamming_kmeans(*args, sync_free=False)
+        full = clustered_mod.hamming_kmeans(*args, sync_free=True)
+        assert torch.equal(full, incremental)
+
+
 def test_short_sequences_fall_back_to_exact():
     q, k, v = make_qkv(n=20, dtype=torch.float64)
     mask = padded_mask(20, 15)

@@ -153,6 +153,22 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert "squad-dev" in meta["model"]  # the cached SQuAD checkpoint that never saw the example's article
 
 
+def test_clustered_table_profiles():
+    """'gpu' trains on every example for longer and scores every dev example; its checkpoints are cached apart."""
+    recipe = _recipe("clustered_table")
+    shared = _recipe("_shared")
+    cpu = recipe.build_parser().parse_args(["--profile", "cpu"])
+    gpu = recipe.build_parser().parse_args(["--profile", "gpu"])
+    assert recipe.settings_for("squad", cpu)["limit"] == 480
+    squad_gpu = recipe.settings_for("squad", gpu)
+    assert "limit" not in squad_gpu and squad_gpu["epochs"] > recipe.settings_for("squad", cpu)["epochs"]
+    for task in recipe.TASKS:
+        keys = {shared.checkpoint_key("m", task, "train", recipe.settings_for(task, a)) for a in (cpu, gpu)}
+        assert len(keys) == 2
+    with pytest.raises(SystemExit):
+        recipe.build_parser().parse_args(["--profile", "tpu"])
+
+
 def test_clustered_table_hub_arguments():
     recipe = _recipe("clustered_table")
     args = recipe.build_parser().parse_args(["--hub", "--checkpoint", "rte=someone/roberta-rte", "--tasks", "rte"])
@@ -181,3 +197,40 @@ def test_favor_recovery_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert within is None or result["curve"][[c["step"] for c in result["curve"]].index(within)]["accuracy"] >= (
         result["full"] - 1
     )
+
+
+@pytest.mark.smoke
+def test_sparsefinder_task_recipe_smoke(base_model, fixture_dir, tmp_path):
+    """Both targets, two cross-fitted halves each (the entmax checkpoints fine-tuned patched), every budget point."""
+    recipe = _recipe("sparsefinder_task")
+    argv = [
+        *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local"),
+        *("--limit", "6", "--max-steps", "1", "--fit-steps", "2", "--batch-size", "4", "--quiet"),
+        *("--checkpoints", str(tmp_path / "ck"), "--results-dir", str(tmp_path / "res")),
+    ]
+    assert recipe.main(argv) == 0
+    result = json.loads((tmp_path / "res" / "sparsefinder_task_sst2.json").read_text())
+    assert (tmp_path / "res" / "sparsefinder_task_sst2.png").is_file()
+    assert "cross-fitting" in result["protocol"] and "first 6 examples" in result["protocol"]
+    soft, ent = result["targets"]["softmax"], result["targets"]["entmax"]
+    assert [c["method"] for c in soft["checkpoints"]] == [None, None]
+    assert all(c["method"]["name"] == "entmax" and "-entmax-" in c["folder"] for c in ent["checkpoints"])
+    assert [f["split"] for f in ent["fits"]] == ["dev/0", "dev/1"]  # fitted on the half each model trained on
+    for res in (soft, ent):
+        assert res["examples"] == 12 and len(res["points"]) == len(recipe.BUDGETS)
+        exact = res["points"][0]  # B = 1: every pair predicted, the dense model's output
+        assert exact["clusters"] == 1 and exact["sparsity"] == 0 and exact["recall"] == 1
+        assert exact["agreement_with_dense"] == 1 and exact["accuracy"] == res["dense"]["accuracy"]
+        assert all(0 <= p["sparsity"] <= 1 and 0 <= p["recall"] <= 1 for p in res["points"])
+    assert soft["dense"]["accuracy"] == soft["results"][0]["reference_metrics"]["accuracy"]
+    assert ent["dense"]["accuracy"] == ent["results"][0]["metrics"]["accuracy"]
+    assert ent["results"][0]["method"]["name"] == "entmax"
+    assert "**Sparsefinder on SST-2**" in _recipe("update_readme").sparsefinder_task_block(result)
+    # the graph counts the harness took while scoring are approx.graph_stats of the fitted model on that half
+    args = recipe.build_parser().parse_args(argv)
+    folder = Path(ent["checkpoints"][0]["folder"])
+    points, _ = recipe.fit_budgets(folder, "entmax", "dev/0", args)
+    model, tokenizer = approx.integration.load_pretrained(str(folder), task="sequence-classification", progress=False)
+    approx.integration.attach(model, points[2])
+    stats = approx.graph_stats(model, recipe.sentence_batches(tokenizer, "dev/1", args), progress=False)
+    assert stats["counts"] == ent["results"][3]["halves"][0]["fidelity"]["graph"]["counts"]

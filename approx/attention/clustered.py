@@ -23,9 +23,9 @@ Choices made here (see ``../shared/reference/methods.md`` section 1):
 * Sequences with at most C real queries fall back to exact attention, per batch row; so do sequences with
   fewer than ``exact_below`` real tokens (off by default, so that measurements at short lengths measure the
   approximation; set it to the crossover length for speed).
-* Speed (plain PyTorch, no Python loop over clusters, heads or batch items): the vote sums of the K-means are
-  updated with the queries that moved only and the loop stops at a fixed point (both give identical
-  results), only the 4C first queries in priority order are packed to pick the initial codes, and per-cluster
+* Speed (plain PyTorch, no Python loop over clusters, heads or batch items): on the CPU the vote sums of the
+  K-means are updated with the queries that moved only and the loop stops at a fixed point (both give identical
+  results; on a GPU the iterations run in full, without host synchronisation), only the 4C first queries in priority order are packed to pick the initial codes, and per-cluster
   rows are copied with ``index_select`` on flattened tables rather than gathered element by element.
 """
 
@@ -218,18 +218,28 @@ def _assign(signs: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
 
 
 def hamming_kmeans(
-    bits: torch.Tensor, query_mask: torch.Tensor | None, clusters: int, iterations: int, salt: torch.Tensor
+    bits: torch.Tensor,
+    query_mask: torch.Tensor | None,
+    clusters: int,
+    iterations: int,
+    salt: torch.Tensor,
+    *,
+    sync_free: bool | None = None,
 ) -> torch.Tensor:
     """Cluster index of every query, (B, H, N) long. Padded queries take no part (their index is arbitrary).
 
     Lloyd iterations: assign every query to its nearest centroid, then set each centroid to the bitwise
     majority of its members. Each (batch row, head) is its own K-means; all of them run together as one
-    batch of matrix products. Two shortcuts leave the result identical:
+    batch of matrix products. On the CPU two shortcuts leave the result identical:
 
     * the vote sums are integers held exactly in float32, so after the first iteration they are updated
       with the queries that moved only;
     * a (batch row, head) in which no query moved and no cluster is empty is at a fixed point (its centroids
       would not change again), so its assignment is final and it leaves the batch.
+
+    Both need the host to look at device values every iteration; on a GPU, where such a synchronisation costs
+    more than the arithmetic it saves, :func:`_kmeans_fixed_iterations` runs every iteration in full instead
+    (the same assignment: a fixed point stays fixed). ``sync_free``: force one or the other (default: by device).
     """
     batch, heads, n, nbits = bits.shape
     g, dev = batch * heads, bits.device
@@ -243,6 +253,8 @@ def hamming_kmeans(
     # when the CPU cores are shared).
     members = torch.cat([signs.reshape(g * n, nbits) * w, w], dim=-1)  # (G*N, bits + 1)
     live_signs = torch.cat([signs, signs.new_ones(batch, heads, n, 1)], dim=-1).reshape(g, n, nbits + 1)
+    if dev.type != "cpu" if sync_free is None else sync_free:
+        return _kmeans_fixed_iterations(live_signs, members, cent, fresh, batch, iterations).view(batch, heads, n)
     votes = torch.zeros(g * clusters, nbits + 1, device=dev)
     result = torch.empty(g, n, dtype=torch.long, device=dev)
     live = torch.arange(g, device=dev)  # the (batch row, head) series still iterating
@@ -276,6 +288,27 @@ def hamming_kmeans(
         cent[live] = c
     result[live] = _assign(live_signs, cent[live])
     return result.view(batch, heads, n)
+
+
+def _kmeans_fixed_iterations(
+    signs: torch.Tensor, members: torch.Tensor, cent: torch.Tensor, fresh: _FreshCodes, batch: int, iterations: int
+) -> torch.Tensor:
+    """The Lloyd iterations of :func:`hamming_kmeans` without a host synchronisation: (G, N) assignments.
+
+    ``signs``: (G, N, bits + 1) +-1 codes with a trailing 1; ``members``: (G*N, bits + 1) weighted votes and
+    weights; ``cent``: (G, C, bits) initial centroids. Every iteration recounts all the votes (one
+    ``index_add_``) and every series runs all ``iterations``.
+    """
+    g, n = signs.shape[:2]
+    clusters, nbits = cent.shape[-2:]
+    offset = torch.arange(g, device=signs.device)[:, None] * clusters  # (G, 1)
+    for it in range(iterations):
+        rows = (_assign(signs, cent) + offset).reshape(-1)  # (G*N,) rows of the (G*C) vote table
+        v = members.new_zeros(g * clusters, nbits + 1).index_add_(0, rows, members).view(g, clusters, nbits + 1)
+        cent = torch.where(v[..., :-1] == 0, cent, torch.sign(v[..., :-1]))  # majority; a tie keeps the bit
+        codes = fresh[it + 1].expand(batch, -1, -1, -1).reshape(g, clusters, nbits)
+        cent = torch.where((v[..., -1] == 0)[..., None], codes, cent)  # an empty cluster gets a fresh code
+    return _assign(signs, cent)
 
 
 def cluster_queries(

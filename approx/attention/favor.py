@@ -25,8 +25,9 @@ Choices made here (see ``../shared/reference/methods.md`` section 3):
   float16/bfloat16 (computed in float32). D is floored at ``stabilizer``, which only matters when every
   feature of a row underflows.
 * Speed: every head of a layer shares the directions, so the feature projections of a chunk are one plain
-  (B*H*n, d) x (d, m) product (about twice as fast on CPU as a batched one); the key norm term rides along
-  as an extra input column ([k, -s |k|^2 / 2] x [w; 1]); without gradients the output is written in place.
+  (B*H*n, d) x (d, m') product (about twice as fast on CPU as a batched one). Hyperbolic features project on
+  the m/2 directions only and get the -w half from an elementwise pass; the key norm, the stabilising maximum
+  and padding (-inf) are one per-row shift; without gradients features and output are written in place.
 * Padding: the feature rows of padded keys are zeroed, so they enter neither the numerator nor the
   normaliser D (both reference implementations only zero the values, so padding changed real outputs).
 * ``exact_below``: batch rows with fewer real tokens than this get exact attention (0, the default, never:
@@ -169,58 +170,88 @@ def _features(q, k, key_mask, scale, config, omega):
 
 
 # Keys and queries are processed in chunks of this many rows: the (rows, m) feature tensors stay small and
-# hot in cache instead of two (N, m) tensors (200 MB each at N = 16384, m = 256).
+# hot in cache instead of two (N, m) tensors (200 MB each at N = 16384, m = 256). On a GPU, where every chunk
+# costs a dozen kernel launches, chunks are far larger (measured on an H100: 512-row chunks made FAVOR+ launch-bound).
 _CHUNK = 512
+_CHUNK_GPU = 16384
 
 
-def _fast_directions(omega: torch.Tensor, scale: float, config: FavorConfig) -> torch.Tensor:
-    """(d, m) matrix of the feature projections w.x~: sqrt(s) w, followed by -sqrt(s) w when hyperbolic."""
-    w = omega * math.sqrt(scale)
-    if config.kernel == "softmax" and config.hyperbolic:
-        w = torch.cat([w, -w])
-    return w.t()
+def _chunk_rows(x: torch.Tensor) -> int:
+    return _CHUNK if x.device.type == "cpu" else _CHUNK_GPU
 
 
-def _key_summary(k, v, key_mask, scale, config, w) -> torch.Tensor:
+def _projections(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w.x~ for every row of a (B, H, n, d) chunk: (B, H, n, m'). Every head shares the directions, so this is
+    one plain (B*H*n, d) x (d, m') product, about twice as fast on CPU as a batched one."""
+    batch, heads, n, d = x.shape
+    return torch.mm(x.reshape(-1, d), w).view(batch, heads, n, -1)
+
+
+def _exp_features(raw: torch.Tensor, shift: torch.Tensor, hyperbolic: bool, grad: bool) -> torch.Tensor:
+    """exp(raw + shift) and, when ``hyperbolic``, exp(-raw + shift) next to it: (B, H, n, m).
+
+    ``shift`` (B, H, n, 1) carries every per-row term (the key norm, the stabilising maximum; -inf removes a
+    row). The -w half costs an elementwise pass instead of half the projection product."""
+    if not hyperbolic:
+        return (raw + shift if grad else raw.add_(shift)).exp_()
+    if grad:  # out= has no autograd
+        return torch.cat([raw + shift, shift - raw], dim=-1).exp_()
+    half = raw.shape[-1]
+    phi = raw.new_empty(*raw.shape[:-1], 2 * half)
+    torch.add(raw, shift, out=phi[..., :half])
+    torch.sub(shift, raw, out=phi[..., half:])
+    return phi.exp_()
+
+
+def _row_max(raw: torch.Tensor, hyperbolic: bool) -> torch.Tensor:
+    """Largest feature logit of each row before the per-row shift: max over +-w.x~ (hyperbolic) or w.x~."""
+    if not hyperbolic:
+        return raw.detach().amax(-1)
+    low, high = torch.aminmax(raw.detach(), dim=-1)
+    return torch.maximum(high, low.neg_())
+
+
+def _key_summary(k, v, key_mask, scale, config, w, grad) -> torch.Tensor:
     """phi(K)^T [V, 1], (B, H, m, dv + 1): the value sums and, in the last column, the normaliser sums,
     accumulated over chunks of keys.
 
-    For softmax features the maximum subtracted for stability is tracked online: when a chunk raises it,
-    the running sums are rescaled by exp(old - new), so the result equals one global subtraction. The
-    log-features w.k~ - |k~|^2 / 2 come from one batched product of [k, -s |k|^2 / 2] with [w; 1].
+    Softmax features: log(sqrt(m) phi(k)) = +-w.k~ - s |k|^2 / 2. The maximum subtracted for stability is
+    tracked online: when a chunk raises it, the running sums are rescaled by exp(old - new), so the result
+    equals one global subtraction. Padded keys get a shift of -inf: their features are exactly zero, so they
+    enter neither the numerator nor D.
     """
-    batch, heads, s, d = k.shape
-    m = w.shape[-1]
-    if config.kernel == "relu":
-        k_in, w_in = k, w
-    else:
-        k_in = torch.cat([k, k.square().sum(-1, keepdim=True) * (-scale / 2)], dim=-1)  # (B, H, S, d + 1)
-        w_in = torch.cat([w, w.new_ones(1, m)])  # (d + 1, m)
+    batch, heads, s, _ = k.shape
+    hyperbolic = config.kernel == "softmax" and config.hyperbolic
     values: torch.Tensor | None = None  # (B, H, m, dv): phi(K)^T V
     norms: torch.Tensor | None = None  # (B, H, m): phi(K)^T 1
     top = k.new_full((batch, heads), float("-inf"))  # running maximum of the key log-features
-    for start in range(0, s, _CHUNK):
-        kc = k_in[:, :, start : start + _CHUNK]
-        vc = v[:, :, start : start + _CHUNK]
-        n = kc.shape[2]
-        mc = None if key_mask is None else key_mask[:, start : start + _CHUNK]
-        # every head shares w: one (B*H*n, d) x (d, m) product, about twice as fast as a batched one
-        proj = torch.mm(kc.reshape(-1, kc.shape[-1]), w_in).view(batch, heads, n, m)  # (B, H, n, m)
+    rows = _chunk_rows(k)
+    for start in range(0, s, rows):
+        kc = k[:, :, start : start + rows]
+        vc = v[:, :, start : start + rows]
+        mc = None if key_mask is None else key_mask[:, None, start : start + rows]  # (B, 1, n)
+        raw = _projections(kc, w)  # (B, H, n, m')
         if config.kernel == "relu":
-            phi = torch.relu(proj) + config.relu_eps
-        else:  # proj = log(sqrt(m) phi(k))
-            row_max = proj.detach().amax(-1)  # (B, H, n)
+            phi = torch.relu(raw) + config.relu_eps
             if mc is not None:
-                row_max = row_max.masked_fill(~mc[:, None, :], float("-inf"))
+                phi = phi * mc[..., None]  # padded keys: out of the numerator and of D
+        else:
+            # -s |k|^2 / 2, (B, H, n); vector_norm is several times faster than square().sum() on CPU
+            norm = kc.square().sum(-1) if grad else torch.linalg.vector_norm(kc, dim=-1).square_()
+            norm = norm * (-scale / 2)
+            row_max = _row_max(raw, hyperbolic) + norm.detach()
+            if mc is not None:
+                row_max = row_max.masked_fill(~mc, float("-inf"))
             new_top = torch.maximum(top, row_max.amax(-1))
             new_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # no real key yet
             if values is not None and norms is not None:
                 rescale = torch.exp(top - new_top)  # exp(-inf) = 0: no real key before
                 values, norms = values * rescale[..., None, None], norms * rescale[..., None]
             top = new_top
-            phi = proj.sub_(top[..., None, None]).exp_()
-        if mc is not None:
-            phi = phi * mc[:, None, :, None]  # padded keys: out of the numerator and of D
+            shift = norm - top[..., None]
+            if mc is not None:
+                shift = shift.masked_fill(~mc, float("-inf"))
+            phi = _exp_features(raw, shift[..., None], hyperbolic, grad)
         part_v, part_n = phi.transpose(-1, -2) @ vc, phi.sum(-2)  # (B, H, m, dv), (B, H, m)
         values = part_v if values is None else values + part_v
         norms = part_n if norms is None else norms + part_n
@@ -284,25 +315,27 @@ def favor_attention(
 def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
-    q, k, w = q.to(dt), k.to(dt), _fast_directions(state["omega"].to(dt), scale, config)
-    summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, w)
-    batch, heads, n_q, d = q.shape
-    # written in place when no gradient is needed (out= has no autograd), else concatenated
-    in_place = not (torch.is_grad_enabled() and (q.requires_grad or summary.requires_grad))
+    q, k = q.to(dt), k.to(dt)
+    hyperbolic = config.kernel == "softmax" and config.hyperbolic
+    w = (state["omega"].to(dt) * math.sqrt(scale)).t()  # (d, m'): w.x~ = (sqrt(s) w).x
+    # without gradients the features and the output are written in place (out= has no autograd)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
+    summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, w, grad)
+    batch, heads, n_q, _ = q.shape
     out = summary.new_empty(batch, heads, n_q, summary.shape[-1] - 1)  # (B, H, N, dv)
     outs = []
-    for start in range(0, n_q, _CHUNK):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
-        qc = q[:, :, start : start + _CHUNK]
-        n = qc.shape[2]
-        proj = torch.mm(qc.reshape(-1, d), w).view(batch, heads, n, -1)  # w.q~ (and -w.q~), (B, H, n, m)
+    rows = _chunk_rows(q)
+    for start in range(0, n_q, rows):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
+        raw = _projections(q[:, :, start : start + rows], w)  # (B, H, n, m')
+        n = raw.shape[2]
         if config.kernel == "relu":
-            phi = torch.relu(proj) + config.relu_eps
+            phi = torch.relu(raw) + config.relu_eps
         else:  # exp(-|q~|^2 / 2) / sqrt(m) and the row maximum are per-row factors: they cancel in D^-1
-            phi = proj.sub_(proj.detach().amax(-1, keepdim=True)).exp_()
+            phi = _exp_features(raw, -_row_max(raw, hyperbolic)[..., None], hyperbolic, grad)
         both = phi @ summary  # (B, H, n, dv + 1): numerator | D
         den = both[..., -1:].clamp_min(config.stabilizer)
-        if in_place:
-            torch.div(both[..., :-1], den, out=out[:, :, start : start + n])
-        else:
+        if grad:
             outs.append(both[..., :-1] / den)
-    return (out if in_place else torch.cat(outs, dim=2)).to(v.dtype)  # (B, H, N, dv)
+        else:
+            torch.div(both[..., :-1], den, out=out[:, :, start : start + n])
+    return (torch.cat(outs, dim=2) if grad else out).to(v.dtype)  # (B, H, N, dv)
