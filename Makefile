@@ -1,6 +1,6 @@
 PY ?= python
 
-.PHONY: install test lint format demo bench
+.PHONY: install test lint format demo bench bench-gpu
 
 install:
 	$(PY) -m pip install torch==2.13.0
@@ -25,3 +25,14 @@ bench:
 	$(PY) benchmarks/attention_op.py --backward --lengths 512 1024 2048 4096 8192 --methods clustered favor i-clustered \
 		--output benchmarks/results/attention_op_cpu_backward.json
 	$(PY) benchmarks/whole_model.py --output benchmarks/results/whole_model_cpu.json
+
+bench-gpu:
+	$(PY) -m pytest -m gpu tests/test_gpu.py
+	$(PY) benchmarks/attention_op.py --device cuda --methods full clustered i-clustered favor --fallback none \
+		--lengths 1024 2048 4096 8192 16384 32768 65536 --sdpa-max 65536 --eager-max 8192 --repeats 10 \
+		--output benchmarks/results/attention_op_cuda.json
+	$(PY) benchmarks/attention_op.py --device cuda --dtype bfloat16 --methods full clustered i-clustered favor \
+		--fallback none --lengths 1024 2048 4096 8192 16384 32768 65536 --sdpa-max 65536 --eager-max 8192 \
+		--repeats 10 --output benchmarks/results/attention_op_cuda_bf16.json
+	$(PY) benchmarks/whole_model.py --random-weights --device cuda --no-fallback --lengths 1024 2048 4096 8192 16384 \
+		--repeats 5 --output benchmarks/results/whole_model_cuda.json

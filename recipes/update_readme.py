@@ -122,9 +122,10 @@ def whole_model_block(path: str) -> str:
         cells = [f"{_ms(t[c])} ({t['sdpa'] / t[c]:.2f}×)" for c in names]
         rows.append(f"| {n} | {_ms(t['sdpa'])} | " + " | ".join(cells) + " |")
     load = res["provenance"].get("loadavg_before")
-    weights = "random weights" if "random weights" in res.get("model", "") else "positions extended (random beyond 512)"
+    random = "random weights" in res.get("model", "")
+    what = "architecture with random weights" if random else "with positions extended (random beyond 512)"
     return (
-        f"**Whole model**, MiniLM-L6 ({weights}), batch 1, {_hardware(res)}, "
+        f"**Whole model**, MiniLM-L6 {what}, batch 1, {_hardware(res)}, "
         f"median of {res['repeats']} interleaved calls, every layer patched with the "
         f"attention-op settings (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
         + (f"; load average {load[0]:.1f} before the run" if load else "")
@@ -261,7 +262,7 @@ def favor_recovery_block(r: dict) -> str:
         f"({-r['zero_shot_drop']:+.1f}); fine-tuning the patched model, it is {verdict} "
         f"(step: {metric}: {curve}). Protocol: {r['protocol']}; {r['examples']} evaluation examples. CPU wall "
         f"time {w['favor_finetune_with_evaluations'] / 60:.0f} min for the FAVOR+ fine-tuning with its evaluations "
-        "(the base checkpoint is the clustered table's).\n"
+        "(the base checkpoint is the clustered table's, cpu profile).\n"
     )
 
 
