@@ -25,8 +25,9 @@ Choices made here (see ``../shared/reference/methods.md`` section 1):
   approximation; set it to the crossover length for speed).
 * Speed (plain PyTorch, no Python loop over clusters, heads or batch items): on the CPU the vote sums of the
   K-means are updated with the queries that moved only and the loop stops at a fixed point (both give identical
-  results; on a GPU the iterations run in full, without host synchronisation), only the 4C first queries in priority order are packed to pick the initial codes, and per-cluster
-  rows are copied with ``index_select`` on flattened tables rather than gathered element by element.
+  results; on a GPU the iterations run in full, without host synchronisation), only the 4C first queries in
+  priority order are packed to pick the initial codes, and per-cluster rows are copied with ``index_select`` on
+  flattened tables rather than gathered element by element.
 """
 
 from __future__ import annotations
@@ -253,7 +254,9 @@ def hamming_kmeans(
     # when the CPU cores are shared).
     members = torch.cat([signs.reshape(g * n, nbits) * w, w], dim=-1)  # (G*N, bits + 1)
     live_signs = torch.cat([signs, signs.new_ones(batch, heads, n, 1)], dim=-1).reshape(g, n, nbits + 1)
-    if dev.type != "cpu" if sync_free is None else sync_free:
+    if sync_free is None:
+        sync_free = dev.type != "cpu"
+    if sync_free:
         return _kmeans_fixed_iterations(live_signs, members, cent, fresh, batch, iterations).view(batch, heads, n)
     votes = torch.zeros(g * clusters, nbits + 1, device=dev)
     result = torch.empty(g, n, dtype=torch.long, device=dev)
