@@ -6,7 +6,7 @@ Usage::
     python benchmarks/attention_op.py --backward                        # forward + backward
     python benchmarks/attention_op.py --lengths 1024 4096 --repeats 3 --no-memory   # quick run
     python benchmarks/attention_op.py --option i-clustered.clusters=25 --methods i-clustered
-    python benchmarks/attention_op.py --device cuda                     # same code on a GPU (untested here)
+    python benchmarks/attention_op.py --device cuda --dtype bfloat16    # same code on a GPU (make bench-gpu)
 
 What is measured, for q, k, v of shape (B=1, H=12, N, d=64), float32, forward (``--backward``: forward and
 backward of ``out.sum()``), no mask:

