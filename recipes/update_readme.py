@@ -43,7 +43,9 @@ HARNESS = [
 
 
 def _provenance_line(p: dict) -> str:
-    return f"commit `{(p.get('git_commit') or 'unknown')[:12]}`, {p.get('date_utc', '?')}, torch {p['libraries']['torch'] if 'libraries' in p else '?'}"
+    commit = p.get("git_commit") or "unknown"
+    short = commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")  # uncommitted changes on top of it
+    return f"commit `{short}`, {p.get('date_utc', '?')}, torch {p['libraries']['torch'] if 'libraries' in p else '?'}"
 
 
 def fidelity_block(path: str, recipe: str, title: str) -> str:

@@ -237,6 +237,63 @@ def test_sync_free_kmeans_gives_the_same_clusters(seed):
         assert torch.equal(full, incremental)
 
 
+def test_incremental_kmeans_equals_full_iterations_at_scale(monkeypatch):
+    """The CPU K-means compares queries with the centroids that moved only (and searches again the rows whose own
+    centroid moved); at C = 100 over 3000 queries most iterations take that partial path. Against the plain
+    iterations, in small row blocks: identical assignments, padding included."""
+    g = torch.Generator().manual_seed(0)
+    n, clusters = 3000, 100
+    q = torch.randn(2, 2, n, D, generator=g) * torch.rand(2, 2, 1, D, generator=g) * 3
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, 2500:] = False
+    state = get_method("clustered").init_state(clustered_mod.ClusteredConfig(), head_dim=D, seed=0)
+    signs = clustered_mod.hash_signs(q, state["planes"], state["offsets"], mask)
+    widths = []
+    best_keys = clustered_mod._best_keys
+    monkeypatch.setattr(clustered_mod, "_best_keys", lambda s, t: widths.append(t.shape[1]) or best_keys(s, t))
+    monkeypatch.setattr(clustered_mod, "_ROWS", 128)  # many row blocks, a short last one
+    incremental = clustered_mod.kmeans(signs, mask, clusters, 10, state["salt"], sync_free=False)
+    assert any(w < clusters for w in widths), "the partial path never ran"
+    full = clustered_mod.kmeans(signs, mask, clusters, 10, state["salt"], sync_free=True)
+    assert torch.equal(incremental, full)
+
+
+def test_hash_codes_follow_their_definition():
+    """Bit b is set where q . a_b >= mean_b + std_b * u_b, mean and std over the real queries of the (batch row,
+    head): checked against a float64 two-pass computation, on a cloud far from the origin and with padding, away
+    from the thresholds (float32 rounding may flip a bit that sits on one)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 200, D, generator=g, dtype=torch.float64) * 2 + 20.0
+    mask = torch.ones(2, 200, dtype=torch.bool)
+    mask[1, 150:] = False
+    q[1, :, 150:] = 1e4  # padded queries must not move the thresholds
+    state = layer("clustered").state()
+    bits = clustered_mod.hash_queries(q.float(), state["planes"], state["offsets"], mask)
+    proj = q @ state["planes"].double().t()  # (B, H, N, bits)
+    w = mask[:, None, :, None].double()
+    mean = (proj * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)
+    std = (((proj - mean) * w) ** 2).sum(2, keepdim=True).div(w.sum(2, keepdim=True)).sqrt()
+    margin = proj - (mean + std * state["offsets"].double())
+    real = mask[:, None, :, None].expand_as(margin)
+    clear = (margin.abs() > 1e-3 * std) & real
+    assert clear[real].float().mean() > 0.9
+    assert torch.equal(bits[clear], (margin >= 0)[clear])
+
+
+def test_iclustered_chunks_agree_with_the_dense_path(monkeypatch):
+    """Improved clustered attention reduces A^c a few series at a time and computes the blocks of queries in
+    chunks; with one series and one block per chunk, the output still equals the separate dense weights path."""
+    from approx.attention import iclustered
+
+    monkeypatch.setattr(iclustered, "_CENTROID_BYTES", 1)
+    monkeypatch.setattr(iclustered, "_CHUNK_ROWS", 1)
+    q, k, v = make_qkv(dtype=torch.float64)
+    mask = padded_mask(120, 90)
+    lyr = layer("i-clustered", clusters=8, topk=6)
+    w = lyr.weights(q, k, mask)
+    torch.testing.assert_close(lyr(q, k, v, mask), w @ v.masked_fill(~mask[:, None, :, None], 0))
+
+
 def test_short_sequences_fall_back_to_exact():
     q, k, v = make_qkv(n=20, dtype=torch.float64)
     mask = padded_mask(20, 15)

@@ -112,15 +112,40 @@ def test_graph_holding_the_gold_support_gives_exact_entmax():
         {"grouping": "bucketing", "buckets": 4, "global_tokens": 2},
         {"grouping": "distance", "threshold": 1.5, "target": "softmax"},
         {"grouping": "kmeans", "window": 0, "global_tokens": 0, "alpha": 1.3},
+        {"grouping": "kmeans", "window": 3, "global_tokens": 2, "last_token": True},  # the cluster-block path
+        {"grouping": "kmeans", "window": 1, "target": "softmax"},
     ],
 )
-def test_fast_path_equals_the_simulated_dense_graph(options):
-    """The gathered-key fast path and the dense simulated path are separate code on the same graph."""
+def test_fast_path_equals_the_simulated_dense_graph(options, monkeypatch):
+    """The fast paths (gathered keys; cluster blocks for kmeans with one cluster per query) and the dense
+    simulated path are separate code on the same graph. Small chunks and a short first entmax sort exercise the
+    chunking and the partial sort's widening."""
+    from approx.attention import sparsefinder
+
+    monkeypatch.setattr(sparsefinder, "_ENTMAX_K", 2)
     q, k, v, mask = inputs(3)
     lyr = fitted(**options)
     w = lyr.weights(q, k, mask)  # (B, H, N, S) dense, on the predicted graph
     assert (w[1, :, :, N - PAD :] == 0).all()
-    torch.testing.assert_close(lyr(q, k, v, mask), w @ v.masked_fill(~mask[:, None, :, None], 0), rtol=0, atol=1e-9)
+    want = w @ v.masked_fill(~mask[:, None, :, None], 0)
+    for budget in (sparsefinder._BLOCK_ELEMENTS, 1):  # chunks of many blocks (of clusters of several sizes), of one
+        monkeypatch.setattr(sparsefinder, "_BLOCK_ELEMENTS", budget)
+        torch.testing.assert_close(lyr(q, k, v, mask), want, rtol=0, atol=1e-9)
+
+
+def test_cluster_ids_are_the_nearest_centroids_in_row_blocks(monkeypatch):
+    """Nearest centroids, computed a block of rows at a time, against a float64 argsort of all distances."""
+    from approx.attention import sparsefinder
+
+    monkeypatch.setattr(sparsefinder, "_ID_ROWS", 7)  # several blocks and a short last one
+    g = torch.Generator().manual_seed(0)
+    qp, kp = torch.randn(B, H, 30, 4, generator=g), torch.randn(B, H, 25, 4, generator=g)
+    cent = torch.randn(H, 6, 4, generator=g)
+    q_ids, k_ids = sparsefinder.cluster_ids(qp, kp, cent, top_clusters=2)
+    dq = ((qp.double()[..., None, :] - cent.double()[None, :, None]) ** 2).sum(-1)  # (B, H, N, C)
+    dk = ((kp.double()[..., None, :] - cent.double()[None, :, None]) ** 2).sum(-1)
+    assert torch.equal(q_ids, dq.argsort(-1)[..., :2])
+    assert torch.equal(k_ids, dk.argmin(-1, keepdim=True))
 
 
 def test_keys_in_several_groups_are_counted_once():

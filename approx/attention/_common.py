@@ -46,6 +46,14 @@ def dense_softmax(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | Non
     return scores.softmax(-1)
 
 
+def softmax_(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """softmax over ``dim``, written over ``x`` when no gradient is needed (``out=`` has no autograd): a large
+    fresh output costs more than the softmax itself on the CPU (page faults)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x.softmax(dim)
+    return torch.softmax(x, dim, out=x)
+
+
 def exact_for_rows(
     out: torch.Tensor, rows_mask: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
@@ -87,3 +95,48 @@ def hash_ints(*parts: torch.Tensor | int) -> torch.Tensor:
         acc = mix32(t) if acc is None else mix32(acc * 0x01000193 + mix32(t))
     assert acc is not None
     return acc
+
+
+def block_size(n: int, clusters: int) -> int:
+    """Queries per block: about half the mean cluster size, so padding wastes at most ~C * L rows."""
+    return max(4, min(64, n // (2 * clusters)))
+
+
+def cluster_blocks(assign: torch.Tensor, clusters: int, block: int):
+    """Lay queries out cluster by cluster in blocks of ``block`` rows that all belong to one cluster.
+
+    Returns ``order`` (B, H, N): query indices sorted by cluster; ``slot`` (B, H, N): the padded row of the
+    i-th sorted query; ``block_cluster`` (B, H, nb): the cluster of every block; and nb. A cluster of c
+    queries takes ceil(c / block) blocks, so nb <= N / block + C.
+    """
+    batch, heads, n = assign.shape
+    order = assign.argsort(dim=-1, stable=True)
+    sorted_cluster = assign.gather(-1, order)
+    counts = torch.zeros(batch, heads, clusters, dtype=torch.long, device=assign.device)
+    counts.scatter_add_(2, assign, torch.ones_like(assign))
+    blocks = (counts + block - 1) // block
+    first_block = blocks.cumsum(-1) - blocks  # (B, H, C)
+    first_query = counts.cumsum(-1) - counts
+    rank = torch.arange(n, device=assign.device) - first_query.gather(-1, sorted_cluster)
+    slot = first_block.gather(-1, sorted_cluster) * block + rank  # (B, H, N)
+    nb = (n + clusters * (block - 1) + block - 1) // block
+    block_cluster = torch.zeros(batch, heads, nb, dtype=torch.long, device=assign.device)
+    block_cluster.scatter_(-1, slot // block, sorted_cluster)
+    return order, slot, block_cluster, nb
+
+
+def block_rows(assign: torch.Tensor, clusters: int, block: int):
+    """The blocks of :func:`cluster_blocks` as rows of flat tables, for chunked ``index_select`` / ``index_copy_``.
+
+    Returns ``dest`` (B*H*nb, block): the row of the (B*H*N) query table of every block row, B*H*N (one past
+    the last query: a spare row) for padding rows; ``used`` (U,): the blocks that hold queries; ``cluster``
+    (B*H*nb,): the row of every block's cluster in a (B*H*C) table.
+    """
+    batch, heads, n = assign.shape
+    bh = batch * heads
+    order, slot, block_cluster, nb = cluster_blocks(assign, clusters, block)
+    head = torch.arange(bh, device=assign.device).view(batch, heads, 1)
+    dest = torch.full((bh * nb, block), bh * n, dtype=torch.long, device=assign.device)
+    dest.view(-1)[(slot + head * (nb * block)).reshape(-1)] = (order + head * n).reshape(-1)
+    used = (dest[:, 0] < bh * n).nonzero().squeeze(1)  # the first row of a block in use holds a query
+    return dest, used, (block_cluster + head * clusters).reshape(-1)

@@ -18,12 +18,16 @@ last real token: every query attends to them and they attend to every key). Atte
 sparse-consistency property) or softmax (``target="softmax"``: zero-shot on softmax checkpoints, G being the
 entmax support of the same scores) restricted to Ĝ.
 
-Fast path (``sparsefinder_attention``): keys are sorted by bucket / cluster, every query gathers the keys of
+Fast paths (``sparsefinder_attention``): keys are sorted by bucket / cluster, every query gathers the keys of
 its groups (a padded list of width max group size per slot), its window and the global keys, with each key
 counted once; scores, entmax / softmax and the value sum are computed on those gathered keys only, in query
-blocks. No (N, S) matrix is formed except for ``distance``, where it is inherent (one block of rows at a
-time). ``simulated_weights`` builds the same graph as a dense (N, S) mask: for measuring and tests only.
-A query whose graph is empty (possible only with ``window=0`` and ``global_tokens=0``) gets a zero output.
+blocks. With ``kmeans`` and ``top_clusters=1`` (the default), the queries of a cluster share its keys, so they
+are sorted by cluster into blocks whose group scores are one matrix product per block (the keys gathered once
+per block, not once per query), chunks of blocks padded only to their own largest cluster
+(``_cluster_block_attention``); entmax sorts only the top scores of a row first. No (N, S) matrix is formed
+except for ``distance``, where it is inherent (one block of rows at a time). ``simulated_weights`` builds the
+same graph as a dense (N, S) mask: for measuring and tests only. A query whose graph is empty (possible only
+with ``window=0`` and ``global_tokens=0``) gets a zero output.
 
 The projections and centroids are fitted state: ``approx.fit(model, data)`` (or ``approx fit``) learns them
 from the model's own queries and keys; running before fitting raises an error saying so.
@@ -40,7 +44,7 @@ from entmax import entmax15, entmax_bisect
 
 from ..config import MethodConfig, option
 from ..registry import Cost, register
-from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._common import block_rows, block_size, compute_dtype, safe_key_mask, zero_padded_values
 from ._fitting import fit_kmeans, fit_projections, gold_graph
 
 GROUPINGS = ("distance", "bucketing", "kmeans")
@@ -158,13 +162,21 @@ def bucket_ids(qp, kp, key_mask, buckets: int):
     return q_ids, k_ids
 
 
+# rows of queries / keys whose centroid distances are held at a time in cluster_ids (with B ~ sqrt(N) clusters a
+# whole (B, H, N, C) distance matrix would grow as N^1.5: 100 MB at N = 16384)
+_ID_ROWS = 4096
+
+
 def cluster_ids(qp, kp, centroids, top_clusters: int):
     """Each key's nearest centroid (B, H, S, 1) and each query's ``top_clusters`` nearest (B, H, N, t)."""
     c = centroids.to(qp.dtype)[None]  # (1, H, C, r)
-    k_ids = torch.cdist(kp, c.expand(kp.shape[0], -1, -1, -1)).argmin(-1, keepdim=True)
-    dq = torch.cdist(qp, c.expand(qp.shape[0], -1, -1, -1))  # (B, H, N, C)
-    q_ids = dq.topk(top_clusters, dim=-1, largest=False).indices
-    return q_ids, k_ids
+
+    def blocks(x: torch.Tensor, pick) -> torch.Tensor:
+        cx = c.expand(x.shape[0], -1, -1, -1)
+        return torch.cat([pick(torch.cdist(x[:, :, i : i + _ID_ROWS], cx)) for i in range(0, x.shape[2], _ID_ROWS)], 2)
+
+    q_ids = blocks(qp, lambda dist: dist.topk(top_clusters, dim=-1, largest=False).indices)
+    return q_ids, blocks(kp, lambda dist: dist.argmin(-1, keepdim=True))
 
 
 def _groups(qp, kp, key_mask, config, state):
@@ -216,14 +228,19 @@ def predicted_mask(qp, kp, key_mask, rows: slice, config, state, groups=None):
 # ----------------------------------------------------------------------------------------- normaliser
 
 
+# entmax15 sorts only the largest _ENTMAX_K scores of a row first (exact: rows whose support fills them are
+# solved again with twice as many); sorting every gathered entry was most of Sparsefinder's time on the CPU
+_ENTMAX_K = 32
+
+
 def _normalize(scores: torch.Tensor, valid: torch.Tensor, config: SparsefinderConfig, *, target: str) -> torch.Tensor:
     """entmax or softmax over the valid entries of the last dim; rows without any valid entry give zeros."""
     has = valid.any(-1, keepdim=True)
     scores = scores.masked_fill(~valid, float("-inf")).masked_fill(~has, 0.0)
     if target == "softmax":
         p = scores.softmax(-1)
-    elif config.alpha == 1.5:
-        p = entmax15(scores, dim=-1)
+    elif config.alpha == 1.5:  # partial sort of the top _ENTMAX_K (the library widens it where the support needs)
+        p = entmax15(scores, dim=-1, k=_ENTMAX_K if scores.shape[-1] > _ENTMAX_K else None)
     else:
         p = entmax_bisect(scores, alpha=config.alpha, dim=-1)
     return p * has
@@ -385,6 +402,101 @@ def cost(config: SparsefinderConfig, *, n: int, s: int, d: int, dv: int) -> Cost
 
 # Largest number of gathered key elements of one query block: B * H * rows * E * d <= _CHUNK_ELEMENTS.
 _CHUNK_ELEMENTS = 1 << 23
+# Cluster-block path: scores plus gathered group keys and values of one chunk of blocks, in elements
+_BLOCK_ELEMENTS = 1 << 21
+
+
+def _extra_entries(q_ids, k_ids, key_mask, n: int, s: int, config):
+    """The window and global keys of every query that are not in its own cluster (those are group entries):
+    flat key rows (B*H*N, E) of the (B*H*S) key table and which are real (each key counted once)."""
+    b, h = q_ids.shape[:2]
+    dev = q_ids.device
+    i = torch.arange(n, device=dev)
+    w = min(_reach(config), s - 1)
+    offsets = torch.arange(-w, w + 1, device=dev) if w >= 0 else torch.zeros(0, dtype=torch.long, device=dev)
+    wpos = i[:, None] + offsets  # (N, 2w+1)
+    wvalid = (wpos >= 0) & (wpos < s)
+    glob = _global_rows(key_mask, n, s, config, dev)  # (B, S)
+    n_glob = int(glob.sum(-1).max())
+    gl = glob.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, :n_glob]  # (B, n_glob)
+    glvalid = glob.gather(-1, gl)[:, None, :] & ((gl[:, None, :] - i[:, None]).abs() > w)  # (B, N, n_glob)
+    pos = torch.cat([wpos.clamp(0, s - 1).expand(b, n, -1), gl[:, None, :].expand(b, n, n_glob)], dim=-1)
+    valid = torch.cat([wvalid.expand(b, n, -1), glvalid.expand(b, n, n_glob)], dim=-1)  # (B, N, E)
+    if key_mask is not None:
+        valid = valid & key_mask.gather(-1, pos.flatten(1)).view(pos.shape)
+    pos, valid = pos[:, None].expand(b, h, n, -1), valid[:, None].expand(b, h, n, -1)
+    own = k_ids[..., 0].gather(-1, pos.flatten(2)).view(pos.shape) == q_ids[..., :1]  # already a group entry
+    rows = pos + (torch.arange(b * h, device=dev) * s).view(b, h, 1, 1)
+    return rows.reshape(b * h * n, -1), (valid & ~own).reshape(b * h * n, -1)
+
+
+def _cluster_lists(k_ids, key_mask, clusters: int):
+    """The real keys of every cluster as flat rows of the (B*H*S) key table: (B*H*C, W), W the largest
+    cluster, left-aligned; which entries are real; and the size of every cluster (B*H*C,)."""
+    b, h, s = k_ids.shape[:3]
+    ids = k_ids[..., 0]
+    if key_mask is not None:  # padded keys go to an id no query has
+        ids = ids.masked_fill(~key_mask[:, None, :], clusters)
+    order = ids.argsort(dim=-1, stable=True)  # (B, H, S): keys cluster by cluster
+    counts = torch.zeros(b, h, clusters + 1, dtype=torch.long, device=ids.device).scatter_add_(
+        -1, ids, torch.ones_like(ids)
+    )
+    width = max(1, int(counts[..., :clusters].max()))
+    start = (counts.cumsum(-1) - counts)[..., :clusters, None]  # (B, H, C, 1)
+    ar = torch.arange(width, device=ids.device)
+    pos = order.gather(-1, (start + ar).clamp(max=s - 1).flatten(2)).view(b, h, clusters, width)
+    rows = pos + (torch.arange(b * h, device=ids.device) * s).view(b, h, 1, 1)
+    sizes = counts[..., :clusters].reshape(b * h * clusters)
+    return rows.reshape(b * h * clusters, width), ar < sizes[:, None], sizes
+
+
+def _cluster_block_attention(q, k, v, key_mask, groups, scale, config, dropout) -> torch.Tensor:
+    """The fast path of ``grouping="kmeans"`` with ``top_clusters=1``: (B, H, N, dv).
+
+    Every query of a cluster attends to the same group of keys, so queries are sorted by cluster into blocks
+    of L rows that share it: the group's scores are one (L, d) x (d, W) product per block, its keys gathered once
+    per block instead of once per query. The few window and global keys outside the group are gathered per
+    query. entmax / softmax then runs over both parts together, as on the gathered path.
+    """
+    b, h, n, d = q.shape
+    s, dv, clusters = k.shape[2], v.shape[-1], config.clusters
+    bh = b * h
+    q_ids, k_ids = groups[0], groups[1]
+    krows, kvalid, sizes = _cluster_lists(k_ids, key_mask, clusters)  # (B*H*C, W), (B*H*C, W), (B*H*C,)
+    erows, evalid = _extra_entries(q_ids, k_ids, key_mask, n, s, config)  # (B*H*N, E)
+    extra = erows.shape[1]
+    block = block_size(n, clusters)
+    dest, used, bc = block_rows(q_ids[..., 0], clusters, block)
+    # blocks by the size of their cluster, largest first: a chunk's width is that of its first block's cluster,
+    # so the padding up to the largest cluster (often several times the mean) is not scored
+    used = used[sizes[bc[used]].argsort(descending=True, stable=True)]
+    flat_q, flat_k, flat_v = q.reshape(bh * n, d), k.reshape(bh * s, d), v.reshape(bh * s, dv)
+    out = q.new_empty(bh * n + 1, dv)  # every query's output, and a spare row that padding rows are written to
+    start = 0
+    while start < used.numel():
+        width = max(1, int(sizes[bc[used[start]]]))  # the largest cluster of this chunk
+        per = max(1, _BLOCK_ELEMENTS // (block * (width + extra) + 2 * width * max(d, dv)))  # blocks per chunk
+        blocks, start = used[start : start + per], start + per
+        rows = dest.index_select(0, blocks).view(-1)  # (R,) = b_ * L query rows
+        qrows = rows.remainder(bh * n)  # padding rows read query 0 (their output goes to the spare row)
+        qb = flat_q.index_select(0, qrows) * scale  # (R, d)
+        clus = bc.index_select(0, blocks)
+        kr = krows[:, :width].index_select(0, clus).view(-1)  # (b_ * W,) the chunk's group keys
+        group = qb.view(-1, block, d) @ flat_k.index_select(0, kr).view(-1, width, d).transpose(1, 2)
+        er = erows.index_select(0, qrows).view(-1)  # (R * E,)
+        ke = flat_k.index_select(0, er).view(rows.numel(), extra, d)
+        scores = torch.cat([group.view(-1, width), torch.bmm(ke, qb[..., None]).view(rows.numel(), extra)], dim=-1)
+        gvalid = kvalid[:, :width].index_select(0, clus)[:, None, :].expand(-1, block, -1).reshape(-1, width)
+        valid = torch.cat([gvalid, evalid.index_select(0, qrows)], dim=-1)
+        p = _normalize(scores, valid, config, target=config.target)  # (R, W + E)
+        if dropout > 0.0:
+            p = F.dropout(p, dropout)
+        vg = flat_v.index_select(0, kr).view(-1, width, dv)
+        o = (p[:, :width].reshape(-1, block, width) @ vg).view(-1, 1, dv)  # (R, 1, dv)
+        if extra:  # + the window and global keys' share
+            o = torch.baddbmm(o, p[:, None, width:], flat_v.index_select(0, er).view(rows.numel(), extra, dv))
+        out.index_copy_(0, rows, o.view(-1, dv))
+    return out[: bh * n].view(b, h, n, dv)
 
 
 @register(
@@ -422,16 +534,19 @@ def sparsefinder_attention(
     rows_per_block = max(
         1, _CHUNK_ELEMENTS // max(1, b * h * (est + min(s, 2 * config.window + 1) + 1) * max(d, v.shape[-1]))
     )
-    outs = []
-    for start in range(0, n, rows_per_block):
-        rows = slice(start, min(n, start + rows_per_block))
-        pos, valid = _entries(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, E)
-        scores = torch.einsum("bhrd,bhred->bhre", q[:, :, rows], _gather(k, pos)) * scale
-        p = _normalize(scores, valid, config, target=config.target)
-        if dropout > 0.0:
-            p = F.dropout(p, dropout)
-        outs.append(torch.einsum("bhre,bhred->bhrd", p, _gather(v_real, pos)))
-    out = torch.cat(outs, dim=2)  # (B, H, N, dv)
+    if config.grouping == "kmeans" and config.top_clusters == 1:  # queries of a cluster share their keys
+        out = _cluster_block_attention(q, k, v_real, key_mask, groups, scale, config, dropout)
+    else:
+        outs = []
+        for start in range(0, n, rows_per_block):
+            rows = slice(start, min(n, start + rows_per_block))
+            pos, valid = _entries(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, E)
+            scores = torch.einsum("bhrd,bhred->bhre", q[:, :, rows], _gather(k, pos)) * scale
+            p = _normalize(scores, valid, config, target=config.target)
+            if dropout > 0.0:
+                p = F.dropout(p, dropout)
+            outs.append(torch.einsum("bhre,bhred->bhrd", p, _gather(v_real, pos)))
+        out = torch.cat(outs, dim=2)  # (B, H, N, dv)
     # global queries attend to every key: their few rows are computed densely
     glob = _global_rows(key_mask, n, s, config, q.device)[:, :n].expand(b, n)  # (B, N)
     if bool(glob.any()):
