@@ -12,7 +12,7 @@ Choices made here (see ``../shared/reference/methods.md`` section 1):
 * The planes a_b ~ N(0, I) and offsets u_b ~ N(0, 1) are drawn once from the seed when a layer is patched
   and kept as buffers, so a patched model is deterministic and saved with its state. The reference code
   draws new planes on every forward pass.
-* Bit b of query q is ``[q . a_b > beta_b]`` with the bias ``beta_b = mean_b + std_b * u_b``, where mean_b
+* Bit b of query q is ``[q . a_b >= beta_b]`` with the bias ``beta_b = mean_b + std_b * u_b``, where mean_b
   and std_b are the mean and standard deviation of ``q . a_b`` over the real queries of that sequence and
   head: each hyperplane cuts through the query cloud at a random place, so Hamming distance between codes
   tracks Euclidean distance between queries (a fixed bias of unknown scale would leave most bits constant).
