@@ -11,8 +11,8 @@ approx.fit(model, windows)                         # learn the state of fitted m
 __version__ = "0.1.0"
 
 from .config import MethodConfig  # noqa: E402
-from .evaluation import evaluate  # noqa: E402
-from .fitting import fit, graph_stats  # noqa: E402
+from .harness.evaluation import evaluate  # noqa: E402
+from .harness.fitting import fit, graph_stats  # noqa: E402
 from .integration import (  # noqa: E402
     RedrawSchedule,
     UnsupportedModelError,

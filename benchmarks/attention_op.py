@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
-from approx.provenance import provenance
+from approx.harness.provenance import provenance
 
 B, H, D = 1, 12, 64
 BASELINES = ("sdpa", "eager")

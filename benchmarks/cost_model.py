@@ -24,7 +24,7 @@ from typing import Any
 
 import approx
 from approx import get_method
-from approx.provenance import provenance
+from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 D = 64

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import approx
-from approx.provenance import provenance
+from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS: dict[str, dict[str, Any]] = {

@@ -15,9 +15,9 @@ from typing import Any
 
 import approx
 from approx.config import MethodConfig
-from approx.crossfit import merge_halves
-from approx.finetune import finetune
-from approx.tasks import get_task
+from approx.harness.crossfit import merge_halves
+from approx.harness.finetune import finetune
+from approx.harness.tasks import get_task
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "recipes" / "results"
@@ -25,7 +25,7 @@ CHECKPOINTS = ROOT / "runs" / "checkpoints"
 CROSS_FIT = (("dev/0", "dev/1"), ("dev/1", "dev/0"))  # (train half, evaluation half)
 CROSS_FIT_PROTOCOL = (
     "2-fold cross-fitting on the dev set (no train split offline): a model fine-tuned on one fixed half of dev "
-    "(approx.tasks.base.cross_fit_half; SQuAD split by article) scores the other half, then the swap; the metrics "
+    "(approx.harness.tasks.base.cross_fit_half; SQuAD split by article) scores the other half, then the swap; the metrics "
     "are computed once over all predictions, so every dev example is scored by a model that never saw it"
 )
 TRAIN_PROTOCOL = "fine-tuned on the task's train split, evaluated on the dev split"

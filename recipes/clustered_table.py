@@ -3,7 +3,7 @@
 The paper fine-tunes RoBERTa per task, then swaps its attention at inference, without retraining, for clustered
 and improved-clustered attention (25 clusters, k = 32; GLUE at max length 128, SQuAD at 384). No fine-tuned
 checkpoint can be downloaded offline, so this recipe makes its own from MiniLM-L6 (all-MiniLM-L6-v2, 6 layers,
-hidden 384) with ``approx.finetune`` (accelerate), once per task and settings, cached under
+hidden 384) with ``approx.harness.finetune`` (accelerate), once per task and settings, cached under
 ``runs/checkpoints/`` (git-ignored) so that re-running the evaluation does not retrain:
 
 * CoLA, MRPC, STS-B, RTE: fine-tuned on train, evaluated on dev;
@@ -18,7 +18,8 @@ the same batches. The protocol goes into every result.
     python recipes/clustered_table.py --tasks rte mrpc        # some tasks
     python recipes/clustered_table.py --hub                   # the paper's setting: RoBERTa-base checkpoints
                                                               # fine-tuned per task and the hub's datasets
-    approx table                                              # render recipes/results next to the paper
+    python recipes/clustered_table.py --report                # render recipes/results next to the paper
+    python recipes/clustered_table.py --report --json         # the pattern checks as JSON
 
 Writes ``recipes/results/clustered_table_<task>.json`` per task. ``--limit N --max-steps S`` makes a smoke run
 (write it elsewhere with ``--results-dir``).
@@ -27,6 +28,7 @@ Writes ``recipes/results/clustered_table_<task>.json`` per task. ``--limit N --m
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,8 @@ import torch
 from approx.attention.clustered import ClusteredConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
-from approx.evaluation import markdown_report
-from approx.provenance import provenance
+from approx.harness.evaluation import markdown_report
+from approx.harness.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import (  # noqa: E402
@@ -52,6 +54,7 @@ from _shared import (  # noqa: E402
     evaluate_checkpoints,
     write_json,
 )
+from paper_table import load_results, markdown_table, pattern_checks  # noqa: E402
 
 # Methods compared with full attention. 25 clusters and k = 32 are the paper's table; 100 clusters is the
 # paper's speed setting; FAVOR+ with 256 features has an attention cost comparable to 100 clusters at these lengths.
@@ -192,7 +195,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def default_model() -> str:
-    from approx.data import default_model_path
+    from approx.harness.data import default_model_path
 
     return default_model_path()
 
@@ -230,11 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="cache of fine-tuned checkpoints")
     p.add_argument("--results-dir", type=Path, default=RESULTS, help="where the result JSON goes")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: render the results in --results-dir next to the paper's numbers (paper_table.py)",
+    )
+    p.add_argument("--json", action="store_true", help="with --report: print the pattern checks as JSON")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report:
+        return report(args.results_dir, as_json=args.json)
     if args.checkpoint and not args.hub:
         raise SystemExit("--checkpoint TASK=ID goes with --hub")
     if args.hub:
@@ -251,6 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_report(record["results"]))
         w = record["wall_seconds"]
         print(f"\n{task}: fine-tuning {w['finetune']:.0f} s, evaluation {w['evaluate']:.0f} s; wrote {out}\n")
+    return 0
+
+
+def report(folder: Path, *, as_json: bool = False) -> int:
+    """Print the paper's table with ours beside it (or the pattern checks as JSON); exit 2 without results."""
+    results = load_results(folder)
+    if not results:
+        print(f"no clustered_table_*.json in {folder}: run `python recipes/clustered_table.py` first", file=sys.stderr)
+        return 2
+    print(json.dumps(pattern_checks(results), indent=2) if as_json else markdown_table(results))
     return 0
 
 

@@ -3,7 +3,7 @@
 Choromanski et al. (2021) swap softmax attention for FAVOR+ in a pretrained model and fine-tune briefly after the
 swap. Here: the SST-2 checkpoint of ``recipes/clustered_table.py`` fine-tuned on dev half 0 (cross-fitting; taken
 from the cache, or fine-tuned now with the same settings) is evaluated on dev half 1 under full attention and
-FAVOR+ (zero-shot). The FAVOR+-patched model is then fine-tuned on half 0 with ``approx.finetune(...,
+FAVOR+ (zero-shot). The FAVOR+-patched model is then fine-tuned on half 0 with ``approx.harness.finetune(...,
 method=FavorConfig(...))`` (accelerate; random features fixed, not redrawn) and evaluated on half 1 every
 ``--eval-every`` steps. Reported: the zero-shot drop, the accuracy curve, and the first step at which the
 FAVOR+ model is within 1 point (accuracy) of the full-attention checkpoint it started from.
@@ -25,9 +25,9 @@ import torch
 
 import approx
 from approx.attention.favor import FavorConfig
-from approx.finetune import finetune
+from approx.harness.finetune import finetune
+from approx.harness.provenance import provenance
 from approx.integration import attach
-from approx.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import clustered_table  # noqa: E402

@@ -30,10 +30,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from approx.layer import ApproxAttention  # noqa: E402
-from approx.table import PRIMARY_METRIC, TASK_NAMES, TASK_ORDER, load_results  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import CHECKPOINTS, RESULTS, ROOT  # noqa: E402
+from paper_table import PRIMARY_METRIC, TASK_NAMES, TASK_ORDER, load_results  # noqa: E402
 
 BENCHMARK = ROOT / "benchmarks" / "results" / "attention_op_cpu.json"
 QUESTION_ID = "56beb57b3aeaaa14008c9279"  # "What was Peyton Manning's passer rating for the season?"
@@ -107,7 +107,7 @@ def speed(benchmark: Path, out: Path) -> Path | None:
 def _squad_model(args: argparse.Namespace, example: dict[str, Any]) -> str:
     if args.model:
         return args.model
-    from approx.tasks.base import cross_fit_half
+    from approx.harness.tasks.base import cross_fit_half
 
     # the checkpoint trained on the half that does not hold this article
     for half in (0, 1):
@@ -116,14 +116,14 @@ def _squad_model(args: argparse.Namespace, example: dict[str, Any]) -> str:
             found = sorted(args.checkpoints.glob(f"squad-dev{half}-*/finetune.json"))
             if found:
                 return str(found[-1].parent)
-    from approx.data import default_model_path
+    from approx.harness.data import default_model_path
 
     return default_model_path()
 
 
 def squad_attention(args: argparse.Namespace, out: Path) -> Path:
+    from approx.harness.tasks import get_task
     from approx.integration import attention_probe, load_pretrained, patch, patched_layers, unpatch
-    from approx.tasks import get_task
 
     examples, _ = get_task("squad").load("dev", source=args.source, data_dir=args.data_dir)
     args._examples = examples

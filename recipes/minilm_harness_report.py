@@ -27,8 +27,8 @@ from approx.attention.clustered import ClusteredConfig
 from approx.attention.entmax import EntmaxConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
-from approx.data import default_model_path
-from approx.evaluation import markdown_report
+from approx.harness.data import default_model_path
+from approx.harness.evaluation import markdown_report
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = [

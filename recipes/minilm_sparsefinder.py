@@ -34,11 +34,11 @@ import approx
 from approx.attention import sparsefinder as sf
 from approx.attention._fitting import gold_graph
 from approx.attention.sparsefinder import SparsefinderConfig
-from approx.data import default_model_path, wikitext_windows
-from approx.fitting import as_batches, graph_summary
+from approx.harness.data import default_model_path, wikitext_windows
+from approx.harness.fitting import as_batches, graph_summary
+from approx.harness.provenance import provenance
 from approx.integration import attach, attention_probe, load_pretrained, patched_layers
 from approx.layer import ApproxAttention
-from approx.provenance import provenance
 
 RESULTS = Path(__file__).parent / "results"
 BASE = dict(target="softmax", projection_dim=4, window=1, global_tokens=1)

@@ -14,7 +14,7 @@ Writes recipes/results/minilm_wikitext2_favor.json (with provenance) and prints 
 from pathlib import Path
 
 from approx.attention.favor import FavorConfig
-from approx.fidelity import recipe_main
+from approx.harness.fidelity import recipe_main
 
 FEATURES = (64, 128, 256, 512, 1024)
 CONFIGS = [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from approx.attention.clustered import ClusteredConfig
 from approx.attention.iclustered import IClusteredConfig
-from approx.fidelity import recipe_main
+from approx.harness.fidelity import recipe_main
 
 CONFIGS = [
     ClusteredConfig(clusters=25),

@@ -6,14 +6,14 @@ both targets of Treviso et al. (2022), with the 2-fold cross-fitting of ``recipe
   fitted on the model as it is; the gold graph G is the 1.5-entmax support of its softmax scores and the patched
   model computes softmax on the predicted graph Ĝ.
 * ``target="entmax"`` (the paper's setting): MiniLM-L6 patched with 1.5-entmax attention is fine-tuned on each
-  half with ``approx.finetune`` and the same settings (cached as ``sst2-entmax-dev*``); G is the entmax support of
+  half with ``approx.harness.finetune`` and the same settings (cached as ``sst2-entmax-dev*``); G is the entmax support of
   its own scores and the patched model computes entmax on Ĝ (exactly the dense entmax output wherever Ĝ holds G).
 
 For each half's checkpoint, ``approx.fit`` learns the projections (r = 4, margin loss) and k-means centroids on the
 sentences of the half it was fine-tuned on (never on the half it scores); the centroids are refitted there for
 every number of clusters B (projections kept). Each budget point (B clusters, a query joining its
 ``top_clusters`` nearest; always window 1 and global CLS) is then evaluated with ``approx.evaluate`` on the other
-half, next to the dense model on the same batches, and the halves are merged (``approx.crossfit``): accuracy over
+half, next to the dense model on the same batches, and the halves are merged (``approx.harness.crossfit``): accuracy over
 all dev examples, and sparsity, recall and exact fraction of Ĝ summed over both halves (the graph counts the
 harness takes with ``layer.graph_stats``, as ``approx.graph_stats`` does, on the queries and keys each patched
 layer sees while scoring). B = 1 is the exact limit (Ĝ = every pair).
@@ -38,12 +38,12 @@ import torch
 import approx
 from approx.attention.entmax import EntmaxConfig
 from approx.attention.sparsefinder import SparsefinderConfig
-from approx.crossfit import merge_halves
-from approx.fitting import as_batches
+from approx.harness.crossfit import merge_halves
+from approx.harness.fitting import as_batches
+from approx.harness.provenance import provenance
+from approx.harness.tasks import get_task
 from approx.integration import attach, load_pretrained
 from approx.layer import ApproxAttention
-from approx.provenance import provenance
-from approx.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import clustered_table  # noqa: E402
@@ -226,7 +226,7 @@ def run_target(target: str, args: argparse.Namespace) -> dict[str, Any]:
             "zero-shot: softmax checkpoints (the clustered table's), softmax on the predicted graph; G = 1.5-entmax "
             "support of their softmax scores"
             if method is None
-            else "checkpoints fine-tuned with 1.5-entmax attention (approx.finetune, method=entmax), entmax on the "
+            else "checkpoints fine-tuned with 1.5-entmax attention (approx.harness.finetune, method=entmax), entmax on the "
             "predicted graph; G = the entmax support of their own scores"
         ),
         "dense": {"attention": "full softmax" if method is None else "1.5-entmax (dense)", METRIC: dense_metric},

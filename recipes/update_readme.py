@@ -14,8 +14,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from approx.evaluation import markdown_report
-from approx.fidelity import markdown_table
+from approx.harness.evaluation import markdown_report
+from approx.harness.fidelity import markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->\n", "<!-- results:end -->"
@@ -237,7 +237,7 @@ def render() -> str:
 
 def clustered_table() -> str:
     """The reproduced clustered-attention table (``approx table``), from recipes/results/clustered_table_*.json."""
-    from approx.table import load_results, markdown_table
+    from paper_table import load_results, markdown_table
 
     text = markdown_table(load_results(ROOT / "recipes" / "results")) + "\n"
     for path in sorted((ROOT / "recipes" / "results").glob("favor_recovery_*.json")):
@@ -285,7 +285,7 @@ def main() -> int:
     new = _replace_block(text, START, END, render())
     new = _replace_block(new, TABLE_START, TABLE_END, clustered_table())
     if CPU_RESULTS.is_dir():
-        from approx.table import load_results, markdown_table
+        from paper_table import load_results, markdown_table
 
         new = _replace_block(new, CPU_TABLE_START, CPU_TABLE_END, markdown_table(load_results(CPU_RESULTS)) + "\n")
     if (ROOT / SPARSEFINDER_TASK).is_file():

@@ -76,7 +76,7 @@ def batch(seq_len: int = 48, pad: int = 0, batch_size: int = 2, seed: int = 1):
 
 @pytest.fixture(scope="session")
 def data_dir(pytestconfig) -> Path:
-    from approx.data import DataNotFoundError, find_data_dir
+    from approx.harness.data import DataNotFoundError, find_data_dir
 
     try:
         return find_data_dir(pytestconfig.getoption("--data-dir"), need="wikitext-2/wiki.test.tokens")
@@ -87,7 +87,7 @@ def data_dir(pytestconfig) -> Path:
 @pytest.fixture(scope="session")
 def minilm_path() -> str:
     try:
-        from approx.data import default_model_path
+        from approx.harness.data import default_model_path
 
         return default_model_path()
     except ModuleNotFoundError as e:

@@ -3,9 +3,9 @@
 import pytest
 
 import approx
-from approx.cli import main
-from approx.data import DataNotFoundError, find_data_dir, read_wikitext
-from approx.fidelity import parse_setup
+from approx.harness.cli import main
+from approx.harness.data import DataNotFoundError, find_data_dir, read_wikitext
+from approx.harness.fidelity import parse_setup
 
 
 def test_methods_command_lists_every_method_with_defaults(capsys):
@@ -99,7 +99,7 @@ def test_demo_end_to_end(minilm_path, data_dir, tmp_path, capsys):
 def test_readme_method_table_is_generated_from_the_configs():
     from pathlib import Path
 
-    from approx.cli import methods_markdown
+    from approx.harness.cli import methods_markdown
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = readme.split("<!-- methods-table:start -->\n")[1].split("\n<!-- methods-table:end -->")[0]
@@ -119,7 +119,7 @@ def test_readme_results_are_rendered_from_the_committed_result_files():
 def test_readme_task_table_is_generated_from_the_tasks():
     from pathlib import Path
 
-    from approx.cli import tasks_markdown
+    from approx.harness.cli import tasks_markdown
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = readme.split("<!-- tasks-table:start -->\n")[1].split("\n<!-- tasks-table:end -->")[0]

@@ -15,8 +15,8 @@ import torch
 from evalfixtures import write_checkpoint, write_data
 
 import approx
-from approx.cli import main
-from approx.tasks import DataError, get_task, tasks
+from approx.harness.cli import main
+from approx.harness.tasks import DataError, get_task, tasks
 
 REQUIRED = {
     "task",
@@ -189,7 +189,7 @@ def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
 
 def test_squad_best_span_over_windows_by_hand():
     """Post-processing on hand-made logits: the best valid span over all windows of a question wins."""
-    from approx.tasks import Feature
+    from approx.harness.tasks import Feature
 
     task = get_task("squad")
     ex = [{"context": "alpha beta gamma delta", "answers": ["gamma"]}]
@@ -207,7 +207,7 @@ def test_squad_best_span_over_windows_by_hand():
 def test_wikitext_masked_lm_loss_against_a_plain_forward(fixture_dir, checkpoints):
     from transformers import AutoModelForMaskedLM
 
-    from approx.tasks.wikitext import mask_positions
+    from approx.harness.tasks.wikitext import mask_positions
 
     path = checkpoints("masked-lm")
     (r,) = _run(path, "wikitext2", ["full"], fixture_dir, max_length=32, limit=3)
@@ -468,7 +468,7 @@ def test_two_processes_under_accelerate_give_the_single_process_metrics(fixture_
         "--dynamo_backend",
         "no",
         "-m",
-        "approx.cli",
+        "approx.harness.cli",
         *common,
         "--output",
         str(double),
@@ -488,7 +488,7 @@ def test_hub_source_reads_the_datasets_rows(monkeypatch, tmp_path):
     """With --source hub, rows come from `datasets.load_dataset` with the hub's names (faked here: no network)."""
     import datasets
 
-    import approx.tasks.base as base
+    import approx.harness.tasks.base as base
 
     calls = []
 

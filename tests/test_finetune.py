@@ -8,10 +8,10 @@ import torch
 from evalfixtures import write_checkpoint
 
 import approx
-from approx.cli import main
-from approx.finetune import finetune
-from approx.tasks import get_task
-from approx.tasks.base import cross_fit_half
+from approx.harness.cli import main
+from approx.harness.finetune import finetune
+from approx.harness.tasks import get_task
+from approx.harness.tasks.base import cross_fit_half
 
 
 def _run(base, data, out, **kw):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from approx import metrics as M
+from approx.harness import metrics as M
 
 
 def test_accuracy_and_binary_f1_by_hand():

@@ -25,7 +25,7 @@ def test_notebook_has_no_stored_outputs():
 
 @pytest.mark.realmodel
 def test_quickstart_notebook_runs(minilm_path, pytestconfig, monkeypatch):
-    from approx.data import DataNotFoundError, find_data_dir
+    from approx.harness.data import DataNotFoundError, find_data_dir
 
     try:
         folder = find_data_dir(pytestconfig.getoption("--data-dir"), need="glue/STS-B/dev.tsv")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import approx
-from approx.data import wikitext_windows
-from approx.fidelity import Setup, hidden_state_fidelity
+from approx.harness.data import wikitext_windows
+from approx.harness.fidelity import Setup, hidden_state_fidelity
 from approx.integration import load_pretrained
 
 pytestmark = pytest.mark.realmodel

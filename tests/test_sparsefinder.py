@@ -16,7 +16,7 @@ import approx
 from approx import ApproxAttention
 from approx.attention._fitting import evaluate_loss, random_projections
 from approx.attention.sparsefinder import SparsefinderConfig
-from approx.fitting import graph_summary
+from approx.harness.fitting import graph_summary
 
 B, H, N, D = 2, 3, 64, 16
 PAD = 20
@@ -282,7 +282,7 @@ def test_model_fit_with_full_window_equals_the_entmax_model_and_survives_save_lo
 def test_harness_reports_graph_sparsity_and_recall(tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
-    from approx.data import wikitext_windows
+    from approx.harness.data import wikitext_windows
 
     data = write_data(tmp_path / "data")
     path = write_checkpoint(tmp_path / "ckpt", "base")
@@ -308,7 +308,7 @@ def test_harness_reports_graph_sparsity_and_recall(tmp_path):
 
 
 def test_cli_fit_saves_a_fitted_model_that_loads_and_runs(tmp_path, capsys):
-    from approx.cli import main
+    from approx.harness.cli import main
 
     data = write_data(tmp_path / "data")
     path = write_checkpoint(tmp_path / "ckpt", "base")
@@ -336,7 +336,7 @@ def test_cli_fit_saves_a_fitted_model_that_loads_and_runs(tmp_path, capsys):
     # equal to graph_stats of the reloaded model on the same windows
     from transformers import AutoTokenizer
 
-    from approx.data import wikitext_windows
+    from approx.harness.data import wikitext_windows
 
     res = tmp_path / "eval.json"
     ev = ["eval", "--model", str(path), "--task", "wikitext2", "--data-dir", str(data), "--max-length", "32"]

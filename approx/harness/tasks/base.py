@@ -2,7 +2,7 @@
 
 A task turns raw examples into model inputs (*features*; SQuAD makes several per long example), reads the
 model's outputs back into per-example predictions and scores them. The harness
-(:mod:`approx.evaluation`) does the rest: batching, running the unpatched model and every method on the
+(:mod:`approx.harness.evaluation`) does the rest: batching, running the unpatched model and every method on the
 same batches, fidelity, cost, time, memory and provenance.
 
 Data comes from a local folder in the GLUE download layout (``--data-dir`` / ``$APPROX_DATA_DIR``) or from
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config import did_you_mean
+from ...config import did_you_mean
 from ..data import ENV_VAR, find_data_dir
 
 __all__ = [

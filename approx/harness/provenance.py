@@ -12,15 +12,19 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from .. import __version__
 
-# What "dirty" means: uncommitted changes to code, not to the result files or docs that runs write.
-_CODE = ["approx", "recipes", "benchmarks", "pyproject.toml", ":!recipes/results", ":!benchmarks/results"]
+# What "dirty" means: uncommitted changes to the package itself (what produces a number), not to recipes,
+# results or docs.
+_CODE = ["approx", "pyproject.toml"]
 
 
 def git_commit() -> str | None:
-    """The commit of the approx checkout (``+dirty`` when its code has uncommitted changes), else None."""
-    root = Path(__file__).resolve().parent.parent
+    """The commit of the approx checkout (``+dirty`` when the package has uncommitted changes); None when approx
+    is installed from a wheel (no checkout around it)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists() or not (root / "approx").is_dir():
+        return None
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True

@@ -1,4 +1,4 @@
-"""``approx table``: the clustered-table recipe's results as a markdown table next to the paper's numbers.
+"""The clustered-table recipe's results as a markdown table next to the paper's numbers.
 
 Reads ``recipes/results/clustered_table_<task>.json`` (written by ``recipes/clustered_table.py``), puts each
 method's task metric beside the paper's value (:data:`PAPER`) and checks the paper's pattern on our numbers:
@@ -91,7 +91,7 @@ PRIMARY_METRIC = {
 WITHIN = 0.01  # i-clustered-25 must stay within 1 % (relative) of full
 CLEARLY_WORSE = 0.05  # clustered-25 "clearly worse": more than 5 % (relative) below full
 RESULT_GLOB = "clustered_table_*.json"
-DEFAULT_RESULTS = Path(__file__).resolve().parent.parent / "recipes" / "results"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def method_label(method: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ patched, see :func:`approx.save`), with ``finetune.json`` recording the settings
 evaluated on ``eval_split`` with :func:`approx.evaluate` when one is given.
 
 Cross-fitting, for tasks whose train split is not available offline: ``train_split="dev/0",
-eval_split="dev/1"`` and then the swap (see :func:`approx.tasks.base.cross_fit_half`).
+eval_split="dev/1"`` and then the swap (see :func:`approx.harness.tasks.base.cross_fit_half`).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .config import MethodConfig
+from ..config import MethodConfig
+from ..integration import load_pretrained, patch, patched_layers, save, unpatch
+from ..integration import redraw as redraw_layers
 from .evaluation import _collate, as_setup
 from .fidelity import Setup
-from .integration import load_pretrained, patch, patched_layers, save, unpatch
-from .integration import redraw as redraw_layers
 from .tasks import Feature, get_task
 
 __all__ = ["finetune"]

@@ -24,7 +24,7 @@ Fidelity, per method:
 * ``graph`` (methods that predict an attention graph, e.g. Sparsefinder): ``sparsity`` (1 - |Ĝ| / real pairs),
   ``recall`` (|G ∩ Ĝ| / |G|) and ``exact_fraction`` (queries with recall 1), overall, per layer and per head;
 * ``seconds`` (model forward passes, exact-attention probing excluded), ``speedup`` (unpatched seconds /
-  method seconds) and ``peak_memory_mib`` (see :mod:`approx.memory`).
+  method seconds) and ``peak_memory_mib`` (see :mod:`approx.harness.memory`).
 
 Under ``accelerate launch --multi_gpu --num_processes N`` (or ``torchrun``; on a machine without a GPU the
 processes join on CPU through gloo) every process takes every n-th batch (the same batches a single process would
@@ -43,11 +43,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .attention._common import exact_attention
-from .config import MethodConfig
-from .fidelity import Setup, parse_setup, short_label
-from .fitting import GraphStatsProbe, graph_summary
-from .integration import (
+from ..attention._common import exact_attention
+from ..config import MethodConfig
+from ..integration import (
     attach,
     attention_probe,
     attention_shape,
@@ -62,8 +60,10 @@ from .integration import (
     saved_settings,
     unpatch,
 )
+from ..registry import get_method
+from .fidelity import Setup, parse_setup, short_label
+from .fitting import GraphStatsProbe, graph_summary
 from .memory import PeakMemory
-from .registry import get_method
 from .tasks import Feature, Task, get_task
 
 __all__ = ["evaluate", "as_setup", "markdown_report"]
@@ -307,12 +307,12 @@ def evaluate(
 
     ``model``: a local folder or hub id (the head the task needs is read from the checkpoint), or a loaded
     model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
-    :class:`~approx.fidelity.Setup` or config objects, or the layers of a patched model
+    :class:`~approx.harness.fidelity.Setup` or config objects, or the layers of a patched model
     (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first), or a folder
     written by :func:`approx.save` / ``approx fit`` (its layers, with their fitted or drawn state). Returns one
     self-describing result per method. ``predictions``: also return the per-example predictions under the method
     and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order), e.g.
-    to score the two halves of a cross-fitted split together (:mod:`approx.crossfit`).
+    to score the two halves of a cross-fitted split together (:mod:`approx.harness.crossfit`).
     """
     wall = time.perf_counter()
     from accelerate import PartialState

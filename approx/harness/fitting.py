@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .integration import attach, attention_probe, patched_layers
-from .layer import ApproxAttention
+from ..integration import attach, attention_probe, patched_layers
+from ..layer import ApproxAttention
 
 __all__ = ["fit", "graph_stats", "graph_summary", "as_batches"]
 
@@ -67,7 +67,7 @@ def _stand_in(layer: ApproxAttention) -> ApproxAttention:
     """The attention a fitted layer predicts, to run while its queries and keys are collected."""
     config = layer.config
     if getattr(config, "target", "softmax") == "entmax":
-        from .registry import get_method
+        from ..registry import get_method
 
         entmax = get_method("entmax").make_config(alpha=config.alpha)
         return ApproxAttention("entmax", entmax, head_dim=layer.head_dim, layer_index=layer.layer_index)

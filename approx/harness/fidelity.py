@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import MethodConfig, did_you_mean
-from .integration import patch, unpatch
-from .registry import get_method
+from ..config import MethodConfig, did_you_mean
+from ..integration import patch, unpatch
+from ..registry import get_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +178,8 @@ def wikitext_fidelity_report(
 
     ``model_path`` defaults to the offline MiniLM-L6; the report carries the protocol and provenance.
     """
+    from ..integration import load_pretrained
     from .data import default_model_path, find_data_dir, wikitext_windows
-    from .integration import load_pretrained
     from .provenance import provenance
 
     folder = find_data_dir(data_dir, need="wikitext-2/wiki.test.tokens")

@@ -1,7 +1,7 @@
 """Score a 2-fold cross-fitted evaluation as one: every example of the split scored by a model that never saw it.
 
 Where a task's train split is not available offline (SST-2, QNLI, SQuAD here), one model is fine-tuned on
-each half of the dev split (``dev/0``, ``dev/1``, see :func:`approx.tasks.base.cross_fit_half`) and evaluated
+each half of the dev split (``dev/0``, ``dev/1``, see :func:`approx.harness.tasks.base.cross_fit_half`) and evaluated
 on the other half. :func:`merge_halves` joins the two evaluations (run with ``approx.evaluate(...,
 predictions=True)``) method by method: the task metrics, under the method and under full attention, are
 computed once over the *union* of the halves' predictions (so F1, Matthews or Pearson are not averages of

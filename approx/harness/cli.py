@@ -4,7 +4,6 @@ approx methods                 list the attention methods with their options and
 approx tasks                   list the evaluation tasks with their metrics, modes and defaults
 approx eval                    evaluate a task under one or more methods against full attention
 approx finetune                fine-tune a model (patched or not) on a task with accelerate
-approx table                   the clustered-attention table from recipes/results, next to the paper's numbers
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered
 approx fit                     fit a method with learned state (sparsefinder) on unlabeled text and save the model
 """
@@ -19,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, methods
-from .config import did_you_mean
-from .registry import get_method
+from .. import __version__, methods
+from ..config import did_you_mean
+from ..registry import get_method
 
 DEFAULT_DEMO_SETUPS = ("clustered:clusters=25", "i-clustered:clusters=25,topk=32", "i-clustered:clusters=100,topk=32")
 
@@ -164,9 +163,9 @@ def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[
 
 
 def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]):
-    """Typed :class:`~approx.fidelity.Setup` objects from the raw ``--method`` groups."""
+    """Typed :class:`~approx.harness.fidelity.Setup` objects from the raw ``--method`` groups."""
+    from ..integration import is_saved_setting
     from .fidelity import Setup, _coerce, parse_setup
-    from .integration import is_saved_setting
 
     if not groups:
         raise ValueError(f"name at least one --method to compare with full attention; methods: {', '.join(methods())}")
@@ -374,40 +373,13 @@ def _add_finetune_parser(sub) -> None:
     p.set_defaults(func=_cmd_finetune)
 
 
-def _cmd_table(args: argparse.Namespace) -> int:
-    from .table import DEFAULT_RESULTS, load_results, markdown_table, pattern_checks
-
-    folder = Path(args.results_dir) if args.results_dir else DEFAULT_RESULTS
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no results folder {folder}; run `python recipes/clustered_table.py` first")
-    results = load_results(folder)
-    if args.json:
-        print(json.dumps(pattern_checks(results), indent=2))
-    else:
-        print(markdown_table(results))
-    return 0
-
-
-def _add_table_parser(sub) -> None:
-    p = sub.add_parser(
-        "table",
-        help="render the clustered-table recipe's results next to the paper's numbers",
-        description="Reads clustered_table_<task>.json from the results folder (written by "
-        "recipes/clustered_table.py) and prints a markdown table: our metric (the paper's in brackets) per task "
-        "and method, with the cells where our pattern differs from the paper's flagged and explained.",
-    )
-    p.add_argument("--results-dir", help="folder of result JSON (default: recipes/results of this checkout)")
-    p.add_argument("--json", action="store_true", help="print the pattern checks as JSON instead")
-    p.set_defaults(func=_cmd_table)
-
-
 def _cmd_fit(args: argparse.Namespace) -> int:
     import time
 
+    from ..integration import load_pretrained, patch, save
     from .data import default_model_path, wikitext_windows
     from .fidelity import parse_setup
     from .fitting import fit, graph_stats
-    from .integration import load_pretrained, patch, save
     from .provenance import provenance
 
     setup = parse_setup(args.method)  # unknown method or option: exit 2 before loading anything
@@ -490,7 +462,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_finetune_parser(sub)
     _add_fit_parser(sub)
-    _add_table_parser(sub)
 
     p = sub.add_parser(
         "demo",
