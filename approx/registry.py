@@ -1,21 +1,71 @@
-"""The method registry: one ``register`` call per method file, nothing to edit elsewhere.
+"""Registries: the generic :class:`Registry` (methods here, evaluation tasks in the harness) and the method
+registry, one ``register`` call per method file, nothing to edit elsewhere.
 
 A method is a pure attention function over already-projected, per-head tensors plus its config class, an
 optional state initialiser (random planes, features, learned projections: tensors kept as buffers on the
-patched layer) and a cost model.
+patched layer) and a cost model. Its registration also carries what generic code needs to know about it: the
+attention it predicts while being fitted (``teacher``), the options at which the generic tests see it
+approximate (``test_options``) and how it reaches exact attention (``exact_limit``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+import importlib
+import pkgutil
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from .config import MethodConfig, did_you_mean
 
-__all__ = ["Cost", "Method", "register", "get_method", "methods"]
+__all__ = ["Cost", "ExactLimit", "Method", "Registry", "discover", "register", "get_method", "methods"]
+
+T = TypeVar("T")
+
+
+def discover(package: str) -> None:
+    """Import every module of ``package`` whose name does not start with ``_``: each registers what it defines."""
+    module = importlib.import_module(package)
+    for info in pkgutil.iter_modules(module.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package}.{info.name}")
+
+
+class Registry(Generic[T]):
+    """Named entries of one kind (attention methods, evaluation tasks), filled by the modules of ``package``
+    as they are imported (:func:`discover`): adding an entry is adding a file. Unknown names get the list of
+    what exists and a "did you mean"."""
+
+    def __init__(self, kind: str, package: str, *, plural: str | None = None) -> None:
+        self.kind, self.package, self.plural = kind, package, plural or f"{kind}s"
+        self._entries: dict[str, T] = {}
+        self._loaded = False
+
+    def add(self, name: str, entry: T) -> None:
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._entries[name] = entry
+
+    def _load(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            discover(self.package)
+
+    def names(self) -> list[str]:
+        self._load()
+        return list(self._entries)
+
+    def get(self, name: str) -> T:
+        self._load()
+        if not isinstance(name, str) or name not in self._entries:
+            hint = did_you_mean(str(name), self._entries)
+            raise ValueError(f"unknown {self.kind} {name!r}{hint}; available {self.plural}: {', '.join(self._entries)}")
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +100,24 @@ StatsFn = Callable[..., dict[str, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
+class ExactLimit:
+    """How a method reaches exact softmax attention *while its approximation code runs*; the generic test
+    (``tests/test_methods.py``) checks every registered method against a float64 reference this way.
+
+    ``options(n)``: the options (beyond the test budget) that make the method exact on ``n`` tokens, to float64
+    rounding, without its exact fallback (e.g. i-clustered with ``topk >= n``). ``distinct_queries``: the limit
+    holds when the queries take at most this many distinct values (clustered attention: each cluster is one
+    value). ``approaches``: instead of one exact setting, options along which a Monte-Carlo estimate converges
+    (FAVOR+ with more and more features): the error must fall at every step, to at most ``ratio`` of the first.
+    """
+
+    options: Callable[[int], dict[str, Any]] = lambda n: {}  # noqa: E731
+    distinct_queries: int | None = None
+    approaches: Callable[[int], list[dict[str, Any]]] | None = None
+    ratio: float = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
 class Method:
     name: str
     config_class: type[MethodConfig]
@@ -60,6 +128,14 @@ class Method:
     summary: str = ""
     fit: FitFn | None = None
     stats: StatsFn | None = None
+    # the attention to run while this method's state is fitted (``approx.fit``): (method name, options)
+    teacher: Callable[[MethodConfig], tuple[str, dict[str, Any]]] | None = None
+    # options at which the generic tests (n = 120 tokens) see the method approximate, not fall back to exact
+    test_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # how the method reaches exact attention while its approximation code runs; None only for ``full``
+    exact_limit: ExactLimit | None = None
+    # the settings of ``fit`` (a MethodConfig subclass: options with defaults and help), for the CLI and docs
+    fit_config: type[MethodConfig] | None = None
 
     @property
     def needs_fit(self) -> bool:
@@ -70,7 +146,7 @@ class Method:
         return self.config_class.from_options(**options)
 
 
-_METHODS: dict[str, Method] = {}
+_METHODS: Registry[Method] = Registry("attention method", "approx.attention", plural="methods")
 
 
 def register(
@@ -82,35 +158,45 @@ def register(
     weights: WeightsFn | None = None,
     fit: FitFn | None = None,
     stats: StatsFn | None = None,
+    teacher: Callable[[MethodConfig], tuple[str, dict[str, Any]]] | None = None,
+    test_options: dict[str, Any] | None = None,
+    exact_limit: ExactLimit | None = None,
+    fit_config: type[MethodConfig] | None = None,
 ) -> Callable[[AttendFn], AttendFn]:
-    """Decorator registering an attend function as method ``name``."""
+    """Decorator registering an attend function as method ``name`` (see :class:`Method` for the fields)."""
 
     def deco(attend: AttendFn) -> AttendFn:
-        if name in _METHODS:
-            raise ValueError(f"attention method {name!r} is registered twice")
         if config_class.method != name:
             raise ValueError(f"{config_class.__name__}.method is {config_class.method!r}, expected {name!r}")
         summary = (attend.__doc__ or "").strip().splitlines()[0] if attend.__doc__ else ""
-        _METHODS[name] = Method(name, config_class, attend, cost, init_state, weights, summary, fit=fit, stats=stats)
+        _METHODS.add(
+            name,
+            Method(
+                name,
+                config_class,
+                attend,
+                cost,
+                init_state,
+                weights,
+                summary,
+                fit=fit,
+                stats=stats,
+                teacher=teacher,
+                test_options=dict(test_options or {}),
+                exact_limit=exact_limit,
+                fit_config=fit_config,
+            ),
+        )
         return attend
 
     return deco
 
 
-def _load_builtin() -> None:
-    from . import attention as _  # noqa: F401  (importing the package registers every method file)
-
-
 def methods() -> list[str]:
     """Names of the registered attention methods."""
-    _load_builtin()
-    return list(_METHODS)
+    return _METHODS.names()
 
 
 def get_method(name: str) -> Method:
     """The registered method ``name``; ``ValueError`` listing the available ones otherwise."""
-    _load_builtin()
-    if not isinstance(name, str) or name not in _METHODS:
-        hint = did_you_mean(str(name), _METHODS)
-        raise ValueError(f"unknown attention method {name!r}{hint}; available methods: {', '.join(_METHODS)}")
-    return _METHODS[name]
+    return _METHODS.get(name)

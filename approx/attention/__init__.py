@@ -1,8 +1,2 @@
-"""Attention methods, one file each. Importing this package registers every module in it."""
-
-import importlib
-import pkgutil
-
-for _info in pkgutil.iter_modules(__path__):
-    if not _info.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_info.name}")
+"""Attention methods, one file each. ``approx.registry`` imports every module here not starting with ``_``
+(each registers its method); the ``_``-modules are building blocks shared by several methods."""
