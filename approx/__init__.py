@@ -5,14 +5,17 @@ approx.methods()                                   # ['full', 'clustered', 'i-cl
 approx.patch(model, "i-clustered", clusters=25, topk=32)
 approx.unpatch(model)                              # bit-identical to the original again
 approx.evaluate("ckpt/", "sst2", ["clustered:clusters=25", "i-clustered"])  # metrics, fidelity, cost, time
+approx.finetune("bert-base-uncased", "rte", output_dir="ckpt/rte", method="favor", epochs=3)
 approx.fit(model, windows)                         # learn the state of fitted methods (sparsefinder)
 """
 
 __version__ = "0.1.0"
 
 from .config import MethodConfig  # noqa: E402
-from .harness.evaluation import evaluate  # noqa: E402
+from .harness.evaluation import evaluate, markdown_report  # noqa: E402
+from .harness.finetune import FinetuneConfig, finetune  # noqa: E402
 from .harness.fitting import fit, graph_stats  # noqa: E402
+from .harness.spec import Setup  # noqa: E402
 from .integration import (  # noqa: E402
     RedrawSchedule,
     UnsupportedModelError,
@@ -33,14 +36,17 @@ from .registry import methods as _registered_methods  # noqa: E402
 __all__ = [
     "ApproxAttention",
     "Cost",
+    "FinetuneConfig",
     "MethodConfig",
     "UnsupportedModelError",
     "evaluate",
+    "finetune",
     "fit",
     "get_method",
     "graph_stats",
     "is_patched",
     "load",
+    "markdown_report",
     "methods",
     "patch",
     "patched_layers",
@@ -49,6 +55,7 @@ __all__ = [
     "restore",
     "save",
     "settings",
+    "Setup",
     "unpatch",
 ]
 

@@ -12,7 +12,6 @@ package imports transformers.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__
+from . import __version__, saved
 from .attention._common import exact_attention
 from .layer import ApproxAttention, layer_seed
 from .registry import get_method
@@ -36,11 +35,13 @@ __all__ = [
     "checkpoint_heads",
     "is_patched",
     "load",
+    "load_method_state",
     "patch",
     "redraw",
     "RedrawSchedule",
     "restore",
     "save",
+    "save_method_state",
     "settings",
     "unpatch",
 ]
@@ -48,8 +49,6 @@ __all__ = [
 ATTENTION_NAME = "approx"
 _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to a patched attention module
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
-SETTINGS_FILE = "approx_config.json"
-STATE_FILE = "approx_state.safetensors"
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
@@ -273,12 +272,18 @@ def patch(model: nn.Module, method: str, *, layers: int | Iterable[int] | None =
         )
         for i in indices
     }
+    return _install(model, modules, new)
+
+
+def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, ApproxAttention]) -> nn.Module:
+    """Attach ``layers`` (layer index -> module) to the attention ``modules`` of ``model`` and route its attention
+    through ``"approx"``, remembering the original implementation the first time."""
     _register()
     if not is_patched(model):
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
-    for i, layer in new.items():
+    for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
     return model
 
@@ -346,47 +351,35 @@ def settings(model: nn.Module) -> list[dict[str, Any]]:
 def save(model: nn.Module, path: str | os.PathLike, **save_pretrained_kwargs: Any) -> Path:
     """Save a patched model: a normal Hugging Face checkpoint plus ``approx_config.json`` (the settings of
     every patched layer) and ``approx_state.safetensors`` (the methods' state: planes, features, fitted
-    projections). :func:`load` reads it back."""
-    from safetensors.torch import save_file
-
+    projections; written only when some layer has state); see :mod:`approx.saved`. :func:`load` reads it back."""
     if not is_patched(model):
         raise ValueError("the model is not patched; use model.save_pretrained for a plain model")
     path = Path(path)
     model.save_pretrained(path, **save_pretrained_kwargs)
-    meta = {
-        "format": 1,
-        "approx_version": __version__,
-        "original_attn_implementation": getattr(model, _ORIGINAL),
-        "layers": settings(model),
-    }
-    (path / SETTINGS_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    state = {
-        f"layer.{i}.{name}": t.detach().cpu().contiguous()
-        for i, layer in patched_layers(model).items()
-        for name, t in layer.state().items()
-    }
-    save_file(state, str(path / STATE_FILE))
+    meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
+    saved.write_settings(path, {**meta, "layers": settings(model)})
+    save_method_state(model, path)
     return path
+
+
+def save_method_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
+    """Write the state of the patched layers to ``folder/approx_state.safetensors``; returns the file, or None
+    when no patched layer has state. :func:`load_method_state` reads it back."""
+    return saved.write_state(patched_layers(model), folder)
+
+
+def load_method_state(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Load ``folder/approx_state.safetensors`` into the patched layers of ``model`` (strictly: see
+    :func:`approx.saved.read_state`)."""
+    saved.read_state(patched_layers(model), folder)
 
 
 def _patch_as_saved(model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
     """Patch ``model`` with the layers, options and state saved in ``path``; returns the saved settings."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    settings_path = path / SETTINGS_FILE
-    if not settings_path.is_file():
-        raise FileNotFoundError(f"{settings_path} not found: {path} was not written by approx.save")
-    meta = json.loads(settings_path.read_text())
-    if meta.get("format") != 1:
-        raise ValueError(f"{settings_path}: unknown format {meta.get('format')!r}")
-    state = load_file(str(path / STATE_FILE)) if (path / STATE_FILE).is_file() else {}
+    meta = saved.read_settings(path)
     for entry in meta["layers"]:
         patch(model, entry["method"], layers=[entry["layer"]], **entry["config"])
-    for i, layer in patched_layers(model).items():
-        prefix = f"layer.{i}."
-        mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        layer.load_state(mine)
+    load_method_state(model, path)
     return meta
 
 
@@ -395,16 +388,6 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     meta = _patch_as_saved(model, path)
     setattr(model, _ORIGINAL, meta.get("original_attn_implementation", getattr(model, _ORIGINAL)))
     return model
-
-
-def is_saved_setting(path: Any) -> bool:
-    """Is ``path`` a folder written by :func:`save` (or ``approx fit``), i.e. does it hold ``approx_config.json``?"""
-    return isinstance(path, (str, os.PathLike)) and (Path(path) / SETTINGS_FILE).is_file()
-
-
-def saved_settings(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The per-layer settings recorded by :func:`save` in ``path`` (``[{"layer", "method", "config"}, ...]``)."""
-    return json.loads((Path(path) / SETTINGS_FILE).read_text())["layers"]
 
 
 def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxAttention]:
@@ -457,14 +440,7 @@ def attach(model: nn.Module, layers: dict[int, ApproxAttention]) -> nn.Module:
     :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is."""
     modules = attention_modules(model)
     _select_layers(list(layers), len(modules))
-    _register()
-    if not is_patched(model):
-        original = model.config._attn_implementation
-        model.set_attn_implementation(ATTENTION_NAME)
-        setattr(model, _ORIGINAL, original)
-    for i, layer in layers.items():
-        setattr(modules[i], _CHILD, layer)
-    return model
+    return _install(model, modules, layers)
 
 
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)

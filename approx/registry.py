@@ -107,8 +107,9 @@ class ExactLimit:
     ``options(n)``: the options (beyond the test budget) that make the method exact on ``n`` tokens, to float64
     rounding, without its exact fallback (e.g. i-clustered with ``topk >= n``). ``distinct_queries``: the limit
     holds when the queries take at most this many distinct values (clustered attention: each cluster is one
-    value). ``approaches``: instead of one exact setting, options along which a Monte-Carlo estimate converges
-    (FAVOR+ with more and more features): the error must fall at every step, to at most ``ratio`` of the first.
+    value). ``approaches``: instead of one exact setting, options along which the method converges to it (FAVOR+'s
+    Monte-Carlo estimate with more and more features; entmax with alpha -> 1): the error against the reference
+    must fall at every step, to at most ``ratio`` of the first. Every step runs the approximation, not a fallback.
     """
 
     options: Callable[[int], dict[str, Any]] = lambda n: {}  # noqa: E731

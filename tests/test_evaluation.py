@@ -241,6 +241,45 @@ def test_wikitext_fidelity_mode_on_a_bare_encoder(fixture_dir, checkpoints):
     assert len(cos["per_layer"]) == 2 and 0 < cos["last"] < 1
 
 
+def test_hidden_state_cosines_match_a_plain_forward_input_by_input(fixture_dir, tmp_path):
+    """The harness runs padded batches; per layer, worst input and pooled cosines must equal those computed
+    from plain forward passes of each input alone (no padding, no harness)."""
+    import torch.nn.functional as F
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(write_checkpoint(tmp_path / "loud", "base"))
+    loud = AutoModel.from_pretrained(path)
+    with torch.no_grad():  # make attention's share of the residual stream large, so approximations show
+        for name, p in loud.named_parameters():
+            if name.endswith(("value.weight", "attention.output.dense.weight")):
+                p.mul_(20.0)
+    loud.save_pretrained(path)
+    (r,) = _run(path, "stsb", ["entmax:alpha=4.0"], fixture_dir, batch_size=5)
+    tok = AutoTokenizer.from_pretrained(path)
+    plain = AutoModel.from_pretrained(path).eval()
+    patched = approx.patch(AutoModel.from_pretrained(path).eval(), "entmax", alpha=4.0)
+    examples, _ = get_task("stsb").load(source="local", data_dir=str(fixture_dir))
+    texts = [t for e in examples for t in (e["text"], e["text_pair"])]  # zero-shot: each sentence alone
+    per_layer_sum, tokens, per_input, pooled = None, 0, [], []
+    with torch.no_grad():
+        for text in texts:
+            enc = tok(text, return_tensors="pt")
+            ref = plain(**enc, output_hidden_states=True).hidden_states[1:]
+            out = patched(**enc, output_hidden_states=True).hidden_states[1:]
+            cos = [F.cosine_similarity(o[0].double(), h[0].double(), dim=-1) for o, h in zip(out, ref)]
+            sums = [float(c.sum()) for c in cos]
+            per_layer_sum = sums if per_layer_sum is None else [a + b for a, b in zip(per_layer_sum, sums)]
+            tokens += cos[-1].numel()
+            per_input.append(float(cos[-1].mean()))
+            pooled.append(float(F.cosine_similarity(out[-1][0].double().mean(0), ref[-1][0].double().mean(0), dim=0)))
+    got = r["fidelity"]["hidden_state_cosine"]
+    assert r["features"] == len(texts) and min(per_input) < 0.9 < max(per_input)  # far from exact, and uneven
+    assert got["per_layer"] == pytest.approx([x / tokens for x in per_layer_sum], abs=1e-5)
+    assert got["last"] == got["per_layer"][-1]
+    assert got["worst_feature"] == pytest.approx(min(per_input), abs=1e-5)
+    assert got["pooled"] == pytest.approx(sum(pooled) / len(pooled), abs=1e-5)
+
+
 def test_several_methods_share_one_reference_run(fixture_dir, checkpoints):
     res = _run(checkpoints("sequence-classification"), "sst2", ["full", "clustered:clusters=3", "favor"], fixture_dir)
     assert [r["method"]["name"] for r in res] == ["full", "clustered", "favor"]

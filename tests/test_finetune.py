@@ -140,3 +140,60 @@ def test_cli_finetune_smoke(base_model, fixture_dir, tmp_path, capsys):
         main(["finetune", "--task", "wikitext2", "--output-dir", str(tmp_path / "w"), "--data-dir", str(fixture_dir)])
         == 2
     )
+
+
+def test_finetune_settings_have_their_defaults_in_the_config_only():
+    """Every FinetuneConfig field is an `approx finetune` flag whose parser default is None (the dataclass
+    decides) and whose help shows the dataclass default; finetune() restates none of them."""
+    import dataclasses
+    import inspect
+
+    from approx.harness.cli import build_parser
+    from approx.harness.finetune import FinetuneConfig
+
+    sub = build_parser()._subparsers._group_actions[0].choices["finetune"]
+    actions = {a.dest: a for a in sub._actions}
+    fields = dataclasses.fields(FinetuneConfig)
+    assert {f.name for f in fields} >= {"epochs", "learning_rate", "warmup", "batch_size", "seed", "redraw_every"}
+    for f in fields:
+        action = actions[f.name]
+        assert action.option_strings == ["--" + f.name.replace("_", "-")] and action.default is None, f.name
+        assert f.metadata["help"] in action.help
+        if f.default is not None:
+            assert f"(default {f.default})" in action.help
+    assert not set(inspect.signature(finetune).parameters) & {f.name for f in fields}
+
+
+def test_finetune_settings_are_checked_before_anything_loads(tmp_path):
+    from approx.harness.finetune import FinetuneConfig
+
+    for bad, words in [
+        ({"learning_rate": 0.0}, "learning_rate"),
+        ({"warmup": 1.0}, "warmup"),
+        ({"lerning_rate": 1e-3}, "did you mean 'learning_rate'"),
+        ({"mixed_precision": "fp8"}, "bf16"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            finetune("no/such/model", "rte", output_dir=tmp_path / "x", **bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        finetune("no/such/model", "rte", output_dir=tmp_path / "x", config=FinetuneConfig(), batch_size=0)
+
+
+def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path, capsys):
+    from approx.harness.finetune import FinetuneConfig
+
+    out = tmp_path / "c"
+    argv = ["finetune", "--model", base_model, "--task", "rte", "--output-dir", str(out), "--train-split", "dev/0"]
+    argv += ["--data-dir", str(fixture_dir), "--max-steps", "2", "--learning-rate", "0.002", "--warmup", "0"]
+    assert main([*argv, "--batch-size", "4", "--quiet"]) == 0
+    settings = json.loads((out / "finetune.json").read_text())["settings"]
+    assert (settings["steps"], settings["learning_rate"], settings["warmup"], settings["batch_size"]) == (
+        2,
+        0.002,
+        0,
+        4,
+    )
+    assert settings["weight_decay"] == FinetuneConfig().weight_decay
+    assert settings["max_length"] == get_task("rte").default_max_length
+    assert main([*argv, "--mixed-precision", "fp8"]) == 2
+    assert "mixed_precision" in capsys.readouterr().err

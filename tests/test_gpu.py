@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import batch, model_output, tiny_model
 from reference import naive_attention
-from test_methods import METHODS, B, D, H, layer, make_qkv, padded_mask, small_budget
+from test_methods import LIMITED, METHODS, B, D, H, layer, limit_inputs, make_qkv, padded_mask, small_budget
 
 import approx
 from approx import get_method
@@ -79,21 +79,31 @@ def test_gpu_gradients_flow(method):
 
 
 def test_gpu_exact_limits_against_float64():
-    """full; improved clustering with k >= S; FAVOR+ error falling with m; exact_below: each on the GPU."""
+    """full, and every method along its registered exact limit (as in test_methods.py), on the GPU; exact_below."""
     q, k, v = make_qkv(dtype=torch.float64)
     mask = padded_mask(120, 90)
     ref = naive_attention(q, k, v, mask)
     args = cuda(q, k, v, mask)
-    for method, options in [("full", {}), ("i-clustered", {"clusters": 8, "topk": 120})]:
-        torch.testing.assert_close(on_gpu(method, **options)(*args).cpu(), ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(on_gpu("full")(*args).cpu(), ref, rtol=1e-9, atol=1e-9)
     for method in [m for m in METHODS if "exact_below" in get_method(m).config_class.option_names()]:
         out = on_gpu(method, exact_below=121, **small_budget(method))(*args).cpu()
         torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-    q, k, v = make_qkv(dtype=torch.float64, sharp=1.0)
-    q, k = q * 0.5, k * 0.5  # the scale of test_favor.py: few features already give a usable estimate
-    ref, args = naive_attention(q, k, v, mask), cuda(q, k, v, mask)
-    errors = [(on_gpu("favor", features=m)(*args).cpu() - ref).norm() / ref.norm() for m in (16, 256, 8192)]
-    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.15 * errors[0]
+    real = mask[:, None, :, None]
+    for method in LIMITED:
+        limit = get_method(method).exact_limit
+        q, k, v = limit_inputs(distinct=limit.distinct_queries)
+        ref, args = naive_attention(q, k, v, mask).masked_fill(~real, 0), cuda(q, k, v, mask)
+
+        def error(**options):
+            opts = {**small_budget(method), **limit.options(120), **options}
+            return (on_gpu(method, **opts)(*args).cpu().masked_fill(~real, 0) - ref).norm() / ref.norm()
+
+        if limit.approaches is None:
+            assert error() <= 1e-9, method
+        else:
+            errors = [error(**step) for step in limit.approaches(120)]
+            assert all(a > b for a, b in zip(errors, errors[1:])), (method, errors)
+            assert errors[-1] <= limit.ratio * errors[0], (method, errors)
 
 
 @pytest.mark.parametrize("method", METHODS)

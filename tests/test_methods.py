@@ -1,5 +1,6 @@
-"""Method-level tests on plain tensors. The generic ones are driven by the registry, so a new method is
-covered without editing this file; the clustered-specific ones check the paper's properties."""
+"""Method-level tests on plain tensors. The generic ones are driven by the registry (each method's
+``test_options`` and ``exact_limit``), so a new method is covered without editing this file; the
+clustered-specific ones check the paper's properties."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from reference import naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
+from approx.attention import _fallback, _hashing, _kmeans
 from approx.attention import clustered as clustered_mod
 
 METHODS = approx.methods()
@@ -46,9 +48,8 @@ def layer(method, **options):
 
 
 def small_budget(method):
-    """Options that make the method approximate at n = 120 (not its exact fallback)."""
-    names = get_method(method).config_class.option_names()
-    return {"clusters": 8} if "clusters" in names else {}
+    """The options at which the method approximates on these inputs, from its registration."""
+    return dict(get_method(method).test_options)
 
 
 # ---------------------------------------------------------------------------------------------- generic
@@ -188,20 +189,83 @@ def test_full_matches_float64_reference():
     assert err <= 4 * err32  # within a few times the rounding error of plain float32 attention
 
 
-# -------------------------------------------------------------------------------------- clustered family
+LIMITED = [m for m in METHODS if m != "full"]
 
 
-def test_iclustered_topk_at_least_n_is_exact_while_clustering_runs(monkeypatch):
-    calls = []
-    real = clustered_mod.cluster_queries
-    monkeypatch.setattr(clustered_mod, "cluster_queries", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    q, k, v = make_qkv(n=120, dtype=torch.float64)
+def limit_inputs(n=120, distinct=None):
+    """float64 inputs at a scale where a Monte-Carlo estimate is usable (|x~|^2 about 1, as in test_favor.py);
+    ``distinct``: the queries take only that many distinct values."""
+    q, k, v = make_qkv(n=n, dtype=torch.float64, sharp=1.0)
+    q, k = q * 0.5, k * 0.5
+    if distinct is not None:
+        q = q[:, :, :distinct][:, :, torch.arange(n) % distinct]
+    return q, k, v
+
+
+@pytest.fixture
+def fallback_spy(monkeypatch):
+    """Counts the calls of the shared fallback helper and of the approximation / exact paths it chooses."""
+    calls = {"helper": 0, "approximate": 0, "exact": 0}
+    real = _fallback.with_fallback
+
+    def spy(approximate, exact=None, **kw):
+        calls["helper"] += 1
+
+        def counted_approximate():
+            calls["approximate"] += 1
+            return approximate()
+
+        def counted_exact(rows):
+            calls["exact"] += 1
+            return exact(rows)
+
+        return real(counted_approximate, None if exact is None else counted_exact, **kw)
+
+    monkeypatch.setattr(_fallback, "with_fallback", spy)
+    return calls
+
+
+@pytest.mark.parametrize("method", LIMITED)
+def test_exact_limit_while_the_approximation_runs(method, fallback_spy):
+    """Every method reaches float64 exact attention along its registered ``exact_limit``, with a padded row, and
+    the approximation code runs there: the shared fallback helper never takes its exact branch."""
+    limit = get_method(method).exact_limit
+    q, k, v = limit_inputs(distinct=limit.distinct_queries)
     mask = padded_mask(120, 90)
-    out = layer("i-clustered", clusters=8, topk=120)(q, k, v, mask)
-    assert calls, "clustering did not run"
-    torch.testing.assert_close(out, naive_attention(q, k, v, mask), rtol=1e-9, atol=1e-9)
-    # ... and the plain clustered attention on the same clusters is not exact, so the test can fail
-    assert (layer("clustered", clusters=8)(q, k, v, mask) - naive_attention(q, k, v, mask)).abs().max() > 1e-2
+    ref = naive_attention(q, k, v, mask)
+    real = mask[:, None, :, None]  # padded query rows are meaningless: compare the real ones
+
+    def run(**options):
+        out = layer(method, **{**small_budget(method), **limit.options(120), **options})(q, k, v, mask)
+        return (out - ref).masked_fill(~real, 0.0)
+
+    if limit.approaches is None:
+        assert run().abs().max() <= 1e-9
+    else:
+        errors = [float(run(**step).norm() / ref.masked_fill(~real, 0.0).norm()) for step in limit.approaches(120)]
+        assert all(a > b for a, b in zip(errors, errors[1:])), errors
+        assert errors[-1] <= limit.ratio * errors[0], errors
+    assert fallback_spy["helper"], f"{method} does not compute through approx.attention._fallback.with_fallback"
+    assert fallback_spy["approximate"] and not fallback_spy["exact"], (
+        f"{method} took its exact fallback: the limit was reached by the fallback, not by the approximation"
+    )
+
+
+@pytest.mark.parametrize("n", [48, 120])
+@pytest.mark.parametrize("method", LIMITED)
+def test_test_budgets_approximate(method, n):
+    """Every method but ``full`` declares an exact limit, and its ``test_options`` (the generic tests' budget, at
+    both lengths the generic tests use) are not exact: the generic tests can fail."""
+    spec = get_method(method)
+    assert spec.exact_limit is not None, f"{method} declares no exact_limit"
+    q, k, v = make_qkv(n=n, dtype=torch.float64)
+    mask = padded_mask(n, n - 13)
+    err = (layer(method, **small_budget(method))(q, k, v, mask) - naive_attention(q, k, v, mask)).abs()
+    for row, real in ((0, n), (1, n - 13)):
+        assert err[row, :, :real].max() > 1e-3, f"{method} at {small_budget(method)} is exact on {real} tokens"
+
+
+# -------------------------------------------------------------------------------------- clustered family
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -229,11 +293,11 @@ def test_sync_free_kmeans_gives_the_same_clusters(seed):
     q[:, :, : n // 3] = q[:, :, :1]  # many equal queries: fewer distinct codes than clusters for some heads
     mask = padded_mask(n, n - 70)
     state = get_method("clustered").init_state(clustered_mod.ClusteredConfig(seed=seed), head_dim=D, seed=seed)
-    bits = clustered_mod.hash_queries(q, state["planes"], state["offsets"], mask)
+    bits = _hashing.hash_queries(q, state["planes"], state["offsets"], mask)
     for iterations in (1, 3, 10):
         args = (bits, mask, clusters, iterations, state["salt"])
-        incremental = clustered_mod.hamming_kmeans(*args, sync_free=False)
-        full = clustered_mod.hamming_kmeans(*args, sync_free=True)
+        incremental = _kmeans.hamming_kmeans(*args, sync_free=False)
+        full = _kmeans.hamming_kmeans(*args, sync_free=True)
         assert torch.equal(full, incremental)
 
 
@@ -247,14 +311,14 @@ def test_incremental_kmeans_equals_full_iterations_at_scale(monkeypatch):
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, 2500:] = False
     state = get_method("clustered").init_state(clustered_mod.ClusteredConfig(), head_dim=D, seed=0)
-    signs = clustered_mod.hash_signs(q, state["planes"], state["offsets"], mask)
+    signs = _hashing.hash_signs(q, state["planes"], state["offsets"], mask)
     widths = []
-    best_keys = clustered_mod._best_keys
-    monkeypatch.setattr(clustered_mod, "_best_keys", lambda s, t: widths.append(t.shape[1]) or best_keys(s, t))
-    monkeypatch.setattr(clustered_mod, "_ROWS", 128)  # many row blocks, a short last one
-    incremental = clustered_mod.kmeans(signs, mask, clusters, 10, state["salt"], sync_free=False)
+    best_keys = _kmeans._best_keys
+    monkeypatch.setattr(_kmeans, "_best_keys", lambda s, t: widths.append(t.shape[1]) or best_keys(s, t))
+    monkeypatch.setattr(_kmeans, "_ROWS", 128)  # many row blocks, a short last one
+    incremental = _kmeans.kmeans(signs, mask, clusters, 10, state["salt"], sync_free=False)
     assert any(w < clusters for w in widths), "the partial path never ran"
-    full = clustered_mod.kmeans(signs, mask, clusters, 10, state["salt"], sync_free=True)
+    full = _kmeans.kmeans(signs, mask, clusters, 10, state["salt"], sync_free=True)
     assert torch.equal(incremental, full)
 
 
@@ -268,7 +332,7 @@ def test_hash_codes_follow_their_definition():
     mask[1, 150:] = False
     q[1, :, 150:] = 1e4  # padded queries must not move the thresholds
     state = layer("clustered").state()
-    bits = clustered_mod.hash_queries(q.float(), state["planes"], state["offsets"], mask)
+    bits = _hashing.hash_queries(q.float(), state["planes"], state["offsets"], mask)
     proj = q @ state["planes"].double().t()  # (B, H, N, bits)
     w = mask[:, None, :, None].double()
     mean = (proj * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)
@@ -325,24 +389,13 @@ def test_clustering_recovers_well_separated_groups():
         assert len(pairs) == 4 and len({c for _, c in pairs}) == 4, pairs
 
 
-def test_clustered_exact_when_queries_take_few_values():
-    """Exact limit of clustered attention: when the queries take at most C distinct values, each cluster is
-    one value, its centroid is that query, and the output is exact."""
-    g = torch.Generator().manual_seed(3)
-    distinct = torch.randn(B, H, 6, D, generator=g, dtype=torch.float64) * 5
-    q = distinct[:, :, torch.arange(90) % 6]
-    _, k, v = make_qkv(n=90, dtype=torch.float64)
-    out = layer("clustered", clusters=6)(q, k, v, None)
-    torch.testing.assert_close(out, naive_attention(q, k, v))
-
-
 def test_hash_bits_track_euclidean_distance():
     """With the bias term, near queries share more bits than far ones, also for queries far from the origin
     (without a bias, a shifted cloud would hash every query to the same side of most planes)."""
     g = torch.Generator().manual_seed(0)
     base = torch.randn(1, 1, 200, D, generator=g) + 50.0  # a cloud far from the origin
     state = layer("clustered").state()
-    bits = clustered_mod.hash_queries(base, state["planes"], state["offsets"], None)[0, 0].float()
+    bits = _hashing.hash_queries(base, state["planes"], state["offsets"], None)[0, 0].float()
     dist = torch.cdist(base[0, 0], base[0, 0])
     ham = torch.cdist(bits, bits, p=1)
     iu = torch.triu_indices(200, 200, 1)

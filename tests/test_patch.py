@@ -6,15 +6,14 @@ import torch
 from conftest import FAMILIES, HEADS, batch, model_output, tiny_config, tiny_model
 
 import approx
-from approx.integration import UnsupportedModelError, _key_mask
+from approx.integration import SUPPORTED_MODEL_TYPES, UnsupportedModelError, _key_mask
 
 METHODS = approx.methods()
-APPROX_OPTIONS = {"clustered": {"clusters": 6}, "i-clustered": {"clusters": 6, "topk": 8}}
 
 
 def options(method):
-    names = approx.get_method(method).config_class.option_names()
-    return {k: v for k, v in APPROX_OPTIONS.get(method, {}).items() if k in names}
+    """The options at which the method approximates on the tests' 48-token inputs, from its registration."""
+    return dict(approx.get_method(method).test_options)
 
 
 def patched(model, method, **opts):
@@ -35,6 +34,15 @@ def test_full_reproduces_unpatched_model(family, head):
         approx.patch(model, "full")
         out = model_output(model, **inputs)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_every_supported_family_has_a_tiny_model():
+    """The families the tests run are the supported ones (a family added to SUPPORTED_MODEL_TYPES is tested by
+    every family test here), and each has a tiny model of that family; test_unpatch_is_bit_exact then checks
+    that it patches and unpatches bit-exactly."""
+    assert list(FAMILIES) == list(SUPPORTED_MODEL_TYPES)
+    for family in FAMILIES:
+        assert tiny_model(family).config.model_type == family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -161,6 +169,29 @@ def test_saved_state_is_used_not_redrawn(tmp_path):
     approx.save(model, tmp_path)
     loaded = approx.load(tmp_path)
     assert torch.equal(approx.patched_layers(loaded)[0].state()["planes"], lyr.state()["planes"])
+
+
+def test_method_state_save_and_load(tmp_path):
+    """save_method_state writes the patched layers' state (None for stateless methods); load_method_state puts it
+    back, refusing names or shapes that differ."""
+    from approx.integration import load_method_state, save_method_state
+
+    assert save_method_state(approx.patch(tiny_model("bert"), "full"), tmp_path / "none") is None
+    assert not (tmp_path / "none").exists()
+    model = approx.patch(tiny_model("bert"), "clustered", clusters=6, seed=4)
+    file = save_method_state(model, tmp_path)
+    assert file == tmp_path / "approx_state.safetensors" and file.is_file()
+    other = approx.patch(tiny_model("bert"), "clustered", clusters=6)
+    load_method_state(other, tmp_path)
+    for i, lyr in approx.patched_layers(model).items():
+        for name, t in lyr.state().items():
+            assert torch.equal(approx.patched_layers(other)[i].state()[name], t)
+    with pytest.raises(ValueError, match="shape"):
+        load_method_state(approx.patch(tiny_model("bert"), "clustered", clusters=6, bits=8), tmp_path)
+    with pytest.raises(ValueError, match="state of 'favor'"):
+        load_method_state(approx.patch(tiny_model("bert"), "favor"), tmp_path)
+    with pytest.raises(ValueError, match="not patched"):
+        load_method_state(approx.patch(tiny_model("bert"), "clustered", layers=[0]), tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ refusals

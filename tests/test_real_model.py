@@ -9,7 +9,6 @@ import torch
 
 import approx
 from approx.harness.data import wikitext_windows
-from approx.harness.fidelity import Setup, hidden_state_fidelity
 from approx.integration import load_pretrained
 
 pytestmark = pytest.mark.realmodel
@@ -48,16 +47,17 @@ def test_full_and_exact_limit_on_real_weights(minilm):
     assert torch.equal(again, ref)
 
 
-def test_fidelity_ordering_on_real_weights(minilm):
+def test_fidelity_ordering_on_real_weights(minilm, minilm_path, data_dir):
     """The paper's pattern: improved clustering is closer to full attention than clustering, and more
-    clusters are closer than fewer."""
-    model, windows = minilm
-    setups = [
-        Setup("clustered", {"clusters": 25}),
-        Setup("i-clustered", {"clusters": 25, "topk": 32}),
-        Setup("i-clustered", {"clusters": 100, "topk": 32}),
-    ]
-    report = hidden_state_fidelity(model, windows, setups, batch_size=2, progress=False)
-    cos = [r["token_cosine"] for r in report["results"]]
-    assert 0.5 < cos[0] < cos[1] < cos[2] < 1.0, cos
-    assert not approx.is_patched(model)
+    clusters are closer than fewer (WikiText-2 fidelity through approx.evaluate, as `approx demo` runs it)."""
+    methods = ["clustered:clusters=25", "i-clustered:clusters=25,topk=32", "i-clustered:clusters=100,topk=32"]
+    results = approx.evaluate(
+        minilm_path, "wikitext2", methods, data_dir=str(data_dir), limit=4, max_length=256, batch_size=2, progress=False
+    )
+    assert all(r["mode"] == "fidelity" and r["examples"] == 4 for r in results)
+    cos = [r["fidelity"]["hidden_state_cosine"] for r in results]
+    last = [c["last"] for c in cos]
+    assert 0.5 < last[0] < last[1] < last[2] < 1.0, last
+    for c in cos:  # the worst window is at most the mean over windows (all of one length)
+        assert 0 < c["worst_feature"] <= c["last"] < 1 and 0 < c["pooled"] < 1, c
+    assert not approx.is_patched(minilm[0])

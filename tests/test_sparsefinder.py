@@ -135,13 +135,13 @@ def test_fast_path_equals_the_simulated_dense_graph(options, monkeypatch):
 
 def test_cluster_ids_are_the_nearest_centroids_in_row_blocks(monkeypatch):
     """Nearest centroids, computed a block of rows at a time, against a float64 argsort of all distances."""
-    from approx.attention import sparsefinder
+    from approx.attention import _graph
 
-    monkeypatch.setattr(sparsefinder, "_ID_ROWS", 7)  # several blocks and a short last one
+    monkeypatch.setattr(_graph, "_ID_ROWS", 7)  # several blocks and a short last one
     g = torch.Generator().manual_seed(0)
     qp, kp = torch.randn(B, H, 30, 4, generator=g), torch.randn(B, H, 25, 4, generator=g)
     cent = torch.randn(H, 6, 4, generator=g)
-    q_ids, k_ids = sparsefinder.cluster_ids(qp, kp, cent, top_clusters=2)
+    q_ids, k_ids = _graph.cluster_ids(qp, kp, cent, top_clusters=2)
     dq = ((qp.double()[..., None, :] - cent.double()[None, :, None]) ** 2).sum(-1)  # (B, H, N, C)
     dk = ((kp.double()[..., None, :] - cent.double()[None, :, None]) ** 2).sum(-1)
     assert torch.equal(q_ids, dq.argsort(-1)[..., :2])
@@ -245,6 +245,33 @@ def test_fit_is_seeded():
         states.append(lyr.state())
     assert all(torch.equal(states[0][n], states[1][n]) for n in states[0])
     assert not torch.equal(states[0]["proj_q"], states[2]["proj_q"])
+
+
+def test_fit_settings_are_checked_against_the_fit_config():
+    """approx.fit's settings are the fields of the method's fit_config (defaults in one dataclass): an unknown or
+    impossible one is refused before anything runs, naming the valid ones."""
+    fit_config = approx.get_method("sparsefinder").fit_config
+    names = [o["name"] for o in fit_config.describe()]
+    assert {"steps", "lr", "queries", "margin", "fit_projections_too"} <= set(names)
+    assert fit_config.from_options(steps=7).steps == 7
+    model = approx.patch(tiny_model("bert"), "sparsefinder", clusters=3)
+    with pytest.raises(ValueError) as e:
+        approx.fit(model, [batch(16)], progress=False, step=10)
+    assert "did you mean 'steps'" in str(e.value) and all(n in str(e.value) for n in names)
+    with pytest.raises(ValueError, match="lr"):
+        approx.fit(model, [batch(16)], progress=False, lr=-1.0)
+
+
+def test_the_fit_runs_the_registered_teacher():
+    """While fitting, a layer runs its method's teacher: entmax for target=entmax, exact softmax otherwise."""
+    from approx.harness.fitting import _stand_in
+
+    for target, want in (("entmax", "entmax"), ("softmax", "full")):
+        layer = ApproxAttention("sparsefinder", SparsefinderConfig(target=target, alpha=1.3), head_dim=D, layer_index=2)
+        stand_in = _stand_in(layer)
+        assert (stand_in.method.name, stand_in.layer_index) == (want, 2)
+        if want == "entmax":
+            assert stand_in.config.alpha == 1.3
 
 
 def test_running_before_fitting_says_to_fit_first():

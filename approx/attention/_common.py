@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
-
-_MASK32 = 0xFFFFFFFF
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,47 +50,11 @@ def softmax_(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(x, dim, out=x)
 
 
-def exact_for_rows(
-    out: torch.Tensor, rows_mask: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """Replace the batch rows flagged in ``rows_mask`` (B,) by ``compute(row_indices)``."""
-    if not bool(rows_mask.any()):
-        return out
-    rows = rows_mask.nonzero().squeeze(-1)
-    return out.index_put((rows,), compute(rows).to(out.dtype))
-
-
 def zero_padded_values(v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     """Set padded value rows to zero so that 0 * (huge or inf) can never leak into a real output."""
     if key_mask is None:
         return v
     return v.masked_fill(~key_mask[:, None, :, None], 0.0)
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32-style) on int64 tensors; every product stays below 2**63."""
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    x = x ^ (x >> 16)
-    return x
-
-
-def hash_ints(*parts: torch.Tensor | int) -> torch.Tensor:
-    """Deterministic pseudo-random 32-bit values from integer coordinates (broadcast together).
-
-    Used where randomness must not depend on the padded length of a batch: the value for
-    (salt, head, position) is the same whatever else is in the tensor.
-    """
-    acc: torch.Tensor | None = None
-    for p in parts:
-        t = p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.int64)
-        t = t.to(torch.int64)
-        acc = mix32(t) if acc is None else mix32(acc * 0x01000193 + mix32(t))
-    assert acc is not None
-    return acc
 
 
 def block_size(n: int, clusters: int) -> int:

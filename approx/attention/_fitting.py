@@ -8,15 +8,44 @@ dimensions are trained with the margin loss
 where (i, pos) is a pair of the gold graph G_h (the support of alpha-entmax of the head's scores) and
 (i, neg) a real pair outside it, one negative per positive; then B centroids are learned by k-means on the
 projected queries and keys. ``samples`` are lists of (q, k, key_mask, scale) with q, k of shape (B, H, N, d).
+The settings of the fit, with their defaults, are :class:`SparsefinderFitConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
-from entmax import entmax15, entmax_bisect
 from tqdm.auto import tqdm
 
+from ..config import MethodConfig, option
 from ._common import safe_key_mask
+from ._entmax import entmax
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsefinderFitConfig(MethodConfig):
+    """Settings of Sparsefinder's fit (``approx.fit(model, data, **settings)``, ``approx fit``); the seed is the
+    method's own ``seed`` option."""
+
+    method = "sparsefinder"
+
+    steps: int = option(300, "optimizer steps (Adam) of the projections, per layer")
+    lr: float = option(0.02, "Adam learning rate of the projections")
+    queries: int = option(512, "gold pairs (each with one negative) drawn per step and head")
+    margin: float = option(1.0, "margin of the loss relu(margin + ||q' - k'_pos||^2 - ||q' - k'_neg||^2)")
+    kmeans_iterations: int = option(20, "Lloyd iterations of the k-means on the projected queries and keys")
+    kmeans_points: int = option(10000, "projected points per head the k-means is fitted on (a random subset)")
+    fit_projections_too: bool = option(True, "fit the projections, then the centroids; false: only the centroids")
+
+    def check(self) -> None:
+        self.require(self.steps >= 0, "steps", "cannot be negative")
+        self.require(math.isfinite(self.lr) and self.lr > 0, "lr", "a learning rate is a positive number")
+        self.require(self.queries >= 1, "queries", "need at least one pair per step")
+        self.require(math.isfinite(self.margin) and self.margin >= 0, "margin", "a margin is at least 0")
+        self.require(self.kmeans_iterations >= 0, "kmeans_iterations", "cannot be negative")
+        self.require(self.kmeans_points >= 1, "kmeans_points", "need at least one point")
 
 
 def gold_graph(q, k, key_mask, scale: float, alpha: float) -> torch.Tensor:
@@ -25,8 +54,7 @@ def gold_graph(q, k, key_mask, scale: float, alpha: float) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * scale
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    p = entmax15(scores, dim=-1) if alpha == 1.5 else entmax_bisect(scores, alpha=alpha, dim=-1)
-    return p > 0
+    return entmax(scores, alpha) > 0
 
 
 def random_projections(heads: int, d: int, r: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +110,12 @@ def margin_loss(qs, kp, kn, w, proj_q, proj_k, margin: float) -> torch.Tensor:
     return ((margin + dp - dn).clamp(min=0) * w).sum() / w.sum().clamp(min=1)
 
 
-def evaluate_loss(samples, proj_q, proj_k, alpha: float, *, margin: float = 1.0, draws: int = 20, seed: int = 1):
-    """Margin loss of given projections on fresh pairs of ``samples`` (e.g. held-out windows)."""
+def evaluate_loss(
+    samples, proj_q, proj_k, alpha: float, *, margin: float | None = None, draws: int = 20, seed: int = 1
+):
+    """Margin loss of given projections on fresh pairs of ``samples`` (e.g. held-out windows); ``margin``
+    defaults to the fit's (:class:`SparsefinderFitConfig`)."""
+    margin = SparsefinderFitConfig().margin if margin is None else margin
     sampler, g = _PairSampler(samples, alpha), torch.Generator().manual_seed(seed)
     with torch.no_grad():
         losses = [margin_loss(*sampler.draw(512, g), proj_q, proj_k, margin) for _ in range(draws)]
@@ -94,26 +126,24 @@ def fit_projections(
     samples,
     alpha: float,
     r: int,
+    settings: SparsefinderFitConfig,
     *,
-    seed: int = 0,
-    steps: int = 300,
-    lr: float = 0.02,
-    queries: int = 512,
-    margin: float = 1.0,
+    seed: int,
     progress: bool = False,
     description: str = "projections",
 ):
-    """Per-head projections (H, d, r) for queries and keys, trained with Adam on the margin loss; returns them
-    and the mean loss of the first and last tenth of the steps."""
+    """Per-head projections (H, d, r) for queries and keys, trained with Adam on the margin loss (``settings``:
+    steps, lr, queries, margin); returns them and the mean loss of the first and last tenth of the steps."""
+    steps = settings.steps
     sampler = _PairSampler(samples, alpha)
     g = torch.Generator().manual_seed(seed)
     init_q, init_k = random_projections(sampler.heads, sampler.d, r, seed)
     proj_q, proj_k = init_q.requires_grad_(), init_k.requires_grad_()
-    opt = torch.optim.Adam([proj_q, proj_k], lr=lr)
+    opt = torch.optim.Adam([proj_q, proj_k], lr=settings.lr)
     losses = []
     with torch.enable_grad():
         for _ in tqdm(range(steps), disable=not progress, desc=description, unit="step", leave=False):
-            loss = margin_loss(*sampler.draw(queries, g), proj_q, proj_k, margin)
+            loss = margin_loss(*sampler.draw(settings.queries, g), proj_q, proj_k, settings.margin)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -123,7 +153,7 @@ def fit_projections(
     return proj_q.detach(), proj_k.detach(), info
 
 
-def fit_kmeans(samples, proj_q, proj_k, clusters: int, *, seed: int = 0, iterations: int = 20, points: int = 10000):
+def fit_kmeans(samples, proj_q, proj_k, clusters: int, *, seed: int, iterations: int, points: int):
     """Centroids (H, B, r) by Lloyd's k-means on the projected real queries and keys of ``samples`` (at most
     ``points`` per head, drawn with ``seed``); starts from distinct random points, empty clusters stay put."""
     xs = []

@@ -15,7 +15,7 @@ Patching a softmax-pretrained model with it changes the model (a different atten
 same one), which then needs fine-tuning to recover; it is the exact target that Sparsefinder predicts, where
 the speed comes from.
 
-Choices made here (see ``../shared/reference/methods.md`` section 4):
+Choices made here:
 
 * The mapping comes from the ``entmax`` package: the exact sort-based ``entmax15`` when alpha is exactly 1.5,
   ``entmax_bisect`` (bisection on tau, ``n_iter`` steps) for any other alpha > 1. Bisection resolves tau to
@@ -42,11 +42,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from entmax import entmax15, entmax_bisect
 
 from ..config import MethodConfig, option
-from ..registry import Cost, register
+from ..registry import Cost, ExactLimit, register
+from . import _fallback
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._entmax import entmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,22 +98,29 @@ def _entmax_probs(
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, n, S)
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    if config.exact_sort:
-        return entmax15(scores, dim=-1)
-    return entmax_bisect(scores, alpha=config.alpha, dim=-1, n_iter=config.n_iter)
+    return entmax(scores, config.alpha, n_iter=config.n_iter)
 
 
 def entmax_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """The dense (B, H, N, S) alpha-entmax attention matrix, in one pass (analysis and tests)."""
     dt = compute_dtype(q.dtype)
-    return _entmax_probs(q.to(dt), k.to(dt), safe_key_mask(key_mask), scale, config)
+    return _fallback.with_fallback(lambda: _entmax_probs(q.to(dt), k.to(dt), safe_key_mask(key_mask), scale, config))
 
 
 # Largest number of scores of one query block: B * H * rows * S <= _CHUNK_ELEMENTS (16 MiB in float32).
 _CHUNK_ELEMENTS = 1 << 22
 
 
-@register("entmax", EntmaxConfig, cost=cost, weights=entmax_weights)
+@register(
+    "entmax",
+    EntmaxConfig,
+    cost=cost,
+    weights=entmax_weights,
+    test_options={},  # alpha = 1.5
+    # alpha -> 1 is softmax: the distance falls about linearly in alpha - 1 (bisection; float64 keeps it exact
+    # enough down to alpha - 1 = 1e-4)
+    exact_limit=ExactLimit(approaches=lambda n: [{"alpha": a} for a in (1.5, 1.1, 1.01, 1.001, 1.0001)], ratio=1e-3),
+)
 def entmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -126,6 +134,10 @@ def entmax_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """alpha-entmax attention (sparse weights with exact zeros; dense O(N^2) computation)."""
+    return _fallback.with_fallback(lambda: _entmax_attention(q, k, v, key_mask, scale, config, dropout))  # no fallback
+
+
+def _entmax_attention(q, k, v, key_mask, scale, config, dropout) -> torch.Tensor:
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     q, k = q.to(dt), k.to(dt)

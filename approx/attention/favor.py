@@ -7,17 +7,15 @@ exp(s q.k) = E_w[phi(q~) . phi(k~)] for the positive features
 phi(x) = exp(-|x|^2 / 2) / sqrt(m) [exp(w_1.x), ..., exp(w_m.x)], w_i ~ N(0, I). Attention then needs no
 N x S matrix: O = D^-1 phi(Q) (phi(K)^T V), D = diag(phi(Q) phi(K)^T 1), O(N m d) time and memory.
 
-Choices made here (see ``../shared/reference/methods.md`` section 3):
+Choices made here:
 
 * The directions w are state: drawn once per layer from the seed, kept as a buffer (saved with the model),
   redrawn only on request (``approx.redraw``). ``orthogonal=True`` stacks blocks of d exactly orthogonal
   directions (Q factors of Gaussian matrices) with chi_d-distributed norms, which lowers the variance.
 * ``hyperbolic=True`` uses m/2 directions and their negatives, phi(x) ~ [exp(w.x), exp(-w.x)] (the
   "FAVOR+ with hyperbolic cosine" estimator), so the cost is the same m features. It is the default because
-  it gave the lower error where the estimator is in its useful range: on random inputs with |x~|^2 ~ 1 the
-  mean error at m = 64 / 256 was 0.0176 / 0.0099 against 0.0208 / 0.0126 without it
-  (``tests/test_favor.py::test_hyperbolic_default_is_the_more_accurate`` keeps checking it). On MiniLM-L6
-  zero-shot the two are within noise of each other (``recipes/results/minilm_wikitext2_favor.json``).
+  it gives the lower error where the estimator is in its useful range, on random inputs with |x~|^2 ~ 1
+  (``tests/test_favor.py::test_hyperbolic_default_is_the_more_accurate`` checks it).
 * Stability: the query factor exp(-|q~|^2/2) and a per-query maximum of w.q~ are constants of each output
   row, so they cancel in D^-1 and are dropped / subtracted before exp; for keys one maximum over all real
   keys of a (batch, head) is subtracted, tracked online while keys are summed in chunks (so no (N, m)
@@ -32,7 +30,7 @@ Choices made here (see ``../shared/reference/methods.md`` section 3):
 * Padding: the feature rows of padded keys are zeroed, so they enter neither the numerator nor the
   normaliser D (both reference implementations only zero the values, so padding changed real outputs).
 * ``exact_below``: batch rows with fewer real tokens than this get exact attention (0, the default, never:
-  measurements at short lengths then measure the approximation, not the fallback).
+  measurements at short lengths then measure the approximation, not the fallback; see :mod:`._fallback`).
 * ``kernel="relu"``: the generalised kernel phi(x) = ReLU(w.x) + relu_eps of the Performer paper.
 """
 
@@ -44,15 +42,10 @@ import math
 import torch
 
 from ..config import MethodConfig, option
-from ..registry import Cost, register
-from ._common import (
-    compute_dtype,
-    dense_softmax,
-    exact_attention,
-    exact_for_rows,
-    safe_key_mask,
-    zero_padded_values,
-)
+from ..registry import Cost, ExactLimit, register
+from . import _fallback
+from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, zero_padded_values
+from ._fallback import exact_for_length
 
 KERNELS = ("softmax", "relu")
 
@@ -73,7 +66,7 @@ class FavorConfig(MethodConfig):
     exact_below: int = option(
         0,
         "sequences with fewer real tokens get exact attention (0 = never; set it to the measured crossover for "
-        "speed, README 'Speed')",
+        "speed: see the docs' Speed page)",
     )
 
     def check(self) -> None:
@@ -114,7 +107,7 @@ def init_state(config: FavorConfig, *, head_dim: int, seed: int) -> dict[str, to
 
 
 def cost(config: FavorConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    if n < config.exact_below:
+    if exact_for_length(n, exact_below=config.exact_below):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s)
     m = config.features
     features = 2 * (n + s) * config.directions * d
@@ -172,7 +165,7 @@ def _features(q, k, key_mask, scale, config, omega):
 
 # Keys and queries are processed in chunks of this many rows: the (rows, m) feature tensors stay small and
 # hot in cache instead of two (N, m) tensors (200 MB each at N = 16384, m = 256). On a GPU, where every chunk
-# costs a dozen kernel launches, chunks are far larger (measured on an H100: 512-row chunks made FAVOR+ launch-bound).
+# costs a dozen kernel launches, chunks are far larger (512-row chunks make FAVOR+ launch-bound on a GPU).
 _CHUNK = 512
 _CHUNK_GPU = 16384
 
@@ -224,8 +217,7 @@ class _Scratch:
     """Flat memory that every chunk of one call writes its projections and features to (no gradients).
 
     Fresh pages cost more than the arithmetic on them on the CPU (first-touch page faults of a new tensor for
-    every chunk); with ``amax`` / ``amin`` for ``aminmax``, reusing one buffer made FAVOR+ 1.3x faster at
-    N = 16384 side by side with the previous code (README, Speed)."""
+    every chunk), so one buffer is reused."""
 
     def __init__(self, like: torch.Tensor, rows: int, directions: int, features: int, grad: bool) -> None:
         self.raw: torch.Tensor | None = None
@@ -304,24 +296,41 @@ def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     phi_q, phi_k = _features(q.to(dt), k.to(dt), key_mask, scale, config, state["omega"].to(dt))
-    a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
-    a = a / a.sum(-1, keepdim=True).clamp_min(config.stabilizer)
-    short = _short_rows(q, query_mask, config)
-    return exact_for_rows(a, short, lambda r: dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale))
+
+    def approximate() -> torch.Tensor:
+        a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
+        return a / a.sum(-1, keepdim=True).clamp_min(config.stabilizer)
+
+    def exact(r: torch.Tensor | None) -> torch.Tensor:
+        if r is None:
+            return dense_softmax(q.to(dt), k.to(dt), key_mask, scale)
+        return dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale)
+
+    return _with_fallback(approximate, exact, q, query_mask, config)
 
 
 def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     return None if mask is None else mask[rows]
 
 
-def _short_rows(q: torch.Tensor, query_mask: torch.Tensor | None, config: FavorConfig) -> torch.Tensor:
-    """Batch rows with fewer than ``exact_below`` real tokens: they get exact attention. (B,) bool."""
-    batch, n = q.shape[0], q.shape[-2]
-    real = torch.full((batch,), n, device=q.device) if query_mask is None else query_mask.sum(-1)
-    return real < config.exact_below
+def _with_fallback(approximate, exact, q: torch.Tensor, query_mask: torch.Tensor | None, config: FavorConfig):
+    """Batch rows with fewer than ``exact_below`` real tokens get ``exact(rows)`` (see :mod:`._fallback`)."""
+    shape = (q.shape[0], q.shape[-2])
+    return _fallback.with_fallback(
+        approximate, exact, query_mask=query_mask, shape=shape, device=q.device, exact_below=config.exact_below
+    )
 
 
-@register("favor", FavorConfig, cost=cost, init_state=init_state, weights=favor_weights)
+@register(
+    "favor",
+    FavorConfig,
+    cost=cost,
+    init_state=init_state,
+    weights=favor_weights,
+    test_options={},  # the default 256 features
+    # a Monte-Carlo estimate: its error falls like 1 / sqrt(m), so 8192 features are about 23x closer than 16
+    exact_limit=ExactLimit(approaches=lambda n: [{"features": m} for m in (16, 256, 8192)], ratio=0.15),
+)
 def favor_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -335,13 +344,13 @@ def favor_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """FAVOR+ (Performer): linear attention with positive orthogonal random features."""
-    if q.shape[-2] < config.exact_below:
-        return exact_attention(q, k, v, key_mask, scale)
-    short = _short_rows(q, query_mask, config)
-    if bool(short.all()):
-        return exact_attention(q, k, v, key_mask, scale)
-    out = _favor(q, k, v, key_mask, scale, config, state)
-    return exact_for_rows(out, short, lambda r: exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale))
+
+    def exact(r: torch.Tensor | None) -> torch.Tensor:
+        if r is None:
+            return exact_attention(q, k, v, key_mask, scale)
+        return exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale)
+
+    return _with_fallback(lambda: _favor(q, k, v, key_mask, scale, config, state), exact, q, query_mask, config)
 
 
 def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:

@@ -20,9 +20,9 @@ import dataclasses
 import torch
 
 from ..config import option
-from ..registry import Cost, register
+from ..registry import Cost, ExactLimit, register
 from ._common import block_rows, block_size, softmax_
-from .clustered import ClusteredConfig, centroid_attention, gather_clusters, run
+from .clustered import ClusteredConfig, centroid_attention, exact_for, gather_clusters, run
 from .clustered import cost as clustered_cost
 from .clustered import init_state as clustered_init_state
 
@@ -42,7 +42,7 @@ class IClusteredConfig(ClusteredConfig):
 
 def cost(config: IClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     base = clustered_cost(config, n=n, s=s, d=d, dv=dv)
-    if n <= config.clusters or n < config.exact_below:
+    if exact_for(config, n):
         return base
     k = min(config.topk, s)
     return Cost(flops=base.flops + 2 * n * k * (d + dv), qk_pairs=base.qk_pairs + n * k)
@@ -69,8 +69,7 @@ def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float):
     weights, which are real: see :func:`_top_keys`) and A^c V (B, H, C, dv).
 
     A^c is computed for a few (batch row, head) series at a time, at most ``_CENTROID_BYTES`` of it, instead
-    of one (B, H, C, S) tensor (78 MB at N = 16384, C = 100): a lower peak memory at the same speed (measured
-    side by side).
+    of one (B, H, C, S) tensor (78 MB at N = 16384, C = 100): a lower peak memory at the same speed.
     """
     batch, heads, clusters, d = qc.shape
     s, bh = k.shape[2], batch * heads
@@ -169,7 +168,16 @@ def iclustered_weights(q, k, *, key_mask, query_mask, scale, config, state) -> t
     return run(q, k, v, key_mask, query_mask, scale, config, state, finish, dense=True)
 
 
-@register("i-clustered", IClusteredConfig, cost=cost, init_state=clustered_init_state, weights=iclustered_weights)
+@register(
+    "i-clustered",
+    IClusteredConfig,
+    cost=cost,
+    init_state=clustered_init_state,
+    weights=iclustered_weights,
+    test_options={"clusters": 8, "topk": 16},
+    # k at least the number of keys: every query's scores are recomputed exactly (the clusters still run)
+    exact_limit=ExactLimit(options=lambda n: {"topk": n}),
+)
 def iclustered_attention(
     q: torch.Tensor,
     k: torch.Tensor,

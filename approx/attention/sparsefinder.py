@@ -4,7 +4,7 @@ Treviso, Góis, Fernandes, Fonseca, Martins, "Predicting Attention Sparsity in T
 (arXiv 2109.12188). The gold graph G_h of a head is the support of alpha-entmax(s Q K^T) (masked). Learned
 per-head projections q' = W^Q_h q, k' = W^K_h k to r dimensions (4 in the reference code) are trained so that
 pairs of G_h are close and pairs outside it far apart (margin loss; see ``approx/attention/_fitting.py``).
-The predicted graph Ĝ_h joins, in the projected space:
+The predicted graph Ĝ_h (``approx/attention/_graph.py``) joins, in the projected space:
 
 * ``distance``: ||q'_i - k'_j|| <= t (O(N S) comparisons in r dimensions, computed in query blocks);
 * ``bucketing``: each of the r dimensions is cut into beta buckets holding equally many real keys; i and j
@@ -40,18 +40,22 @@ import math
 
 import torch
 import torch.nn.functional as F
-from entmax import entmax15, entmax_bisect
 
 from ..config import MethodConfig, option
-from ..registry import Cost, register
+from ..registry import Cost, ExactLimit, register
+from . import _fallback
 from ._common import block_rows, block_size, compute_dtype, safe_key_mask, zero_padded_values
-from ._fitting import fit_kmeans, fit_projections, gold_graph
+from ._entmax import entmax
+from ._fitting import SparsefinderFitConfig, fit_kmeans, fit_projections, gold_graph
+from ._graph import bucket_ids, cluster_ids, entries, global_rows, group_ids, predicted_mask, reach
+
+__all__ = ["SparsefinderConfig", "SparsefinderFitConfig", "bucket_ids", "cluster_ids", "graph_stats", "predicted_mask"]
 
 GROUPINGS = ("distance", "bucketing", "kmeans")
 TARGETS = ("entmax", "softmax")
 NOT_FITTED = (
     "sparsefinder: the projections and centroids are not fitted; fit first with approx.fit(model, data) "
-    "or `approx fit --model M --output-dir OUT` (see the README), then run or save the model"
+    "or `approx fit --model M --output-dir OUT` (see `approx fit --help`), then run or save the model"
 )
 
 
@@ -108,17 +112,33 @@ def init_state(config: SparsefinderConfig, *, head_dim: int, seed: int) -> dict[
     }
 
 
-def fit(config: SparsefinderConfig, state, samples, *, fit_projections_too: bool = True, **options):
+def fit(config: SparsefinderConfig, state, samples, *, progress: bool = False, **settings):
     """Fitted state from ``samples``: a list of (q, k, key_mask, scale) with q, k (B, H, N, d), the model's own
-    queries and keys. ``options`` go to :func:`fit_projections` (steps, lr, queries, margin, progress).
-    With ``fit_projections_too=False`` only the centroids are refitted on the existing projections."""
-    if fit_projections_too:
-        proj_q, proj_k, _ = fit_projections(samples, config.alpha, config.projection_dim, seed=config.seed, **options)
+    queries and keys. ``settings`` are those of :class:`SparsefinderFitConfig` (steps, lr, queries, margin...);
+    with ``fit_projections_too=False`` only the centroids are refitted on the existing projections."""
+    fit_settings = SparsefinderFitConfig.from_options(**settings)
+    if fit_settings.fit_projections_too:
+        proj_q, proj_k, _ = fit_projections(
+            samples, config.alpha, config.projection_dim, fit_settings, seed=config.seed, progress=progress
+        )
     else:
         _require_fitted(state)
         proj_q, proj_k = state["proj_q"].float(), state["proj_k"].float()
-    centroids = fit_kmeans(samples, proj_q, proj_k, config.clusters, seed=config.seed)
+    centroids = fit_kmeans(
+        samples,
+        proj_q,
+        proj_k,
+        config.clusters,
+        seed=config.seed,
+        iterations=fit_settings.kmeans_iterations,
+        points=fit_settings.kmeans_points,
+    )
     return {"proj_q": proj_q, "proj_k": proj_k, "centroids": centroids, "fitted": torch.ones((), dtype=torch.uint8)}
+
+
+def teacher(config: SparsefinderConfig) -> tuple[str, dict]:
+    """The attention the graph predicts, run while fitting: entmax for ``target="entmax"``, else exact softmax."""
+    return ("entmax", {"alpha": config.alpha}) if config.target == "entmax" else ("full", {})
 
 
 def _require_fitted(state) -> None:
@@ -142,94 +162,11 @@ def _projected(q, k, state, dt, config):
     return qp, kp
 
 
-# ------------------------------------------------------------------------------------------- grouping
-
-
-def bucket_ids(qp, kp, key_mask, buckets: int):
-    """Per projected dimension, bucket ids of queries (B, H, N, r) and keys (B, H, S, r): the boundaries are
-    the (m / buckets)-quantiles of the real keys' values, so every bucket holds about S_real / buckets keys."""
-    b, h, s, r = kp.shape
-    n_real = torch.full((b,), s, device=kp.device) if key_mask is None else key_mask.sum(-1)  # (B,)
-    pad = None if key_mask is None else ~key_mask[:, None, :, None]
-    ks = kp if pad is None else kp.masked_fill(pad, float("inf"))
-    ks = ks.sort(dim=2).values  # (B, H, S, r), padded keys last
-    m = torch.arange(1, buckets, device=kp.device)
-    pos = (m[None, :] * n_real[:, None]) // buckets  # (B, buckets - 1)
-    pos = pos.clamp(max=s - 1)[:, None, :, None].expand(b, h, buckets - 1, r)
-    bounds = ks.gather(2, pos).transpose(-1, -2).contiguous()  # (B, H, r, buckets - 1)
-    q_ids = torch.searchsorted(bounds, qp.transpose(-1, -2).contiguous(), right=True).transpose(-1, -2)
-    k_ids = torch.searchsorted(bounds, kp.transpose(-1, -2).contiguous(), right=True).transpose(-1, -2)
-    return q_ids, k_ids
-
-
-# rows of queries / keys whose centroid distances are held at a time in cluster_ids (with B ~ sqrt(N) clusters a
-# whole (B, H, N, C) distance matrix would grow as N^1.5: 100 MB at N = 16384)
-_ID_ROWS = 4096
-
-
-def cluster_ids(qp, kp, centroids, top_clusters: int):
-    """Each key's nearest centroid (B, H, S, 1) and each query's ``top_clusters`` nearest (B, H, N, t)."""
-    c = centroids.to(qp.dtype)[None]  # (1, H, C, r)
-
-    def blocks(x: torch.Tensor, pick) -> torch.Tensor:
-        cx = c.expand(x.shape[0], -1, -1, -1)
-        return torch.cat([pick(torch.cdist(x[:, :, i : i + _ID_ROWS], cx)) for i in range(0, x.shape[2], _ID_ROWS)], 2)
-
-    q_ids = blocks(qp, lambda dist: dist.topk(top_clusters, dim=-1, largest=False).indices)
-    return q_ids, blocks(kp, lambda dist: dist.argmin(-1, keepdim=True))
-
-
-def _groups(qp, kp, key_mask, config, state):
-    """Group ids: queries (B, H, N, G) in G slots, keys (B, H, S, T) in T tables, the table of each slot and
-    the number of ids per table. Bucketing: slot m = table m = dimension m; kmeans: every slot reads table 0."""
-    if config.grouping == "bucketing":
-        q_ids, k_ids = bucket_ids(qp, kp, key_mask, config.buckets)
-        return q_ids, k_ids, list(range(q_ids.shape[-1])), config.buckets
-    q_ids, k_ids = cluster_ids(qp, kp, state["centroids"], config.top_clusters)
-    return q_ids, k_ids, [0] * q_ids.shape[-1], config.clusters
-
-
-def _global_rows(key_mask, n: int, s: int, config, device):
-    """Global positions: (B, S) bool, the first ``global_tokens`` and optionally the last real token."""
-    pos = torch.arange(s, device=device)
-    glob = (pos < config.global_tokens)[None].expand(1 if key_mask is None else key_mask.shape[0], s)
-    if config.last_token:
-        last = (s - 1) if key_mask is None else key_mask.sum(-1, keepdim=True) - 1  # (B, 1)
-        glob = glob | (pos[None] == torch.as_tensor(last, device=device).reshape(-1, 1))
-    return glob
-
-
-def _reach(config) -> int:
-    """Largest |i - j| joined by the window; -1 when there is no window (``window=0``)."""
-    return config.window if config.window > 0 else -1
-
-
-def predicted_mask(qp, kp, key_mask, rows: slice, config, state, groups=None):
-    """The predicted graph for the query rows ``rows`` as a dense (B, H, rows, S) bool mask (measuring only)."""
-    b, h, n, _ = qp.shape
-    s = kp.shape[2]
-    i = torch.arange(n, device=qp.device)[rows]
-    j = torch.arange(s, device=qp.device)
-    if config.grouping == "distance":
-        mask = torch.cdist(qp[:, :, rows], kp) <= config.threshold
-    else:
-        q_ids, k_ids, tables, _ = groups if groups is not None else _groups(qp, kp, key_mask, config, state)
-        mask = torch.zeros(b, h, len(i), s, dtype=torch.bool, device=qp.device)
-        for m, t in enumerate(tables):
-            mask |= q_ids[:, :, rows, m, None] == k_ids[:, :, None, :, t]
-    mask = mask | ((i[:, None] - j[None, :]).abs() <= _reach(config))
-    glob = _global_rows(key_mask, n, s, config, qp.device)  # (B, S)
-    mask = mask | glob[:, None, None, :] | glob[:, None, rows, None]
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, None, :]
-    return mask
-
-
 # ----------------------------------------------------------------------------------------- normaliser
 
 
 # entmax15 sorts only the largest _ENTMAX_K scores of a row first (exact: rows whose support fills them are
-# solved again with twice as many); sorting every gathered entry was most of Sparsefinder's time on the CPU
+# solved again with twice as many); sorting every gathered entry costs far more on the CPU
 _ENTMAX_K = 32
 
 
@@ -237,12 +174,7 @@ def _normalize(scores: torch.Tensor, valid: torch.Tensor, config: SparsefinderCo
     """entmax or softmax over the valid entries of the last dim; rows without any valid entry give zeros."""
     has = valid.any(-1, keepdim=True)
     scores = scores.masked_fill(~valid, float("-inf")).masked_fill(~has, 0.0)
-    if target == "softmax":
-        p = scores.softmax(-1)
-    elif config.alpha == 1.5:  # partial sort of the top _ENTMAX_K (the library widens it where the support needs)
-        p = entmax15(scores, dim=-1, k=_ENTMAX_K if scores.shape[-1] > _ENTMAX_K else None)
-    else:
-        p = entmax_bisect(scores, alpha=config.alpha, dim=-1)
+    p = scores.softmax(-1) if target == "softmax" else entmax(scores, config.alpha, partial_sort=_ENTMAX_K)
     return p * has
 
 
@@ -251,6 +183,10 @@ def _normalize(scores: torch.Tensor, valid: torch.Tensor, config: SparsefinderCo
 
 def simulated_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """The dense (B, H, N, S) attention matrix on the predicted graph ("simulated": measuring and tests only)."""
+    return _fallback.with_fallback(lambda: _simulated_weights(q, k, key_mask, scale, config, state))  # no fallback
+
+
+def _simulated_weights(q, k, key_mask, scale, config, state) -> torch.Tensor:
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     qp, kp = _projected(q, k, state, dt, config)
@@ -271,7 +207,7 @@ def graph_stats(
     key_mask = safe_key_mask(key_mask)
     q, k = q.detach().to(dt), k.detach().to(dt)
     qp, kp = _projected(q, k, state, dt, config)
-    groups = None if config.grouping == "distance" else _groups(qp, kp, key_mask, config, state)
+    groups = None if config.grouping == "distance" else group_ids(qp, kp, key_mask, config, state)
     b, h, n, _ = q.shape
     qmask = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
     names = ("predicted", "valid", "gold", "hit", "queries", "exact")
@@ -290,87 +226,6 @@ def graph_stats(
         out["queries"] += real[..., 0].expand(b, h, -1).sum((0, 2)).double().cpu()
         out["exact"] += ((missed == 0) & real[..., 0]).sum((0, 2)).double().cpu()
     return out
-
-
-# ------------------------------------------------------------------------------------------ fast path
-
-
-def _group_entries(q_ids, k_ids, tables, n_ids, key_mask, rows: slice):
-    """Gathered key positions (B, H, rows, G * W) of each query's groups, and which entries are real.
-
-    Keys are sorted by (table, id): the keys of id c in table t are a contiguous run of the sorted list.
-    A key found again in a later slot (bucketing: a second shared dimension) is counted once."""
-    b, h, s, n_tab = k_ids.shape
-    dev = k_ids.device
-    gid = k_ids + torch.arange(n_tab, device=dev) * n_ids  # (B, H, S, T)
-    if key_mask is not None:  # padded keys go to an id no query has
-        gid = gid.masked_fill(~key_mask[:, None, :, None], n_tab * n_ids)
-    flat = gid.transpose(-1, -2).reshape(b, h, n_tab * s)  # entry e = t * S + position
-    order = flat.argsort(dim=-1, stable=True)  # (B, H, T*S)
-    counts = torch.zeros(b, h, n_tab * n_ids + 1, dtype=torch.long, device=dev)
-    counts.scatter_add_(-1, flat, torch.ones_like(flat))
-    starts = counts.cumsum(-1) - counts
-    width = int(counts[..., :-1].max()) if n_tab * n_ids else 0
-    qg = q_ids[:, :, rows] + torch.tensor(tables, device=dev) * n_ids  # (B, H, r, G)
-    start, count = starts.gather(-1, qg.flatten(2)), counts.gather(-1, qg.flatten(2))  # (B, H, r*G)
-    ar = torch.arange(width, device=dev)
-    slot_pos = start[..., None] + ar  # (B, H, r*G, W)
-    valid = ar < count[..., None]
-    slot_pos = slot_pos.clamp(max=n_tab * s - 1)
-    pos = order.gather(-1, slot_pos.flatten(2)).reshape(slot_pos.shape) % s  # key positions
-    nr, g = qg.shape[2], qg.shape[3]
-    pos, valid = pos.reshape(b, h, nr, g * width), valid.reshape(b, h, nr, g * width)
-    # dedupe across slots: entry of slot m is dropped when an earlier slot m' already holds the key
-    for m in range(1, g):
-        sl = slice(m * width, (m + 1) * width)
-        kt = k_ids.gather(2, pos[..., sl].flatten(2)[..., None].expand(-1, -1, -1, n_tab))
-        kt = kt.reshape(b, h, nr, width, n_tab)
-        for m2 in range(m):
-            valid[..., sl] &= kt[..., tables[m2]] != q_ids[:, :, rows, m2, None]
-    return pos, valid
-
-
-def _in_groups(pos, q_ids, k_ids, tables, rows):
-    """(B, H, r, E) bool: key ``pos`` shares a group with its query (so it is already an entry)."""
-    b, h, nr, e = pos.shape
-    kt = k_ids.gather(2, pos.flatten(2)[..., None].expand(-1, -1, -1, k_ids.shape[-1])).reshape(
-        b, h, nr, e, k_ids.shape[-1]
-    )
-    hit = torch.zeros(b, h, nr, e, dtype=torch.bool, device=pos.device)
-    for m, t in enumerate(tables):
-        hit |= kt[..., t] == q_ids[:, :, rows, m, None]
-    return hit
-
-
-def _entries(qp, kp, key_mask, rows: slice, config, state, groups):
-    """Key positions (B, H, rows, E) of each query's predicted edges and which are real (each key once)."""
-    b, h, n, _ = qp.shape
-    s, dev = kp.shape[2], qp.device
-    if config.grouping == "distance":  # O(rows * S) by nature: compact the block's mask
-        mask = predicted_mask(qp, kp, key_mask, rows, config, state)
-        width = max(int(mask.sum(-1).max()), 1)
-        pos = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
-        return pos, mask.gather(-1, pos)
-    q_ids, k_ids, tables, n_ids = groups
-    gpos, gvalid = _group_entries(q_ids, k_ids, tables, n_ids, key_mask, rows)
-    i = torch.arange(n, device=dev)[rows]
-    w = min(_reach(config), s - 1)
-    offsets = torch.arange(-w, w + 1, device=dev) if w >= 0 else torch.zeros(0, dtype=torch.long, device=dev)
-    wpos = (i[:, None] + offsets).expand(b, h, -1, -1)  # (B, H, r, 2w+1)
-    wvalid = (wpos >= 0) & (wpos < s)
-    wpos = wpos.clamp(0, s - 1)
-    wvalid = wvalid & ~_in_groups(wpos, q_ids, k_ids, tables, rows)
-    glob = _global_rows(key_mask, n, s, config, dev)  # (B, S)
-    n_glob = int(glob.sum(-1).max())
-    gl = glob.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, :n_glob]  # (B, n_glob)
-    glpos = gl[:, None, None, :].expand(b, h, len(i), n_glob)
-    glvalid = glob.gather(-1, gl)[:, None, None, :].expand(b, h, len(i), n_glob).clone()
-    glvalid &= ~_in_groups(glpos, q_ids, k_ids, tables, rows) & ((glpos - i[:, None]).abs() > w)
-    pos = torch.cat([gpos, wpos, glpos], dim=-1)
-    valid = torch.cat([gvalid, wvalid, glvalid], dim=-1)
-    if key_mask is not None:
-        valid &= key_mask.gather(-1, pos.flatten(1)).reshape(pos.shape)
-    return pos, valid
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -412,11 +267,11 @@ def _extra_entries(q_ids, k_ids, key_mask, n: int, s: int, config):
     b, h = q_ids.shape[:2]
     dev = q_ids.device
     i = torch.arange(n, device=dev)
-    w = min(_reach(config), s - 1)
+    w = min(reach(config), s - 1)
     offsets = torch.arange(-w, w + 1, device=dev) if w >= 0 else torch.zeros(0, dtype=torch.long, device=dev)
     wpos = i[:, None] + offsets  # (N, 2w+1)
     wvalid = (wpos >= 0) & (wpos < s)
-    glob = _global_rows(key_mask, n, s, config, dev)  # (B, S)
+    glob = global_rows(key_mask, n, s, config, dev)  # (B, S)
     n_glob = int(glob.sum(-1).max())
     gl = glob.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, :n_glob]  # (B, n_glob)
     glvalid = glob.gather(-1, gl)[:, None, :] & ((gl[:, None, :] - i[:, None]).abs() > w)  # (B, N, n_glob)
@@ -507,6 +362,11 @@ def _cluster_block_attention(q, k, v, key_mask, groups, scale, config, dropout) 
     weights=simulated_weights,
     fit=fit,
     stats=graph_stats,
+    teacher=teacher,
+    fit_config=SparsefinderFitConfig,
+    test_options={"clusters": 8},
+    # a window covering every pair: softmax over all real keys, whatever the fitted graph predicts
+    exact_limit=ExactLimit(options=lambda n: {"window": n, "target": "softmax"}),
 )
 def sparsefinder_attention(
     q: torch.Tensor,
@@ -521,6 +381,12 @@ def sparsefinder_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """Attention on a graph predicted by learned low-dimensional projections (needs fitting)."""
+    return _fallback.with_fallback(
+        lambda: _sparsefinder(q, k, v, key_mask, scale, config, state, dropout)
+    )  # no fallback
+
+
+def _sparsefinder(q, k, v, key_mask, scale, config, state, dropout) -> torch.Tensor:
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     qp, kp = _projected(q, k, state, dt, config)
@@ -528,7 +394,7 @@ def sparsefinder_attention(
     v_real = zero_padded_values(v.to(dt), key_mask)  # (B, H, S, dv)
     b, h, n, d = q.shape
     s = k.shape[2]
-    groups = None if config.grouping == "distance" else _groups(qp, kp, key_mask, config, state)
+    groups = None if config.grouping == "distance" else group_ids(qp, kp, key_mask, config, state)
     # entries per query: group slots * largest group, window, global keys (an estimate for the block size)
     est = s if config.grouping == "distance" else min(s, 2 * s // max(1, min(config.buckets, config.clusters)))
     rows_per_block = max(
@@ -540,7 +406,7 @@ def sparsefinder_attention(
         outs = []
         for start in range(0, n, rows_per_block):
             rows = slice(start, min(n, start + rows_per_block))
-            pos, valid = _entries(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, E)
+            pos, valid = entries(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, E)
             scores = torch.einsum("bhrd,bhred->bhre", q[:, :, rows], _gather(k, pos)) * scale
             p = _normalize(scores, valid, config, target=config.target)
             if dropout > 0.0:
@@ -548,7 +414,7 @@ def sparsefinder_attention(
             outs.append(torch.einsum("bhre,bhred->bhrd", p, _gather(v_real, pos)))
         out = torch.cat(outs, dim=2)  # (B, H, N, dv)
     # global queries attend to every key: their few rows are computed densely
-    glob = _global_rows(key_mask, n, s, config, q.device)[:, :n].expand(b, n)  # (B, N)
+    glob = global_rows(key_mask, n, s, config, q.device)[:, :n].expand(b, n)  # (B, N)
     if bool(glob.any()):
         bi, ni = glob.nonzero(as_tuple=True)
         qg = q[bi, :, ni]  # (G, H, d)

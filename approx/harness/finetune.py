@@ -14,33 +14,69 @@ model is saved as a normal Hugging Face checkpoint (with ``approx_config.json`` 
 patched, see :func:`approx.save`), with ``finetune.json`` recording the settings, losses and provenance, and
 evaluated on ``eval_split`` with :func:`approx.evaluate` when one is given.
 
+The training settings are a :class:`FinetuneConfig` (its defaults are the only ones; ``approx finetune``'s
+flags are generated from it), given as keyword arguments or as ``config=``.
+
 Cross-fitting, for tasks whose train split is not available offline: ``train_split="dev/0",
 eval_split="dev/1"`` and then the swap (see :func:`approx.harness.tasks.base.cross_fit_half`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
-from ..config import MethodConfig
-from ..integration import load_pretrained, patch, patched_layers, save, unpatch
+from ..config import MethodConfig, option
+from ..integration import load_method_state, load_pretrained, patch, patched_layers, save, save_method_state, unpatch
 from ..integration import redraw as redraw_layers
-from .evaluation import _collate, as_setup
-from .fidelity import Setup
-from .tasks import Feature, get_task
+from .evaluation import _collate
+from .spec import Setup, as_setup
+from .tasks import Feature, Task, get_task
 
-__all__ = ["finetune"]
+__all__ = ["FinetuneConfig", "finetune"]
 
 STATE_DIR = "checkpoint"
 PROGRESS_FILE = "progress.json"
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig(MethodConfig):
+    """Fine-tuning settings: AdamW with a linear warm-up / decay schedule, through ``accelerate``."""
+
+    method: ClassVar[str] = "finetune"  # the name errors are reported under
+
+    epochs: float = option(3.0, "training epochs (may be fractional)")
+    max_steps: int | None = option(None, "cap on optimizer steps (default: none, the epochs decide)")
+    learning_rate: float = option(5e-5, "AdamW peak learning rate")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)")
+    warmup: float = option(0.1, "share of steps with linear warm-up")
+    batch_size: int = option(32, "inputs per batch (per process)")
+    max_length: int | None = option(None, "max tokens per input (default: the task's)")
+    seed: int = option(0, "seed of the data order, a fresh head's weights and the method's random state")
+    mixed_precision: str = option("no", "accelerate mixed precision: no, fp16 or bf16")
+    redraw_every: int | None = option(None, "redraw the method's random state every N steps (default: never)")
+    checkpoint_every: int | None = option(None, "also save training state every N steps (default: every epoch)")
+
+    def check(self) -> None:
+        self.require(self.epochs > 0, "epochs", "must be positive")
+        self.require(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be at least 1")
+        self.require(self.learning_rate > 0, "learning_rate", "must be positive")
+        self.require(self.weight_decay >= 0, "weight_decay", "must not be negative")
+        self.require(0 <= self.warmup < 1, "warmup", "is a share of the steps, 0 <= warmup < 1")
+        self.require(self.batch_size >= 1, "batch_size", "must be at least 1")
+        self.require(self.max_length is None or self.max_length >= 3, "max_length", "must be at least 3")
+        self.require(self.mixed_precision in MIXED_PRECISION, "mixed_precision", f"one of {', '.join(MIXED_PRECISION)}")
+        for name in ("redraw_every", "checkpoint_every"):
+            self.require(getattr(self, name) is None or getattr(self, name) >= 1, name, "must be at least 1")
 
 
 def _batch(features: list[Feature], pad_id: int) -> dict[str, torch.Tensor]:
@@ -60,6 +96,160 @@ def _schedule(optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+@dataclasses.dataclass
+class _Training:
+    """One fine-tuning run: the prepared (accelerate) objects and where training stands."""
+
+    accelerator: Any
+    net: Any
+    optimizer: Any
+    loader: Any
+    scheduler: Any
+    sampler: _EpochSampler
+    tokenizer: Any
+    setup: Setup | None
+    config: FinetuneConfig
+    state_dir: Path
+    features: int
+    steps_per_epoch: int
+    total: int
+    step: int = 0
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+
+def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneConfig, state_dir: Path, progress):
+    """Load the model with the task's head, patch it, make the data loader, optimizer and schedule."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    set_seed(cfg.seed)
+    net, tokenizer = load_pretrained(model, task=next(iter(task.modes)), progress=progress, **task.head_options())
+    if setup is not None:
+        patch(net, setup.method, **setup.options)
+    features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sampler = _EpochSampler(len(features), cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        features, batch_size=cfg.batch_size, sampler=sampler, collate_fn=lambda fs: _batch(fs, pad_id)
+    )
+    steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
+    total = math.ceil(cfg.epochs * steps_per_epoch) if cfg.max_steps is None else cfg.max_steps
+    decayed = {n for n, p in net.named_parameters() if p.ndim > 1 and "LayerNorm" not in n}
+    groups = [
+        {"params": [p for n, p in net.named_parameters() if n in decayed], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in net.named_parameters() if n not in decayed], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate)
+    scheduler = _schedule(optimizer, int(cfg.warmup * total), total)
+    net, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
+    return _Training(
+        accelerator, net, optimizer, loader, scheduler, sampler, tokenizer, setup, cfg, state_dir,
+        len(features), steps_per_epoch, total,
+    )  # fmt: skip
+
+
+def _resume(tr: _Training) -> None:
+    tr.accelerator.load_state(str(tr.state_dir))
+    saved = json.loads((tr.state_dir / PROGRESS_FILE).read_text())
+    tr.step, tr.losses = saved["step"], saved["losses"]
+    if tr.setup is not None and saved.get("method_state"):
+        load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
+
+
+def _checkpoint(tr: _Training) -> None:
+    tr.accelerator.save_state(str(tr.state_dir))
+    if tr.accelerator.is_main_process:
+        save_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
+        record = {"step": tr.step, "losses": tr.losses, "method_state": tr.setup is not None}
+        (tr.state_dir / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
+
+
+def _after_step(tr: _Training, stop: int, callback) -> None:
+    """Redraw the method's random state, call back and checkpoint when it is time."""
+    cfg, unwrap = tr.config, tr.accelerator.unwrap_model
+    if cfg.redraw_every and tr.setup is not None and tr.step % cfg.redraw_every == 0:
+        redraw_layers(unwrap(tr.net), seed=cfg.seed + tr.step // cfg.redraw_every)
+    if callback is not None:
+        callback(tr.step, unwrap(tr.net))
+    every = cfg.checkpoint_every
+    if (every and tr.step % every == 0) or tr.step % tr.steps_per_epoch == 0 or tr.step == stop:
+        _checkpoint(tr)
+
+
+def _train(tr: _Training, stop: int, callback, bar) -> None:
+    """Optimizer steps until ``stop``, resuming mid-epoch on the batches a full run would have seen."""
+    tr.net.train()
+    while tr.step < stop:
+        epoch, skip = divmod(tr.step, tr.steps_per_epoch)
+        tr.sampler.set_epoch(epoch)
+        if hasattr(tr.loader, "set_epoch"):  # accelerate keeps its own epoch counter and passes it on
+            tr.loader.set_epoch(epoch)
+        batches = tr.accelerator.skip_first_batches(tr.loader, skip) if skip else tr.loader
+        for batch in batches:
+            loss = tr.net(**batch).loss
+            tr.accelerator.backward(loss)
+            tr.optimizer.step()
+            tr.scheduler.step()
+            tr.optimizer.zero_grad()
+            tr.step += 1
+            tr.losses.append(float(tr.accelerator.gather(loss.detach()).mean()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{tr.losses[-1]:.4f}")
+            _after_step(tr, stop, callback)
+            if tr.step >= stop:
+                break
+
+
+def _record(tr: _Training, task: Task, model: str, train_split, eval_split, examples: int) -> dict[str, Any]:
+    cfg = tr.config
+    return {
+        "task": task.name,
+        "task_version": task.version,
+        "base_model": model,
+        "method": None if tr.setup is None else {"name": tr.setup.method, **tr.setup.config()},
+        "train_split": train_split,
+        "eval_split": eval_split,
+        "examples": examples,
+        "features": tr.features,
+        "settings": {
+            "epochs": cfg.epochs,
+            "steps": tr.total,
+            "learning_rate": cfg.learning_rate,
+            "weight_decay": cfg.weight_decay,
+            "warmup": cfg.warmup,
+            "batch_size": cfg.batch_size,
+            "max_length": cfg.max_length,
+            "mixed_precision": cfg.mixed_precision,
+            "redraw_every": cfg.redraw_every,
+        },
+        "losses": tr.losses,
+    }
+
+
+def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, data: dict, progress: bool):
+    """Save the final checkpoint (with the method's settings and state when patched) and evaluate it."""
+    net = tr.accelerator.unwrap_model(tr.net).eval()
+    if tr.accelerator.is_main_process:
+        if tr.setup is not None:
+            save(net, output_dir)
+        else:
+            net.save_pretrained(output_dir)
+        tr.tokenizer.save_pretrained(output_dir)
+    if eval_split is None:
+        return None
+    from .evaluation import evaluate
+
+    layers = patched_layers(net)
+    if layers:
+        unpatch(net)
+    cfg = tr.config
+    return evaluate(
+        net, task, [layers] if layers else ["full"], tokenizer=tr.tokenizer, split=eval_split, **data,
+        max_length=cfg.max_length, batch_size=cfg.batch_size, seed=cfg.seed, progress=progress,
+    )  # fmt: skip
+
+
 def finetune(
     model: str,
     task: str,
@@ -71,179 +261,61 @@ def finetune(
     data_dir: str | None = None,
     source: str | None = None,
     limit: int | None = None,
-    epochs: float = 3.0,
-    max_steps: int | None = None,
-    learning_rate: float = 5e-5,
-    weight_decay: float = 0.01,
-    warmup: float = 0.1,
-    batch_size: int = 32,
-    max_length: int | None = None,
-    seed: int = 0,
-    mixed_precision: str = "no",
-    redraw_every: int | None = None,
-    checkpoint_every: int | None = None,
+    config: FinetuneConfig | None = None,
     stop_after: int | None = None,
     resume: bool = False,
     progress: bool = True,
     callback: Callable[[int, torch.nn.Module], None] | None = None,
+    **settings: Any,
 ) -> dict[str, Any]:
     """Fine-tune ``model`` (a folder or hub id) on ``task``; returns the ``finetune.json`` record (with the
     evaluation results under ``"evaluation"`` when ``eval_split`` is given).
 
-    ``method``: patch the model before training (``"favor"``, ``"clustered:clusters=25"``, a config...);
-    ``redraw_every``: redraw the method's random state every that many optimizer steps. ``epochs`` may be
-    fractional; ``max_steps`` caps the optimizer steps. ``resume``: continue from ``output_dir/checkpoint``;
-    ``stop_after``: run at most that many steps in this call (checkpointed; continue with ``resume=True``), to
-    split a long run across jobs with a time limit. The final checkpoint is written when training completes.
-    ``callback(step, model)`` is called after every optimizer step with the unwrapped model (in training mode;
-    restore it if the callback changes it), e.g. to evaluate during training.
+    ``settings``: the fields of :class:`FinetuneConfig` (``epochs``, ``max_steps``, ``learning_rate``,
+    ``batch_size``, ``redraw_every``, ...), over ``config`` when both are given. ``method``: patch the model
+    before training (``"favor"``, ``"clustered:clusters=25"``, a config...); ``redraw_every``: redraw the
+    method's random state every that many optimizer steps. ``epochs`` may be fractional; ``max_steps`` caps the
+    optimizer steps. ``resume``: continue from ``output_dir/checkpoint``; ``stop_after``: run at most that many
+    steps in this call (checkpointed; continue with ``resume=True``), to split a long run across jobs with a time
+    limit. The final checkpoint is written when training completes. ``callback(step, model)`` is called after
+    every optimizer step with the unwrapped model (in training mode; restore it if the callback changes it),
+    e.g. to evaluate during training.
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
     from .provenance import provenance
 
     wall = time.perf_counter()
     task_def = get_task(task)
-    if batch_size < 1 or learning_rate <= 0 or epochs <= 0 or not 0 <= warmup < 1:
-        raise ValueError(
-            f"need batch_size >= 1, learning_rate > 0, epochs > 0 and 0 <= warmup < 1; got {batch_size}, "
-            f"{learning_rate}, {epochs}, {warmup}"
-        )
-    setup = None if method is None else as_setup(method, seed)
-    max_length = max_length or task_def.default_max_length
+    cfg = dataclasses.replace(config, **settings) if config is not None else FinetuneConfig.from_options(**settings)
+    cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
+    setup = None if method is None else as_setup(method, cfg.seed)
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR
     if resume and not (state_dir / PROGRESS_FILE).is_file():
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)
-
-    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
-    set_seed(seed)
-    head = next(iter(task_def.modes))
-    net, tokenizer = load_pretrained(model, task=head, progress=progress, **task_def.head_options())
-    if setup is not None:
-        patch(net, setup.method, **setup.options)
-    features = task_def.train_features(examples, tokenizer, max_length=max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    sampler = _EpochSampler(len(features), seed)
-    loader = torch.utils.data.DataLoader(
-        features, batch_size=batch_size, sampler=sampler, collate_fn=lambda fs: _batch(fs, pad_id)
-    )
-    steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
-    total = math.ceil(epochs * steps_per_epoch) if max_steps is None else max_steps
-    decay = [p for n, p in net.named_parameters() if p.ndim > 1 and "LayerNorm" not in n]
-    no_decay = [p for n, p in net.named_parameters() if not (p.ndim > 1 and "LayerNorm" not in n)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=learning_rate
-    )
-    scheduler = _schedule(optimizer, int(warmup * total), total)
-    net, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
-
-    step, losses = 0, []
+    tr = _start(model, task_def, examples, setup, cfg, state_dir, progress)
     if resume:
-        accelerator.load_state(str(state_dir))
-        saved = json.loads((state_dir / PROGRESS_FILE).read_text())
-        step, losses = saved["step"], saved["losses"]
-        if setup is not None and saved.get("method_state"):
-            _load_method_state(accelerator.unwrap_model(net), state_dir)
-
-    def checkpoint() -> None:
-        accelerator.save_state(str(state_dir))
-        if accelerator.is_main_process:
-            _save_method_state(accelerator.unwrap_model(net), state_dir)
-            record = {"step": step, "losses": losses, "method_state": setup is not None}
-            (state_dir / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
-
-    stop = total if stop_after is None else min(total, step + stop_after)
-    net.train()
-    bar = tqdm(
-        total=total, initial=step, disable=not (progress and accelerator.is_main_process), desc=f"finetune {task}"
-    )
-    while step < stop:
-        epoch, skip = divmod(step, steps_per_epoch)
-        sampler.set_epoch(epoch)
-        if hasattr(loader, "set_epoch"):  # accelerate keeps its own epoch counter and passes it on
-            loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch in batches:
-            loss = net(**batch).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            step += 1
-            losses.append(float(accelerator.gather(loss.detach()).mean()))
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            if redraw_every and setup is not None and step % redraw_every == 0:
-                redraw_layers(accelerator.unwrap_model(net), seed=seed + step // redraw_every)
-            if callback is not None:
-                callback(step, accelerator.unwrap_model(net))
-            if (checkpoint_every and step % checkpoint_every == 0) or step % steps_per_epoch == 0 or step == stop:
-                checkpoint()
-            if step >= stop:
-                break
-    bar.close()
-    accelerator.wait_for_everyone()
-    if step < total:  # stopped early on request: the state is checkpointed, nothing final to save
-        return {"task": task_def.name, "stopped_at": step, "steps": total, "losses": losses}
-    net = accelerator.unwrap_model(net).eval()
-    record: dict[str, Any] = {
-        "task": task_def.name,
-        "task_version": task_def.version,
-        "base_model": model,
-        "method": None if setup is None else {"name": setup.method, **setup.config()},
-        "train_split": train_split,
-        "eval_split": eval_split,
-        "examples": len(examples),
-        "features": len(features),
-        "settings": {
-            "epochs": epochs,
-            "steps": total,
-            "learning_rate": learning_rate,
-            "weight_decay": weight_decay,
-            "warmup": warmup,
-            "batch_size": batch_size,
-            "max_length": max_length,
-            "mixed_precision": mixed_precision,
-            "redraw_every": redraw_every,
-        },
-        "losses": losses,
-    }
-    if accelerator.is_main_process:
-        if setup is not None:
-            save(net, output_dir)
-        else:
-            net.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
-    if eval_split is not None:
-        from .evaluation import evaluate
-
-        layers = patched_layers(net)
-        if layers:
-            unpatch(net)
-        record["evaluation"] = evaluate(
-            net,
-            task_def,
-            [layers] if layers else ["full"],
-            tokenizer=tokenizer,
-            split=eval_split,
-            data_dir=data_dir,
-            source=source,
-            max_length=max_length,
-            batch_size=batch_size,
-            seed=seed,
-            progress=progress,
-        )
+        _resume(tr)
+    stop = tr.total if stop_after is None else min(tr.total, tr.step + stop_after)
+    show = progress and tr.accelerator.is_main_process
+    with tqdm(total=tr.total, initial=tr.step, disable=not show, desc=f"finetune {task}") as bar:
+        _train(tr, stop, callback, bar)
+    tr.accelerator.wait_for_everyone()
+    if tr.step < tr.total:  # stopped early on request: the state is checkpointed, nothing final to save
+        return {"task": task_def.name, "stopped_at": tr.step, "steps": tr.total, "losses": tr.losses}
+    record = _record(tr, task_def, model, train_split, eval_split, len(examples))
+    data = {"data_dir": data_dir, "source": source}
+    evaluation = _save_and_evaluate(tr, task_def, output_dir, eval_split, data, progress)
+    if evaluation is not None:
+        record["evaluation"] = evaluation
     record["provenance"] = provenance(
-        seed=seed,
-        device=accelerator.device,
-        processes=accelerator.num_processes,
+        seed=cfg.seed,
+        device=tr.accelerator.device,
+        processes=tr.accelerator.num_processes,
         data_source=where.describe(),
         wall_seconds=time.perf_counter() - wall,
     )
-    if accelerator.is_main_process:
+    if tr.accelerator.is_main_process:
         (output_dir / "finetune.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -263,29 +335,3 @@ class _EpochSampler(torch.utils.data.Sampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return iter(torch.randperm(self.n, generator=g).tolist())
-
-
-def _save_method_state(model, folder: Path) -> None:
-    from safetensors.torch import save_file
-
-    state = {
-        f"layer.{i}.{n}": t.detach().cpu().contiguous()
-        for i, lyr in patched_layers(model).items()
-        for n, t in lyr.state().items()
-    }
-    if state:
-        save_file(state, str(folder / "approx_state.safetensors"))
-
-
-def _load_method_state(model, folder: Path) -> None:
-    from safetensors.torch import load_file
-
-    path = folder / "approx_state.safetensors"
-    if not path.is_file():
-        return
-    state = load_file(str(path))
-    for i, lyr in patched_layers(model).items():
-        prefix = f"layer.{i}."
-        mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        if mine:
-            lyr.load_state(mine)

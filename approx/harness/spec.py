@@ -1,0 +1,124 @@
+"""Method specs: which attention method, with which options, as every entry point of the harness takes it.
+
+A spec is written ``name`` or ``name:option=value,option=value`` (e.g. ``i-clustered:clusters=25,topk=32``);
+values are typed from the method's config class. :func:`as_setup` also takes a config object, a
+:class:`Setup`, the patched layers of a model or a folder written by :func:`approx.save`, so
+:func:`approx.evaluate`, :func:`approx.harness.finetune.finetune`, the command line and the recipes all
+read methods the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import MethodConfig, did_you_mean
+from ..registry import get_method
+from ..saved import is_saved_setting, saved_settings
+
+__all__ = ["Setup", "as_setup", "option_types", "parse_setup", "parse_value", "short_label"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A method name and the options set explicitly (the others keep the config class's defaults)."""
+
+    method: str
+    options: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.method}:{opts}" if opts else self.method
+
+    @classmethod
+    def from_config(cls, config: MethodConfig) -> Setup:
+        """A setup from a config object, e.g. ``Setup.from_config(IClusteredConfig(clusters=100))``."""
+        return cls(config.method, config.to_dict())
+
+    def config(self) -> dict[str, Any]:
+        """All options of the method, defaults included."""
+        return get_method(self.method).make_config(**self.options).to_dict()
+
+
+def option_types(config_class: type[MethodConfig]) -> dict[str, str]:
+    """Option name -> type name (``int``, ``float``, ``bool``, ``str``; ``int | None`` for optional ones)."""
+    return {o["name"]: o["type"] for o in config_class.describe()}
+
+
+def parse_value(value: str, kind: str, name: str, owner: str) -> Any:
+    """A command-line or spec string as the option's type (``kind`` as in :func:`option_types`)."""
+    kind = kind.replace(" | None", "")
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            if value.lower() in _TRUE + _FALSE:
+                return value.lower() in _TRUE
+            raise ValueError(value)
+    except ValueError:
+        raise ValueError(f"{owner}: option {name!r} expects a {kind}, got {value!r}") from None
+    return value
+
+
+def parse_setup(spec: str, raw: Mapping[str, str] | None = None) -> Setup:
+    """``"i-clustered:clusters=25,topk=32"`` -> Setup, validated against the method's config class.
+
+    ``raw``: more options as strings (e.g. from command-line flags), overriding those of ``spec``."""
+    name, _, rest = spec.partition(":")
+    method = get_method(name.strip())
+    kinds = option_types(method.config_class)
+    given: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{spec!r}: expected option=value, got {item!r}")
+        given[key.strip()] = value.strip()
+    given.update(raw or {})
+    options: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in kinds:
+            raise ValueError(
+                f"{method.name}: unknown option {key!r}{did_you_mean(key, kinds)}; options: {', '.join(kinds) or 'none'}"
+            )
+        options[key] = parse_value(value, kinds[key], key, method.name)
+    method.make_config(**options)  # validate now, not halfway through a run
+    return Setup(method.name, options)
+
+
+def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None) -> Setup:
+    """A method given as ``"name[:opt=val,...]"``, a :class:`Setup`, a config object, the patched layers of a
+    model (``approx.patched_layers(model)``) or a folder written by :func:`approx.save`; a method with a
+    ``seed`` option not set explicitly takes ``seed``."""
+    if isinstance(method, dict):  # existing layers: their own method and options, state as it is
+        first = next(iter(method.values()))
+        return Setup(first.method.name, first.config.to_dict())
+    if is_saved_setting(method):  # a folder written by approx.save / `approx fit`: its first layer's settings
+        first = saved_settings(method)[0]
+        return Setup(first["method"], dict(first["config"]))
+    if isinstance(method, MethodConfig):
+        setup = Setup.from_config(method)
+    elif isinstance(method, Setup):
+        setup = method
+    elif isinstance(method, str):
+        setup = parse_setup(method)
+    else:
+        raise TypeError(f"a method is a name, a Setup or a config object, got {type(method).__name__}")
+    fields = get_method(setup.method).config_class.option_names()
+    if seed is not None and "seed" in fields and "seed" not in setup.options:
+        setup = Setup(setup.method, {**setup.options, "seed": seed})
+    return setup
+
+
+def short_label(method: dict[str, Any]) -> str:
+    """``name:opt=value`` from a result's ``"method"`` entry, with only the options that differ from the
+    method's defaults."""
+    name = method["name"]
+    defaults = get_method(name).config_class().to_dict()
+    opts = ",".join(f"{k}={v}" for k, v in method.items() if k != "name" and defaults.get(k) != v)
+    return f"{name}:{opts}" if opts else name
