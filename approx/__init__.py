@@ -9,8 +9,7 @@ approx.finetune("bert-base-uncased", "rte", output_dir="ckpt/rte", method="favor
 approx.fit(model, windows)                         # learn the state of fitted methods (sparsefinder)
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__ as __version__  # noqa: E402
 from .config import MethodConfig  # noqa: E402
 from .harness.evaluation import evaluate, markdown_report  # noqa: E402
 from .harness.finetune import FinetuneConfig, finetune  # noqa: E402

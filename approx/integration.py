@@ -11,6 +11,7 @@ package imports transformers.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Iterable
@@ -20,17 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import __version__, saved
-from .attention._common import exact_attention
-from .layer import ApproxAttention, layer_seed
+from . import saved
+from ._version import __version__
+from .attention._common import dense_softmax, exact_attention
+from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, layer_seed, select_layers
+from .layer import PROBES as _PROBES
+from .layer import key_mask_of as _key_mask
 from .registry import get_method
 
 __all__ = [
-    "ATTENTION_NAME",
-    "SUPPORTED_MODEL_TYPES",
-    "UnsupportedModelError",
     "attach",
     "attention_modules",
+    "ATTENTION_NAME",
     "attention_probe",
     "checkpoint_heads",
     "is_patched",
@@ -43,7 +45,11 @@ __all__ = [
     "save",
     "save_method_state",
     "settings",
+    "SUPPORTED_MODEL_TYPES",
     "unpatch",
+    "UnsupportedModelError",
+    "load_pretrained",
+    "saved_layers",
 ]
 
 ATTENTION_NAME = "approx"
@@ -94,26 +100,6 @@ def _key_padding_mask(
     return mask[:, None, None, -kv_length:]  # (B, 1, 1, S)
 
 
-def _key_mask(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
-    """Whatever mask transformers passes -> (B, S) bool key-padding mask, or None (no padding)."""
-    if attention_mask is None:
-        return None
-    m = attention_mask
-    if m.dim() == 2:
-        return m.to(torch.bool)
-    if m.dim() != 4:
-        raise ValueError(f"approx attention: unexpected attention mask of shape {tuple(m.shape)}")
-    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2  # additive float masks
-    key = allowed[:, :1, :1, :]  # (B, 1, 1, S)
-    if allowed.shape[1] > 1 or allowed.shape[2] > 1:
-        if not bool((allowed == key).all()):
-            raise ValueError(
-                "approx attention supports key-padding masks only; this (B, H, N, S) mask differs between "
-                "queries or heads (a causal or custom attention pattern), which the approximations cannot honour"
-            )
-    return key[:, 0, 0, :].expand(batch, s)
-
-
 def _attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -123,8 +109,9 @@ def _attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The function registered as ``"approx"``: (B, H, N, d) tensors in, (B, N, H, dv) out."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The function registered as ``"approx"``: (B, H, N, d) tensors in, (B, N, H, dv) out, and the layer's
+    dense (B, H, N, S) attention weights when the caller asked for ``output_attentions`` (else None)."""
     key_mask = _key_mask(attention_mask, query.shape[0], key.shape[-2])
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = getattr(module, _CHILD, None)
@@ -134,11 +121,22 @@ def _attention_forward(
         out = layer(query, key, value, key_mask, scale=scale, dropout=dropout)
         for probe in _PROBES:
             probe(layer, query, key, value, key_mask, scale, out)
-    return out.transpose(1, 2).contiguous(), None
+    weights = None
+    if _attentions_requested():  # O(N * S), as eager attention: only when asked for
+        exact = layer is None
+        weights = (
+            dense_softmax(query, key, key_mask, scale) if exact else layer.weights(query, key, key_mask, scale=scale)
+        )
+    return out.transpose(1, 2).contiguous(), weights
 
 
-# Callables run after every patched layer: probe(layer, q, k, v, key_mask, scale, out); see attention_probe.
-_PROBES: list[Any] = []
+def _attentions_requested() -> bool:
+    """Is the model's forward collecting attention weights (``output_attentions=True``)? transformers 5 does not
+    tell the attention function; its output collector (private) holds an ``"attentions"`` list while it does."""
+    from transformers.utils.output_capturing import _active_collector
+
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
 
 
 _registered = False
@@ -152,6 +150,9 @@ def _register() -> None:
         AttentionInterface.register(ATTENTION_NAME, _attention_forward)
         AttentionMaskInterface.register(ATTENTION_NAME, _key_padding_mask)
         _registered = True
+
+
+ON_UNPICKLE.append(_register)  # a patched model unpickled in a fresh process (torch.load) finds "approx"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -219,24 +220,6 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _select_layers(layers: int | Iterable[int] | None, count: int) -> list[int]:
-    if layers is None:
-        return list(range(count))
-    if isinstance(layers, int):
-        layers = [layers]
-    chosen = []
-    for i in layers:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"layers must be integers, got {i!r}")
-        j = i + count if i < 0 else i
-        if not 0 <= j < count:
-            raise ValueError(f"layer {i} does not exist: the model has {count} attention layers (0..{count - 1})")
-        chosen.append(j)
-    if not chosen:
-        raise ValueError("layers is empty: name at least one layer, or pass None for all")
-    return sorted(set(chosen))
-
-
 def _head_dim(module: nn.Module, model: nn.Module) -> int:
     size = getattr(module, "attention_head_size", None)
     if isinstance(size, int):
@@ -265,7 +248,7 @@ def patch(model: nn.Module, method: str, *, layers: int | Iterable[int] | None =
     spec = get_method(method)
     config = spec.make_config(**options)
     modules = attention_modules(model)
-    indices = _select_layers(layers, len(modules))
+    indices = select_layers(layers, len(modules))
     new = {
         i: ApproxAttention(spec.name, config, head_dim=_head_dim(modules[i], model), layer_index=i).to(
             _device(modules[i])
@@ -283,6 +266,8 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
+        # an instance attribute, so `model.save_pretrained` writes a complete approx folder (see `save`)
+        model.save_pretrained = functools.partial(_save_pretrained, model)
     for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
     return model
@@ -301,6 +286,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             delattr(module, _CHILD)
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
+    model.__dict__.pop("save_pretrained", None)
     return model
 
 
@@ -313,13 +299,19 @@ def patched_layers(model: nn.Module) -> dict[int, ApproxAttention]:
 
 def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] | None = None) -> None:
     """Draw the random state of patched layers anew (hash planes, random features), deterministically from
-    ``seed`` (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it too)."""
+    ``seed`` (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it too). ``layers``
+    (default: every patched layer) follows the index rules of :func:`patch` and must name patched layers."""
+    patched = patched_layers(model)
+    if not patched:
+        raise ValueError(f"{type(model).__name__} is not patched by approx: nothing to redraw")
+    chosen = sorted(patched) if layers is None else select_layers(layers, len(attention_modules(model)))
+    unpatched = [i for i in chosen if i not in patched]
+    if unpatched:
+        raise ValueError(f"layers {unpatched} are not patched (patched layers: {sorted(patched)})")
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    chosen = None if layers is None else set(layers)
-    for i, layer in patched_layers(model).items():
-        if chosen is None or i in chosen:
-            layer.redraw(layer_seed(seed, i))
+    for i in chosen:
+        patched[i].redraw(layer_seed(seed, i))
 
 
 class RedrawSchedule:
@@ -348,18 +340,36 @@ def settings(model: nn.Module) -> list[dict[str, Any]]:
     ]
 
 
-def save(model: nn.Module, path: str | os.PathLike, **save_pretrained_kwargs: Any) -> Path:
-    """Save a patched model: a normal Hugging Face checkpoint plus ``approx_config.json`` (the settings of
-    every patched layer) and ``approx_state.safetensors`` (the methods' state: planes, features, fitted
-    projections; written only when some layer has state); see :mod:`approx.saved`. :func:`load` reads it back."""
+def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **save_pretrained_kwargs: Any) -> Path:
+    """Save a patched model: a plain Hugging Face checkpoint (its ``state_dict`` without the methods' state),
+    ``approx_config.json`` (the settings of every patched layer), ``approx_state.safetensors`` (the methods'
+    state: planes, features, fitted projections; written only when some layer has state; see
+    :mod:`approx.saved`) and the ``tokenizer`` when given (``approx eval`` needs it). :func:`load` reads it back.
+
+    ``model.save_pretrained(path)`` on a patched model does the same (Trainer checkpoints included): writing the
+    checkpoint alone would drop the patch silently, and refusing would break every tool that saves through it.
+    """
     if not is_patched(model):
         raise ValueError("the model is not patched; use model.save_pretrained for a plain model")
+    if tokenizer is not None:
+        saved.check_vocabulary("the tokenizer passed", len(tokenizer), model.get_input_embeddings().num_embeddings)
     path = Path(path)
-    model.save_pretrained(path, **save_pretrained_kwargs)
-    meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
-    saved.write_settings(path, {**meta, "layers": settings(model)})
+    state_dict = save_pretrained_kwargs.pop("state_dict", None)
+    state_dict = {k: v for k, v in (model.state_dict() if state_dict is None else state_dict).items()
+                  if f".{_CHILD}." not in f".{k}"}  # fmt: skip
+    type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
+    if not save_pretrained_kwargs.get("is_main_process", True):
+        return path
     save_method_state(model, path)
+    meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
+    saved.write_settings(path, {**meta, "state_sha256": saved.state_digest(path), "layers": settings(model)})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
+
+
+def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+    save(model, save_directory, **kwargs)  # `model.save_pretrained` of a patched model
 
 
 def save_method_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
@@ -374,32 +384,25 @@ def load_method_state(model: nn.Module, folder: str | os.PathLike) -> None:
     saved.read_state(patched_layers(model), folder)
 
 
-def _patch_as_saved(model: nn.Module, path: str | os.PathLike) -> dict[str, Any]:
-    """Patch ``model`` with the layers, options and state saved in ``path``; returns the saved settings."""
-    meta = saved.read_settings(path)
-    for entry in meta["layers"]:
-        patch(model, entry["method"], layers=[entry["layer"]], **entry["config"])
-    load_method_state(model, path)
-    return meta
-
-
 def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Patch a loaded model as recorded in ``path`` by :func:`save`, state included."""
-    meta = _patch_as_saved(model, path)
-    setattr(model, _ORIGINAL, meta.get("original_attn_implementation", getattr(model, _ORIGINAL)))
-    return model
+    """Patch a loaded model as recorded in ``path`` by :func:`save`, state included. Everything in ``path`` is
+    checked before the model is touched: on any error (``ValueError`` or ``FileNotFoundError`` naming the file)
+    the model is left exactly as it was. :func:`unpatch` then gives back the implementation the model was
+    loaded with (not the one of the model that was saved)."""
+    modules = attention_modules(model)
+    return _install(model, modules, _saved_layers(model, modules, path))
+
+
+def _saved_layers(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> dict[int, ApproxAttention]:
+    _, layers = saved.build_layers(path, [_head_dim(m, model) for m in modules])
+    return {i: layer.to(_device(modules[i])) for i, layer in layers.items()}
 
 
 def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxAttention]:
     """The :class:`ApproxAttention` layers saved in ``path`` (method, options and state, fitted or drawn), built
-    for ``model`` without leaving it patched: e.g. a fitted Sparsefinder to evaluate on another checkpoint of
-    the same architecture."""
-    if is_patched(model):
-        raise ValueError("the model is already patched; unpatch it first")
-    _patch_as_saved(model, path)  # not restore: the model keeps its own original attention implementation
-    layers = patched_layers(model)
-    unpatch(model)
-    return layers
+    for ``model`` without patching it: e.g. a fitted Sparsefinder to evaluate on another checkpoint of the same
+    architecture."""
+    return _saved_layers(model, attention_modules(model), path)
 
 
 def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwargs: Any) -> nn.Module:
@@ -410,9 +413,13 @@ def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwa
     return restore(model, path)
 
 
-def load_pretrained(name_or_path: str, *, task: str | None = None, progress: bool = True, **kwargs: Any):
+def load_pretrained(
+    name_or_path: str | os.PathLike, *, task: str | None = None, progress: bool = True, tokenizer: Any = None, **kwargs
+):
     """(model, tokenizer) from a local folder or a hub id. ``task``: None (bare encoder), ``"masked-lm"``,
-    ``"sequence-classification"`` or ``"question-answering"``; ``progress=False`` hides the loading bar."""
+    ``"sequence-classification"`` or ``"question-answering"``; ``progress=False`` hides the loading bar.
+    ``tokenizer``: use this one instead of the folder's. ``ValueError`` when the folder has no tokenizer files
+    or the tokenizer's vocabulary does not fit the model's embeddings (never an empty default tokenizer)."""
     import transformers
 
     if not progress:
@@ -426,8 +433,12 @@ def load_pretrained(name_or_path: str, *, task: str | None = None, progress: boo
     }
     if task not in classes:
         raise ValueError(f"unknown task head {task!r}; choose one of {', '.join(map(str, classes))}")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer is None:
+        if os.path.isdir(name_or_path):
+            saved.check_tokenizer_folder(name_or_path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     model = classes[task].from_pretrained(name_or_path, **kwargs)
+    saved.check_vocabulary(str(name_or_path), len(tokenizer), model.get_input_embeddings().num_embeddings)
     return model, tokenizer
 
 
@@ -439,24 +450,8 @@ def attach(model: nn.Module, layers: dict[int, ApproxAttention]) -> nn.Module:
     """Patch ``model`` with existing :class:`ApproxAttention` modules (e.g. taken from
     :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is."""
     modules = attention_modules(model)
-    _select_layers(list(layers), len(modules))
+    select_layers(list(layers), len(modules))
     return _install(model, modules, layers)
-
-
-class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
-    """Within the block, call ``probe(layer, q, k, v, key_mask, scale, out)`` after every patched layer's
-    attention: q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None, ``out`` the layer's (B, H, N, dv)
-    output. For measuring (attention error, graph statistics), not for changing the output."""
-
-    def __init__(self, probe: Any) -> None:
-        self.probe = probe
-
-    def __enter__(self) -> Any:
-        _PROBES.append(self.probe)
-        return self.probe
-
-    def __exit__(self, *exc: Any) -> None:
-        _PROBES.remove(self.probe)
 
 
 def checkpoint_heads(name_or_path: str) -> list[str]:

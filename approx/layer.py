@@ -1,8 +1,12 @@
 """``ApproxAttention``: the module attached to each patched attention layer.
 
-It holds the method, its config and the method's state as buffers (non-persistent, so a patched model's
-``state_dict`` stays a plain Hugging Face one; ``approx.save`` writes the state separately). It is plain
-torch and can be used without any model, e.g. by the benchmarks::
+It holds the method, its config and the method's state as buffers. The state is part of what the model
+computes, so it is in ``state_dict()`` (under ``...approx_attention.<name>``): ``load_state_dict`` between two
+models patched alike carries fitted and drawn state over, and loading a patched model's ``state_dict`` into an
+unpatched one fails with "unexpected keys" instead of dropping the state silently. The Hugging Face checkpoint
+that ``approx.save`` (or ``save_pretrained`` on a patched model) writes leaves these entries out, so it stays
+a plain one; the state goes to ``approx_state.safetensors`` beside it. It is plain torch and can be used
+without any model, e.g. by the benchmarks::
 
     layer = ApproxAttention("i-clustered", IClusteredConfig(clusters=100), head_dim=64)
     out = layer(q, k, v, key_mask=mask)   # q, k, v: (B, H, N, d); mask: (B, S) bool, True = real token
@@ -10,18 +14,67 @@ torch and can be used without any model, e.g. by the benchmarks::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from .config import MethodConfig
 from .registry import get_method
 
-__all__ = ["ApproxAttention", "layer_seed"]
+__all__ = ["ApproxAttention", "attention_probe", "key_mask_of", "layer_seed", "select_layers"]
+
+# Called after an ApproxAttention is unpickled (``torch.load`` of a patched model): approx.integration puts
+# the registration of its attention function here, so a model pickled while patched runs in a fresh process.
+ON_UNPICKLE: list = []
+
+
+def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
+    """Indices of attention layers, as ``approx.patch`` and ``approx.redraw`` take them: an int or integers
+    (negative ones count from the end), or None for all ``count``; sorted, without repeats. ``ValueError``
+    naming ``name`` on anything else or on an index the model does not have."""
+    if layers is None:
+        return list(range(count))
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ValueError(f"{name} must be an integer, a list of integers or None, got {layers!r}")
+    chosen = []
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"{name} must be integers, got {i!r}")
+        j = i + count if i < 0 else i
+        if not 0 <= j < count:
+            raise ValueError(f"layer {i} does not exist: the model has {count} attention layers (0..{count - 1})")
+        chosen.append(j)
+    if not chosen:
+        raise ValueError(f"{name} is empty: name at least one layer, or pass None for all")
+    return sorted(set(chosen))
 
 
 def layer_seed(seed: int, layer_index: int) -> int:
     """Seed of one layer's state: different per layer, independent of which other layers are patched."""
     return (seed * 1_000_003 + layer_index * 7_919 + 17) % (2**63 - 1)
+
+
+def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
+    """Whatever mask an attention function is passed (2-D, or a boolean or additive 4-D mask) -> (B, S) bool key-padding mask, or None (no padding)."""
+    if attention_mask is None:
+        return None
+    m = attention_mask
+    if m.dim() == 2:
+        return m.to(torch.bool)
+    if m.dim() != 4:
+        raise ValueError(f"approx attention: unexpected attention mask of shape {tuple(m.shape)}")
+    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2  # additive float masks
+    key = allowed[:, :1, :1, :]  # (B, 1, 1, S)
+    if allowed.shape[1] > 1 or allowed.shape[2] > 1:
+        if not bool((allowed == key).all()):
+            raise ValueError(
+                "approx attention supports key-padding masks only; this (B, H, N, S) mask differs between "
+                "queries or heads (a causal or custom attention pattern), which the approximations cannot honour"
+            )
+    return key[:, 0, 0, :].expand(batch, s)
 
 
 class ApproxAttention(nn.Module):
@@ -38,7 +91,27 @@ class ApproxAttention(nn.Module):
         if self.method.init_state is not None:
             seed = layer_seed(getattr(config, "seed", 0), layer_index)
             for name, tensor in self.method.init_state(config, head_dim=head_dim, seed=seed).items():
-                self.register_buffer(name, tensor, persistent=False)
+                self.register_buffer(name, tensor)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "method": self.method.name}  # pickled by name: the registry holds the functions
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__({**state, "method": get_method(state["method"])})
+        for hook in ON_UNPICKLE:
+            hook()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        # through load_state, not in-place copies: fitted state replaces its empty placeholders (shapes differ)
+        mine = self.state()
+        given = {n: state_dict[prefix + n] for n in mine if prefix + n in state_dict}
+        missing.extend(prefix + n for n in mine if n not in given)
+        unexpected.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in mine)
+        if len(given) == len(mine):
+            try:
+                self.load_state({n: t.detach() for n, t in given.items()})
+            except ValueError as e:
+                errors.append(f"{prefix[:-1]}: {e}")
 
     def state(self) -> dict[str, torch.Tensor]:
         """The method's state tensors (random planes, features, fitted projections...)."""
@@ -116,7 +189,9 @@ class ApproxAttention(nn.Module):
     def weights(self, q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None, *, scale=None):
         """The dense (B, H, N, S) attention matrix this layer implies (analysis only: O(N * S))."""
         if self.method.weights is None:
-            raise NotImplementedError(f"method {self.method.name!r} does not expose its attention weights")
+            raise NotImplementedError(
+                f"method {self.method.name!r} does not expose its attention weights (needed by output_attentions=True)"
+            )
         if scale is None:
             scale = q.shape[-1] ** -0.5
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
@@ -127,3 +202,23 @@ class ApproxAttention(nn.Module):
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.to_dict().items())
         return f"method={self.method.name!r}, layer={self.layer_index}" + (f", {opts}" if opts else "")
+
+
+# Callables run after every patched layer: probe(layer, q, k, v, key_mask, scale, out); see attention_probe.
+PROBES: list[Any] = []
+
+
+class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
+    """Within the block, call ``probe(layer, q, k, v, key_mask, scale, out)`` after every patched layer's
+    attention: q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None, ``out`` the layer's (B, H, N, dv)
+    output. For measuring (attention error, graph statistics), not for changing the output."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+
+    def __enter__(self) -> Any:
+        PROBES.append(self.probe)
+        return self.probe
+
+    def __exit__(self, *exc: Any) -> None:
+        PROBES.remove(self.probe)

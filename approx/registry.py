@@ -50,8 +50,12 @@ class Registry(Generic[T]):
 
     def _load(self) -> None:
         if not self._loaded:
-            self._loaded = True
-            discover(self.package)
+            self._loaded = True  # set first: a module may look a name up while it registers
+            try:
+                discover(self.package)
+            except BaseException:
+                self._loaded = False  # a failed import is retried, not left as a partial registry
+                raise
 
     def names(self) -> list[str]:
         self._load()

@@ -2,21 +2,35 @@
 
 ``approx_config.json`` records what every patched layer runs (``{"format": 1, "approx_version",
 "original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``) and
-``approx_state.safetensors`` the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
+``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
 fitted projections), written only when some layer has state. :mod:`approx.integration` writes and reads the
 checkpoint around them (``approx.save``, ``approx.load``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from .layer import ApproxAttention
+import torch
 
-__all__ = ["SETTINGS_FILE", "STATE_FILE", "is_saved_setting", "read_settings", "read_state", "saved_settings"]
+from .layer import ApproxAttention, select_layers
+from .registry import get_method
+
+__all__ = [
+    "SETTINGS_FILE",
+    "STATE_FILE",
+    "build_layers",
+    "check_tokenizer_folder",
+    "check_vocabulary",
+    "is_saved_setting",
+    "read_settings",
+    "read_state",
+    "saved_settings",
+]
 
 SETTINGS_FILE = "approx_config.json"
 STATE_FILE = "approx_state.safetensors"
@@ -31,15 +45,55 @@ def write_settings(folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
 
 
 def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
-    """The whole ``approx_config.json`` of ``folder``; ``FileNotFoundError`` when ``folder`` was not written by
-    ``approx.save``, ``ValueError`` on an unknown format."""
+    """The whole ``approx_config.json`` of ``folder``, its shape checked; ``FileNotFoundError`` when ``folder``
+    was not written by ``approx.save``, ``ValueError`` naming the file on invalid JSON, an unknown format or a
+    malformed ``layers`` list (the options themselves are checked by :func:`build_layers`)."""
     file = Path(folder) / SETTINGS_FILE
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: {folder} was not written by approx.save")
-    meta = json.loads(file.read_text())
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: unknown format {meta.get('format')!r}")
+        raise ValueError(f"{file}: unknown format {meta.get('format')!r} (this approx reads format {FORMAT})")
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(f"{file}: 'layers' must be a non-empty list of {{layer, method, config}}, got {layers!r}")
+    for n, entry in enumerate(layers):
+        ok = isinstance(entry, dict) and set(entry) == {"layer", "method", "config"}
+        if not (ok and isinstance(entry["method"], str) and isinstance(entry["config"], dict)):
+            raise ValueError(
+                f"{file}: layers[{n}] must be {{'layer': int, 'method': str, 'config': {{...}}}}, got {entry!r}"
+            )
+    for key in ("original_attn_implementation", "state_sha256"):
+        if not isinstance(meta.get(key), (str, type(None))):
+            raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")
     return meta
+
+
+def build_layers(folder: str | os.PathLike, head_dims: list[int]) -> tuple[dict[str, Any], dict[int, ApproxAttention]]:
+    """The settings of ``folder`` and the layers they describe, state loaded, for a model whose attention layers
+    have ``head_dims``: everything checked before any model is touched. ``ValueError`` (or
+    ``FileNotFoundError``) naming the file on anything wrong: a method, option or layer index the model does not
+    have, a layer given twice, state that is missing, unreadable, of another shape or not finite."""
+    meta = read_settings(folder)
+    file = Path(folder) / SETTINGS_FILE
+    layers: dict[int, ApproxAttention] = {}
+    for entry in meta["layers"]:
+        try:
+            (i,) = select_layers(entry["layer"], len(head_dims), name="layer")
+            spec = get_method(entry["method"])
+            config = spec.make_config(**entry["config"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{file}: {e}") from None
+        if i in layers:
+            raise ValueError(f"{file}: layer {entry['layer']} is given twice")
+        layers[i] = ApproxAttention(spec.name, config, head_dim=head_dims[i], layer_index=i)
+    read_state(layers, folder, meta.get("state_sha256"))
+    return meta, layers
 
 
 def is_saved_setting(path: Any) -> bool:
@@ -55,7 +109,7 @@ def saved_settings(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def write_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -> Path | None:
     """Write the state of ``layers`` (layer index -> layer) to ``folder/approx_state.safetensors``; returns the
-    file, or None (nothing written) when no layer has state."""
+    file, or None (and no file left) when no layer has state."""
     from safetensors.torch import save_file
 
     state = {
@@ -63,24 +117,78 @@ def write_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -
         for i, layer in layers.items()
         for name, t in layer.state().items()
     }
-    if not state:
-        return None
     file = Path(folder) / STATE_FILE
+    if not state:
+        file.unlink(missing_ok=True)  # a stale one of an earlier save must not be read back
+        return None
     save_file(state, str(file))
     return file
 
 
-def read_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -> None:
-    """Load ``folder/approx_state.safetensors`` into ``layers``. Every layer gets exactly its saved tensors: a
-    missing file counts as no state, and ``ValueError`` names a layer whose state names or shapes differ, or
-    saved layers that are not in ``layers``."""
+def state_digest(folder: str | os.PathLike) -> str | None:
+    """SHA-256 of ``folder/approx_state.safetensors`` (None without one): ``approx.save`` records it in the
+    settings, so a state file changed after saving is refused rather than loaded as some other state."""
+    file = Path(folder) / STATE_FILE
+    return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None
+
+
+def read_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike, digest: str | None = None) -> None:
+    """Load ``folder/approx_state.safetensors`` into ``layers``, all or nothing. Every layer gets exactly its saved
+    tensors; ``FileNotFoundError`` when a layer has state and the file is missing, ``ValueError`` naming the file
+    when it cannot be read, differs from ``digest`` (its SHA-256 when saved), names a layer that is not in ``layers``, or holds state of other names or shapes, or
+    values that are not finite."""
     from safetensors.torch import load_file
 
     file = Path(folder) / STATE_FILE
-    state = load_file(str(file)) if file.is_file() else {}
-    unknown = sorted({key.split(".")[1] for key in state} - {str(i) for i in layers}, key=int)
+    if not file.is_file():
+        if any(layer.state() for layer in layers.values()) or digest is not None:
+            raise FileNotFoundError(f"{file} not found: the layers saved in {SETTINGS_FILE} have state")
+        return
+    if digest is not None and state_digest(folder) != digest:
+        raise ValueError(f"{file} was changed after it was saved (its SHA-256 differs from {SETTINGS_FILE}'s)")
+    try:
+        state = load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types on truncated or corrupted files
+        raise ValueError(f"{file}: cannot read it ({type(e).__name__}: {e})") from None
+    keys = {key: key.split(".", 2) for key in state}
+    bad = [k for k, parts in keys.items() if len(parts) != 3 or parts[0] != "layer" or not parts[1].isdigit()]
+    if bad:
+        raise ValueError(f"{file}: unexpected tensor names {bad} (expected layer.<index>.<name>)")
+    unknown = sorted({int(parts[1]) for parts in keys.values()} - set(layers))
     if unknown:
-        raise ValueError(f"{file} holds state of layers {', '.join(unknown)}, which are not patched")
+        raise ValueError(f"{file} holds state of layers {', '.join(map(str, unknown))}, which are not patched")
+    for key, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{file}: {key} holds values that are not finite (NaN or infinity)")
+    old = {i: layer.state() for i, layer in layers.items()}
     for i, layer in layers.items():
-        prefix = f"layer.{i}."
-        layer.load_state({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        try:
+            layer.load_state({parts[2]: state[key] for key, parts in keys.items() if parts[1] == str(i)})
+        except ValueError as e:
+            for j, done in layers.items():  # all or nothing
+                done.load_state(old[j])
+            raise ValueError(f"{file}: layer {i}: {e}") from None
+
+
+def check_tokenizer_folder(folder: str | os.PathLike) -> None:
+    """``ValueError`` when a local model ``folder`` holds no tokenizer files (transformers would then build an
+    empty tokenizer that maps every word to the unknown token, and every score would be garbage)."""
+    folder = Path(folder)
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model")
+    if not any((folder / n).is_file() for n in names) and not any(folder.glob("*.model")):
+        raise ValueError(
+            f"{folder} has no tokenizer files ({', '.join(names)}): save the tokenizer there "
+            f"(approx.save(model, folder, tokenizer=tokenizer), or tokenizer.save_pretrained(folder))"
+        )
+
+
+def check_vocabulary(name: str, tokenizer_size: int, embeddings: int) -> None:
+    """``ValueError`` when a tokenizer of ``tokenizer_size`` tokens cannot be the model's own, whose embedding
+    matrix has ``embeddings`` rows: ids beyond the embeddings, or fewer than 90 % of the rows covered (a default
+    or another model's tokenizer; models pad their embeddings by a few rows at most)."""
+    if tokenizer_size > embeddings or tokenizer_size < 0.9 * embeddings:
+        raise ValueError(
+            f"the tokenizer of {name} has {tokenizer_size} tokens but the model has {embeddings} token embeddings: "
+            "it is not the model's tokenizer; save the model's own tokenizer into the folder "
+            "(approx.save(model, folder, tokenizer=tokenizer), or tokenizer.save_pretrained(folder))"
+        )

@@ -383,7 +383,7 @@ def _label(name: str, configs: dict[str, MethodConfig]) -> str:
     return f"{name} ({', '.join(opts)})" if opts else name
 
 
-# issue #7: minimum speed-up over SDPA (ratio) per method and N; at N = 1024 a fallback row may meet it
+# the targets set for the CPU forward: minimum speed-up over SDPA (ratio) per method and N; at N = 1024 a fallback row may meet it
 TARGETS: dict[str, dict[int, float]] = {
     "i-clustered": {1024: 1.0, 4096: 2.0, 16384: 10.0},
     "clustered": {1024: 1.0, 4096: 3.0, 16384: 20.0},
@@ -436,7 +436,7 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
     for n in ns:
         cells = [f"{res['cost'][n][c]['qk_pairs']:,} / {res['cost'][n][c]['flops'] / 1e9:.3g}" for c in cols]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    out += ["", f"## Targets (issue #7, set for the CPU forward; here {res.get('device', 'cpu')})", ""]
+    out += ["", f"## Targets (set for the CPU forward; here {res.get('device', 'cpu')})", ""]
     for method, goals in TARGETS.items():
         if method not in names:
             continue

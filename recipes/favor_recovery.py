@@ -25,7 +25,7 @@ import torch
 
 import approx
 from approx.attention.favor import FavorConfig
-from approx.harness.finetune import finetune
+from approx.harness.finetune import FinetuneConfig, finetune
 from approx.harness.provenance import provenance
 from approx.integration import attach
 
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="base model (default: MiniLM-L6)")
     p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of the FAVOR+ model")
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--learning-rate", type=float, help="default: FinetuneConfig's")
+    p.add_argument("--batch-size", type=int, help="default: FinetuneConfig's")
     p.add_argument("--limit", type=int, help="first N examples of each half (smoke runs)")
     p.add_argument("--base-steps", type=int, help="cap the steps of the base checkpoint's fine-tuning (smoke)")
     p.add_argument("--data-dir")
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    defaults = FinetuneConfig()  # the fine-tuning defaults live in the config dataclass
+    args.learning_rate = defaults.learning_rate if args.learning_rate is None else args.learning_rate
+    args.batch_size = defaults.batch_size if args.batch_size is None else args.batch_size
     task, metric = args.task, PRIMARY[args.task]
     data = dict(data_dir=args.data_dir, source=args.source)
     base = args.model or clustered_table.default_model()

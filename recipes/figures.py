@@ -1,4 +1,4 @@
-"""Recipe: the pictures of issue #6, as PNG files, from committed results and one real SQuAD example.
+"""Recipe: the project's figures, as PNG files, from committed results and one real SQuAD example.
 
 * ``quality_vs_cost.png``: per task of ``recipes/results/clustered_table_<task>.json``, the task metric against
   the attention FLOPs relative to full attention; each method is a curve over its budget knob (clusters,

@@ -21,7 +21,7 @@ __all__ = ["PAPER", "load_results", "markdown_table", "pattern_checks", "method_
 
 # Vyas, Katharopoulos, Fleuret, "Fast Transformers with Clustered Attention", NeurIPS 2020 (arXiv 2007.04825),
 # §4.3, table "approximation of a fine-tuned RoBERTa" (GLUE at max length 128, SQuAD at 384, 25 clusters,
-# k = 32; attention replaced at inference without retraining); copied from ../shared/reference/methods.md §2.
+# k = 32; attention replaced at inference without retraining); as published.
 # The paper does not name the metric per task; we compare with CoLA: Matthews correlation, MRPC / QQP: accuracy,
 # STS-B: Pearson, SQuAD: F1, the others accuracy (MNLI: matched).
 PAPER_SOURCE = "Vyas et al. 2020 (arXiv 2007.04825), §4.3: fine-tuned RoBERTa-base, attention swapped at inference"

@@ -274,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="base model to fine-tune (default: MiniLM-L6 from the wheel)")
     p.add_argument("--limit", type=int, help="first N examples of each half, for fine-tuning, fitting and scoring")
     p.add_argument("--max-steps", type=int, help="cap the steps of each fine-tuning (smoke runs)")
-    p.add_argument("--fit-steps", type=int, default=300, help="optimizer steps of the projections per layer")
+    p.add_argument(
+        "--fit-steps", type=int, help="optimizer steps of the projections per layer (default: the method's fit_config)"
+    )
     p.add_argument("--fit-batch-size", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=32, help="evaluation batch size")
     p.add_argument("--seed", type=int, default=0)
@@ -289,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.fit_steps is None:  # the default lives in the method's fit settings
+        args.fit_steps = approx.get_method("sparsefinder").fit_config().steps
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     with Timer() as wall:

@@ -1,5 +1,11 @@
 """The command line and the data helpers."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import approx
@@ -136,3 +142,350 @@ def test_demo_runs_the_wikitext_fidelity_evaluation(tmp_path, capsys):
     assert cos["pooled"] == pytest.approx(
         float(F.cosine_similarity(out_h.mean(1), ref.mean(1), dim=-1).mean()), abs=1e-5
     )
+
+
+# ------------------------------------------------------------------------------ malformed data files (issue 15)
+
+
+def _replace_line(path, lineno: int, new) -> None:
+    """Line ``lineno`` (1-based) of ``path`` replaced by ``new`` (bytes, or a function of the old line)."""
+    lines = path.read_bytes().split(b"\n")
+    lines[lineno - 1] = new(lines[lineno - 1]) if callable(new) else new
+    path.write_bytes(b"\n".join(lines))
+
+
+def _last_field(value: bytes):
+    return lambda line: line.rsplit(b"\t", 1)[0] + b"\t" + value
+
+
+@pytest.mark.parametrize(
+    "task, file, line, new, words",
+    [
+        ("sst2", "SST-2/dev.tsv", 3, b"a good film .\t\xff", "not UTF-8"),
+        ("sst2", "SST-2/dev.tsv", 5, b"caf\xc3 .\t1", "not UTF-8"),
+        ("sst2", "SST-2/dev.tsv", 4, b"word " * 40_000 + b"\t1", "characters long"),
+        ("stsb", "STS-B/dev.tsv", 3, _last_field(b"nan"), "'nan' is not a finite number"),
+        ("stsb", "STS-B/dev.tsv", 6, _last_field(b"inf"), "'inf' is not a finite number"),
+        ("stsb", "STS-B/dev.tsv", 2, _last_field(b"-Infinity"), "not a finite number"),
+        ("sst2", "SST-2/dev.tsv", 3, b"a sentence\tmaybe", "label 'maybe' is not one of negative, positive"),
+        ("sst2", "SST-2/dev.tsv", 3, b"a sentence\t7", "label '7'"),
+        ("sst2", "SST-2/dev.tsv", 4, "a sentence\t\u00b2".encode(), "label '\u00b2'"),  # superscript two
+        ("rte", "RTE/dev.tsv", 3, _last_field("\u0660".encode()), "label '\u0660'"),  # Arabic-Indic zero
+        ("cola", "CoLA/dev.tsv", 1, b"src\t9\t\ta sentence .", "label '9'"),  # no header: line 1 is data
+    ],
+    ids=["bad-byte", "cut-utf8", "long-field", "nan", "inf", "-Infinity", "word", "7", "superscript", "arabic", "cola"],
+)
+def test_bad_data_file_names_file_and_line(tmp_path, task, file, line, new, words):
+    from evalfixtures import write_data
+
+    from approx.harness.tasks import DataError, get_task
+
+    root = write_data(tmp_path)
+    path = root / "glue" / file
+    _replace_line(path, line, new)
+    with pytest.raises(DataError) as e:
+        get_task(task).load(source="local", data_dir=str(root))
+    assert f"{path}, line {line}: " in str(e.value) and words in str(e.value)
+
+
+def _squad(tmp_path, edit):
+    """The fixture's SQuAD file, one value per line, with ``edit(data)`` applied; (path, its lines)."""
+    from evalfixtures import write_data
+
+    root = write_data(tmp_path)
+    path = root / "squad/dev-v1.1.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=1))
+    return root, path, path.read_text().split("\n")
+
+
+def _set(keys, value):
+    def edit(data):
+        node = data
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+
+    return edit
+
+
+Q = ["data", 1, "paragraphs", 0, "qas", 1]  # the second question of the second article
+
+
+@pytest.mark.parametrize(
+    "edit, marker, words",
+    [
+        (_set([*Q, "question"], None), '"question": null', "'question' must be a string, found null"),
+        (_set([*Q[:4], "context"], 17), '"context": 17', "'context' must be a string, found a number"),
+        (_set([*Q, "answers", 0, "text"], 3), '"text": 3', "'text' must be a string, found a number"),
+        (_set([*Q, "answers", 0, "answer_start"], "7"), '"answer_start": "7"', "must be an integer"),
+        (_set([*Q, "answers"], []), '"answers": []', "'answers' is empty"),
+        (_set(["data", 1], "an article"), '"an article"', "article 1 must be an object, found a string"),
+        (_set(["data", 0, "paragraphs"], {"context": "c"}), '"paragraphs": {', "'paragraphs' must be a list"),
+    ],
+)
+def test_bad_squad_file_names_file_and_line(tmp_path, edit, marker, words):
+    from approx.harness.tasks import DataError, get_task
+
+    root, path, lines = _squad(tmp_path, edit)
+    line = next(i for i, text in enumerate(lines, start=1) if marker in text)
+    with pytest.raises(DataError) as e:
+        get_task("squad").load(source="local", data_dir=str(root))
+    assert f"{path}, line {line}: " in str(e.value) and words in str(e.value)
+
+
+def test_bad_squad_question_says_which_one_and_where(tmp_path):
+    from approx.harness.tasks import DataError, get_task
+
+    def drop_question(data):
+        del data["data"][1]["paragraphs"][0]["qas"][1]["question"]
+
+    root, path, lines = _squad(tmp_path, drop_question)
+    line = next(i for i, text in enumerate(lines, start=1) if '"id": "1-0-1"' in text) - 1  # the object's brace
+    with pytest.raises(DataError, match=rf"line {line}: article 1 \('Article_1'\), paragraph 0, question 1: missing"):
+        get_task("squad").load(source="local", data_dir=str(root))
+
+
+def test_non_utf8_squad_and_wikitext_name_the_line(tmp_path):
+    from approx.harness.tasks import DataError, get_task
+
+    root, path, lines = _squad(tmp_path, lambda data: None)
+    _replace_line(path, 5, b'  "title": "Caf\xe9",')
+    with pytest.raises(DataError, match=rf"{path}, line 5: not UTF-8"):
+        get_task("squad").load(source="local", data_dir=str(root))
+    wiki = root / "wikitext-2/wiki.test.tokens"
+    _replace_line(wiki, 7, b" caf\xe9 au lait")
+    with pytest.raises(DataError, match=rf"{wiki}, line 7: not UTF-8"):
+        get_task("wikitext2").load(source="local", data_dir=str(root))
+
+
+def test_wikitext_shorter_than_one_window_is_a_data_error(tmp_path):
+    from evalfixtures import write_checkpoint, write_data
+    from transformers import AutoTokenizer
+
+    from approx.harness.tasks import DataError, get_task
+
+    root = write_data(tmp_path / "data")
+    wiki = root / "wikitext-2/wiki.test.tokens"
+    wiki.write_text(" = Heading = \n the cat sits .\n")
+    tok = AutoTokenizer.from_pretrained(write_checkpoint(tmp_path / "m", "base"))
+    task = get_task("wikitext2")
+    for limit in (None, 2):
+        examples, _ = task.load(source="local", data_dir=str(root), limit=limit)
+        with pytest.raises(DataError, match=rf"{wiki}: .*shorter than one window of 64 tokens"):
+            task.features(examples, tok, max_length=64, mode="fidelity")
+    wiki.write_text(" \n")
+    with pytest.raises(DataError, match=rf"{wiki}: file is empty"):
+        task.load(source="local", data_dir=str(root))
+
+
+# ------------------------------------------------------------------------- command-line mistakes (issue 15)
+
+CLI_MISTAKES = [
+    (["eval", "--model", "{tmp}/no-such-model", "--task", "rte", "--method", "full"], "model folder does not exist"),
+    (["eval", "--model", "{tmp}", "--task", "rte", "--method", "full"], "holds no config.json"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--device", "tpu9"], "unknown device"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--threads", "0"], "--threads must be"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--threads", "-2"], "--threads must be"),
+    (["eval", "--model", "{model}", "--task", "rte", "--task", "sst2", "--method", "full"], "--task given twice"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "{tmp}/fitted"], "fitted does not exist"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "./fitted:clusters=3"], "does not exist"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "{tmp}"], "holds no approx_config.json"),
+    (["eval", "--model", "{model}", "--task", "stsb", "--method", "full"], "STS-B/dev.tsv, line 3: score 'nan'"),
+    (["demo", "--model", "{model}", "--threads", "-1"], "--threads must be"),
+    (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--threads", "0"], "--threads must be"),
+    (["finetune", "--model", "{model}", "--task", "rte", "--task", "sst2", "--output-dir", "{tmp}/o"], "twice"),
+    (["finetune", "--task", "rte", "--output-dir", "{tmp}/a", "--output-dir", "{tmp}/b"], "--output-dir given twice"),
+]
+
+
+@pytest.mark.parametrize("argv, words", CLI_MISTAKES, ids=[w for _, w in CLI_MISTAKES])
+def test_cli_mistakes_are_one_line_and_exit_2(argv, words, base_model, tmp_path, capsys):
+    from evalfixtures import write_data
+
+    data = write_data(tmp_path / "data")
+    _replace_line(data / "glue/STS-B/dev.tsv", 3, _last_field(b"nan"))
+    (tmp_path / "x").mkdir()
+    argv = [a.format(tmp=tmp_path / "x", model=base_model) for a in argv] + ["--data-dir", str(data)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("approx: error: ") and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cli_cuda_without_cuda_is_one_line(base_model, fixture_dir, capsys):
+    argv = ["eval", "--model", base_model, "--task", "rte", "--method", "full", "--data-dir", str(fixture_dir)]
+    assert main([*argv, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CUDA is not available" in err and "--device cpu" in err
+
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's approx, from any folder
+
+
+def _approx(*args, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "approx", *args], capture_output=True, text=True, timeout=120, env=ENV, **kw
+    )
+
+
+def test_python_dash_m_approx_runs_the_command_line(tmp_path):
+    done = _approx("methods", cwd=tmp_path)
+    assert done.returncode == 0 and all(f"{name}:" in done.stdout for name in approx.methods())
+    done = _approx("--help", cwd=tmp_path)
+    assert "python -m approx" in done.stdout and "accelerate launch -m approx" in done.stdout
+    done = _approx("eval", "--task", "rte", "--method", "nowhere/fitted", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "does not exist" in done.stderr
+
+
+def test_accelerate_launch_finds_the_module(tmp_path):
+    import shutil
+
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate command is not on PATH")
+    cmd = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no"]
+    cmd += ["--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", "-m", "approx", "tasks"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert "stsb (v1)" in done.stdout
+
+
+def test_output_piped_to_a_closed_reader_exits_quietly(tmp_path):
+    """`approx methods | head -1`: the reader goes away; no BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "approx", "methods"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=ENV,
+    )
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == "", err
+
+
+# ----------------------------------------------------------------- randomised data files (issue 15, hypothesis)
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ_FILES = {  # task -> the file it reads (relative to the data folder)
+    "sst2": "glue/SST-2/dev.tsv",
+    "stsb": "glue/STS-B/dev.tsv",
+    "rte": "glue/RTE/dev.tsv",
+    "cola": "glue/CoLA/dev.tsv",
+    "mnli": "glue/MNLI/dev_matched.tsv",
+    "squad": "squad/dev-v1.1.json",
+    "wikitext2": "wikitext-2/wiki.test.tokens",
+}
+FIELD_TEXT = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(
+    ["", "nan", "inf", "-1", "7", "0", "1", "\u00b2", "\u0660", "entailment", "1e999", "\t", "\r", "\x00"]
+)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=True) | FIELD_TEXT,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["id", "text", "qas"]), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@st.composite
+def corrupted(draw, original: bytes, task: str) -> bytes:
+    """``original`` with a few random corruptions: bytes, lines, fields, JSON values, encodings."""
+    data = original
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["bytes", "cut", "line", "field", "json", "encoding", "truncate"]))
+        at = draw(st.integers(0, len(data)))
+        if kind == "bytes":
+            data = data[:at] + draw(st.binary(min_size=1, max_size=6)) + data[at:]
+        elif kind == "cut":
+            data = data[:at] + data[at + draw(st.integers(1, 40)) :]
+        elif kind == "truncate":
+            data = data[:at]
+        elif kind == "encoding":
+            text = data.decode("utf-8", errors="replace")
+            data = text.encode(draw(st.sampled_from(["latin-1", "utf-16", "cp1252", "utf-8-sig"])), errors="replace")
+        elif kind in ("line", "field"):
+            lines = data.split(b"\n")
+            i = draw(st.integers(0, len(lines) - 1))
+            fields = lines[i].split(b"\t")
+            new = draw(FIELD_TEXT).encode()
+            if kind == "field":
+                fields[draw(st.integers(0, len(fields) - 1))] = new
+            lines[i] = b"\t".join(fields) if kind == "field" else new
+            data = b"\n".join(lines)
+        elif task == "squad":  # a random JSON value at a random place of the document
+            try:
+                doc = json.loads(data)
+            except ValueError:
+                continue
+            top = {"root": doc}
+            node, key = top, "root"
+            for _ in range(draw(st.integers(1, 7))):
+                child = node[key]
+                keys = list(child) if isinstance(child, dict) else range(len(child)) if isinstance(child, list) else []
+                if not keys:
+                    break
+                node, key = child, draw(st.sampled_from(list(keys)))
+            node[key] = draw(JSON_VALUES)
+            data = json.dumps(top["root"], indent=draw(st.sampled_from([None, 1]))).encode()
+    return data
+
+
+@pytest.fixture(scope="module")
+def fuzz_setup(tmp_path_factory):
+    from evalfixtures import write_checkpoint, write_data
+    from transformers import AutoTokenizer
+
+    root = write_data(tmp_path_factory.mktemp("fuzz") / "data")
+    tok = AutoTokenizer.from_pretrained(write_checkpoint(tmp_path_factory.mktemp("fuzzmodel"), "base"))
+    return root, tok, {task: (root / f).read_bytes() for task, f in FUZZ_FILES.items()}
+
+
+def _check_loaded(task: str, examples: list) -> None:
+    import math
+
+    from approx.harness.tasks import get_task
+
+    t = get_task(task)
+    for ex in examples:
+        if task == "squad":
+            assert all(isinstance(ex[k], str) for k in ("id", "question", "context", "title"))
+            assert ex["answers"] and all(isinstance(a, str) for a in ex["answers"])
+        elif task != "wikitext2":
+            assert isinstance(ex["text"], str) and (ex["text_pair"] is None or isinstance(ex["text_pair"], str))
+            assert math.isfinite(ex["label"]) if not t.labels else ex["label"] in range(len(t.labels))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data(), task=st.sampled_from(sorted(FUZZ_FILES)))
+def test_random_data_files_load_or_raise_a_data_error(fuzz_setup, data, task):
+    """A corrupted GLUE TSV, SQuAD JSON or WikiText file either loads (with well-typed examples) or raises
+    DataError naming the file, and a line of it where there is one; never another exception."""
+    from approx.harness.tasks import DataError, get_task
+
+    root, tok, originals = fuzz_setup
+    path = root / FUZZ_FILES[task]
+    content = data.draw(corrupted(originals[task], task))
+    path.write_bytes(content)
+    try:
+        examples, _ = get_task(task).load(source="local", data_dir=str(root))
+        if task == "wikitext2":
+            get_task(task).features(examples, tok, max_length=24, mode="fidelity")
+        _check_loaded(task, examples)
+    except DataError as e:
+        message = str(e)
+        assert str(path) in message, message
+        lines = content.count(b"\n") + 1
+        if ", line " in message:
+            assert 1 <= int(message.split(", line ")[1].split(":")[0]) <= lines, message
+        else:
+            assert any(w in message for w in ("no data rows", "no questions", "is empty", "one window", "nested")), (
+                message
+            )
+    finally:
+        path.write_bytes(originals[task])

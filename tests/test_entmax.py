@@ -203,3 +203,34 @@ def test_patched_tiny_bert():
     assert (near - ref).abs().max() < 0.01 * (out - ref).abs().max()
     assert torch.equal(restored, ref)
     assert not approx.is_patched(model)
+
+
+# ------------------------------------------------------------------------------ issue 15: nothing silent
+
+
+def test_alpha_a_hair_above_one_is_softmax_not_nan():
+    """1 + 1e-9 rounds to 1 in float32 (the bisection divides by alpha - 1 = 0): it is computed in float64
+    and is softmax up to ~1e-9; closer to 1 than float64 can resolve is refused, naming 'full'."""
+    q, k, v, mask = inputs(dtype=torch.float32)
+    out = layer(alpha=1 + 1e-9)(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    exact = torch.einsum("bhns,bhsd->bhnd", naive_weights(q, k, mask), v.double())
+    assert (out.double() - exact).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="'alpha'.*'full'"):
+        EntmaxConfig(alpha=1 + 1e-12)
+
+
+@pytest.mark.parametrize("n_iter", [1, 2, 3, 6])
+@pytest.mark.parametrize("alpha", [1.3, 2.0])
+def test_few_bisection_steps_do_not_depend_on_padding(alpha, n_iter):
+    """With few bisection steps, the real tokens' outputs equal those of the package's bisection on the real
+    keys alone (padding must not widen the bracket), for any amount of padding."""
+    q, k, v, mask = inputs()
+    lyr = layer(alpha=alpha, n_iter=n_iter)
+    n_real = N - PAD
+    reference = independent(q[1:, :, :n_real], k[1:, :, :n_real], v[1:, :, :n_real], None, alpha, n_iter)
+    for extra in (0, 200):
+        pad = lambda x: torch.cat([x, torch.randn(B, H, extra, x.shape[-1], dtype=x.dtype)], dim=2)  # noqa: E731
+        m = torch.cat([mask, torch.zeros(B, extra, dtype=torch.bool)], dim=1)
+        out = lyr(pad(q), pad(k), pad(v), m)
+        torch.testing.assert_close(out[1:, :, :n_real], reference, rtol=1e-12, atol=1e-12)

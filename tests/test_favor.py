@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from conftest import batch, model_output, tiny_model
-from reference import naive_attention
+from reference import favor_estimate, naive_attention
 
 import approx
 from approx import ApproxAttention
@@ -181,3 +181,88 @@ def test_chunked_computation_equals_one_pass(monkeypatch, kernel):
     torch.testing.assert_close(out, dense)
     with_grad = lyr(q.clone().requires_grad_(), k, v, mask)  # the autograd path allocates per chunk
     torch.testing.assert_close(with_grad.detach(), dense)
+
+
+# ---------------------------------------------------------------- issue 15: nothing silent in FAVOR+ numerics
+
+
+def _big_inputs(n, q_scale, k_scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = q_scale * torch.randn(1, 2, n, D, generator=g)
+    k = k_scale * torch.randn(1, 2, n, D, generator=g)
+    v = torch.randn(1, 2, n, D, generator=g)
+    return q, k, v
+
+
+def test_a_chunk_of_padding_keys_changes_no_real_output():
+    """>= 512 padded positions before the real ones (a whole internal chunk of keys is padding) with
+    large-norm keys: the real outputs equal those of the unpadded sequence and the float64 estimate."""
+    from approx.attention import _fallback
+
+    n_real, n_pad = 100, 600
+    q, k, v = _big_inputs(n_real, 0.5, 12.0)
+    g = torch.Generator().manual_seed(1)
+    pad = lambda x: torch.cat([50 * torch.randn(1, 2, n_pad, D, generator=g), x], dim=2)  # noqa: E731
+    mask = torch.ones(1, n_pad + n_real, dtype=torch.bool)
+    mask[:, :n_pad] = False
+    lyr = ApproxAttention("favor", FavorConfig(features=16), head_dim=D)
+    short = lyr(q, k, v, None)
+    padded = lyr(pad(q), pad(k), pad(v), mask)[:, :, n_pad:]
+    reference = favor_estimate(q, k, v, lyr.state()["omega"], scale=D**-0.5)
+    err = (short.double() - reference).abs().max().item()
+    assert err < 1e-4
+    assert (padded.double() - reference).abs().max().item() <= 2 * err + 1e-6
+    _fallback.reset_counts()
+    lyr(pad(q), pad(k), pad(v), mask)
+    assert _fallback.counts().get("favor", 0) == 0  # the estimate itself, not a fallback
+
+
+def test_rows_whose_normaliser_underflows_get_exact_attention_counted_and_warned():
+    """Large-norm queries and keys: D of many rows underflows. No real row may come out as zeros: each is
+    the estimate (float64) or, where it was lost, exact attention (float64), and those rows are counted."""
+    from approx.attention import _fallback
+
+    q, k, v = _big_inputs(100, 50.0, 50.0)
+    lyr = ApproxAttention("favor", FavorConfig(), head_dim=D)
+    _fallback.reset_counts()
+    with pytest.warns(_fallback.FallbackWarning, match="favor"):
+        out = lyr(q, k, v, None).double()
+    exact = naive_attention(q, k, v)
+    estimate = favor_estimate(q, k, v, lyr.state()["omega"], scale=D**-0.5)
+    near_exact = (out - exact).abs().amax(-1) < 1e-3  # (B, H, N); float32 logits of size ~1e3
+    near_estimate = (out - estimate).abs().amax(-1) < 1e-3
+    assert not (out == 0).all(-1).any()
+    assert (near_exact | near_estimate).all()
+    assert _fallback.counts()["favor"] >= 1 and int(near_exact.sum()) >= _fallback.counts()["favor"]
+
+
+def test_dense_weights_fall_back_on_the_same_rows():
+    q, k, v = _big_inputs(100, 50.0, 50.0)
+    lyr = ApproxAttention("favor", FavorConfig(), head_dim=D)
+    w = lyr.weights(q, k, None).double()
+    torch.testing.assert_close(w.sum(-1), torch.ones_like(w[..., 0]))
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"stabilizer": 0.0}, ["stabilizer", "NaN"]),
+        ({"kernel": "relu", "relu_eps": 0.0}, ["relu_eps", "NaN"]),
+        ({"kernel": "relu", "relu_eps": 1e30}, ["relu_eps", "overflow"]),
+    ],
+)
+def test_options_that_can_only_give_nan_are_refused(options, words):
+    with pytest.raises(ValueError) as e:
+        FavorConfig(**options)
+    for w in words:
+        assert w in str(e.value)
+    FavorConfig(relu_eps=0.0)  # unused by the softmax kernel: allowed
+
+
+def test_dropout_is_not_ignored_silently():
+    """FAVOR+ cannot drop entries of a matrix it never forms: it says so (once per place) when training."""
+    q, k, v, mask = inputs(0)
+    lyr = ApproxAttention("favor", FavorConfig(), head_dim=D)
+    with pytest.warns(RuntimeWarning, match="dropout"):
+        out = lyr(q, k, v, mask, dropout=0.1)
+    assert torch.equal(out, lyr(q, k, v, mask))

@@ -43,8 +43,11 @@ def test_finetune_learns_saves_and_evaluates(base_model, fixture_dir, tmp_path):
 def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_path):
     _run(base_model, fixture_dir, tmp_path / "a", max_steps=6)
     stopped = _run(base_model, fixture_dir, tmp_path / "b", max_steps=6, stop_after=4)
-    assert stopped["stopped_at"] == 4 and not (tmp_path / "b" / "config.json").exists()
+    assert stopped["stopped_at"] == stopped["step"] == 4 and stopped["partial"]
+    record = json.loads((tmp_path / "b" / "finetune.json").read_text())
+    assert record["partial"] and record["step"] == 4 and len(record["losses"]) == 4
     _run(base_model, fixture_dir, tmp_path / "b", max_steps=6, resume=True)
+    assert not json.loads((tmp_path / "b" / "finetune.json").read_text())["partial"]
     from safetensors.torch import load_file
 
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
@@ -53,6 +56,22 @@ def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         _run(base_model, fixture_dir, tmp_path / "c", max_steps=2, resume=True)
+
+
+def test_a_stopped_run_leaves_a_checkpoint_that_eval_reads(base_model, fixture_dir, tmp_path, capsys):
+    """--stop-after writes the model so far (tokenizer and approx settings included) and says so; `approx eval
+    --model` reads it; the plain and the patched case."""
+    for name, method in (("plain", []), ("patched", ["--method", "favor:features=8"])):
+        out = tmp_path / name
+        argv = ["finetune", "--model", base_model, "--task", "rte", "--output-dir", str(out), *method]
+        argv += ["--train-split", "dev/0", "--data-dir", str(fixture_dir), "--max-steps", "4", "--batch-size", "4"]
+        assert main([*argv, "--stop-after", "2", "--quiet"]) == 0
+        said = capsys.readouterr().out
+        assert "stopped after step 2 of 4" in said and "--resume" in said
+        assert json.loads((out / "finetune.json").read_text())["partial"]
+        assert (out / "approx_config.json").is_file() == bool(method)
+        args = ["eval", "--model", str(out), "--task", "rte", "--split", "dev/1", "--data-dir", str(fixture_dir)]
+        assert main([*args, "--method", str(out) if method else "full", "--quiet"]) == 0, capsys.readouterr().err
 
 
 def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_dir, tmp_path):
@@ -177,6 +196,14 @@ def test_finetune_settings_are_checked_before_anything_loads(tmp_path):
             finetune("no/such/model", "rte", output_dir=tmp_path / "x", **bad)
     with pytest.raises(ValueError, match="batch_size"):
         finetune("no/such/model", "rte", output_dir=tmp_path / "x", config=FinetuneConfig(), batch_size=0)
+    with pytest.raises(ValueError, match="did you mean 'epochs'"):  # with a config too: ValueError, not TypeError
+        finetune("no/such/model", "rte", output_dir=tmp_path / "x", config=FinetuneConfig(), epoch=2)
+
+
+def test_cli_fit_refuses_keeping_projections_it_never_fitted(capsys):
+    assert main(["fit", "--fit-projections-too", "false", "--output-dir", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "--fit-projections-too false" in err and err.count("\n") == 1
 
 
 def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path, capsys):

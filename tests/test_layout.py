@@ -31,6 +31,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    if parts[0] != "approx":
+        return False
+    base = PACKAGE.parent.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
     """Absolute names of every module ``path`` imports (relative imports resolved)."""
     name = _module_name(path)
@@ -45,8 +53,11 @@ def _imports(path: Path) -> set[str]:
                 root = ".".join(base + ([node.module] if node.module else []))
             else:
                 root = node.module or ""
-            found.add(root)
-            found.update(f"{root}.{alias.name}" for alias in node.names)  # `from . import x` may name a module
+            names = {f"{root}.{alias.name}" for alias in node.names}
+            modules = {n for n in names if _is_module(n)}  # `from . import saved` imports approx.saved
+            found.update(modules)
+            if names - modules:  # names defined in `root` itself
+                found.add(root)
     return found
 
 
@@ -72,6 +83,8 @@ def test_imports_go_one_way(module):
     """methods <- glue <- harness: a lower layer never imports a higher one; only the glue imports transformers."""
     imports = MODULES[module]
     layer = _layer(module)
+    if layer in ("methods", "glue"):  # the package root imports the harness: lower layers never import it
+        assert "approx" not in imports, f"{module} imports the package root `approx` (use approx._version etc.)"
     if layer == "methods":
         bad = {i for i in imports if _within(i, (GLUE, HARNESS, "transformers"))}
         assert not bad, f"{module} (methods layer: plain tensor math) imports {sorted(bad)}"

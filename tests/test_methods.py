@@ -2,6 +2,8 @@
 ``test_options`` and ``exact_limit``), so a new method is covered without editing this file; the
 clustered-specific ones check the paper's properties."""
 
+import warnings
+
 import pytest
 import torch
 from reference import naive_attention, naive_weights
@@ -445,3 +447,53 @@ def test_unknown_method_lists_methods():
     assert "did you mean 'i-clustered'" in msg
     for m in METHODS:
         assert m in msg
+
+
+# ------------------------------------------------------------------------------- attention dropout (issue 15)
+
+
+def _with_dropout(lyr, q, k, v, mask, p):  # the output, and whether a warning said dropout is not applied
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = lyr(q, k, v, mask, dropout=p)
+    return out, any("dropout" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dropout_is_applied_in_training_or_announced(method):
+    """In training (dropout > 0) the real outputs change, or a warning says dropout is not applied; in eval
+    (transformers passes dropout = 0) they are the outputs without dropout."""
+    q, k, v = make_qkv()
+    mask, lyr = padded_mask(120, 90), layer(method, **small_budget(method))
+    plain, real = lyr(q, k, v, mask), mask[:, None, :, None]
+    assert torch.equal(lyr(q, k, v, mask, dropout=0.0), plain)
+    torch.manual_seed(0)
+    dropped, announced = _with_dropout(lyr, q, k, v, mask, 0.3)
+    changed = not torch.equal(dropped.masked_fill(~real, 0), plain.masked_fill(~real, 0))
+    assert changed != announced, f"{method}: dropout changed the outputs: {changed}, announced: {announced}"
+
+
+def _mean_with_dropout(lyr, q, k, v, mask, p, draws):
+    torch.manual_seed(0)
+    outs = torch.stack([lyr(q, k, v, mask, dropout=p) for _ in range(draws)])
+    return outs.mean(0), 6 * outs.std(0) / draws**0.5 + 1e-9  # the mean and 6 standard errors
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dropout_keeps_the_expected_output(method):
+    """Dropout on attention weights (scaled by 1 / (1 - p)) keeps the output's expectation: the mean over many
+    draws is the output without dropout, within 6 standard errors; at the method's exact limit, that is float64
+    exact attention."""
+    q, k, v = limit_inputs()
+    mask, lyr = padded_mask(120, 90), layer(method, **small_budget(method))
+    real = mask[:, None, :, None]
+    if _with_dropout(lyr, q, k, v, mask, 0.2)[1]:
+        pytest.skip(f"{method} does not apply attention dropout (it says so)")
+    mean, bound = _mean_with_dropout(lyr, q, k, v, mask, 0.2, 150)
+    assert ((mean - lyr(q, k, v, mask)).abs() <= bound).masked_fill(~real, True).all()
+    limit = get_method(method).exact_limit
+    if method == "full" or (limit.approaches is None and not get_method(method).needs_fit):  # (fits are slow)
+        q, k, v = limit_inputs(distinct=None if method == "full" else limit.distinct_queries)
+        options = {} if method == "full" else limit.options(120)
+        mean, bound = _mean_with_dropout(layer(method, **{**small_budget(method), **options}), q, k, v, mask, 0.2, 150)
+        assert ((mean - naive_attention(q, k, v, mask)).abs() <= bound).masked_fill(~real, True).all()

@@ -11,9 +11,31 @@ it as ``_fallback.with_fallback`` (the module attribute), so that the generic ex
 
 from __future__ import annotations
 
+import collections
+import warnings
 from collections.abc import Callable
 
 import torch
+
+
+class FallbackWarning(RuntimeWarning):
+    """An approximation broke down on some query rows, which got exact attention instead."""
+
+
+# Query rows that got exact attention because the approximation broke down on them (not the planned
+# ``exact_below`` / "at most C" rows), per method name, summed over calls until :func:`reset_counts`. Read it
+# with :func:`counts` around an evaluation to report how often a method was not what it claims to be.
+COUNTS: collections.Counter[str] = collections.Counter()
+
+
+def counts() -> dict[str, int]:
+    """Query rows per method that fell back to exact attention since the last :func:`reset_counts`."""
+    return dict(COUNTS)
+
+
+def reset_counts() -> None:
+    COUNTS.clear()
+
 
 # exact(rows) -> output of the rows ``rows`` (a (R,) index tensor), or of the whole batch for ``rows=None``
 ExactFn = Callable[[torch.Tensor | None], torch.Tensor]
@@ -69,3 +91,23 @@ def with_fallback(
     if bool(short.all()):
         return exact(None)
     return replace_rows(approximate(), short, exact)
+
+
+def replace_query_rows(
+    out: torch.Tensor, bad: torch.Tensor, exact: ExactFn, *, method: str, why: str, count: bool = True
+) -> torch.Tensor:
+    """Replace the query rows flagged in ``bad`` (B, H, N) by those of ``exact(rows)``, computed for the batch
+    rows holding one (``out``: (B, H, N, *F)). With ``count``, they are added to :data:`COUNTS` under ``method``
+    and a :class:`FallbackWarning` says ``why`` (the message is constant, so Python shows it once per place)."""
+    if not bool(bad.any()):
+        return out
+    if count:
+        COUNTS[method] += int(bad.sum())
+        warnings.warn(
+            f"{method}: {why}; those rows got exact attention (counted in approx.attention._fallback.counts())",
+            FallbackWarning,
+            stacklevel=2,
+        )
+    rows = bad.flatten(1).any(-1).nonzero().squeeze(-1)  # (R,) batch rows with a flagged query
+    flags = bad[rows].view(*bad[rows].shape, *([1] * (out.dim() - 3)))  # (R, H, N, 1...)
+    return out.index_put((rows,), torch.where(flags, exact(rows).to(out.dtype), out[rows]))

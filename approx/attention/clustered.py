@@ -25,6 +25,8 @@ Choices made here:
   from the fused SDPA kernel (A^c is never formed); per-cluster rows are copied with ``index_select`` on
   flattened tables. Large fresh tensors are avoided where a reused buffer does: on the CPU, first-touch page
   faults of a new 50 MB tensor cost more than a pass of arithmetic over it.
+* Attention dropout (training) acts on the centroid attention A^c (one mask per cluster, shared by its
+  queries) and on the rows that fall back to exact attention; its expected output is the output without it.
 """
 
 from __future__ import annotations
@@ -155,16 +157,19 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     return q, k, v, key_mask, assign, qc
 
 
-def run(q, k, v, key_mask, query_mask, scale, config, state, finish, *, dense: bool = False) -> torch.Tensor:
+def run(
+    q, k, v, key_mask, query_mask, scale, config, state, finish, *, dense: bool = False, dropout: float = 0.0
+) -> torch.Tensor:
     """The driver shared by clustered and improved-clustered attention.
 
     Sequences with at most C real queries, or fewer than ``config.exact_below``, get exact attention (or, with
     ``dense``, the exact attention matrix); the others are clustered and ``finish(q, k, v, key_mask, assign, qc)``
-    computes their output from the cluster index of every query and the centroids.
+    computes their output from the cluster index of every query and the centroids. ``dropout``: attention
+    dropout of the exact rows (``finish`` applies it to the rows it computes).
     """
 
     def exact(q_, k_, v_, m_):
-        return dense_softmax(q_, k_, m_, scale) if dense else exact_attention(q_, k_, v_, m_, scale)
+        return dense_softmax(q_, k_, m_, scale) if dense else exact_attention(q_, k_, v_, m_, scale, dropout)
 
     prepared = []  # the inputs in the compute dtype, for the rows replaced by exact attention
 
@@ -226,8 +231,8 @@ def clustered_attention(
     """Clustered attention: LSH + Hamming K-means on queries, attention for the centroids only."""
 
     def finish(q, k, v, key_mask, assign, qc):
-        # the C centroid rows A^c V through the fused kernel (A^c is never materialised); each query takes
-        # its centroid's output
-        return gather_clusters(exact_attention(qc, k, v, key_mask, scale), assign)
+        # the C centroid rows A^c V through the fused kernel (A^c is never materialised, attention dropout
+        # acts on it); each query takes its centroid's output
+        return gather_clusters(exact_attention(qc, k, v, key_mask, scale, dropout), assign)
 
-    return run(q, k, v, key_mask, query_mask, scale, config, state, finish)
+    return run(q, k, v, key_mask, query_mask, scale, config, state, finish, dropout=dropout)

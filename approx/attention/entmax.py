@@ -19,9 +19,10 @@ Choices made here:
 
 * The mapping comes from the ``entmax`` package: the exact sort-based ``entmax15`` when alpha is exactly 1.5,
   ``entmax_bisect`` (bisection on tau, ``n_iter`` steps) for any other alpha > 1. Bisection resolves tau to
-  about 2^-n_iter; close to alpha = 1 the weights are p = y^(1 / (alpha - 1)), so a rounding error in y is
-  amplified by 1 / (alpha - 1): in float32 expect a relative error of about 1e-7 / (alpha - 1) in the
-  weights (use ``full`` for softmax itself).
+  about 2^-n_iter within a bracket set by the real keys only, so the output of real tokens does not depend
+  on the amount of padding at any ``n_iter``. Close to alpha = 1 the weights are p = y^(1 / (alpha - 1)),
+  so a rounding error in y is amplified by 1 / (alpha - 1): for alpha - 1 < 1e-3 the mapping runs in
+  float64, and alpha - 1 < 1e-9 is refused (use ``full`` for softmax itself).
 * Padded keys get the score -inf, hence exactly zero weight; their values are zeroed as well, so a huge or
   infinite padded value cannot leak through 0 * inf. A row with no real key at all would make the package
   fail (entmax15 raises on an empty support, the bisection returns NaN), so such rows attend to every key
@@ -47,7 +48,7 @@ from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
-from ._entmax import entmax
+from ._entmax import MAX_ALPHA, MIN_ALPHA_GAP, entmax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,18 @@ class EntmaxConfig(MethodConfig):
             self.alpha > 1,
             "alpha",
             "alpha-entmax needs alpha > 1 (alpha = 1 is softmax: use method 'full'; alpha = 2 is sparsemax)",
+        )
+        self.require(
+            self.alpha - 1 >= MIN_ALPHA_GAP,
+            "alpha",
+            f"alpha - 1 below {MIN_ALPHA_GAP:g} cannot be resolved even in float64 (the weights are "
+            "y^(1 / (alpha - 1))); use method 'full' for softmax",
+        )
+        self.require(
+            self.alpha <= MAX_ALPHA,
+            "alpha",
+            f"at most {MAX_ALPHA:g}: the bisection works on (alpha - 1) * scores in a bracket of width 1, which "
+            "rounding swamps for large alpha (NaN)",
         )
         self.require(self.n_iter >= 1, "n_iter", "need at least one bisection step")
 

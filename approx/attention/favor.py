@@ -20,8 +20,10 @@ Choices made here:
   row, so they cancel in D^-1 and are dropped / subtracted before exp; for keys one maximum over all real
   keys of a (batch, head) is subtracted, tracked online while keys are summed in chunks (so no (N, m)
   feature tensor is ever held whole: memory O(chunk * m + m * dv) beyond inputs). Nothing overflows in
-  float16/bfloat16 (computed in float32). D is floored at ``stabilizer``, which only matters when every
-  feature of a row underflows.
+  float16/bfloat16 (computed in float32). Where D still falls below ``stabilizer`` (large-norm inputs,
+  where one key's features dwarf the others'), the row's estimate is lost to underflow: such query rows get
+  exact attention (:func:`._fallback.replace_query_rows`, counted in ``_fallback.counts()`` and warned
+  about), never the zeros a floored D would give.
 * Speed: every head of a layer shares the directions, so the feature projections of a chunk are one plain
   (B*H*n, d) x (d, m') product (about twice as fast on CPU as a batched one). Hyperbolic features project on
   the m/2 directions only and get the -w half from an elementwise pass; the key norm, the stabilising maximum
@@ -32,12 +34,16 @@ Choices made here:
 * ``exact_below``: batch rows with fewer real tokens than this get exact attention (0, the default, never:
   measurements at short lengths then measure the approximation, not the fallback; see :mod:`._fallback`).
 * ``kernel="relu"``: the generalised kernel phi(x) = ReLU(w.x) + relu_eps of the Performer paper.
+* Attention dropout is not applied: dropping entries of the implicit N x S matrix needs that matrix, and
+  dropping keys or features instead is a different regulariser. A call with ``dropout > 0`` (training)
+  warns once instead of ignoring it silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 
@@ -48,6 +54,7 @@ from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mas
 from ._fallback import exact_for_length
 
 KERNELS = ("softmax", "relu")
+_MAX_RELU_EPS = 1e6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,19 @@ class FavorConfig(MethodConfig):
         for name in ("stabilizer", "relu_eps"):
             value = getattr(self, name)
             self.require(value >= 0 and math.isfinite(value), name, "must be a finite non-negative number")
+        self.require(self.stabilizer > 0, "stabilizer", "D is divided by max(D, stabilizer): 0 gives 0 / 0 = NaN")
+        if self.kernel == "relu":
+            self.require(
+                self.relu_eps > 0,
+                "relu_eps",
+                "the relu kernel needs eps > 0: a query with every ReLU(w.x) = 0 has D = 0 (0 / 0 = NaN)",
+            )
+            self.require(
+                self.relu_eps <= _MAX_RELU_EPS,
+                "relu_eps",
+                f"at most {_MAX_RELU_EPS:g}: D sums m * S products of features >= eps, which overflow float32 "
+                "(inf / inf = NaN)",
+            )
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
 
@@ -262,14 +282,15 @@ def _key_summary(k, v, key_mask, scale, config, w, grad) -> torch.Tensor:
             row_max = _row_max(raw, hyperbolic) + norm.detach()
             if mc is not None:
                 row_max = row_max.masked_fill(~mc, float("-inf"))
+            # ``top`` stays -inf until a real key comes (a chunk of padding alone must not set it)
             new_top = torch.maximum(top, row_max.amax(-1))
-            new_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)  # no real key yet
+            finite_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
             if start:
-                rescale = torch.exp(top - new_top)  # exp(-inf) = 0: no real key before
+                rescale = torch.exp(top - finite_top)  # exp(-inf) = 0: no real key before (the sums are 0)
                 values = values * rescale.view(bh, 1, 1) if grad else values.mul_(rescale.view(bh, 1, 1))
                 norms = norms * rescale[..., None] if grad else norms.mul_(rescale[..., None])
             top = new_top
-            shift = norm - top[..., None]
+            shift = norm - finite_top[..., None]
             if mc is not None:
                 shift = shift.masked_fill(~mc, float("-inf"))
             phi = _exp_features(raw, shift[..., None], hyperbolic, scratch.phi)
@@ -297,16 +318,30 @@ def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.
     key_mask = safe_key_mask(key_mask)
     phi_q, phi_k = _features(q.to(dt), k.to(dt), key_mask, scale, config, state["omega"].to(dt))
 
-    def approximate() -> torch.Tensor:
-        a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
-        return a / a.sum(-1, keepdim=True).clamp_min(config.stabilizer)
-
     def exact(r: torch.Tensor | None) -> torch.Tensor:
         if r is None:
             return dense_softmax(q.to(dt), k.to(dt), key_mask, scale)
         return dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale)
 
+    def approximate() -> torch.Tensor:
+        a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
+        den = a.sum(-1, keepdim=True)
+        out = a / den.clamp_min(config.stabilizer)
+        low = _underflow(den[..., 0], query_mask, config, dt)
+        return _fallback.replace_query_rows(out, low, exact, method="favor", why=_UNDERFLOW, count=False)
+
     return _with_fallback(approximate, exact, q, query_mask, config)
+
+
+_UNDERFLOW = "the normaliser D of some query rows underflowed (large-norm queries or keys)"
+
+
+def _underflow(den: torch.Tensor, query_mask: torch.Tensor | None, config: FavorConfig, dt) -> torch.Tensor:
+    """Real query rows whose normaliser D (B, H, N) is below ``stabilizer`` (or the smallest normal number of
+    ``dt``), or not finite: their estimate is lost to underflow. (B, H, N) bool."""
+    floor = max(config.stabilizer, torch.finfo(dt).tiny)
+    low = ~((den >= floor) & (den < math.inf))
+    return low if query_mask is None else low & query_mask[:, None, :]
 
 
 def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
@@ -344,16 +379,29 @@ def favor_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """FAVOR+ (Performer): linear attention with positive orthogonal random features."""
+    if dropout > 0.0:
+        warnings.warn(
+            "favor: attention dropout is not applied (FAVOR+ never forms the attention matrix to drop entries "
+            "of); the model trains without it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def exact(r: torch.Tensor | None) -> torch.Tensor:
         if r is None:
             return exact_attention(q, k, v, key_mask, scale)
         return exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale)
 
-    return _with_fallback(lambda: _favor(q, k, v, key_mask, scale, config, state), exact, q, query_mask, config)
+    def approximate() -> torch.Tensor:
+        out, den = _favor(q, k, v, key_mask, scale, config, state)
+        low = _underflow(den, query_mask, config, compute_dtype(q.dtype))
+        return _fallback.replace_query_rows(out, low, exact, method="favor", why=_UNDERFLOW)
+
+    return _with_fallback(approximate, exact, q, query_mask, config)
 
 
-def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:
+def _favor(q, k, v, key_mask, scale, config, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output (B, H, N, dv) in the input dtype and the normaliser D of every query row (B, H, N)."""
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     q, k = q.to(dt), k.to(dt)
@@ -367,6 +415,7 @@ def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:
     summary = summary.view(bh, m, dv + 1)
     out = summary.new_empty(batch, heads, n_q, dv)  # (B, H, N, dv)
     outs = []
+    dens = summary.new_empty(batch, heads, n_q)  # (B, H, N)
     rows = min(n_q, _chunk_rows(q))
     scratch = _Scratch(q, bh * rows, w.shape[1], m, grad)
     both_store = None if grad else summary.new_empty(bh * rows * (dv + 1))
@@ -383,9 +432,10 @@ def _favor(q, k, v, key_mask, scale, config, state) -> torch.Tensor:
         else:
             both = torch.bmm(phi, summary, out=both_store[: bh * n * (dv + 1)].view(bh, n, dv + 1))
         both = both.view(batch, heads, n, dv + 1)
+        dens[:, :, start : start + n] = both[..., -1].detach()
         den = both[..., -1:].clamp_min(config.stabilizer)
         if grad:
             outs.append(both[..., :-1] / den)
         else:
             torch.div(both[..., :-1], den, out=out[:, :, start : start + n])
-    return (torch.cat(outs, dim=2) if grad else out).to(v.dtype)  # (B, H, N, dv)
+    return (torch.cat(outs, dim=2) if grad else out).to(v.dtype), dens  # (B, H, N, dv), (B, H, N)

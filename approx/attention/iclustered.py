@@ -11,6 +11,10 @@ section 3.3. On top of the clusters and centroid attention A^c of clustered atte
 With k at least the number of real keys this is exact attention, and its rows are never further (L1) from
 the exact rows than the clustered ones (the paper's Proposition 2). Cost per batch item and head:
 clustered attention plus O(N k max(d, dv)).
+
+Attention dropout (training) acts on the centroid attention A^c off the top-k keys (the remainder term, one
+mask per cluster) and on each query's recomputed top-k softmax; the top-k keys and the mass m_j are chosen
+from A^c without dropout, so the expected output is the output without dropout.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from ..config import option
 from ..registry import Cost, ExactLimit, register
@@ -64,9 +69,10 @@ def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int):
 _CENTROID_BYTES = 16 * 2**20
 
 
-def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float):
+def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float, dropout: float = 0.0):
     """What improved clustered attention needs of A^c (B, H, C, S): the top-k keys of every cluster (indices,
-    weights, which are real: see :func:`_top_keys`) and A^c V (B, H, C, dv).
+    weights, which are real: see :func:`_top_keys`), A^c V (B, H, C, dv) and the top-k weights that A^c V
+    used (B, H, C, k): with ``dropout``, A^c V and those come from A^c after attention dropout.
 
     A^c is computed for a few (batch row, head) series at a time, at most ``_CENTROID_BYTES`` of it, instead
     of one (B, H, C, S) tensor (78 MB at N = 16384, C = 100): a lower peak memory at the same speed.
@@ -81,15 +87,19 @@ def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float):
         rows = slice(start, start + per)
         mask = None if m2 is None else m2[rows]
         ac = centroid_attention(q3[rows], k3[rows], mask, scale)  # (b, 1, C, S)
-        parts.append((*_top_keys(ac, mask, topk), ac @ v3[rows]))
+        index, weight, real_top = _top_keys(ac, mask, topk)
+        if dropout > 0.0:
+            ac = F.dropout(ac, dropout)
+            parts.append((index, weight, real_top, ac @ v3[rows], ac.gather(-1, index)))
+        else:
+            parts.append((index, weight, real_top, ac @ v3[rows], weight))
 
     def join(i: int) -> torch.Tensor | None:
         if parts[0][i] is None:
             return None
         return torch.cat([part[i] for part in parts]).view(batch, heads, *parts[0][i].shape[2:])
 
-    index, weight, real_top, cv = (join(i) for i in range(4))
-    return index, weight, real_top, cv
+    return tuple(join(i) for i in range(5))
 
 
 def _gather_keys(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -117,7 +127,7 @@ _CHUNK_ROWS = 8192
 _CHUNK_ROWS_GPU = 1 << 20
 
 
-def _improved(q, k, v, key_mask, assign, qc, topk, scale) -> torch.Tensor:
+def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0) -> torch.Tensor:
     """Improved clustered output (B, H, N, dv) from the clusters and their centroids.
 
     Queries are sorted by cluster into blocks that share their cluster's top-k keys, so the recomputed
@@ -128,10 +138,11 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale) -> torch.Tensor:
     batch, heads, n, d = q.shape
     dv, clusters = v.shape[-1], qc.shape[2]
     bh = batch * heads
-    index, weight, real_top, cv = _centroid_summary(qc, k, v, key_mask, topk, scale)  # (B, H, C, k), A^c V
+    # (B, H, C, k) top keys and their A^c weights, A^c V and the weights it used (after dropout)
+    index, weight, real_top, cv, cv_weight = _centroid_summary(qc, k, v, key_mask, topk, scale, dropout)
     mass = weight.sum(-1)  # (B, H, C)
     kt, vt = _gather_keys(k, index), _gather_keys(v, index)  # (B, H, C, k, d), (B, H, C, k, dv)
-    rest = cv - (weight[..., None] * vt).sum(-2)  # (B, H, C, dv): centroid output off the top-k keys
+    rest = cv - (cv_weight[..., None] * vt).sum(-2)  # (B, H, C, dv): centroid output off the top-k keys
 
     block = block_size(n, clusters)
     dest, used, bc = block_rows(assign, clusters, block)  # (B*H*nb, L) query rows, blocks in use, their clusters
@@ -151,7 +162,8 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale) -> torch.Tensor:
         if tc is not None:
             scores.masked_fill_(~tc[:, None, :], float("-inf"))
         # out = rest + softmax(s q K_T^T) (m V_T): the exact part and the centroid's remainder in one product
-        out.index_copy_(0, rows.view(-1), torch.baddbmm(rc, softmax_(scores), vc).view(-1, dv))
+        p = softmax_(scores) if dropout <= 0.0 else F.dropout(softmax_(scores), dropout)  # (b, L, k)
+        out.index_copy_(0, rows.view(-1), torch.baddbmm(rc, p, vc).view(-1, dv))
     return out[: bh * n].view(batch, heads, n, dv)
 
 
@@ -193,6 +205,6 @@ def iclustered_attention(
     """Improved clustered attention: clustered attention plus exact scores on each cluster's top-k keys."""
 
     def finish(q, k, v, key_mask, assign, qc):
-        return _improved(q, k, v, key_mask, assign, qc, config.topk, scale)
+        return _improved(q, k, v, key_mask, assign, qc, config.topk, scale, dropout)
 
-    return run(q, k, v, key_mask, query_mask, scale, config, state, finish)
+    return run(q, k, v, key_mask, query_mask, scale, config, state, finish, dropout=dropout)

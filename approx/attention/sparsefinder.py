@@ -45,7 +45,7 @@ from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
 from ._common import block_rows, block_size, compute_dtype, safe_key_mask, zero_padded_values
-from ._entmax import entmax
+from ._entmax import MAX_ALPHA, MIN_ALPHA_GAP, entmax
 from ._fitting import SparsefinderFitConfig, fit_kmeans, fit_projections, gold_graph
 from ._graph import bucket_ids, cluster_ids, entries, global_rows, group_ids, predicted_mask, reach
 
@@ -86,6 +86,8 @@ class SparsefinderConfig(MethodConfig):
         self.require(self.grouping in GROUPINGS, "grouping", f"choose one of {', '.join(GROUPINGS)}")
         self.require(self.target in TARGETS, "target", f"choose one of {', '.join(TARGETS)}")
         self.require(math.isfinite(self.alpha) and self.alpha > 1, "alpha", "alpha-entmax needs alpha > 1")
+        self.require(self.alpha - 1 >= MIN_ALPHA_GAP, "alpha", f"alpha - 1 below {MIN_ALPHA_GAP:g} cannot be resolved")
+        self.require(self.alpha <= MAX_ALPHA, "alpha", f"at most {MAX_ALPHA:g} (larger alpha gives NaN)")
         self.require(self.projection_dim >= 1, "projection_dim", "need at least one projected dimension")
         self.require(self.threshold >= 0, "threshold", "a distance threshold is at least 0")
         self.require(self.buckets >= 1, "buckets", "need at least one bucket")

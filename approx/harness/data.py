@@ -16,8 +16,37 @@ ENV_VAR = "APPROX_DATA_DIR"
 _FALLBACK = Path("..") / "shared" / "data"
 
 
+MAX_FIELD = 131_072  # characters in one TSV field (csv's limit): longer means a broken line
+
+
 class DataNotFoundError(FileNotFoundError):
     pass
+
+
+class DataError(ValueError):
+    """A data file is malformed; the message names the file and the line (as an editor counts it: 1-based,
+    the header included)."""
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The text of a UTF-8 file (a byte-order mark dropped); bytes that are not UTF-8 raise
+    :class:`DataError` naming the file, the line and the column."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(
+            f"{path}, line {line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the line); "
+            "save the file as UTF-8"
+        ) from None
+    return text.removeprefix("\ufeff")
+
+
+def line_of(text: str, index: int) -> int:
+    """The 1-based line (as an editor counts it) of character ``index`` of ``text``."""
+    return text.count("\n", 0, index) + 1
 
 
 def find_data_dir(data_dir: str | os.PathLike | None = None, *, need: str | None = None) -> Path:
@@ -42,11 +71,11 @@ def find_data_dir(data_dir: str | os.PathLike | None = None, *, need: str | None
 def read_wikitext(path: str | os.PathLike) -> str:
     """The text of a WikiText token file (``wiki.test.tokens``), lines joined; checks it is one."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     if not text.strip():
-        raise ValueError(f"{path}: file is empty")
+        raise DataError(f"{path}: file is empty")
     if " = " not in text[:2000]:
-        raise ValueError(f"{path}, line 1: does not look like WikiText (no ' = Heading = ' lines near the start)")
+        raise DataError(f"{path}, line 1: does not look like WikiText (no ' = Heading = ' lines near the start)")
     return text
 
 
@@ -81,8 +110,13 @@ def token_windows(tokenizer: Any, text: str, *, length: int, count: int | None =
         text = " ".join(words[: int(count * body * 1.0) + 1000])
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n = len(ids) // body if count is None else min(count, len(ids) // body)
+    if n == 0:
+        raise DataError(
+            f"{source}: {len(ids)} tokens of text, shorter than one window of {length} tokens ({body} of text "
+            "plus [CLS] and [SEP]); use a longer file or a smaller window length"
+        )
     if count is not None and n < count:
-        raise ValueError(f"{source} holds only {n} windows of {length} tokens, {count} requested")
+        raise DataError(f"{source} holds only {n} windows of {length} tokens, {count} requested")
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     return [[cls, *ids[i * body : (i + 1) * body], sep] for i in range(n)]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -143,8 +144,9 @@ def _in_feature_order(records, n_features, s=None):
 
 def _resolve_model(model, tokenizer, head: str, progress: bool):
     if isinstance(model, str):
-        loaded, tok = load_pretrained(model, task=None if head == "base" else head, progress=progress)
-        return loaded, tokenizer or tok, model
+        head_task = None if head == "base" else head
+        loaded, tok = load_pretrained(model, task=head_task, progress=progress, tokenizer=tokenizer)
+        return loaded, tok, model
     if tokenizer is None:
         raise ValueError("pass the tokenizer with a model object (or pass the model's folder or hub id)")
     name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None) or type(model).__name__
@@ -243,7 +245,7 @@ def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predict
 
 
 def evaluate(
-    model: str | torch.nn.Module,
+    model: str | os.PathLike | torch.nn.Module,
     task: str | Task,
     methods: Sequence[str | Setup | MethodConfig],
     *,
@@ -261,8 +263,8 @@ def evaluate(
 ) -> list[dict[str, Any]]:
     """Evaluate ``task`` on ``model`` under each of ``methods`` and under full attention, on the same batches.
 
-    ``model``: a local folder or hub id (the head the task needs is read from the checkpoint), or a loaded
-    model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
+    ``model``: a local folder (a string or a ``pathlib.Path``) or hub id (the head the task needs is read from
+    the checkpoint), or a loaded model with its ``tokenizer``. ``methods``: names with options (``"clustered:clusters=25"``),
     :class:`~approx.harness.spec.Setup` or config objects, or the layers of a patched model
     (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first), or a folder
     written by :func:`approx.save` / ``approx fit`` (its layers, with their fitted or drawn state). Returns one
@@ -272,6 +274,8 @@ def evaluate(
     (:mod:`approx.harness.crossfit`).
     """
     wall = time.perf_counter()
+    if isinstance(model, os.PathLike):  # e.g. the MiniLM wheel's get_model_path()
+        model = os.fspath(model)
     from accelerate import PartialState
     from accelerate.utils import gather_object
 

@@ -17,6 +17,8 @@ The ``fidelity`` dict, per method:
   O_exact is exact attention on the *same* queries, keys and values (``mean`` over layers);
 * ``cost``: attention FLOPs and query-key pairs from the method's cost model at the real lengths, and their
   ratio to full attention's;
+* ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
+  instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
 * ``seconds``, ``reference_seconds``, ``speedup``; ``graph`` for methods that predict an attention graph
   (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``.
 """
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..attention import _fallback
 from ..attention._common import exact_attention
 from ..registry import get_method
 from .fitting import GraphStatsProbe, graph_summary
@@ -50,6 +53,12 @@ class AttentionProbe:
         self.seconds = 0.0
         self._full = get_method("full")
         self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
+        self._broke_down = sum(_fallback.counts().values())
+
+    def fallback_rows(self) -> int:
+        """Query rows (summed over layers and heads) on which the method broke down since this probe was made
+        and got exact attention instead (e.g. FAVOR+ rows whose normaliser underflows)."""
+        return sum(_fallback.counts().values()) - self._broke_down
 
     def __call__(self, layer, q, k, v, key_mask, scale, out) -> None:
         start = time.perf_counter()
@@ -122,6 +131,7 @@ def batch_sums(
         "error_den": dict(probe.err_den),
         "cost": list(probe.cost),
         "graph": graph,
+        "fallback_rows": probe.fallback_rows(),
         "seconds": max(seconds - probe.seconds, 0.0),
         "reference_seconds": reference_seconds,
         "peak_mib": peak,
@@ -168,6 +178,7 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "error_den": _add_keyed,
     "cost": _add_lists,
     "graph": _add_graph,
+    "fallback_rows": _add,
     "seconds": _add,
     "reference_seconds": _add,
     "peak_mib": _extreme(max),
@@ -225,6 +236,7 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
             int(i): {n: torch.tensor(v, dtype=torch.float64) for n, v in c.items()} for i, c in sums["graph"].items()
         }
         fidelity["graph"] = graph_summary(counts)
+    fidelity["fallback_rows"] = sums["fallback_rows"]
     fidelity["peak_memory_mib"] = sums["peak_mib"]
     fidelity["reference_peak_memory_mib"] = sums["reference_peak_mib"]
     return fidelity

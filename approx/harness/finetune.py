@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -227,15 +228,22 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
     }
 
 
-def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, data: dict, progress: bool):
-    """Save the final checkpoint (with the method's settings and state when patched) and evaluate it."""
-    net = tr.accelerator.unwrap_model(tr.net).eval()
+def _save_model(tr: _Training, output_dir: Path) -> torch.nn.Module:
+    """Write the model as it stands to ``output_dir``: a Hugging Face checkpoint with its tokenizer, plus the
+    method's settings and state when patched (:func:`approx.save`), which ``approx eval --model`` reads."""
+    net = tr.accelerator.unwrap_model(tr.net)
     if tr.accelerator.is_main_process:
         if tr.setup is not None:
             save(net, output_dir)
         else:
             net.save_pretrained(output_dir)
         tr.tokenizer.save_pretrained(output_dir)
+    return net
+
+
+def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, data: dict, progress: bool):
+    """Save the final checkpoint (with the method's settings and state when patched) and evaluate it."""
+    net = _save_model(tr, output_dir).eval()
     if eval_split is None:
         return None
     from .evaluation import evaluate
@@ -251,7 +259,7 @@ def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, 
 
 
 def finetune(
-    model: str,
+    model: str | os.PathLike,
     task: str,
     *,
     output_dir: str | Path,
@@ -280,12 +288,18 @@ def finetune(
     limit. The final checkpoint is written when training completes. ``callback(step, model)`` is called after
     every optimizer step with the unwrapped model (in training mode; restore it if the callback changes it),
     e.g. to evaluate during training.
+
+    Every stop writes a loadable checkpoint to ``output_dir``: after ``stop_after`` steps it is the model so far,
+    and ``finetune.json`` says so (``"partial": true``, ``"step"``; no evaluation); ``resume=True`` continues
+    from the training state in ``output_dir/checkpoint`` exactly as an uninterrupted run would have.
     """
     from .provenance import provenance
 
     wall = time.perf_counter()
+    model = os.fspath(model)
     task_def = get_task(task)
-    cfg = dataclasses.replace(config, **settings) if config is not None else FinetuneConfig.from_options(**settings)
+    base = config.to_dict() if config is not None else {}
+    cfg = FinetuneConfig.from_options(**{**base, **settings})  # unknown names: ValueError with the valid ones
     cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
     setup = None if method is None else as_setup(method, cfg.seed)
     output_dir = Path(output_dir)
@@ -301,13 +315,16 @@ def finetune(
     with tqdm(total=tr.total, initial=tr.step, disable=not show, desc=f"finetune {task}") as bar:
         _train(tr, stop, callback, bar)
     tr.accelerator.wait_for_everyone()
-    if tr.step < tr.total:  # stopped early on request: the state is checkpointed, nothing final to save
-        return {"task": task_def.name, "stopped_at": tr.step, "steps": tr.total, "losses": tr.losses}
     record = _record(tr, task_def, model, train_split, eval_split, len(examples))
-    data = {"data_dir": data_dir, "source": source}
-    evaluation = _save_and_evaluate(tr, task_def, output_dir, eval_split, data, progress)
-    if evaluation is not None:
-        record["evaluation"] = evaluation
+    record.update(partial=tr.step < tr.total, step=tr.step)
+    if record["partial"]:  # stopped on request: the model so far, loadable; the training state to resume from
+        _save_model(tr, output_dir)
+        record["stopped_at"] = tr.step
+    else:
+        data = {"data_dir": data_dir, "source": source}
+        evaluation = _save_and_evaluate(tr, task_def, output_dir, eval_split, data, progress)
+        if evaluation is not None:
+            record["evaluation"] = evaluation
     record["provenance"] = provenance(
         seed=cfg.seed,
         device=tr.accelerator.device,

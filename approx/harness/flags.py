@@ -9,7 +9,7 @@ import argparse
 from .. import methods
 from ..config import MethodConfig
 from ..registry import get_method
-from .spec import option_types, parse_setup, parse_value
+from .spec import check_not_a_folder, option_types, parse_setup, parse_value
 
 __all__ = ["config_flags", "config_values", "eval_setups", "method_flags", "method_option_args", "split_method_args"]
 
@@ -77,6 +77,7 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
                 )
             setups.append(spec)
             continue
+        check_not_a_folder(spec)
         method = get_method(spec.partition(":")[0].strip())
         kinds = option_types(method.config_class)
         for name in raw:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 
 # What "dirty" means: uncommitted changes to the package itself (what produces a number), not to recipes,
 # results or docs.

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..config import MethodConfig, did_you_mean
-from ..registry import get_method
-from ..saved import is_saved_setting, saved_settings
+from ..registry import get_method, methods
+from ..saved import SETTINGS_FILE, is_saved_setting, saved_settings
 
-__all__ = ["Setup", "as_setup", "option_types", "parse_setup", "parse_value", "short_label"]
+__all__ = ["Setup", "as_setup", "check_not_a_folder", "option_types", "parse_setup", "parse_value", "short_label"]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -66,10 +67,28 @@ def parse_value(value: str, kind: str, name: str, owner: str) -> Any:
     return value
 
 
+def check_not_a_folder(spec: str) -> None:
+    """Refuse a method spec that names a folder (a path, or an existing folder) which is not a saved setting,
+    saying what is wrong with it, rather than calling it an unknown method."""
+    looks_like_path = "/" in spec or "\\" in spec or spec.startswith((".", "~"))
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
+        raise FileNotFoundError(
+            f"method folder {spec} holds no {SETTINGS_FILE}: it was not written by approx.save or `approx fit`"
+        )
+    if looks_like_path:
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"method folder {spec} {what} (a method given as a path is a folder written by approx.save or "
+            "`approx fit`; a method by name is one of: " + ", ".join(methods()) + ")"
+        )
+
+
 def parse_setup(spec: str, raw: Mapping[str, str] | None = None) -> Setup:
     """``"i-clustered:clusters=25,topk=32"`` -> Setup, validated against the method's config class.
 
     ``raw``: more options as strings (e.g. from command-line flags), overriding those of ``spec``."""
+    check_not_a_folder(spec)
     name, _, rest = spec.partition(":")
     method = get_method(name.strip())
     kinds = option_types(method.config_class)

@@ -13,7 +13,6 @@ for, when neither can be had.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import os
 import socket
@@ -24,25 +23,23 @@ from typing import Any, ClassVar
 import torch
 
 from ...registry import Registry
-from ..data import ENV_VAR, find_data_dir
+from ..data import ENV_VAR, MAX_FIELD, DataError, find_data_dir, read_text
 
 __all__ = [
     "SOURCE_ENV_VAR",
+    "DataError",
     "DataSource",
     "Feature",
     "Task",
     "get_task",
     "read_tsv",
+    "read_tsv_lines",
     "register_task",
     "tasks",
 ]
 
 SOURCE_ENV_VAR = "APPROX_DATA_SOURCE"
 SOURCES = ("auto", "local", "hub")
-
-
-class DataError(ValueError):
-    """A data file is malformed; the message names the file and line."""
 
 
 @dataclasses.dataclass
@@ -76,28 +73,42 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def read_tsv(
+def read_tsv_lines(
     path: Path, columns: int | None = None, *, header: bool, min_columns: int | None = None
-) -> list[list[str]]:
-    """Rows of a GLUE TSV file, quoting disabled (GLUE sentences contain stray quotes), BOM dropped.
+) -> list[tuple[int, list[str]]]:
+    """``(line, fields)`` of every data row of a GLUE TSV file: fields split on tabs with quoting disabled (GLUE
+    sentences contain stray quotes), BOM dropped, empty lines skipped; ``line`` as an editor counts it.
 
     ``columns``: the exact number of fields every row must have (``min_columns``: at least that many).
-    A row that does not fit raises :class:`DataError` naming the file and line.
+    Bytes that are not UTF-8, a row that does not fit or a field longer than :data:`MAX_FIELD` characters
+    (a broken line) raise :class:`DataError` naming the file and line.
     """
     rows = []
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        for lineno, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), start=1):
-            if header and lineno == 1:
-                continue
-            if not row or row == [""]:
-                continue
-            if (columns is not None and len(row) != columns) or (min_columns is not None and len(row) < min_columns):
-                want = columns if columns is not None else f"at least {min_columns}"
-                raise DataError(f"{path}, line {lineno}: expected {want} tab-separated fields, found {len(row)}")
-            rows.append(row)
+    for lineno, line in enumerate(read_text(path).split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if (header and lineno == 1) or not line:
+            continue
+        row = line.split("\t")
+        if (columns is not None and len(row) != columns) or (min_columns is not None and len(row) < min_columns):
+            want = columns if columns is not None else f"at least {min_columns}"
+            raise DataError(f"{path}, line {lineno}: expected {want} tab-separated fields, found {len(row)}")
+        longest = max(range(len(row)), key=lambda i: len(row[i]))
+        if len(row[longest]) > MAX_FIELD:
+            raise DataError(
+                f"{path}, line {lineno}: field {longest + 1} is {len(row[longest])} characters long (at most "
+                f"{MAX_FIELD}); is a line break missing?"
+            )
+        rows.append((lineno, row))
     if not rows:
         raise DataError(f"{path}: no data rows")
     return rows
+
+
+def read_tsv(
+    path: Path, columns: int | None = None, *, header: bool, min_columns: int | None = None
+) -> list[list[str]]:
+    """The fields of every data row of a GLUE TSV file (see :func:`read_tsv_lines`)."""
+    return [row for _, row in read_tsv_lines(path, columns, header=header, min_columns=min_columns)]
 
 
 def parse_split(split: str) -> tuple[str, int | None]:

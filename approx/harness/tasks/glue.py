@@ -14,6 +14,8 @@ prediction is the cosine of the two embeddings; metrics are Pearson and Spearman
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import metrics as M
-from .base import DataError, Feature, Task, read_tsv, register_task
+from .base import DataError, Feature, Task, read_tsv_lines, register_task
 
 FINE_TUNED = "fine-tuned"
 ZERO_SHOT = "zero-shot-cosine"
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -62,25 +65,26 @@ class GlueTask(Task):
         """A TSV label as the task's label index (or score), accepting the index or the name."""
         raw = raw.strip()
         if not self.labels:
-            try:
-                return float(raw)
-            except ValueError:
-                raise DataError(f"{where}: score {raw!r} is not a number") from None
+            if not _NUMBER.fullmatch(raw) or not math.isfinite(float(raw)):
+                raise DataError(f"{where}: score {raw!r} is not a finite number")
+            return float(raw)
         if raw in self.labels:
             return self.labels.index(raw)
-        if raw.isdigit() and int(raw) < len(self.labels):
+        if raw.isascii() and raw.isdigit() and int(raw) < len(self.labels):
             return int(raw)
-        raise DataError(f"{where}: label {raw!r} is not one of {', '.join(self.labels)} (or their indices)")
+        raise DataError(
+            f"{where}: label {raw!r} is not one of {', '.join(self.labels)} (or their indices 0 to {len(self.labels) - 1})"
+        )
 
     def read_local(self, folder: Path, split: str) -> list[dict[str, Any]]:
         examples = []
         stems = self.groups if split == "dev" else {"": "train"}
         for group, stem in stems.items():
             path = folder / f"glue/{self.folder}/{stem}.tsv"
-            rows = read_tsv(path, self.tsv_columns, header=self.tsv_header, min_columns=self.tsv_min_columns)
-            for i, row in enumerate(rows):
+            rows = read_tsv_lines(path, self.tsv_columns, header=self.tsv_header, min_columns=self.tsv_min_columns)
+            for lineno, row in rows:
                 text, pair, raw = self.parse_row(row)
-                label = self.label_value(raw, f"{path}, row {i + 1}")
+                label = self.label_value(raw, f"{path}, line {lineno}")
                 examples.append({"text": text, "text_pair": pair, "label": label, "group": group})
         return examples
 

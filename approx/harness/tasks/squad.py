@@ -14,49 +14,155 @@ of the start and end distributions' KL over each window's tokens.
 from __future__ import annotations
 
 import json
+import json.decoder
+import json.scanner
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from .. import metrics as M
-from .base import DataError, Feature, Task, register_task
+from ..data import DataError, line_of, read_text
+from .base import Feature, Task, register_task
 
 DOC_STRIDE = 128
 N_BEST = 20
 MAX_ANSWER_TOKENS = 30
 
 
-def read_squad_json(path: Path) -> list[dict[str, Any]]:
-    """Questions of a SQuAD v1.1 JSON file; malformed files raise :class:`DataError` naming file and place."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+class _Bad(Exception):
+    """A structural error at ``where`` (the keys and indices from the top of the JSON document)."""
+
+    def __init__(self, where: tuple, message: str) -> None:
+        super().__init__(message)
+        self.where, self.message = where, message
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _need(value: Any, kind: type | tuple[type, ...], where: tuple, what: str, context: str = "") -> Any:
+    if isinstance(value, bool) or not isinstance(value, kind):  # JSON true/false are not numbers
+        names = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+        want = " or ".join(names[k] for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise _Bad(where, f"{context}{what} must be {want}, found {_kind(value)}")
+    return value
+
+
+def _field(obj: dict, key: str, kind, where: tuple, context: str) -> Any:
+    if key not in obj:
+        raise _Bad(where, f"{context}missing field {key!r}")
+    return _need(obj[key], kind, (*where, key), repr(key), context)
+
+
+def _squad_examples(data: Any) -> list[dict[str, Any]]:
+    """The questions of a parsed SQuAD v1.1 document; :class:`_Bad` at the first thing that is not as it must be."""
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        raise DataError(f"{path}: expected a SQuAD file with a top-level 'data' list")
+        raise _Bad((), "expected a SQuAD file: an object with a top-level 'data' list")
     examples = []
     for a, article in enumerate(data["data"]):
-        title = article.get("title", f"article {a}")
-        for p, para in enumerate(article.get("paragraphs", [])):
-            try:
-                context = para["context"]
-                for qa in para["qas"]:
-                    answers = [ans["text"] for ans in qa["answers"]]
-                    if not answers:
-                        raise KeyError("answers (empty)")
-                    examples.append(
-                        {
-                            "id": qa["id"],
-                            "question": qa["question"],
-                            "context": context,
-                            "answers": answers,
-                            "answer_start": int(qa["answers"][0]["answer_start"]),
-                            "title": title,
-                        }
-                    )
-            except (KeyError, TypeError) as e:
-                raise DataError(f"{path}: article {a} ({title!r}), paragraph {p}: missing or bad field {e}") from None
+        w = ("data", a)
+        _need(article, dict, w, f"article {a}")
+        title = _need(article.get("title", f"article {a}"), str, (*w, "title"), f"article {a}: 'title'")
+        for p, para in enumerate(_need(article.get("paragraphs", []), list, (*w, "paragraphs"), "'paragraphs'")):
+            wp = (*w, "paragraphs", p)
+            where = f"article {a} ({title!r}), paragraph {p}: "
+            _need(para, dict, wp, "the paragraph", where)
+            context = _field(para, "context", str, wp, where)
+            for q, qa in enumerate(_field(para, "qas", list, wp, where)):
+                wq, at = (*wp, "qas", q), f"{where[:-2]}, question {q}: "
+                _need(qa, dict, wq, "the question", at)
+                qid = _field(qa, "id", (str, int), wq, at)
+                question = _field(qa, "question", str, wq, at)
+                answers = _field(qa, "answers", list, wq, at)
+                if not answers:
+                    raise _Bad((*wq, "answers"), f"{at}'answers' is empty")
+                for n, ans in enumerate(answers):
+                    wa = (*wq, "answers", n)
+                    _need(ans, dict, wa, f"answer {n}", at)
+                    _field(ans, "text", str, wa, f"{at}answer {n}: ")
+                    if _field(ans, "answer_start", int, wa, f"{at}answer {n}: ") < 0:
+                        raise _Bad((*wa, "answer_start"), f"{at}answer {n}: 'answer_start' is negative")
+                examples.append(
+                    {
+                        "id": str(qid),
+                        "question": question,
+                        "context": context,
+                        "answers": [ans["text"] for ans in answers],
+                        "answer_start": answers[0]["answer_start"],
+                        "title": title,
+                    }
+                )
+    return examples
+
+
+def _tracked(text: str) -> Any:
+    """``text`` parsed with the position of every value: objects and lists come back as subclasses whose
+    ``at`` maps each key (index) to the character where its value starts. Pure Python (slow): only used to
+    find the line of an error."""
+
+    class Obj(dict):
+        at: dict
+
+    class Arr(list):
+        at: list
+
+    decoder = json.JSONDecoder()
+
+    def recording(scan_once, starts):
+        def scan(s, i):
+            starts.append(i)
+            return scan_once(s, i)
+
+        return scan
+
+    def parse_object(s_and_end, strict, scan_once, *rest):
+        starts: list[int] = []
+        pairs, end = json.decoder.JSONObject(s_and_end, strict, recording(scan_once, starts), None, list, *rest[2:])
+        obj = Obj(pairs)
+        obj.at = {k: i for (k, _), i in zip(pairs, starts, strict=True)}
+        return obj, end
+
+    def parse_array(s_and_end, scan_once, *rest):
+        starts: list[int] = []
+        values, end = json.decoder.JSONArray(s_and_end, recording(scan_once, starts), *rest)
+        arr = Arr(values)
+        arr.at = starts
+        return arr, end
+
+    decoder.parse_object, decoder.parse_array = parse_object, parse_array
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    return decoder.decode(text)
+
+
+def _locate(text: str, where: tuple) -> int:
+    """The line of the value at ``where`` (the innermost one that can be found)."""
+    index = len(text) - len(text.lstrip())
+    try:
+        node = _tracked(text)
+        for key in where:
+            index, node = node.at[key], node[key]
+    except (AttributeError, KeyError, IndexError, RecursionError, ValueError):
+        pass
+    return line_of(text, index)
+
+
+def read_squad_json(path: Path) -> list[dict[str, Any]]:
+    """Questions of a SQuAD v1.1 JSON file; malformed files raise :class:`DataError` naming file and line."""
+    text = read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}, line {e.lineno}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise DataError(f"{path}: not valid JSON (nested too deeply)") from None
+    try:
+        examples = _squad_examples(data)
+    except _Bad as bad:
+        raise DataError(f"{path}, line {_locate(text, bad.where)}: {bad.message}") from None
     if not examples:
         raise DataError(f"{path}: no questions")
     return examples

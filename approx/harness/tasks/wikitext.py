@@ -49,7 +49,8 @@ class WikiText(Task):
         return [f"{self.folder}/wiki.{split}.tokens"]
 
     def read_local(self, folder, split):
-        return [{"text": read_wikitext(folder / self.local_files(split)[0]), "source": self.local_files(split)[0]}]
+        path = folder / self.local_files(split)[0]
+        return [{"text": read_wikitext(path), "source": str(path)}]
 
     def read_hub(self, split):
         import datasets

@@ -1,0 +1,55 @@
+"""Checks of the command line's arguments that argparse cannot make: paths that must exist, devices that must
+be available, positive counts and flags that may be given only once. Each failure is one line (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+__all__ = ["Once", "check_device", "looks_like_path", "set_threads"]
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id (``org/name``)."""
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads} (leave it out for torch's choice)")
+    torch.set_num_threads(threads)
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a device that is unknown or not available on this machine, before anything is loaded."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: unknown device; use cpu, cuda, cuda:N or mps") from None
+    if kind.type == "cpu":
+        return
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device found"
+            raise ValueError(f"--device {device}: CUDA is not available here ({build}); use --device cpu")
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return
+    if kind.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ValueError(f"--device {device}: {kind.type} is not available here; use cpu, cuda, cuda:N or mps")
+
+
+class Once(argparse.Action):
+    """A flag that may be given once: a repeat is an error, not a silent override."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None:
+            raise ValueError(f"{option_string} given twice ({before!r} and {values!r}); give it once")
+        setattr(namespace, self.dest, values)

@@ -1,0 +1,301 @@
+"""Saving and loading a patched model by every usual way, and saved folders that are incomplete, corrupted or
+hand-edited: each either loads to the model that was saved or fails with an error naming the file, leaving the
+model exactly as it was (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import batch, model_output, tiny_model
+from evalfixtures import vocab
+
+import approx
+from approx.integration import load_pretrained
+from approx.saved import SETTINGS_FILE, STATE_FILE
+
+INPUTS = batch(48, pad=13)
+
+
+def outputs(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model_output(model, **INPUTS)
+
+
+def tokenizer():
+    from transformers import BertTokenizer
+
+    v = vocab()  # the fixture words, filled up to the tiny models' 99 token embeddings
+    return BertTokenizer(vocab={**v, **{f"[unused{i}]": i for i in range(len(v), 99)}})
+
+
+def saved_folder(path: Path, method: str = "clustered", **options) -> tuple[torch.nn.Module, Path]:
+    """A tiny BERT patched with ``method`` on layer 0, saved to ``path``."""
+    model = tiny_model("bert")
+    approx.patch(model, method, layers=[0], **(options or {"clusters": 6, "seed": 2}))
+    approx.save(model, path, tokenizer=tokenizer())
+    return model, path
+
+
+# ------------------------------------------------------------------------------------------ 1. the tokenizer
+
+
+def test_save_writes_the_tokenizer_and_load_pretrained_reads_it(tmp_path):
+    model, folder = saved_folder(tmp_path / "m")
+    loaded, tok = load_pretrained(folder)
+    assert tok.get_vocab() == tokenizer().get_vocab()
+    assert tok("the cat sits").input_ids == tokenizer()("the cat sits").input_ids
+
+
+def test_folder_without_tokenizer_is_refused(tmp_path):
+    """Without tokenizer files transformers builds an empty tokenizer (every word -> [UNK]): refused."""
+    model = approx.patch(tiny_model("bert"), "full")
+    approx.save(model, tmp_path / "m")
+    with pytest.raises(ValueError, match="no tokenizer files") as e:
+        load_pretrained(tmp_path / "m")
+    assert str(tmp_path / "m") in str(e.value) and "tokenizer=" in str(e.value)
+
+
+def test_tokenizer_of_another_vocabulary_is_refused(tmp_path):
+    model = tiny_model("bert", vocab_size=4 * 99)  # embeddings of another vocabulary
+    model.save_pretrained(tmp_path / "m")
+    tokenizer().save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="not the model's tokenizer") as e:
+        load_pretrained(tmp_path / "m")
+    assert str(tmp_path / "m") in str(e.value)
+    with pytest.raises(ValueError, match="not the model's tokenizer"):
+        approx.save(approx.patch(model, "full"), tmp_path / "n", tokenizer=tokenizer())
+
+
+# ------------------------------------------------------------------------------------------ 2. the usual ways
+
+
+def test_save_pretrained_of_a_patched_model_writes_a_complete_folder(tmp_path):
+    model, _ = saved_folder(tmp_path / "a")
+    model.save_pretrained(tmp_path / "b")
+    assert (tmp_path / "b" / SETTINGS_FILE).is_file() and (tmp_path / "b" / STATE_FILE).is_file()
+    assert torch.equal(outputs(approx.load(tmp_path / "b").eval()), outputs(model))
+    from transformers import AutoModel
+
+    plain = AutoModel.from_pretrained(tmp_path / "b")  # still a plain checkpoint
+    assert not approx.is_patched(plain)
+    approx.unpatch(model)
+    assert "save_pretrained" not in vars(model)
+
+
+def test_state_dict_carries_the_method_state():
+    model = approx.patch(tiny_model("bert"), "clustered", clusters=6, seed=1)
+    state = model.state_dict()
+    key = "encoder.layer.0.attention.self.approx_attention.planes"
+    assert torch.equal(state[key], approx.patched_layers(model)[0].state()["planes"])
+    other = approx.patch(tiny_model("bert"), "clustered", clusters=6, seed=5)
+    other.load_state_dict(state)
+    assert torch.equal(outputs(other), outputs(model))
+    with pytest.raises(RuntimeError, match="approx_attention"):  # an unpatched model: loudly, not silently
+        tiny_model("bert").load_state_dict(state)
+
+
+def test_state_dict_carries_fitted_sparsefinder_state():
+    model = approx.patch(tiny_model("bert"), "sparsefinder", window=64)
+    approx.fit(model, [batch(40, seed=s) for s in range(2)], progress=False, steps=5)
+    other = approx.patch(tiny_model("bert"), "sparsefinder", window=64)  # unfitted: empty placeholders
+    other.load_state_dict(model.state_dict())
+    assert torch.equal(outputs(other), outputs(model))
+
+
+def test_torch_save_loads_in_a_fresh_process(tmp_path):
+    model, _ = saved_folder(tmp_path / "m")
+    torch.save(model, tmp_path / "model.pt")
+    torch.save(outputs(model), tmp_path / "ref.pt")
+    torch.save(INPUTS, tmp_path / "inputs.pt")
+    script = f"""
+import torch
+model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+import approx
+assert approx.is_patched(model)
+with torch.no_grad():
+    out = model(**inputs).last_hidden_state
+assert torch.equal(out, torch.load({str(tmp_path / "ref.pt")!r})), "outputs differ"
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ 3. attentions
+
+
+def test_output_attentions_returns_each_layers_weights():
+    model = tiny_model("bert")
+    with torch.no_grad():
+        eager = tiny_model("bert")
+        eager.set_attn_implementation("eager")
+        ref = eager(**INPUTS, output_attentions=True).attentions
+        approx.patch(model, "full", layers=[0])  # layer 1 stays exact
+        got = model(**INPUTS, output_attentions=True).attentions
+        assert len(got) == 2
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a[:, :, :35], b[:, :, :35], rtol=1e-5, atol=1e-6)
+        approx.patch(model, "clustered", layers=[1], clusters=6)
+        got = model(**INPUTS, output_attentions=True).attentions
+        layer = approx.patched_layers(model)[1]
+        assert got[1].shape == (2, 4, 48, 48) and torch.isfinite(got[1]).all()
+        assert not torch.allclose(got[1], ref[1])
+        assert layer.method.name == "clustered"
+        assert model(**INPUTS).attentions is None  # only when asked for
+
+
+# ------------------------------------------------------------------------------------------ 6. redraw
+
+
+def test_redraw_takes_the_index_rules_of_patch():
+    model = approx.patch(tiny_model("bert"), "favor", seed=0)
+    before = {i: lyr.state()["omega"].clone() for i, lyr in approx.patched_layers(model).items()}
+    approx.redraw(model, seed=3, layers=[-1])
+    after = {i: lyr.state()["omega"] for i, lyr in approx.patched_layers(model).items()}
+    assert torch.equal(after[0], before[0]) and not torch.equal(after[1], before[1])
+    with pytest.raises(ValueError, match="layer 2 does not exist"):
+        approx.redraw(model, layers=[2])
+    with pytest.raises(ValueError, match="layers must be"):
+        approx.redraw(model, layers=[0.0])
+    approx.patch(model, "full", layers=[0])
+    half = approx.patch(tiny_model("bert"), "favor", layers=[1])
+    with pytest.raises(ValueError, match=r"layers \[0\] are not patched"):
+        approx.redraw(half, layers=[0])
+
+
+# ------------------------------------------------------------------------------------------ 7. unpatch after load
+
+
+def test_unpatch_after_load_gives_back_the_loaded_implementation(tmp_path):
+    from transformers import AutoModel
+
+    _, folder = saved_folder(tmp_path / "m")  # saved from an sdpa model
+    plain = AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    ref = outputs(plain)
+    loaded = approx.load(folder, attn_implementation="eager").eval()
+    approx.unpatch(loaded)
+    assert loaded.config._attn_implementation == "eager"
+    assert torch.equal(outputs(loaded), ref)
+
+
+# ------------------------------------------------------------------------------------------ 8. clean errors
+
+
+def _edit_settings(folder: Path, edit) -> None:
+    file = folder / SETTINGS_FILE
+    meta = json.loads(file.read_text())
+    edit(meta)
+    file.write_text(json.dumps(meta))
+
+
+CORRUPTIONS = {
+    "invalid JSON": lambda f: (f / SETTINGS_FILE).write_text('{"format": 1, "layers": ['),
+    "missing layers": lambda f: _edit_settings(f, lambda m: m.pop("layers")),
+    "unknown method": lambda f: _edit_settings(f, lambda m: m["layers"][0].update(method="clusterd")),
+    "bad option": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(clusters=0)),
+    "unknown option": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(bogus=1)),
+    "layer out of range": lambda f: _edit_settings(f, lambda m: m["layers"].append({**m["layers"][0], "layer": 7})),
+    "layer not an integer": lambda f: _edit_settings(f, lambda m: m["layers"][0].update(layer="0")),
+    "missing state": lambda f: (f / STATE_FILE).unlink(),
+    "truncated state": lambda f: (f / STATE_FILE).write_bytes((f / STATE_FILE).read_bytes()[:100]),
+    "wrong-shape state": lambda f: _write_state(f, lambda s: {**s, "layer.0.planes": s["layer.0.planes"][:3]}),
+    "NaN state": lambda f: _write_state(f, lambda s: {**s, "layer.0.offsets": s["layer.0.offsets"] * float("nan")}),
+    "state of another layer": lambda f: _write_state(f, lambda s: {**s, "layer.1.planes": s["layer.0.planes"].clone()}),
+}
+
+
+def _write_state(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_file(edit(load_file(str(folder / STATE_FILE))), str(folder / STATE_FILE))
+
+
+def assert_untouched(model, ref, was_patched, settings):
+    assert approx.is_patched(model) == was_patched
+    assert approx.settings(model) == settings
+    assert torch.equal(outputs(model), ref)
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("start", ["plain", "patched"])
+def test_corrupted_folder_leaves_the_model_as_it_was(tmp_path, corruption, start):
+    _, folder = saved_folder(tmp_path / "m")
+    CORRUPTIONS[corruption](folder)
+    model = tiny_model("bert", seed=4)
+    if start == "patched":
+        approx.patch(model, "i-clustered", layers=[1], clusters=6, topk=4)
+    ref, was, settings = outputs(model), approx.is_patched(model), approx.settings(model)
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        approx.restore(model, folder)
+    assert str(folder) in str(e.value)
+    assert_untouched(model, ref, was, settings)
+    with pytest.raises((ValueError, FileNotFoundError), match=str(folder)):
+        approx.load(folder)
+
+
+@pytest.mark.parametrize("layers", [0.0, "0", [0.5], True])
+def test_layers_of_the_wrong_type_name_the_option(layers):
+    model = tiny_model("bert")
+    with pytest.raises(ValueError, match="layers must be"):
+        approx.patch(model, "clustered", layers=layers)
+    assert not approx.is_patched(model)
+
+
+# ------------------------------------------------------------------------------------------ 9. random corruptions
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=40, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    which=st.sampled_from([SETTINGS_FILE, STATE_FILE]),
+    edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=4),
+    cut=st.one_of(st.none(), st.floats(0, 1, exclude_max=True)),
+)
+def test_randomly_corrupted_folders_load_exactly_or_fail_cleanly(tmp_path_factory, which, edits, cut):
+    """Random byte edits and truncations of a valid saved folder: it loads to the saved model (same settings,
+    state and outputs) or raises ValueError/FileNotFoundError naming the file, leaving the model as it was."""
+    folder = _SAVED["folder"]
+    work = tmp_path_factory.mktemp("corrupt")
+    for name in (SETTINGS_FILE, STATE_FILE):
+        (work / name).write_bytes((folder / name).read_bytes())
+    data = bytearray((work / which).read_bytes())
+    for where, byte in edits:
+        data[int(where * len(data))] = byte
+    if cut is not None:
+        data = data[: int(cut * len(data))]
+    (work / which).write_bytes(bytes(data))
+    model = _SAVED["fresh"]
+    try:
+        approx.restore(model, work)
+    except (ValueError, FileNotFoundError) as e:
+        assert str(work) in str(e)
+        assert_untouched(model, _SAVED["fresh_out"], False, [])
+        return
+    try:  # loaded: the folder says what it loads; where it says what was saved, it is the saved model
+        layers = json.loads((work / SETTINGS_FILE).read_text())["layers"]
+        assert approx.settings(model) == sorted(layers, key=lambda e: e["layer"])
+        if approx.settings(model) == approx.settings(_SAVED["model"]):
+            for i, lyr in approx.patched_layers(model).items():
+                for name, t in lyr.state().items():
+                    assert torch.equal(t, approx.patched_layers(_SAVED["model"])[i].state()[name]), name
+            assert torch.equal(outputs(model), _SAVED["out"])
+    finally:
+        approx.unpatch(model)
+
+
+_SAVED: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _saved_for_hypothesis(tmp_path_factory):
+    model, folder = saved_folder(tmp_path_factory.mktemp("valid") / "m")
+    fresh = tiny_model("bert")
+    fresh.load_state_dict({k: v for k, v in model.state_dict().items() if "approx_attention" not in k})
+    _SAVED.update(model=model, folder=folder, out=outputs(model), fresh=fresh, fresh_out=outputs(fresh))
