@@ -10,6 +10,7 @@ approx.fit(model, windows)                         # learn the state of fitted m
 """
 
 from ._version import __version__ as __version__  # noqa: E402
+from .attention._fallback import FallbackWarning  # noqa: E402
 from .config import MethodConfig  # noqa: E402
 from .harness.evaluation import evaluate, markdown_report  # noqa: E402
 from .harness.finetune import FinetuneConfig, finetune  # noqa: E402
@@ -35,6 +36,7 @@ from .registry import methods as _registered_methods  # noqa: E402
 __all__ = [
     "ApproxAttention",
     "Cost",
+    "FallbackWarning",
     "FinetuneConfig",
     "MethodConfig",
     "UnsupportedModelError",
