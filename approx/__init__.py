@@ -7,6 +7,7 @@ approx.unpatch(model)                              # bit-identical to the origin
 approx.evaluate("ckpt/", "sst2", ["clustered:clusters=25", "i-clustered"])  # metrics, fidelity, cost, time
 approx.finetune("bert-base-uncased", "rte", output_dir="ckpt/rte", method="favor", epochs=3)
 approx.fit(model, windows)                         # learn the state of fitted methods (sparsefinder)
+approx.extend_positions(model, 4096, tokenizer=tok)  # read 4096 tokens (trained positions copied)
 """
 
 from ._version import __version__ as __version__  # noqa: E402
@@ -30,6 +31,7 @@ from .integration import (  # noqa: E402
     unpatch,
 )
 from .layer import ApproxAttention  # noqa: E402
+from .positions import extend_positions  # noqa: E402
 from .registry import Cost, get_method  # noqa: E402
 from .registry import methods as _registered_methods  # noqa: E402
 
@@ -41,6 +43,7 @@ __all__ = [
     "MethodConfig",
     "UnsupportedModelError",
     "evaluate",
+    "extend_positions",
     "finetune",
     "fit",
     "get_method",

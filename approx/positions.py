@@ -1,0 +1,156 @@
+"""Position extension: let an encoder with learned absolute positions read longer inputs.
+
+Beltagy, Peters and Cohan, "Longformer: The Long-Document Transformer" (2020), section 5: a pretrained
+model's position embeddings are copied block after block into a larger table, so that every new position
+starts from a trained row instead of a random one. For BERT-like tables (no offset) rows 0..L-1 are tiled;
+for RoBERTa-like tables (XLM-R, CamemBERT), whose positions start at ``padding_idx + 1``, the offset rows
+0..padding_idx stay in place and only the trained rows after them are tiled.
+
+This is transformers glue (it reads the model's embeddings module and its config), kept apart from
+:mod:`approx.integration`; it imports nothing from transformers itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["extend_positions", "position_limit"]
+
+log = logging.getLogger(__name__)
+
+
+def _embeddings(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(qualified name, module) of the model's embeddings module holding a ``position_embeddings`` table."""
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "position_embeddings", None), nn.Embedding)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _offset(table: nn.Embedding) -> int:
+    """Rows before the first real position: ``padding_idx + 1`` for RoBERTa-like tables, else 0."""
+    return 0 if table.padding_idx is None else table.padding_idx + 1
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """The number of tokens the model's learned position table covers (512 for BERT and RoBERTa), or None
+    when no single learned absolute position table is found."""
+    found = _embeddings(model)
+    if found is None:
+        return None
+    table = found[1].position_embeddings
+    return table.num_embeddings - _offset(table)
+
+
+def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[str], list[str]]:
+    """(problems, what was found): everything that stops the extension, checked before any change."""
+    config = getattr(model, "config", None)
+    found: list[str] = [f"model type {getattr(config, 'model_type', None)!r}"]
+    problems: list[str] = []
+    if isinstance(max_length, bool) or not isinstance(max_length, int):
+        problems.append(f"max_length must be an int, got {type(max_length).__name__} {max_length!r}")
+    if config is None:
+        problems.append("the model has no `config`")
+    else:
+        kind = getattr(config, "position_embedding_type", None)
+        found.append(f"config.position_embedding_type = {kind!r}")
+        if kind not in (None, "absolute"):
+            problems.append(f"positions are {kind!r}, not learned absolute positions ('absolute')")
+        if getattr(config, "sinusoidal_pos_embds", False):
+            problems.append("positions are fixed sinusoids (config.sinusoidal_pos_embds), not learned")
+        found.append(f"config.max_position_embeddings = {getattr(config, 'max_position_embeddings', None)!r}")
+        if not isinstance(getattr(config, "max_position_embeddings", None), int):
+            problems.append("the config has no integer `max_position_embeddings`")
+    tables = [n for n, m in model.named_modules() if isinstance(getattr(m, "position_embeddings", None), nn.Embedding)]
+    if len(tables) != 1:
+        found.append(f"position tables: {[f'{n}.position_embeddings' for n in tables]}")
+        problems.append(
+            f"expected one learned position table (an nn.Embedding `position_embeddings`), found {len(tables)}"
+        )
+        return problems, found
+    name, emb = _embeddings(model)
+    table = emb.position_embeddings
+    offset = _offset(table)
+    limit = table.num_embeddings - offset
+    found.append(
+        f"table {name}.position_embeddings: {table.num_embeddings} rows, offset {offset} (padding_idx "
+        f"{table.padding_idx}), so {limit} tokens"
+    )
+    if config is not None and getattr(config, "max_position_embeddings", None) != table.num_embeddings:
+        problems.append(
+            f"the table has {table.num_embeddings} rows but config.max_position_embeddings is "
+            f"{getattr(config, 'max_position_embeddings', None)!r}"
+        )
+    if limit < 1:
+        problems.append(f"the table has no trained position rows after its offset of {offset}")
+    for buf in ("position_ids", "token_type_ids"):
+        b = getattr(emb, buf, None)
+        if isinstance(b, torch.Tensor) and (b.dim() != 2 or b.shape[-1] != table.num_embeddings):
+            problems.append(f"buffer {name}.{buf} has shape {tuple(b.shape)}, not (1, {table.num_embeddings})")
+    if isinstance(max_length, int) and not isinstance(max_length, bool) and max_length <= limit:
+        problems.append(f"max_length {max_length} is not larger than the current limit of {limit} tokens")
+    if tokenizer is not None and not hasattr(tokenizer, "model_max_length"):
+        problems.append(f"the tokenizer ({type(tokenizer).__name__}) has no `model_max_length`")
+    return problems, found
+
+
+def _tiled(weight: torch.Tensor, offset: int, max_length: int) -> torch.Tensor:
+    """(offset + max_length, D): the offset rows, then the trained rows weight[offset:] repeated in order."""
+    trained = weight.shape[0] - offset
+    rows = offset + torch.arange(max_length, device=weight.device) % trained  # (max_length,)
+    return torch.cat([weight[:offset], weight[rows]])  # (offset + max_length, D)
+
+
+def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None) -> nn.Module:
+    """Make ``model`` accept inputs of ``max_length`` tokens by copying its trained position embeddings block
+    after block into a larger table (Longformer's initialisation); returns the same model, changed in place.
+
+    Works for learned absolute positions (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ALBERT), before
+    or after :func:`approx.patch`. For RoBERTa-like tables the offset rows (``padding_idx + 1`` of them) stay
+    in place and the table grows to ``max_length + offset`` rows. The first positions keep their rows
+    bit-for-bit, so inputs within the old limit give exactly the old outputs. ``config.max_position_embeddings``,
+    the embeddings' ``position_ids`` and ``token_type_ids`` buffers and ``tokenizer.model_max_length`` (when a
+    tokenizer is given) follow, so ``save_pretrained`` and a plain ``from_pretrained`` keep the new length.
+
+    Raises ``ValueError``, listing what was found, for a model without one learned absolute position table, or
+    a ``max_length`` not larger than the current limit; everything is checked first, so the model (and the
+    tokenizer) are then left untouched.
+    """
+    problems, found = _problems(model, max_length, tokenizer)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"cannot extend the positions of {type(model).__name__} to {max_length!r} tokens:\n{lines}\n"
+            f"found: {'; '.join(found)}"
+        )
+    name, emb = _embeddings(model)
+    table = emb.position_embeddings
+    offset, old_rows = _offset(table), table.num_embeddings
+    rows = offset + max_length
+    with torch.no_grad():
+        weight = _tiled(table.weight.detach(), offset, max_length)
+    table.weight = nn.Parameter(weight, requires_grad=table.weight.requires_grad)
+    table.num_embeddings = rows
+    for buf in ("position_ids", "token_type_ids"):
+        old = getattr(emb, buf, None)
+        if not isinstance(old, torch.Tensor):
+            continue
+        if buf == "position_ids":
+            new = torch.arange(rows, dtype=old.dtype, device=old.device).expand(old.shape[0], -1)
+        else:  # the old values (zeros), then zeros
+            new = torch.zeros(old.shape[0], rows, dtype=old.dtype, device=old.device)
+            new[:, :old_rows] = old
+        setattr(emb, buf, new.contiguous())  # a registered buffer stays registered, persistence unchanged
+    model.config.max_position_embeddings = rows
+    if tokenizer is not None:
+        tokenizer.model_max_length = max_length
+        if isinstance(getattr(tokenizer, "init_kwargs", None), dict):
+            tokenizer.init_kwargs["model_max_length"] = max_length  # what save_pretrained writes
+    log.info("extended %s.position_embeddings from %d to %d tokens", name, old_rows - offset, max_length)
+    return model
