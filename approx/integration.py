@@ -132,11 +132,20 @@ def _attention_forward(
 
 def _attentions_requested() -> bool:
     """Is the model's forward collecting attention weights (``output_attentions=True``)? transformers 5 does not
-    tell the attention function; its output collector (private) holds an ``"attentions"`` list while it does."""
-    from transformers.utils.output_capturing import _active_collector
-
-    collected = _active_collector.get()
+    tell the attention function; its output collector (private) holds an ``"attentions"`` list while it does.
+    Looked up once; if a transformers release moves it, this says no (every forward still runs) and
+    ``tests/test_saving.py``'s output_attentions test fails, pointing here."""
+    global _collector
+    if _collector is None:
+        try:
+            from transformers.utils.output_capturing import _active_collector as _collector
+        except ImportError:
+            _collector = False
+    collected = _collector.get() if _collector else None
     return collected is not None and "attentions" in collected
+
+
+_collector: Any = None
 
 
 _registered = False
