@@ -12,13 +12,15 @@ This is transformers glue (it reads the model's embeddings module and its config
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["extend_positions", "position_limit"]
+__all__ = ["extend_positions", "extended_positions", "position_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +156,46 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
             tokenizer.init_kwargs["model_max_length"] = max_length  # what save_pretrained writes
     log.info("extended %s.position_embeddings from %d to %d tokens", name, old_rows - offset, max_length)
     return model
+
+
+@contextlib.contextmanager
+def extended_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None) -> Iterator[nn.Module]:
+    """``with extended_positions(model, n, tokenizer=tok): ...``: :func:`extend_positions` for the block only.
+
+    On exit the model gets back its own position table (the same parameter object), buffers and
+    ``config.max_position_embeddings``, and the tokenizer its ``model_max_length``: the evaluation harness
+    reads long inputs with a model the caller passed in without changing it for good. Raises as
+    :func:`extend_positions` does, before any change."""
+    problems, _ = _problems(model, max_length, tokenizer)
+    if problems:
+        extend_positions(model, max_length, tokenizer=tokenizer)  # raises with the full message
+    _, emb = _embeddings(model)
+    table = emb.position_embeddings
+    saved = {
+        "weight": table.weight,
+        "rows": table.num_embeddings,
+        "buffers": {b: getattr(emb, b) for b in ("position_ids", "token_type_ids") if hasattr(emb, b)},
+        "config": model.config.max_position_embeddings,
+    }
+    tok_saved = None
+    if tokenizer is not None:
+        kwargs = getattr(tokenizer, "init_kwargs", None)
+        tok_saved = (tokenizer.model_max_length, dict(kwargs) if isinstance(kwargs, dict) else None)
+    try:
+        extend_positions(model, max_length, tokenizer=tokenizer)
+        yield model
+    finally:
+        weight = saved["weight"]
+        with torch.no_grad():  # the block may have moved or cast the model: follow it, same parameter object
+            weight.data = weight.data.to(table.weight.device, table.weight.dtype)
+        table.weight = weight
+        table.num_embeddings = saved["rows"]
+        for b, value in saved["buffers"].items():
+            current = getattr(emb, b, None)
+            setattr(emb, b, value.to(current.device) if isinstance(current, torch.Tensor) else value)
+        model.config.max_position_embeddings = saved["config"]
+        if tok_saved is not None:
+            tokenizer.model_max_length = tok_saved[0]
+            if tok_saved[1] is not None:
+                tokenizer.init_kwargs.clear()
+                tokenizer.init_kwargs.update(tok_saved[1])

@@ -58,14 +58,19 @@ class Registry(Generic[T]):
                 raise
 
     def names(self) -> list[str]:
+        """The names in the package's module order (then as each module registers them), whichever module a
+        program happened to import first."""
         self._load()
-        return list(self._entries)
+        modules = importlib.import_module(self.package).__path__
+        rank = {f"{self.package}.{m.name}": i for i, m in enumerate(pkgutil.iter_modules(modules))}
+        order = {name: i for i, name in enumerate(self._entries)}
+        return sorted(self._entries, key=lambda n: (rank.get(type(self._entries[n]).__module__, -1), order[n]))
 
     def get(self, name: str) -> T:
         self._load()
         if not isinstance(name, str) or name not in self._entries:
             hint = did_you_mean(str(name), self._entries)
-            raise ValueError(f"unknown {self.kind} {name!r}{hint}; available {self.plural}: {', '.join(self._entries)}")
+            raise ValueError(f"unknown {self.kind} {name!r}{hint}; available {self.plural}: {', '.join(self.names())}")
         return self._entries[name]
 
     def __iter__(self) -> Iterator[str]:

@@ -4,7 +4,8 @@ no table is ever typed:
 * README.md and docs/methods.md: the method table (``approx methods --markdown``);
 * README.md and docs/evaluation.md: the task table (``approx tasks --markdown``);
 * docs/results.md: the fidelity and harness reports, Sparsefinder's sparsity-recall sweep, the reproduced
-  clustered-attention table (gpu and cpu profiles), the FAVOR+ recovery and Sparsefinder on a fine-tuned task;
+  clustered-attention table (gpu and cpu profiles), the FAVOR+ recovery, Sparsefinder on a fine-tuned task and
+  the masked-LM MiniLM-L6's bits per token at 512 and 4096 tokens;
 * docs/speed.md: the attention-op and whole-model benchmarks;
 * docs/finetuning.md: the settings of ``approx finetune`` and ``approx fit`` (from their config dataclasses).
 
@@ -197,6 +198,83 @@ def sparsefinder_block(path: str) -> str:
 
 
 SPARSEFINDER_TASK = "recipes/results/sparsefinder_task_sst2.json"
+MINILM_MLM = "recipes/results/minilm_mlm.json"
+
+
+def minilm_mlm_block(path: str = MINILM_MLM) -> str:
+    """MiniLM-L6 given a masked-LM head here (recipes/minilm_mlm.py): bits per token at 512 and at 4096 tokens
+    with the positions copied, beside Longformer's."""
+    if not (ROOT / path).is_file():
+        return "*No result file yet: run `python recipes/minilm_mlm.py`.*\n"
+    from minilm_mlm import markdown_table
+
+    r = json.loads((ROOT / path).read_text())
+    ck, w = r["checkpoint"], r["wall_seconds"]
+    s, losses = ck["settings"], ck["losses"]
+    tail = losses[-10:]
+    lengths = [row["max_length"] for row in r["table"]]
+    evaluations = ", ".join(f"{w[f'evaluate_{n}'] / 60:.0f} min at {n}" for n in lengths)
+    return (
+        f"**MiniLM-L6 with a masked-LM head** (`python recipes/minilm_mlm.py`; {_provenance_line(r['provenance'])}): "
+        f"fine-tuned on the {ck['features']} WikiText-2 validation windows of {s['max_length']} tokens, "
+        f"{s['epochs']:g} epoch(s), {s['steps']} steps of {s['batch_size']} windows, learning rate "
+        f"{s['learning_rate']:g} (training loss {losses[0]:.2f} nats at the first step, {sum(tail) / len(tail):.2f} "
+        f"over the last {len(tail)}); CPU wall time fine-tuning {w['finetune'] / 60:.0f} min, evaluation "
+        f"{evaluations} ({r['provenance']['torch_threads']} torch threads). Bits per token = masked-LM loss / ln 2 "
+        "at the test split's masked positions, exact attention:\n\n" + markdown_table(r) + "\n"
+    )
+
+
+def minilm_mlm_table(path: str = MINILM_MLM) -> str:
+    """The masked-LM MiniLM-L6's bits per token beside Longformer's, for the README."""
+    if not (ROOT / path).is_file():
+        return "*No result file yet: run `python recipes/minilm_mlm.py`.*\n"
+    from minilm_mlm import markdown_table
+
+    return markdown_table(json.loads((ROOT / path).read_text())) + "\n"
+
+
+LONG_INPUTS = "recipes/results/long_inputs.json"
+
+
+def long_inputs_block(path: str = LONG_INPUTS) -> str:
+    """recipes/long_inputs.py: how it was run, the best point per method and length against the targets, the
+    memory exponents and the quality-time figure."""
+    if not (ROOT / path).is_file():
+        return "*No result file yet: run `python recipes/long_inputs.py`.*\n"
+    from long_inputs import markdown
+
+    r = json.loads((ROOT / path).read_text())
+    runs = "; ".join(
+        f"{', '.join(run['tasks'])} at {', '.join(map(str, run['lengths']))} tokens: "
+        f"{run['wall_seconds']['total'] / 60:.0f} min ({_provenance_line(run['provenance'])}, "
+        f"{run['provenance']['torch_threads']} torch threads)"
+        for run in r["runs"]
+    )
+    checkpoints = r.get("checkpoints", {})
+    squad = ", ".join(c["folder"] for c in checkpoints.get("squad", []))
+    lengths = ", ".join(map(str, r["lengths"]))
+    memory = ", ".join(f"`{k}` {v:.2f}" for k, v in sorted(r.get("memory_exponent", {}).items()))
+    examples = {}
+    for res in r["results"]:
+        examples.setdefault(res["task"], {})[res["max_length"]] = res["examples"]
+    sizes = "; ".join(
+        f"{task}: " + ", ".join(f"{n} at {length}" for length, n in sorted(per.items()))
+        for task, per in examples.items()
+    )
+    return (
+        f"**{r['profile'].upper()} profile** on {r['device']}, lengths {lengths} (`python recipes/long_inputs.py`; "
+        f"{runs}). Examples per length: {sizes}. SQuAD reader(s): {squad or '-'}; masked-LM checkpoint: "
+        f"{checkpoints.get('masked_lm', {}).get('folder', '-')}. Not run: "
+        + "; ".join(f"`{k}` ({v})" for k, v in r["left_out"].items())
+        + ".\n\nThe best point of every method at each length (the fastest budget keeping >= 99 % of exact "
+        "attention's F1, or bits per token within 2 %; else the budget that keeps the most), exact attention being "
+        "the unpatched model (sdpa) on the same inputs; *kept* is F1 / exact F1, or exact / method bits per token:\n\n"
+        + markdown(r)
+        + f"\n\nPeak memory per input grows as N^b with b = {memory or '-'} (least squares over the lengths run; "
+        "peak-RSS deltas on CPU).\n\n![Task metric against seconds per example at each length](figures/recipes/"
+        "figures/long_inputs.png)\n"
+    )
 
 
 def sparsefinder_task_block(r: dict) -> str:
@@ -308,13 +386,15 @@ def blocks() -> dict[Path, dict[str, str]]:
         "clustered-table": clustered_table(),
         "clustered-table-cpu": clustered_table(CPU_RESULTS, recovery=False),
         "sparsefinder-task": sparsefinder_task_block(json.loads((ROOT / SPARSEFINDER_TASK).read_text())),
+        "minilm-mlm": minilm_mlm_block(),
     }
     return {
-        README: {"methods-table": methods, "tasks-table": tasks},
+        README: {"methods-table": methods, "tasks-table": tasks, "minilm-mlm": minilm_mlm_table()},
         DOCS / "methods.md": {"methods-table": methods},
         DOCS / "evaluation.md": {"tasks-table": tasks},
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
         DOCS / "results.md": results,
+        DOCS / "long-inputs.md": {"minilm-mlm": minilm_mlm_table(), "long-inputs": long_inputs_block()},
         DOCS / "speed.md": {"benchmarks": benchmarks()},
     }
 

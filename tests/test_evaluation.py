@@ -241,6 +241,7 @@ def test_wikitext_masked_lm_loss_against_a_plain_forward(fixture_dir, checkpoint
         count += len(pos)
     assert r["reference_metrics"]["mlm_loss"] == pytest.approx(total / count, rel=1e-5)
     assert r["reference_metrics"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert r["reference_metrics"]["bits_per_token"] == pytest.approx(total / count / math.log(2), rel=1e-5)
     assert r["fidelity"]["agreement"] == 1.0
 
 
@@ -372,6 +373,17 @@ def test_missing_data_fails_at_once_saying_what_was_looked_for(tmp_path, monkeyp
         get_task("sst2").load(source="web", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="no split 'test'"):
         get_task("sst2").load("test", data_dir=str(tmp_path))
+
+
+def test_task_order_does_not_depend_on_what_was_imported_first():
+    import subprocess
+    import sys
+
+    def listed(first: str) -> str:
+        code = f"import {first}; from approx.harness.tasks import tasks; print(tasks())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+    assert listed("approx.harness.tasks.wikitext") == listed("approx.harness.tasks.glue") == listed("approx")
 
 
 def test_unknown_task_lists_the_tasks():

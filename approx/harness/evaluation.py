@@ -19,6 +19,7 @@ make), outputs are gathered, and the metrics equal a single-process run's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -44,6 +45,7 @@ from ..integration import (
     saved_layers,
     unpatch,
 )
+from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
 from ..saved import is_saved_setting
 from . import fidelity as fid
@@ -93,44 +95,57 @@ class _Run:
     device: torch.device
     pad_id: int
     model_info: dict[str, Any]
+    positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
 
 
-def _run_batches(run: _Run, batches, layers, progress: bool) -> list[dict[str, Any]]:
+def _run_batches(run: _Run, batches, layers, labels: list[str], progress: bool) -> list[dict[str, Any]]:
     """Run the unpatched model and every method on this process's batches; one record per batch with the
-    per-feature outputs and each method's fidelity sums."""
-    task, mode = run.task, run.mode
+    per-feature outputs and each method's fidelity sums. The progress bar counts inputs and names the
+    forward pass under way (full attention or a method), so long, slow batches still show movement."""
     records = []
-    for b, idx in tqdm(batches, disable=not progress, desc=f"{task.name}", unit="batch"):
-        feats = [run.features[i] for i in idx]
-        inputs = _collate(feats, run.pad_id, run.device)
-        ref_out, ref_mem = _forward(run.model, inputs, run.device)
-        ref_outputs = task.outputs(ref_out, inputs, feats, mode)
-        compact = [task.compact(o, f, mode) for o, f in zip(ref_outputs, feats, strict=True)]
-        record = {"batch": b, "features": idx, "outputs": compact, "setups": []}
-        for method_layers in layers:
-            attach(run.model, method_layers)
-            probe = fid.AttentionProbe()
-            try:
-                with attention_probe(probe):
-                    out, mem = _forward(run.model, inputs, run.device)
-            finally:
-                unpatch(run.model)
-            outputs = task.outputs(out, inputs, feats, mode)
-            sums = fid.batch_sums(
-                ref_out.hidden_states,
-                out.hidden_states,
-                inputs["attention_mask"],
-                probe,
-                divergences=[task.divergence(r, o, mode) for r, o in zip(ref_outputs, outputs, strict=True)],
-                seconds=mem.seconds,
-                peak=mem.mib,
-                reference_seconds=ref_mem.seconds,
-                reference_peak=ref_mem.mib,
-            )
-            compact = [task.compact(o, f, mode) for o, f in zip(outputs, feats, strict=True)]
-            record["setups"].append({"outputs": compact, "sums": sums})
-        records.append(record)
+    bar = tqdm(total=sum(len(idx) for _, idx in batches), disable=not progress, desc=run.task.name, unit="input")
+    with bar:
+        for b, idx in batches:
+            records.append(_run_batch(run, b, idx, layers, labels, bar))
+            bar.update(len(idx))
     return records
+
+
+def _run_batch(run: _Run, b: int, idx: list[int], layers, labels: list[str], bar) -> dict[str, Any]:
+    """The unpatched model and every method on one batch: its record (outputs and fidelity sums)."""
+    task, mode = run.task, run.mode
+    feats = [run.features[i] for i in idx]
+    inputs = _collate(feats, run.pad_id, run.device)
+    tokens = inputs["input_ids"].shape[1]
+    bar.set_postfix_str(f"{tokens} tokens, full attention", refresh=True)
+    ref_out, ref_mem = _forward(run.model, inputs, run.device)
+    ref_outputs = task.outputs(ref_out, inputs, feats, mode)
+    compact = [task.compact(o, f, mode) for o, f in zip(ref_outputs, feats, strict=True)]
+    record = {"batch": b, "features": idx, "outputs": compact, "setups": []}
+    for label, method_layers in zip(labels, layers, strict=True):
+        bar.set_postfix_str(f"{tokens} tokens, {label}", refresh=True)
+        attach(run.model, method_layers)
+        probe = fid.AttentionProbe()
+        try:
+            with attention_probe(probe):
+                out, mem = _forward(run.model, inputs, run.device)
+        finally:
+            unpatch(run.model)
+        outputs = task.outputs(out, inputs, feats, mode)
+        sums = fid.batch_sums(
+            ref_out.hidden_states,
+            out.hidden_states,
+            inputs["attention_mask"],
+            probe,
+            divergences=[task.divergence(r, o, mode) for r, o in zip(ref_outputs, outputs, strict=True)],
+            seconds=mem.seconds,
+            peak=mem.mib,
+            reference_seconds=ref_mem.seconds,
+            reference_peak=ref_mem.mib,
+        )
+        compact = [task.compact(o, f, mode) for o, f in zip(outputs, feats, strict=True)]
+        record["setups"].append({"outputs": compact, "sums": sums})
+    return record
 
 
 def _in_feature_order(records, n_features, s=None):
@@ -170,8 +185,34 @@ def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
     return setups
 
 
-def _prepare(model, tokenizer, task: Task, *, split, source, data_dir, limit, max_length, device, state, progress):
-    """Check the checkpoint's head and the data before loading any weights, then load the model and features."""
+def _extend(model, tokenizer, length: int, stack: contextlib.ExitStack) -> dict[str, Any] | None:
+    """Let the model read inputs of ``length`` tokens (the longest input of the evaluation) when its learned
+    position table is shorter: the trained rows copied block after block (:func:`approx.extend_positions`) for
+    the evaluation only (a model object passed in gets its own table back afterwards). What was done, for the
+    result; None when nothing was needed. A model that cannot be extended is refused with what was found."""
+    limit = position_limit(model)
+    if limit is None:
+        configured = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(configured, int) and length > configured:
+            extend_positions(model, length, tokenizer=tokenizer)  # raises, listing what was found
+        return None
+    if length <= limit:
+        return None
+    stack.enter_context(extended_positions(model, length, tokenizer=tokenizer))
+    log.warning("inputs of up to %d tokens are longer than the model's %d learned positions: extended them for "
+                "this evaluation (trained rows copied block after block, as Longformer did)", length, limit)  # fmt: skip
+    return {
+        "extended_from": limit,
+        "extended_to": length,
+        "rule": "approx.extend_positions: the trained position rows copied block after block (Longformer, §5)",
+    }
+
+
+def _prepare(
+    model, tokenizer, task: Task, *, split, source, data_dir, limit, max_length, device, state, progress, stack
+):
+    """Check the checkpoint's head and the data before loading any weights, then load the model (its positions
+    extended when ``max_length`` is above its limit) and the features."""
     head = (
         task.head_for(checkpoint_heads(model)) if isinstance(model, str) else model_head_from_name(type(model).__name__)
     )
@@ -191,8 +232,9 @@ def _prepare(model, tokenizer, task: Task, *, split, source, data_dir, limit, ma
     model.to(device).eval()
     model_info = task.prepare(model, mode)
     features = task.features(examples, tokenizer, max_length=max_length, mode=mode)
+    positions = _extend(model, tokenizer, max((len(f.input_ids) for f in features), default=0), stack)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return _Run(model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info)
+    return _Run(model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions)
 
 
 def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> list[dict]:
@@ -220,14 +262,22 @@ def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predict
     for s, setup in enumerate(setups):
         method_predictions = task.predict(examples, run.features, _in_feature_order(records, n, s), mode)
         sums = fid.total_sums(r["setups"][s]["sums"] for r in records)
+        protocol = task.protocol(mode, settings["max_length"])
+        if run.positions:
+            p = run.positions
+            protocol += (
+                f"; the model's {p['extended_from']} learned positions extended to {p['extended_to']} "
+                "(trained rows copied block after block)"
+            )
         result = {
             "task": task.name,
             "task_version": task.version,
             "mode": mode,
             "split": run.split,
-            "protocol": task.protocol(mode, settings["max_length"]),
+            "protocol": protocol,
             "model": run.model_name,
             "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
+            **({"positions": run.positions} if run.positions else {}),
             **run.model_info,
             "method": {"name": setup.method, **setup.config()},
             "metrics": task.score(examples, method_predictions, mode),
@@ -272,6 +322,11 @@ def evaluate(
     and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order) and
     the fidelity sums (``"fidelity_sums"``), to score the two halves of a cross-fitted split together
     (:mod:`approx.harness.crossfit`).
+
+    ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
+    the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
+    gets its own table back afterwards) and every result says so (``"positions"``, its ``protocol`` and
+    ``provenance``); a model whose positions cannot be extended is refused before anything runs.
     """
     wall = time.perf_counter()
     if isinstance(model, os.PathLike):  # e.g. the MiniLM wheel's get_model_path()
@@ -286,18 +341,22 @@ def evaluate(
     state = PartialState(cpu=cpu)
     task = get_task(task) if isinstance(task, str) else task
     setups = _setups(methods, seed, batch_size)
-    max_length = max_length or task.default_max_length
+    max_length = task.default_max_length if max_length is None else max_length
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
     torch.manual_seed(seed)
-    run = _prepare(
-        model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
-        max_length=max_length, device=device, state=state, progress=progress,
-    )  # fmt: skip
-    layers = _method_layers(run.model, setups, methods, run.device)
-    order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
-    batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
-    with torch.inference_mode():
-        mine = batches[state.process_index :: state.num_processes]
-        records = _run_batches(run, mine, layers, progress and state.is_main_process)
+    with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
+        run = _prepare(
+            model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
+            max_length=max_length, device=device, state=state, progress=progress, stack=stack,
+        )  # fmt: skip
+        layers = _method_layers(run.model, setups, methods, run.device)
+        order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
+        batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
+        labels = [short_label({"name": s.method, **s.config()}) for s in setups]
+        with torch.inference_mode():
+            mine = batches[state.process_index :: state.num_processes]
+            records = _run_batches(run, mine, layers, labels, progress and state.is_main_process)
     if state.num_processes > 1:
         records = gather_object(records)
     records.sort(key=lambda r: r["batch"])
@@ -311,6 +370,7 @@ def evaluate(
         peak_memory_mib=max((p for p in peaks if p is not None), default=None),
         memory_measure=PeakMemory(run.device).method,
         data_source=run.source.describe(),
+        **({"positions": run.positions} if run.positions else {}),
     )
     settings = {"max_length": max_length, "batch_size": batch_size}
     return _results(run, setups, records, settings, prov, predictions)

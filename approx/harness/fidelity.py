@@ -19,8 +19,11 @@ The ``fidelity`` dict, per method:
   ratio to full attention's;
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
-* ``seconds``, ``reference_seconds``, ``speedup``; ``graph`` for methods that predict an attention graph
-  (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``.
+* ``seconds``, ``reference_seconds`` (whole-model forward time over all batches, the probe's own time taken
+  out), ``speedup``; ``seconds_per_example`` and ``reference_seconds_per_example`` (divided by the examples
+  scored: a SQuAD question read in several windows counts once); ``graph`` for methods that predict an
+  attention graph (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``
+  (the largest batch's peak) and ``..._per_input`` (the largest batch peak divided by that batch's inputs).
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ def batch_sums(
         "reference_seconds": reference_seconds,
         "peak_mib": peak,
         "reference_peak_mib": reference_peak,
+        "peak_mib_per_input": None if peak is None else peak / mask.shape[0],
+        "reference_peak_mib_per_input": None if reference_peak is None else reference_peak / mask.shape[0],
     }
 
 
@@ -183,12 +188,14 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "reference_seconds": _add,
     "peak_mib": _extreme(max),
     "reference_peak_mib": _extreme(max),
+    "peak_mib_per_input": _extreme(max),
+    "reference_peak_mib_per_input": _extreme(max),
 }
 
 
 def add_sums(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Two records of :func:`batch_sums` (or totals of them) as one."""
-    return {key: combine(a[key], b[key]) for key, combine in _COMBINE.items()}
+    return {key: combine(a.get(key), b.get(key)) for key, combine in _COMBINE.items()}
 
 
 def total_sums(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -231,6 +238,8 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
     fidelity["cost"] = cost_block(*sums["cost"])
     seconds, ref_seconds = sums["seconds"], sums["reference_seconds"]
     fidelity.update(seconds=seconds, reference_seconds=ref_seconds, speedup=ref_seconds / seconds if seconds else None)
+    examples = max(len(predictions), 1)
+    fidelity.update(seconds_per_example=seconds / examples, reference_seconds_per_example=ref_seconds / examples)
     if sums["graph"]:  # sparsity, recall and exact fraction of the predicted graph against the gold one
         counts = {
             int(i): {n: torch.tensor(v, dtype=torch.float64) for n, v in c.items()} for i, c in sums["graph"].items()
@@ -239,4 +248,6 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
     fidelity["fallback_rows"] = sums["fallback_rows"]
     fidelity["peak_memory_mib"] = sums["peak_mib"]
     fidelity["reference_peak_memory_mib"] = sums["reference_peak_mib"]
+    fidelity["peak_memory_mib_per_input"] = sums.get("peak_mib_per_input")
+    fidelity["reference_peak_memory_mib_per_input"] = sums.get("reference_peak_mib_per_input")
     return fidelity

@@ -19,6 +19,12 @@ flags are generated from it), given as keyword arguments or as ``config=``.
 
 Cross-fitting, for tasks whose train split is not available offline: ``train_split="dev/0",
 eval_split="dev/1"`` and then the swap (see :func:`approx.harness.tasks.base.cross_fit_half`).
+
+Masked-LM training (``wikitext2`` / ``wikitext103``, e.g. ``train_split="valid"``): a bare encoder gets a
+masked-LM head (``AutoModelForMaskedLM``: the decoder tied to the word embeddings, which is checked, the rest of
+the head fresh); the task masks the training windows anew in every epoch
+(:meth:`~approx.harness.tasks.base.Task.train_batch`), and the loss projects onto the vocabulary only the masked
+positions (:func:`masked_lm_loss`), the same cross-entropy as the model's own loss without the (B, N, V) logits.
 """
 
 from __future__ import annotations
@@ -36,17 +42,28 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import MethodConfig, option
-from ..integration import load_method_state, load_pretrained, patch, patched_layers, save, save_method_state, unpatch
+from ..integration import (
+    checkpoint_heads,
+    load_method_state,
+    load_pretrained,
+    patch,
+    patched_layers,
+    save,
+    save_method_state,
+    unpatch,
+)
 from ..integration import redraw as redraw_layers
 from .evaluation import _collate
 from .spec import Setup, as_setup
 from .tasks import Feature, Task, get_task
 
-__all__ = ["FinetuneConfig", "finetune"]
+__all__ = ["FinetuneConfig", "finetune", "masked_lm_loss"]
 
 STATE_DIR = "checkpoint"
 PROGRESS_FILE = "progress.json"
 MIXED_PRECISION = ("no", "fp16", "bf16")
+MASKED_LM = "masked-lm"
+IGNORE = -100  # label of the positions a token-level loss skips
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +101,56 @@ def _batch(features: list[Feature], pad_id: int) -> dict[str, torch.Tensor]:
     inputs = _collate(features, pad_id, torch.device("cpu"))
     for name in features[0].extra["labels"]:
         values = [f.extra["labels"][name] for f in features]
+        if isinstance(values[0], list):  # one label per token: padded positions are ignored by the loss
+            n = inputs["input_ids"].shape[1]
+            values = [v + [IGNORE] * (n - len(v)) for v in values]
         inputs[name] = torch.tensor(values, dtype=torch.float32 if isinstance(values[0], float) else torch.long)
     return inputs
+
+
+class _Collate:
+    """Training batches: the task's features for the epoch the training loop sets (``Task.train_batch``: e.g.
+    masked-LM's masks, drawn anew every epoch), padded and stacked with their labels."""
+
+    def __init__(self, task: Task, tokenizer: Any, seed: int) -> None:
+        self.task, self.tokenizer, self.seed, self.epoch = task, tokenizer, seed, 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def __call__(self, features: list[Feature]) -> dict[str, torch.Tensor]:
+        drawn = self.task.train_batch(features, self.tokenizer, epoch=self.epoch, seed=self.seed)
+        return _batch(drawn, self.pad_id)
+
+
+def masked_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], decoder: torch.nn.Module) -> torch.Tensor:
+    """The masked-LM cross-entropy of ``model`` (with a masked-LM head) on ``batch`` (labels -100 where no loss is
+    taken), projecting onto the vocabulary only the labelled positions: the hidden states reaching ``decoder``
+    (the model's output embeddings, the (H -> V) projection) are cut to those rows first. The model's own loss
+    computes (B, N, V) logits, of which masked-LM training uses 15 %; the result is the same number."""
+    inputs = dict(batch)
+    labels = inputs.pop("labels")
+    keep = labels != IGNORE  # (B, N)
+    hook = decoder.register_forward_pre_hook(lambda module, args: (args[0][keep], *args[1:]))  # (B, N, H) -> (M, H)
+    try:
+        logits = model(**inputs).logits  # (M, V)
+    finally:
+        hook.remove()
+    return torch.nn.functional.cross_entropy(logits, labels[keep])  # under autocast: in float32
+
+
+def _head(net: torch.nn.Module, model: str, head: str) -> dict[str, Any]:
+    """What the training head is: its name, whether the checkpoint had it, and for a masked-LM head whether its
+    decoder is tied to the word embeddings (refused when the config asks for a tie that does not hold)."""
+    record: dict[str, Any] = {"name": head, "fresh": head not in checkpoint_heads(model)}
+    if head == MASKED_LM:
+        decoder, embeddings = net.get_output_embeddings(), net.get_input_embeddings()
+        tied = decoder.weight.data_ptr() == embeddings.weight.data_ptr()
+        if getattr(net.config, "tie_word_embeddings", True) and not tied:
+            raise RuntimeError(
+                f"{type(net).__name__}: the masked-LM decoder is not tied to the word embeddings although the config "
+                "asks for it (tie_word_embeddings); refusing to train an untied head"
+            )
+        record["tied_to_word_embeddings"] = tied
+    return record
 
 
 def _schedule(optimizer, warmup: int, total: int):
@@ -107,6 +172,7 @@ class _Training:
     loader: Any
     scheduler: Any
     sampler: _EpochSampler
+    collate: _Collate
     tokenizer: Any
     setup: Setup | None
     config: FinetuneConfig
@@ -114,6 +180,7 @@ class _Training:
     features: int
     steps_per_epoch: int
     total: int
+    head: dict[str, Any]
     step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
 
@@ -125,15 +192,19 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
 
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
-    net, tokenizer = load_pretrained(model, task=next(iter(task.modes)), progress=progress, **task.head_options())
+    head_name = next(iter(task.modes))
+    net, tokenizer = load_pretrained(model, task=head_name, progress=progress, **task.head_options())
+    head = _head(net, model, head_name)
     if setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    sampler = _EpochSampler(len(features), cfg.seed)
+    sampler, collate = _EpochSampler(len(features), cfg.seed), _Collate(task, tokenizer, cfg.seed)
+    # its own generator: making an iterator (every epoch, and on resuming mid-epoch) then draws nothing from the
+    # global one, so dropout after a resume continues as in an uninterrupted run
     loader = torch.utils.data.DataLoader(
-        features, batch_size=cfg.batch_size, sampler=sampler, collate_fn=lambda fs: _batch(fs, pad_id)
-    )
+        features, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )  # fmt: skip
     steps_per_epoch = math.ceil(len(loader) / accelerator.num_processes)
     total = math.ceil(cfg.epochs * steps_per_epoch) if cfg.max_steps is None else cfg.max_steps
     decayed = {n for n, p in net.named_parameters() if p.ndim > 1 and "LayerNorm" not in n}
@@ -145,8 +216,8 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     scheduler = _schedule(optimizer, int(cfg.warmup * total), total)
     net, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
     return _Training(
-        accelerator, net, optimizer, loader, scheduler, sampler, tokenizer, setup, cfg, state_dir,
-        len(features), steps_per_epoch, total,
+        accelerator, net, optimizer, loader, scheduler, sampler, collate, tokenizer, setup, cfg, state_dir,
+        len(features), steps_per_epoch, total, head,
     )  # fmt: skip
 
 
@@ -184,11 +255,12 @@ def _train(tr: _Training, stop: int, callback, bar) -> None:
     while tr.step < stop:
         epoch, skip = divmod(tr.step, tr.steps_per_epoch)
         tr.sampler.set_epoch(epoch)
+        tr.collate.epoch = epoch
         if hasattr(tr.loader, "set_epoch"):  # accelerate keeps its own epoch counter and passes it on
             tr.loader.set_epoch(epoch)
         batches = tr.accelerator.skip_first_batches(tr.loader, skip) if skip else tr.loader
         for batch in batches:
-            loss = tr.net(**batch).loss
+            loss = _loss(tr, batch)
             tr.accelerator.backward(loss)
             tr.optimizer.step()
             tr.scheduler.step()
@@ -202,6 +274,12 @@ def _train(tr: _Training, stop: int, callback, bar) -> None:
                 break
 
 
+def _loss(tr: _Training, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if tr.head["name"] == MASKED_LM:
+        return masked_lm_loss(tr.net, batch, tr.accelerator.unwrap_model(tr.net).get_output_embeddings())
+    return tr.net(**batch).loss
+
+
 def _record(tr: _Training, task: Task, model: str, train_split, eval_split, examples: int) -> dict[str, Any]:
     cfg = tr.config
     return {
@@ -211,6 +289,8 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
         "method": None if tr.setup is None else {"name": tr.setup.method, **tr.setup.config()},
         "train_split": train_split,
         "eval_split": eval_split,
+        "head": tr.head,
+        "train_protocol": task.train_protocol(cfg.max_length),
         "examples": examples,
         "features": tr.features,
         "settings": {

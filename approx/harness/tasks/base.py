@@ -253,6 +253,17 @@ class Task:
         """Features with their training targets in ``extra["labels"]`` (a dict of model keyword arguments)."""
         raise ValueError(f"task {self.name!r} cannot be fine-tuned (it has no training targets)")
 
+    def train_batch(self, features: list[Feature], tokenizer: Any, *, epoch: int, seed: int) -> list[Feature]:
+        """The features of one training batch in ``epoch`` (default: as :meth:`train_features` made them). A task
+        whose training inputs are drawn at random (masked-LM's dynamic masking) draws them here from (``seed``,
+        ``epoch``, feature) alone, so that a resumed run sees the batches an uninterrupted one would have."""
+        return features
+
+    def train_protocol(self, max_length: int) -> str | None:
+        """How :meth:`train_features` / :meth:`train_batch` make training inputs, for the fine-tuning record
+        (None: as the evaluation protocol, with the task's labels)."""
+        return None
+
     def outputs(self, model_output: Any, inputs: dict[str, torch.Tensor], features: list[Feature], mode: str) -> list:
         """Per-feature outputs (CPU tensors) from the model's output on one batch."""
         raise NotImplementedError

@@ -7,16 +7,24 @@ each wrapped as ``[CLS] chunk [SEP]``; ``--limit`` keeps the first windows.
 
 * ``masked-lm`` mode (a checkpoint with a masked-LM head): in each window 15 % of the chunk's positions
   (at least one), drawn by a generator seeded with the window's index, are replaced by the mask token
-  (no 80/10/10 mixing). Metrics: the mean cross-entropy at those positions (``mlm_loss``, nats) and
-  ``perplexity`` = exp(mlm_loss). This is a single-pass estimate, not Salazar et al.'s one-token-at-a-time
+  (no 80/10/10 mixing). Metrics: the mean cross-entropy at those positions (``mlm_loss``, nats),
+  ``perplexity`` = exp(mlm_loss) and ``bits_per_token`` = mlm_loss / ln 2 (the unit of the Longformer
+  paper's WikiText tables). This is a single-pass estimate, not Salazar et al.'s one-token-at-a-time
   pseudo-perplexity (which needs one forward pass per token). Fidelity: top-1 agreement at the masked
   positions and the KL divergence of the predicted token distributions there.
 * ``fidelity`` mode (any encoder): the unmasked windows; no task metric, only the fidelity the harness
   measures for every task (hidden-state cosine per layer, attention-output error).
+
+Training (``approx finetune --task wikitext2 --train-split valid``: a masked-LM head, fresh on a bare encoder):
+the same windows, unmasked, masked anew in every epoch as BERT was (Devlin et al. 2019): 15 % of the chunk's
+positions (at least one) drawn by a generator seeded with (seed, epoch, window), each replaced by the mask token
+(80 %), a random token that is not a special one (10 %) or left as it is (10 %); labels are the original tokens
+there and -100 elsewhere (:func:`training_mask`). The evaluation protocol above is not affected.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +33,7 @@ from ..data import read_wikitext, token_windows
 from .base import Feature, Task, register_task
 
 MASK_FRACTION = 0.15
+TRAIN_MIX = (0.8, 0.1, 0.1)  # training: of the chosen positions, [MASK] / a random token / unchanged
 MLM = "masked-lm"
 FIDELITY = "fidelity"
 
@@ -34,6 +43,26 @@ def mask_positions(window_index: int, body: int, fraction: float = MASK_FRACTION
     g = torch.Generator().manual_seed(1_000_003 * (window_index + 1))
     count = max(1, round(fraction * body))
     return sorted((torch.randperm(body, generator=g)[:count] + 1).tolist())
+
+
+def training_mask(
+    ids: list[int], *, window: int, epoch: int, seed: int, mask_id: int, candidates: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of training window ``window`` of ``[CLS] chunk [SEP]`` ids in ``epoch``: BERT's dynamic
+    masking. ``candidates``: the token ids a random replacement is drawn from (the vocabulary less special tokens)."""
+    body = len(ids) - 2
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + window)
+    count = max(1, round(MASK_FRACTION * body))
+    positions = torch.randperm(body, generator=g)[:count] + 1  # (P,) inside the chunk
+    u = torch.rand(count, generator=g)  # (P,) which of the three each chosen position gets
+    replacements = candidates[torch.randint(len(candidates), (count,), generator=g)]  # (P,)
+    inputs = torch.tensor(ids)
+    labels = torch.full_like(inputs, -100)
+    labels[positions] = inputs[positions]
+    masked, swapped = u < TRAIN_MIX[0], (u >= TRAIN_MIX[0]) & (u < TRAIN_MIX[0] + TRAIN_MIX[1])
+    inputs[positions[masked]] = mask_id
+    inputs[positions[swapped]] = replacements[swapped]
+    return inputs.tolist(), labels.tolist()
 
 
 class WikiText(Task):
@@ -86,6 +115,36 @@ class WikiText(Task):
             feats.append(Feature(i, ids, None, extra))
         return feats
 
+    def train_features(self, examples, tokenizer, *, max_length):
+        """The unmasked windows; :meth:`train_batch` masks them anew in every epoch."""
+        if tokenizer.mask_token_id is None:
+            raise ValueError("masked-LM training needs a tokenizer with a mask token")
+        return self.features(examples, tokenizer, max_length=max_length, mode=FIDELITY)
+
+    def train_batch(self, features, tokenizer, *, epoch, seed):
+        special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
+        vocab = torch.arange(len(tokenizer))
+        candidates = vocab[~torch.isin(vocab, special)]
+        batch = []
+        for f in features:
+            ids, labels = training_mask(
+                f.input_ids, window=f.example, epoch=epoch, seed=seed, mask_id=tokenizer.mask_token_id,
+                candidates=candidates,
+            )  # fmt: skip
+            batch.append(Feature(f.example, ids, f.token_type_ids, {**f.extra, "labels": {"labels": labels}}))
+        return batch
+
+    def train_protocol(self, max_length):
+        return (
+            f"consecutive [CLS] chunk [SEP] windows of {max_length} tokens over the whole split, masked anew in every "
+            f"epoch (BERT's dynamic masking): {MASK_FRACTION:.0%} of each chunk's positions drawn from (seed, epoch, "
+            "window), of which 80 % become [MASK], 10 % a random non-special token and 10 % stay; cross-entropy at "
+            "those positions"
+        )
+
+    def head_options(self) -> dict[str, Any]:
+        return {}
+
     def outputs(self, model_output, inputs, features, mode):
         if mode != MLM:
             return [None] * len(features)
@@ -109,7 +168,7 @@ class WikiText(Task):
         if mode != MLM:
             return {}
         loss = sum(p["loss_sum"] for p in predictions) / sum(p["count"] for p in predictions)
-        return {"mlm_loss": loss, "perplexity": float(torch.tensor(loss).exp())}
+        return {"mlm_loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2)}
 
     def fidelity(self, divergences, ref_predictions, predictions, mode):
         if mode != MLM:
@@ -136,7 +195,7 @@ class WikiText2(WikiText):
     """WikiText-2: masked-LM loss (masked-LM head) or hidden-state fidelity (any encoder) on 512-token windows."""
 
     name, folder, hub_config = "wikitext2", "wikitext-2", "wikitext-2-v1"
-    metrics = ("mlm_loss", "perplexity")
+    metrics = ("mlm_loss", "perplexity", "bits_per_token")
 
 
 @register_task
@@ -144,4 +203,4 @@ class WikiText103(WikiText):
     """WikiText-103: as wikitext2, on the larger corpus's test split (when its files are available)."""
 
     name, folder, hub_config = "wikitext103", "wikitext-103", "wikitext-103-v1"
-    metrics = ("mlm_loss", "perplexity")
+    metrics = ("mlm_loss", "perplexity", "bits_per_token")

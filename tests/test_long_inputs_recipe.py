@@ -1,0 +1,106 @@
+"""recipes/long_inputs.py: the best point per method and length, the targets, the memory exponent and the
+figure, on hand-made results whose answers are known."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from approx.harness.spec import short_label
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    sys.path.insert(0, str(RECIPES))
+    spec = importlib.util.spec_from_file_location("long_inputs", RECIPES / "long_inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def result(task, n, method, value, exact, seconds, exact_seconds, mib=None, exact_mib=None, **options):
+    metric = "f1" if task.startswith("squad") else "bits_per_token"
+    return {
+        "task": task,
+        "max_length": n,
+        "method": {"name": method, **options},
+        "metrics": {metric: value},
+        "reference_metrics": {metric: exact},
+        "fidelity": {
+            "speedup": exact_seconds / seconds,
+            "seconds_per_example": seconds,
+            "reference_seconds_per_example": exact_seconds,
+            "peak_memory_mib_per_input": mib,
+            "reference_peak_memory_mib_per_input": exact_mib,
+        },
+    }
+
+
+def test_best_point_is_the_fastest_budget_that_keeps_the_quality(recipe):
+    results = [
+        # 4096: clusters=25 is fastest but loses F1; clusters=100 keeps 99.5 % at 1.6x: target met
+        result("squad-doc", 4096, "clustered", 50.0, 80.0, 1.0, 2.0, clusters=25),
+        result("squad-doc", 4096, "clustered", 79.6, 80.0, 1.25, 2.0, clusters=100),
+        result("squad-doc", 4096, "clustered", 80.0, 80.0, 1.9, 2.0, clusters=400),
+        # 8192: nothing keeps 99 %: the best-kept budget is reported, target not met
+        result("squad-doc", 8192, "favor", 60.0, 80.0, 1.0, 4.0, features=64),
+        result("squad-doc", 8192, "favor", 70.0, 80.0, 2.0, 4.0, features=256),
+        # bits per token: lower is better; within 2 % of exact (2.0 -> at most 2.04)
+        result("wikitext2", 4096, "favor", 2.03, 2.0, 1.0, 1.5, features=64),
+        result("wikitext2", 4096, "favor", 2.5, 2.0, 0.5, 1.5, features=16),
+    ]
+    best = {(b["task"], b["length"], b["method"].split(":")[0]): b for b in recipe.best_points(results)}
+    b = best[("squad-doc", 4096, "clustered")]
+    assert b["method"] == short_label({"name": "clustered", "clusters": 100})
+    assert b["kept"] == pytest.approx(79.6 / 80) and b["speedup"] == pytest.approx(1.6)
+    assert b["quality_floor_met"] and b["target_met"] is True
+    b = best[("squad-doc", 8192, "favor")]
+    assert b["method"] == short_label({"name": "favor", "features": 256})
+    assert b["kept"] == pytest.approx(70 / 80) and not b["quality_floor_met"] and b["target_met"] is False
+    b = best[("wikitext2", 4096, "favor")]
+    assert b["kept"] == pytest.approx(2.0 / 2.03) and b["target_met"] is True and b["speedup"] == pytest.approx(1.5)
+
+
+def test_a_fast_point_that_misses_the_speed_target(recipe):
+    results = [result("squad-doc", 8192, "clustered", 80.0, 80.0, 2.0, 4.0, clusters=100)]  # 2x < 2.5x
+    (b,) = recipe.best_points(results)
+    assert b["quality_floor_met"] and b["target_met"] is False
+
+
+def test_a_reader_that_answers_nothing_is_not_judged(recipe):
+    """Exact F1 below MIN_EXACT_F1: no "kept", no target met or missed, whatever the speed."""
+    assert recipe.kept(result("squad-doc", 1024, "favor", 0.0, 0.0, 1, 1)) is None
+    assert recipe.kept(result("squad-doc", 1024, "favor", 5.0, 3.0, 1, 1)) is None
+    results = [result("squad-doc", 8192, "favor", 0.0, 0.0, 1.0, 5.0, features=64)]
+    (b,) = recipe.best_points(results)
+    assert b["kept"] is None and b["quality_judged"] is False and b["target_met"] is None
+    assert "not judged" in recipe.markdown({"best": [b], "baselines": []})
+
+
+def test_memory_exponent(recipe):
+    results = [
+        result("squad-doc", n, "favor", 1, 1, 1, 1, mib=3.0 * n, exact_mib=0.001 * n * n, features=64)
+        for n in (1024, 2048, 4096)
+    ]
+    slopes = recipe.memory_growth(results)
+    assert slopes["favor:features=64"] == pytest.approx(1.0) and slopes["exact (sdpa)"] == pytest.approx(2.0)
+    assert math.isfinite(slopes["favor:features=64"])
+
+
+def test_figure_and_table(recipe, tmp_path):
+    results = [
+        result("squad-doc", n, "clustered", 70.0, 80.0, 1.0, 2.0, clusters=c) for n in (1024, 2048) for c in (25, 100)
+    ] + [result("wikitext2", 1024, "favor", 2.1, 2.0, 1.0, 1.5, features=64)]
+    baseline = result("squad-doc-sliding", 1024, "full", 60.0, 60.0, 1.0, 1.0)
+    record = {"results": results, "baselines": [baseline], "profile": "cpu", "device": "cpu"}
+    record["best"] = recipe.best_points(results)
+    recipe.figure(record, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 10_000
+    table = recipe.markdown(record)
+    assert "squad-doc-sliding | 1024" in table and table.count("\n") == 2 + len(record["best"])
