@@ -94,25 +94,35 @@ def methods() -> list[Any]:
     return [cfg for configs in METHODS.values() for cfg in configs]
 
 
-def squad_checkpoints(profile: str, progress: bool) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
+def squad_checkpoints(
+    profile: str, progress: bool, data_dir: str | None = None
+) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
     """The clustered table's SQuAD checkpoints (fine-tuned now when not cached): (folder, split it scores)."""
     settings = {**base_settings("squad", profile), **READER[profile]}
     pairs, records = [], []
     for train_split, eval_split in FOLDS[profile]:
-        folder, record, reused = ensure_checkpoint(default_model(), "squad", train_split, settings, progress=progress)
+        folder, record, reused = ensure_checkpoint(
+            default_model(), "squad", train_split, settings, data_dir=data_dir, progress=progress
+        )
         pairs.append((str(folder), eval_split))
         records.append({"folder": folder.name, "train_split": train_split, "reused": reused,
                         "settings": record.get("settings"), "wall_seconds": record.get("provenance", {}).get("wall_seconds")})  # fmt: skip
     return pairs, records
 
 
-def mlm_checkpoint(progress: bool) -> tuple[str, dict[str, Any]]:
+def mlm_checkpoint(progress: bool, data_dir: str | None = None) -> tuple[str, dict[str, Any]]:
     """The masked-LM checkpoint of ``recipes/minilm_mlm.py`` (fine-tuned now when not cached)."""
     import minilm_mlm
 
     settings = minilm_mlm.settings(minilm_mlm.build_parser().parse_args([]))  # the recipe's defaults
     folder, record, reused = ensure_checkpoint(
-        default_model(), minilm_mlm.TASK, minilm_mlm.TRAIN_SPLIT, settings, source="local", progress=progress
+        default_model(),
+        minilm_mlm.TASK,
+        minilm_mlm.TRAIN_SPLIT,
+        settings,
+        data_dir=data_dir,
+        source="local",
+        progress=progress,
     )
     losses = record.get("losses") or [None]
     return str(folder), {"folder": folder.name, "reused": reused, "settings": record.get("settings"),
@@ -338,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints: dict[str, Any] = {}
     squad = mlm = None
     if "squad-doc" in args.tasks:
-        squad, checkpoints["squad"] = squad_checkpoints(args.profile, not args.quiet)
+        squad, checkpoints["squad"] = squad_checkpoints(args.profile, not args.quiet, args.data_dir)
     if "wikitext2" in args.tasks:
-        mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet)
+        mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet, args.data_dir)
     results: list[dict[str, Any]] = []
     seconds = {}
     for n in lengths:
