@@ -177,3 +177,33 @@ def test_extended_positions_restores_after_an_error_inside_the_block(family):
 
 def before_rows(state: dict[str, torch.Tensor]) -> int:
     return next(v.shape[0] for k, v in state.items() if k.endswith("position_embeddings.weight"))
+
+
+def test_fine_tuning_past_the_positions_extends_them_for_good(tmp_path, long_data):
+    """`approx finetune --max-length 1024` on a 512-position encoder: the positions are extended before training
+    (recorded), and the saved checkpoint reads 1024 tokens through plain from_pretrained."""
+    from transformers import AutoModelForMaskedLM
+
+    from approx.harness.finetune import finetune
+    from approx.positions import position_limit
+
+    base = write_checkpoint(tmp_path / "base", "base")
+    out = tmp_path / "ft"
+    record = finetune(
+        str(base), "wikitext2", output_dir=out, train_split="valid", data_dir=str(long_data), source="local",
+        max_length=LONG, max_steps=1, batch_size=1, limit=1, progress=False,
+    )  # fmt: skip
+    assert record["positions"]["extended_from"] == 512 and record["positions"]["extended_to"] == LONG
+    model = AutoModelForMaskedLM.from_pretrained(out)
+    assert position_limit(model) == LONG and model.config.max_position_embeddings == LONG
+
+
+def test_halves_read_at_different_lengths_are_not_merged():
+    from approx.harness.crossfit import merge_halves
+
+    def half(n):
+        return [{"task": "sst2", "task_version": 1, "mode": "fine-tuned", "max_length": n, "method": {"name": "full"},
+                 "predictions": [0], "reference_predictions": [0], "fidelity_sums": {}}]  # fmt: skip
+
+    with pytest.raises(ValueError, match="differ in 'max_length'"):
+        merge_halves([half(1024), half(2048)], [[{}], [{}]])

@@ -12,6 +12,7 @@ evaluation of both halves would report. The halves' own results are kept under `
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from . import fidelity as fid
@@ -45,12 +46,19 @@ def merge_halves(
                 raise ValueError("run approx.evaluate(..., predictions=True) to merge halves")
             if len(r["predictions"]) != len(ex):
                 raise ValueError(f"{len(r['predictions'])} predictions for {len(ex)} examples: not the same split")
+        for key in ("task", "task_version", "mode", "max_length"):
+            if len({json.dumps(r.get(key)) for r in per_method}) != 1:
+                raise ValueError(f"the halves differ in {key!r}: {[r.get(key) for r in per_method]}")
         task = get_task(first["task"])
         mode = first["mode"]
         all_examples = [e for ex in examples for e in ex]
         preds = [p for r in per_method for p in r["predictions"]]
         ref_preds = [p for r in per_method for p in r["reference_predictions"]]
         result = {k: v for k, v in first.items() if k not in CARRIED}
+        extended = [r for r in per_method if r.get("positions")]
+        if extended:  # each half extended the positions to its own longest input: the merge reports the longest
+            longest = max(extended, key=lambda r: r["positions"]["extended_to"])
+            result.update(positions=longest["positions"], protocol=longest["protocol"])
         fidelity = fid.summarize(task, mode, fid.total_sums(r["fidelity_sums"] for r in per_method), ref_preds, preds)
         fidelity["combined"] = (
             "task metrics, agreement and every fidelity quantity computed once over both halves (from the sums "

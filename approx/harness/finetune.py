@@ -53,6 +53,7 @@ from ..integration import (
     unpatch,
 )
 from ..integration import redraw as redraw_layers
+from ..positions import extend_positions, position_limit
 from .evaluation import _collate
 from .spec import Setup, as_setup
 from .tasks import Feature, Task, get_task
@@ -181,6 +182,7 @@ class _Training:
     steps_per_epoch: int
     total: int
     head: dict[str, Any]
+    positions: dict[str, Any] | None = None  # set when the learned positions were extended to max_length
     step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
 
@@ -198,6 +200,7 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     if setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
+    positions = _extend_for_training(net, tokenizer, cfg.max_length, features)
     sampler, collate = _EpochSampler(len(features), cfg.seed), _Collate(task, tokenizer, cfg.seed)
     # its own generator: making an iterator (every epoch, and on resuming mid-epoch) then draws nothing from the
     # global one, so dropout after a resume continues as in an uninterrupted run
@@ -217,8 +220,20 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     net, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
     return _Training(
         accelerator, net, optimizer, loader, scheduler, sampler, collate, tokenizer, setup, cfg, state_dir,
-        len(features), steps_per_epoch, total, head,
+        len(features), steps_per_epoch, total, head, positions,
     )  # fmt: skip
+
+
+def _extend_for_training(net, tokenizer, max_length: int, features: list[Feature]) -> dict[str, Any] | None:
+    """Inputs longer than the model's learned positions: extend them to ``max_length`` for good (the trained
+    rows copied block after block, as Longformer did before training at 4096), so the saved checkpoint reads
+    that length; refused with what was found when the positions cannot be extended."""
+    longest = max((len(f.input_ids) for f in features), default=0)
+    limit = position_limit(net)
+    if limit is None or longest <= limit:
+        return None
+    extend_positions(net, max_length, tokenizer=tokenizer)
+    return {"extended_from": limit, "extended_to": max_length, "rule": "approx.extend_positions (trained rows tiled)"}
 
 
 def _resume(tr: _Training) -> None:
@@ -290,6 +305,7 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
         "train_split": train_split,
         "eval_split": eval_split,
         "head": tr.head,
+        **({"positions": tr.positions} if tr.positions else {}),
         "train_protocol": task.train_protocol(cfg.max_length),
         "examples": examples,
         "features": tr.features,
