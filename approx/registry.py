@@ -82,11 +82,15 @@ class Cost:
     """Attention cost of one call, per batch item and head.
 
     ``flops``: multiply-adds counted as 2 flops, for the score and value products and the method's own
-    overhead (hashing, clustering). ``qk_pairs``: query-key dot products evaluated.
+    overhead (hashing, clustering): approx's full cost model. ``qk_pairs``: query-key dot products evaluated.
+    ``matmul_macs``: the literature's convention (the MonarchAttention paper's axis): multiply-accumulates of
+    the attention's matrix products only (softmax: N S d for Q K^T plus N S dv for A V), the method's
+    elementwise work, softmax, hashing and clustering excluded. None only where a method has not said yet.
     """
 
     flops: int
     qk_pairs: int
+    matmul_macs: int | None = None
 
 
 # attend(q, k, v, *, key_mask, query_mask, scale, config, state) -> output
@@ -119,12 +123,17 @@ class ExactLimit:
     value). ``approaches``: instead of one exact setting, options along which the method converges to it (FAVOR+'s
     Monte-Carlo estimate with more and more features; entmax with alpha -> 1): the error against the reference
     must fall at every step, to at most ``ratio`` of the first. Every step runs the approximation, not a fallback.
+    ``kernel``: for a method that is not an approximation of softmax but attention with another kernel (the
+    linear transformer's elu + 1, Efficient Attention, Taylor attention), the name of that kernel: its exact
+    reference is then the kernel's own dense float64 formula (``tests/reference.py``'s ``KERNEL_ATTENTION``),
+    not softmax, and ``options``/``approaches`` lead to it.
     """
 
     options: Callable[[int], dict[str, Any]] = lambda n: {}  # noqa: E731
     distinct_queries: int | None = None
     approaches: Callable[[int], list[dict[str, Any]]] | None = None
     ratio: float = 0.15
+    kernel: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

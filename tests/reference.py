@@ -41,3 +41,8 @@ def favor_estimate(q, k, v, omega, key_mask=None, scale=None, hyperbolic=True):
     if key_mask is not None:
         log_a = log_a.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return torch.einsum("bhns,bhsd->bhnd", torch.softmax(log_a, dim=-1), v)
+
+
+# Float64 formulas of the attention kernels that are not softmax (``ExactLimit.kernel``): name ->
+# f(q, k, v, key_mask, scale) -> (B, H, N, dv). Each is the paper's formula written out densely.
+KERNEL_ATTENTION = {}

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from reference import naive_attention, naive_weights
+from reference import KERNEL_ATTENTION, naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
@@ -143,6 +143,11 @@ def test_cost_is_reported(method):
     spec = get_method(method)
     cost = spec.cost(spec.config_class(**small_budget(method)), n=1024, s=1024, d=64, dv=64)
     assert 0 <= cost.qk_pairs <= 1024 * 1024 and 0 < cost.flops
+    # the literature's convention (matrix-product multiply-accumulates): every method states it, and it never
+    # exceeds the full cost model (2 flops per multiply-accumulate, plus whatever else the method does)
+    assert cost.matmul_macs is not None and 0 < 2 * cost.matmul_macs <= cost.flops, cost
+    full = get_method("full").cost(get_method("full").config_class(), n=1024, s=1024, d=64, dv=64)
+    assert full.matmul_macs == 2 * 1024 * 1024 * 64  # softmax: 2 N^2 d, the MonarchAttention paper's count
 
 
 FALLBACK = [m for m in METHODS if "exact_below" in get_method(m).config_class.option_names()]
@@ -204,6 +209,14 @@ def limit_inputs(n=120, distinct=None):
     return q, k, v
 
 
+def limit_reference(limit, q, k, v, mask):
+    """Softmax attention in float64, or the float64 formula of the kernel a method computes instead (``kernel``)."""
+    if limit.kernel is None:
+        return naive_attention(q, k, v, mask)
+    assert limit.kernel in KERNEL_ATTENTION, f"no float64 reference for kernel {limit.kernel!r} in tests/reference.py"
+    return KERNEL_ATTENTION[limit.kernel](q, k, v, mask, D**-0.5)
+
+
 @pytest.fixture
 def fallback_spy(monkeypatch):
     """Counts the calls of the shared fallback helper and of the approximation / exact paths it chooses."""
@@ -234,7 +247,7 @@ def test_exact_limit_while_the_approximation_runs(method, fallback_spy):
     limit = get_method(method).exact_limit
     q, k, v = limit_inputs(distinct=limit.distinct_queries)
     mask = padded_mask(120, 90)
-    ref = naive_attention(q, k, v, mask)
+    ref = limit_reference(limit, q, k, v, mask)
     real = mask[:, None, :, None]  # padded query rows are meaningless: compare the real ones
 
     def run(**options):
@@ -496,4 +509,5 @@ def test_dropout_keeps_the_expected_output(method):
         q, k, v = limit_inputs(distinct=None if method == "full" else limit.distinct_queries)
         options = {} if method == "full" else limit.options(120)
         mean, bound = _mean_with_dropout(layer(method, **{**small_budget(method), **options}), q, k, v, mask, 0.2, 150)
-        assert ((mean - naive_attention(q, k, v, mask)).abs() <= bound).masked_fill(~real, True).all()
+        ref = naive_attention(q, k, v, mask) if method == "full" else limit_reference(limit, q, k, v, mask)
+        assert ((mean - ref).abs() <= bound).masked_fill(~real, True).all()

@@ -85,12 +85,12 @@ def exact_for(config: ClusteredConfig, n: int) -> bool:
 
 def cost(config: ClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     if exact_for(config, n):
-        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s)
+        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     c, b = config.clusters, config.bits
     hashing = 2 * n * b * d
     kmeans = 2 * (config.iterations + 1) * n * c * b
     attention = 2 * c * s * (d + dv)
-    return Cost(flops=hashing + kmeans + attention, qk_pairs=c * s)
+    return Cost(flops=hashing + kmeans + attention, qk_pairs=c * s, matmul_macs=c * s * (d + dv))
 
 
 def cluster_queries(

@@ -98,7 +98,7 @@ def cost(config: EntmaxConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
         mapping = n * s * (math.ceil(math.log2(max(s, 2))) + 10)
     else:
         mapping = n * s * 4 * config.n_iter
-    return Cost(flops=2 * n * s * (d + dv) + mapping, qk_pairs=n * s)
+    return Cost(flops=2 * n * s * (d + dv) + mapping, qk_pairs=n * s, matmul_macs=n * s * (d + dv))
 
 
 def _entmax_probs(

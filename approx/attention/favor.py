@@ -128,10 +128,12 @@ def init_state(config: FavorConfig, *, head_dim: int, seed: int) -> dict[str, to
 
 def cost(config: FavorConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     if exact_for_length(n, exact_below=config.exact_below):
-        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s)
+        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     m = config.features
     features = 2 * (n + s) * config.directions * d
-    return Cost(flops=features + 2 * s * m * (dv + 1) + 2 * n * m * (dv + 1), qk_pairs=0)
+    # matrix products: the feature projections (w.x for every query and key) and phi(Q) (phi(K)^T V)
+    macs = (n + s) * config.directions * d + (n + s) * m * dv
+    return Cost(flops=features + 2 * s * m * (dv + 1) + 2 * n * m * (dv + 1), qk_pairs=0, matmul_macs=macs)
 
 
 def softmax_features(

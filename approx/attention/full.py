@@ -23,7 +23,7 @@ class FullConfig(MethodConfig):
 
 
 def cost(config: FullConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s)
+    return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
 
 
 def full_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:

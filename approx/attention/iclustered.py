@@ -50,7 +50,11 @@ def cost(config: IClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     if exact_for(config, n):
         return base
     k = min(config.topk, s)
-    return Cost(flops=base.flops + 2 * n * k * (d + dv), qk_pairs=base.qk_pairs + n * k)
+    return Cost(
+        flops=base.flops + 2 * n * k * (d + dv),
+        qk_pairs=base.qk_pairs + n * k,
+        matmul_macs=base.matmul_macs + n * k * (d + dv),
+    )
 
 
 def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int):

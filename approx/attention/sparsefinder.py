@@ -254,7 +254,9 @@ def cost(config: SparsefinderConfig, *, n: int, s: int, d: int, dv: int) -> Cost
         overhead = 3 * (n + s) * config.clusters * r
     edges = min(s, group + local + glob)
     pairs = min(n * s, n * edges + glob * s)
-    return Cost(flops=2 * pairs * (d + dv) + 2 * (n + s) * d * r + overhead, qk_pairs=pairs)
+    return Cost(
+        flops=2 * pairs * (d + dv) + 2 * (n + s) * d * r + overhead, qk_pairs=pairs, matmul_macs=pairs * (d + dv)
+    )
 
 
 # Largest number of gathered key elements of one query block: B * H * rows * E * d <= _CHUNK_ELEMENTS.
