@@ -14,6 +14,7 @@ without any model, e.g. by the benchmarks::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -131,7 +132,7 @@ class ApproxAttention(nn.Module):
     def redraw(self, seed: int) -> None:
         """Draw the method's random state anew from ``seed`` (e.g. FAVOR+ features during fine-tuning).
         Fitted state (``approx.fit``) is learned, not random, and is kept."""
-        if self.method.init_state is None or self.method.needs_fit:
+        if self.method.init_state is None or self.method.requires_fit(self.config):
             return
         old = self.state()
         for name, t in self.method.init_state(self.config, head_dim=self.head_dim, seed=seed).items():
@@ -139,9 +140,18 @@ class ApproxAttention(nn.Module):
 
     def fit(self, samples: list, **options) -> None:
         """Learn the method's state from ``samples`` = [(q, k, key_mask, scale), ...] of this layer (the model's
-        own queries and keys, see ``approx.fit``); ``options`` go to the method's fit function."""
+        own queries and keys, see ``approx.fit``); ``options`` go to the method's fit function. A config of a fitted
+        method whose state is not learned (``Method.requires_fit`` false, e.g. Linformer's ``mean``) has nothing to
+        fit: it warns and changes nothing."""
         if not self.method.needs_fit:
             raise ValueError(f"method {self.method.name!r} has no fitted state")
+        if not self.method.requires_fit(self.config):
+            warnings.warn(
+                f"{self.method.name}: nothing to fit with these options ({self.config}): its state is not learned",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
         old = self.state()
         for name, t in self.method.fit(self.config, old, samples, **options).items():
             setattr(self, name, t.to(device=old[name].device))

@@ -105,7 +105,8 @@ CostFn = Callable[..., Cost]
 # method implies, for analysis and plots on short inputs (it is O(N * S) by construction).
 WeightsFn = Callable[..., torch.Tensor]
 # fit(config, state, samples, **options) -> {name: tensor}: state learned from the model's own queries and keys,
-#   samples = [(q, k, key_mask, scale), ...]; a method with ``fit`` must be fitted before it runs.
+#   samples = [(q, k, key_mask, scale), ...]; a config for which ``Method.requires_fit`` is true must be fitted
+#   before it runs.
 FitFn = Callable[..., dict[str, torch.Tensor]]
 # stats(q, k, *, key_mask, query_mask, scale, config, state) -> {name: (H,) tensor}: counts summed over the batch
 #   that the evaluation harness adds up per layer (e.g. Sparsefinder's predicted and gold graph sizes).
@@ -155,11 +156,20 @@ class Method:
     exact_limit: ExactLimit | None = None
     # the settings of ``fit`` (a MethodConfig subclass: options with defaults and help), for the CLI and docs
     fit_config: type[MethodConfig] | None = None
+    # which configs have learned state (e.g. Linformer's mode="fitted"); None: every config of a method with ``fit``
+    fit_when: Callable[[MethodConfig], bool] | None = None
 
     @property
     def needs_fit(self) -> bool:
-        """True when the method's state is learned (``approx.fit``) rather than drawn."""
+        """True when the method has state learned by ``approx.fit`` for some of its configs (all of them, unless
+        ``fit_when`` says which): such a method may need a fit; :meth:`requires_fit` says for one config."""
         return self.fit is not None
+
+    def requires_fit(self, config: MethodConfig) -> bool:
+        """True when ``config``'s state is learned (``approx.fit``) and must be fitted before the method runs;
+        False for a method without ``fit`` and for the configs that ``fit_when`` leaves out (e.g. Linformer's
+        ``mean`` and ``random`` modes)."""
+        return self.fit is not None and (self.fit_when is None or bool(self.fit_when(config)))
 
     def make_config(self, **options: Any) -> MethodConfig:
         return self.config_class.from_options(**options)
@@ -181,6 +191,7 @@ def register(
     test_options: dict[str, Any] | None = None,
     exact_limit: ExactLimit | None = None,
     fit_config: type[MethodConfig] | None = None,
+    fit_when: Callable[[MethodConfig], bool] | None = None,
 ) -> Callable[[AttendFn], AttendFn]:
     """Decorator registering an attend function as method ``name`` (see :class:`Method` for the fields)."""
 
@@ -204,6 +215,7 @@ def register(
                 test_options=dict(test_options or {}),
                 exact_limit=exact_limit,
                 fit_config=fit_config,
+                fit_when=fit_when,
             ),
         )
         return attend

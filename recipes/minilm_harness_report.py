@@ -8,9 +8,11 @@ the unpatched model on the same batches:
 * ``wikitext2`` fidelity on 64 WikiText-2 test windows of 512 tokens (hidden-state cosine per layer,
   attention-output error; no task metric, as the encoder has no masked-LM head).
 
-Methods: clustered-25, i-clustered-25 (k = 32), FAVOR+ (m = 256) and entmax (α = 1.5), defaults otherwise.
+Methods: clustered-25, i-clustered-25 (k = 32), FAVOR+ (m = 256), entmax (α = 1.5), and the kernel and
+low-rank family at their defaults: linear (elu + 1), Efficient Attention, Taylor, Linformer (segment means, 64
+projections), Nyström (64 landmarks) and MonarchAttention (blocks of about √N).
 
-    python recipes/minilm_harness_report.py     # about 10 minutes on 2 CPU cores
+    python recipes/minilm_harness_report.py     # about 15 minutes on 2 CPU cores
 
 Writes recipes/results/minilm_stsb_zero_shot.json and recipes/results/minilm_wikitext2_harness.json (one
 result per method, with provenance) and prints the tables with each run's wall time.
@@ -40,6 +42,10 @@ METHODS = [
     IClusteredConfig(clusters=25, topk=32),
     FavorConfig(features=256),
     EntmaxConfig(),
+    *(
+        approx.get_method(name).make_config()
+        for name in ("linear", "efficient", "taylor", "linformer", "nystrom", "monarch")
+    ),
 ]
 RUNS = [
     ("stsb", {"batch_size": 64}, "minilm_stsb_zero_shot.json"),

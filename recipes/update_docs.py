@@ -235,6 +235,18 @@ def minilm_mlm_table(path: str = MINILM_MLM) -> str:
 
 
 LONG_INPUTS = "recipes/results/long_inputs.json"
+MONARCH_PROTOCOL = "recipes/results/monarch_protocol.json"
+
+
+def monarch_protocol_block(path: str = MONARCH_PROTOCOL) -> str:
+    """recipes/monarch_protocol.py: the best points per method at matched matmul budgets, the targets, the full
+    tables and the figure."""
+    if not (ROOT / path).is_file():
+        return "*No result file yet: run `python recipes/monarch_protocol.py`.*\n"
+    from monarch_protocol import markdown
+
+    record = json.loads((ROOT / path).read_text())
+    return markdown(record) + "\n![SQuAD F1 against matmul cost](figures/recipes/figures/monarch_protocol.png)\n"
 
 
 def long_inputs_block(path: str = LONG_INPUTS) -> str:
@@ -322,17 +334,44 @@ def benchmarks() -> str:
 
 def clustered_table(folder: Path = RESULTS, *, recovery: bool = True) -> str:
     """The reproduced clustered-attention table (``python recipes/clustered_table.py --report``) from
-    ``folder/clustered_table_*.json``, and the FAVOR+ recovery below it."""
+    ``folder/clustered_table_*.json``, and the recovery runs below it."""
     from paper_table import load_results, markdown_table
 
     text = markdown_table(load_results(folder)) + "\n"
-    for path in sorted(folder.glob("favor_recovery_*.json")) if recovery else []:
-        text += "\n" + favor_recovery_block(json.loads(path.read_text()))
+    runs = recovery_runs(folder) if recovery else []
+    if len(runs) > 1:
+        text += "\n" + recovery_table(runs)
+    for r in runs:
+        text += "\n" + recovery_block(r)
     return text
 
 
-def favor_recovery_block(r: dict) -> str:
-    """The Performer claim on one task: zero-shot drop and the recovery curve (recipes/favor_recovery.py)."""
+def recovery_runs(folder: Path = RESULTS) -> list[dict]:
+    """The results of ``recipes/recovery.py`` (the FAVOR+ one made by ``favor_recovery.py``, its predecessor)."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("recovery_*.json"))]
+
+
+def _recovery_label(r: dict) -> str:
+    from approx.harness.spec import short_label
+
+    return short_label(r["method"])
+
+
+def recovery_table(runs: list[dict]) -> str:
+    """Steps to come within 1 point of full attention after the swap, one row per method."""
+    rows = ["| task | method | full | zero-shot | after fine-tuning | steps to within 1 point |", "|" + " --- |" * 6]
+    for r in runs:
+        within = r["steps_to_within_1_point"]
+        steps = r["curve"][-1]["step"]
+        rows.append(
+            f"| {r['task']} | {_recovery_label(r)} | {r['full']:.1f} | {r['zero_shot']:.1f} | {r['final']:.1f} "
+            f"(step {steps}) | {within if within is not None else f'> {steps}'} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def recovery_block(r: dict) -> str:
+    """One method on one task: zero-shot drop and the recovery curve (recipes/recovery.py)."""
     metric = r["metric"]
     within = r["steps_to_within_1_point"]
     steps = r["curve"][-1]["step"]
@@ -343,14 +382,17 @@ def favor_recovery_block(r: dict) -> str:
     )
     curve = ", ".join(f"{c['step']}: {c[metric]:.1f}" for c in r["curve"])
     w = r["wall_seconds"]
+    seconds = w.get("patched_finetune_with_evaluations", w.get("favor_finetune_with_evaluations"))
+    label = _recovery_label(r)
+    made = "" if r.get("recipe") == "recipes/recovery.py" else f" (made by its predecessor `{r.get('recipe')}`)"
     return (
-        f"**FAVOR+ recovery** (`python recipes/favor_recovery.py`; {_provenance_line(r['provenance'])}): "
-        f"{r['task']} {metric} of the full-attention checkpoint {r['full']:.1f}; with FAVOR+ "
-        f"({r['method']['features']} features) swapped in zero-shot {r['zero_shot']:.1f} "
-        f"({-r['zero_shot_drop']:+.1f}); fine-tuning the patched model, it is {verdict} "
-        f"(step: {metric}: {curve}). Protocol: {r['protocol']}; {r['examples']} evaluation examples. CPU wall "
-        f"time {w['favor_finetune_with_evaluations'] / 60:.0f} min for the FAVOR+ fine-tuning with its evaluations "
-        "(the base checkpoint is the clustered table's, cpu profile).\n"
+        f"**{label} recovery** (`python recipes/recovery.py --method {label}`{made}; "
+        f"{_provenance_line(r['provenance'])}): "
+        f"{r['task']} {metric} of the full-attention checkpoint {r['full']:.1f}; with {label} swapped in "
+        f"zero-shot {r['zero_shot']:.1f} ({-r['zero_shot_drop']:+.1f}); fine-tuning the patched model, it is "
+        f"{verdict} (step: {metric}: {curve}). Protocol: {r['protocol']}; {r['examples']} evaluation examples. "
+        f"CPU wall time {seconds / 60:.0f} min for the fine-tuning with its evaluations (the base checkpoint is "
+        "the clustered table's, cpu profile).\n"
     )
 
 
@@ -376,7 +418,7 @@ def fit_settings() -> str:
 
 def blocks() -> dict[Path, dict[str, str]]:
     """Every generated block: {file: {block name: body}}."""
-    from approx.harness.cli import methods_markdown, tasks_markdown
+    from approx.harness.cli import methods_markdown, methods_summary_markdown, tasks_markdown
     from approx.harness.finetune import FinetuneConfig
 
     methods, tasks = methods_markdown() + "\n", tasks_markdown() + "\n"
@@ -387,9 +429,14 @@ def blocks() -> dict[Path, dict[str, str]]:
         "clustered-table-cpu": clustered_table(CPU_RESULTS, recovery=False),
         "sparsefinder-task": sparsefinder_task_block(json.loads((ROOT / SPARSEFINDER_TASK).read_text())),
         "minilm-mlm": minilm_mlm_block(),
+        "monarch-protocol": monarch_protocol_block(),
     }
     return {
-        README: {"methods-table": methods, "tasks-table": tasks, "minilm-mlm": minilm_mlm_table()},
+        README: {
+            "methods-table": methods_summary_markdown() + "\n",
+            "tasks-table": tasks,
+            "minilm-mlm": minilm_mlm_table(),
+        },
         DOCS / "methods.md": {"methods-table": methods},
         DOCS / "evaluation.md": {"tasks-table": tasks},
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},

@@ -610,3 +610,29 @@ def test_rows_where_favor_breaks_down_are_reported_in_fidelity(fixture_dir, chec
     layers, heads = broke["model_shape"]["attention_layers"], broke["model_shape"]["heads"]
     assert 0 < broke["fidelity"]["fallback_rows"]
     assert broke["fidelity"]["fallback_rows"] <= layers * heads * broke["features"] * broke["max_length"]
+
+
+def test_matmul_count_of_the_literature_over_patched_and_whole_model(fixture_dir, checkpoints):
+    """``cost.matmul_vs_softmax_model`` counts every attention layer (unpatched ones as softmax), as the
+    MonarchAttention paper's axis does; checked by hand from the real lengths of the inputs."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = checkpoints("sequence-classification")
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    total = model.config.num_hidden_layers
+    approx.patch(model, "clustered", layers=[0], clusters=2)
+    layers = approx.patched_layers(model)
+    approx.unpatch(model)
+    (some,) = _run(path, "sst2", [layers], fixture_dir, limit=6, batch_size=3)
+    (every,) = _run(path, "sst2", ["clustered:clusters=2"], fixture_dir, limit=6, batch_size=3)
+    c_some, c_every = some["fidelity"]["cost"], every["fidelity"]["cost"]
+    assert c_some["layers"] == {"patched": [0], "total": total}
+    assert c_every["layers"] == {"patched": list(range(total)), "total": total}
+    # per layer the ratio is the same; the whole model dilutes it by the exact layers
+    assert c_some["matmul_vs_softmax"] == pytest.approx(c_every["matmul_vs_softmax"])
+    r = c_every["matmul_vs_softmax"]
+    assert 0 < r and r != 1
+    assert c_every["matmul_vs_softmax_model"] == pytest.approx(r)
+    assert c_some["matmul_vs_softmax_model"] == pytest.approx((r + total - 1) / total)
+    full = _run(path, "sst2", ["full"], fixture_dir, limit=6, batch_size=3)[0]["fidelity"]["cost"]
+    assert full["matmul_vs_softmax_model"] == 1.0

@@ -168,14 +168,14 @@ def test_gradcheck_float64(kernel):
 def test_chunked_computation_equals_one_pass(monkeypatch, kernel):
     """The fast path runs over chunks of keys (with an online maximum) and queries; the dense weights path
     computes the same features in one pass. Small chunks exercise the rescaling."""
-    import approx.attention.favor as favor
+    from approx.attention import _kernelized
 
     q, k, v, mask = inputs(0)
     k = k.clone()
     k[0, :, 50:] *= 3  # a later chunk raises the running maximum
     mask[0, :10] = False  # the first chunk of row 0 has no real key
     lyr = ApproxAttention("favor", FavorConfig(kernel=kernel, hyperbolic=kernel == "softmax"), head_dim=D)
-    monkeypatch.setattr(favor, "_CHUNK", 8)
+    monkeypatch.setattr(_kernelized, "_CHUNK", 8)
     out = lyr(q, k, v, mask)  # no gradient: features written to one scratch buffer per call
     dense = lyr.weights(q, k, mask) @ v.masked_fill(~mask[:, None, :, None], 0)
     torch.testing.assert_close(out, dense)

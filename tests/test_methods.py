@@ -168,6 +168,8 @@ def test_exact_below_threshold_equals_reference(method):
     assert (approx_only[1] - ref[1]).abs().max() > 1e-3
     everything = layer(method, exact_below=121, **small_budget(method))(q, k, v, mask)
     torch.testing.assert_close(everything, ref, rtol=1e-9, atol=1e-9)
+    if get_method(method).weights is None:
+        return  # no dense path to check (Nystrom's implied matrix is signed)
     w = layer(method, exact_below=100, **small_budget(method)).weights(q, k, mask)
     torch.testing.assert_close(w[1], naive_weights(q, k, mask)[1], rtol=1e-9, atol=1e-9)
 

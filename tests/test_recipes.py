@@ -46,7 +46,9 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
         for key in ("metrics", "reference_metrics"):
             assert m[key] == pytest.approx(w[key], abs=1e-9)
         assert m["fidelity"]["agreement"] == pytest.approx(w["fidelity"]["agreement"])
-        assert m["fidelity"]["cost"] == pytest.approx(w["fidelity"]["cost"])
+        cost_m, cost_w = dict(m["fidelity"]["cost"]), dict(w["fidelity"]["cost"])
+        assert cost_m.pop("layers") == cost_w.pop("layers") == {"patched": [0, 1], "total": 2}
+        assert cost_m == pytest.approx(cost_w)
         assert "predictions" not in m and len(m["halves"]) == 2 and "predictions" not in m["halves"][0]
         assert "fidelity_sums" not in m and "fidelity_sums" not in m["halves"][0]
     # entmax gives every input the same output in any batch: each fidelity quantity of the merge is the whole
@@ -208,20 +210,29 @@ def test_clustered_table_hub_arguments():
 
 
 @pytest.mark.smoke
-def test_favor_recovery_recipe_smoke(base_model, fixture_dir, tmp_path):
-    recipe = _recipe("favor_recovery")
-    recipe.METHOD = dataclasses.replace(recipe.METHOD, features=8)
+def test_recovery_recipe_smoke(base_model, fixture_dir, tmp_path):
+    recipe = _recipe("recovery")
     argv = [
         *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local"),
+        *("--method", "favor:features=8", "clustered:clusters=2"),
         *("--limit", "6", "--base-steps", "1", "--steps", "3", "--eval-every", "2", "--batch-size", "4", "--quiet"),
         *("--checkpoints", str(tmp_path / "ck"), "--results-dir", str(tmp_path / "res")),
     ]
     assert recipe.main(argv) == 0
-    result = json.loads((tmp_path / "res" / "favor_recovery_sst2.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "res").iterdir()) == [
+        "recovery_sst2_clustered-clusters-2.json",
+        "recovery_sst2_favor-features-8.json",
+    ]
+    result = json.loads((tmp_path / "res" / "recovery_sst2_favor-features-8.json").read_text())
     assert [c["step"] for c in result["curve"]] == [0, 2, 3] and len(result["losses"]) == 3
     assert result["zero_shot"] == result["curve"][0]["accuracy"] and result["method"]["features"] == 8
     assert result["zero_shot_drop"] == pytest.approx(result["full"] - result["zero_shot"])
-    assert "**FAVOR+ recovery**" in _recipe("update_docs").favor_recovery_block(result)
+    docs = _recipe("update_docs")
+    assert "**favor:features=8 recovery**" in docs.recovery_block(result)
+    table = docs.recovery_table(docs.recovery_runs(tmp_path / "res"))
+    assert "| sst2 | clustered:clusters=2 |" in table and "| sst2 | favor:features=8 |" in table
+    with pytest.raises(SystemExit):
+        recipe.main(["--method", "nope"])
     within = result["steps_to_within_1_point"]
     assert within is None or result["curve"][[c["step"] for c in result["curve"]].index(within)]["accuracy"] >= (
         result["full"] - 1
@@ -263,3 +274,44 @@ def test_sparsefinder_task_recipe_smoke(base_model, fixture_dir, tmp_path):
     approx.integration.attach(model, points[2])
     stats = approx.graph_stats(model, recipe.sentence_batches(tokenizer, "dev/1", args), progress=False)
     assert stats["counts"] == ent["results"][3]["halves"][0]["fidelity"]["graph"]["counts"]
+
+
+@pytest.mark.smoke
+def test_monarch_protocol_recipe_smoke(base_model, fixture_dir, tmp_path):
+    """Both layer sets, two methods at two budgets; the whole-model matmul ratio dilutes the patched layers' by the
+    layers kept exact, the best-point table and the figure come out of the JSON."""
+    import shutil
+
+    from conftest import tiny_model
+
+    base = tmp_path / "base3"  # three layers, so that the outer thirds leave one exact
+    shutil.copytree(base_model, base)
+    ref = json.loads((base / "config.json").read_text())
+    tiny_model(
+        "bert", "base", num_hidden_layers=3, vocab_size=ref["vocab_size"], max_position_embeddings=512
+    ).save_pretrained(base)
+    recipe = _recipe("monarch_protocol")
+    recipe.METHODS = {"clustered": [{"clusters": 2}, {"clusters": 4}], "favor": [{"features": 8}]}
+    out, fig = tmp_path / "res" / "mp.json", tmp_path / "res" / "mp.png"
+    argv = [
+        *("--model", str(base), "--data-dir", str(fixture_dir), "--source", "local", "--profile", "cpu"),
+        *("--questions", "4", "--max-steps", "1", "--train-limit", "6", "--batch-size", "2", "--quiet"),
+        *("--checkpoints", str(tmp_path / "ck"), "--output", str(out), "--figure", str(fig)),
+    ]
+    assert recipe.main(argv) == 0
+    record = json.loads(out.read_text())
+    n_layers = 3
+    assert record["layer_sets"] == {"all": [0, 1, 2], "outer thirds": [0, 2]}
+    by_set = {}
+    for r in record["results"]:
+        by_set.setdefault(r["layer_set"], []).append(r)
+        assert r["fidelity"]["cost"]["layers"]["patched"] == record["layer_sets"][r["layer_set"]]
+    assert set(by_set) == {"all", "outer thirds"} and all(len(v) == 3 for v in by_set.values())
+    for a, o in zip(by_set["all"], by_set["outer thirds"], strict=True):
+        ca, co = a["fidelity"]["cost"], o["fidelity"]["cost"]
+        kept = n_layers - len(record["layer_sets"]["outer thirds"])
+        expected = (co["matmul_vs_softmax"] * (n_layers - kept) + kept) / n_layers
+        assert co["matmul_vs_softmax_model"] == pytest.approx(expected)
+        assert ca["matmul_vs_softmax_model"] == pytest.approx(ca["matmul_vs_softmax"])
+    assert fig.is_file() and "| all | clustered |" in recipe.best_table(record)
+    assert recipe.main([*argv, "--report"]) == 0

@@ -5,7 +5,9 @@ Choromanski et al., "Rethinking Attention with Performers", ICLR 2021 (arXiv 200
 The softmax kernel is an expectation over random features: with x~ = sqrt(s) x (s the attention scale),
 exp(s q.k) = E_w[phi(q~) . phi(k~)] for the positive features
 phi(x) = exp(-|x|^2 / 2) / sqrt(m) [exp(w_1.x), ..., exp(w_m.x)], w_i ~ N(0, I). Attention then needs no
-N x S matrix: O = D^-1 phi(Q) (phi(K)^T V), D = diag(phi(Q) phi(K)^T 1), O(N m d) time and memory.
+N x S matrix: O = D^-1 phi(Q) (phi(K)^T V), D = diag(phi(Q) phi(K)^T 1), O(N m d) time and memory. That
+computation (chunks of keys and queries, padding, half precision, in-place work) is the one shared by every
+kernelised method, :mod:`._kernelized`; this file supplies the feature maps.
 
 Choices made here:
 
@@ -18,8 +20,8 @@ Choices made here:
   (``tests/test_favor.py::test_hyperbolic_default_is_the_more_accurate`` checks it).
 * Stability: the query factor exp(-|q~|^2/2) and a per-query maximum of w.q~ are constants of each output
   row, so they cancel in D^-1 and are dropped / subtracted before exp; for keys one maximum over all real
-  keys of a (batch, head) is subtracted, tracked online while keys are summed in chunks (so no (N, m)
-  feature tensor is ever held whole: memory O(chunk * m + m * dv) beyond inputs). Nothing overflows in
+  keys of a (batch, head) is subtracted, tracked online by the shared helper while keys are summed in chunks
+  (so no (N, m) feature tensor is ever held whole: memory O(chunk * m + m * dv) beyond inputs). Nothing overflows in
   float16/bfloat16 (computed in float32). Where D still falls below ``stabilizer`` (large-norm inputs,
   where one key's features dwarf the others'), the row's estimate is lost to underflow: such query rows get
   exact attention (:func:`._fallback.replace_query_rows`, counted in ``_fallback.counts()`` and warned
@@ -28,12 +30,14 @@ Choices made here:
   (B*H*n, d) x (d, m') product (about twice as fast on CPU as a batched one). Hyperbolic features project on
   the m/2 directions only and get the -w half from an elementwise pass; the key norm, the stabilising maximum
   and padding (-inf) are one per-row shift; without gradients the projections and features of every chunk go
-  to one scratch buffer per call, phi(K)^T V is accumulated in place and the output is written in place.
+  to scratch memory reused by every chunk of a call (:class:`._kernelized.Scratch`), phi(K)^T V is
+  accumulated in place and the output is written in place.
 * Padding: the feature rows of padded keys are zeroed, so they enter neither the numerator nor the
   normaliser D (both reference implementations only zero the values, so padding changed real outputs).
 * ``exact_below``: batch rows with fewer real tokens than this get exact attention (0, the default, never:
   measurements at short lengths then measure the approximation, not the fallback; see :mod:`._fallback`).
-* ``kernel="relu"``: the generalised kernel phi(x) = ReLU(w.x) + relu_eps of the Performer paper.
+* ``kernel="relu"``: the generalised kernel phi(x) = ReLU(w.x~) + relu_eps of the Performer paper, another
+  feature map through the same computation (no softmax estimate: no maximum to track, no underflow).
 * Attention dropout is not applied: dropping entries of the implicit N x S matrix needs that matrix, and
   dropping keys or features instead is a different regulariser. A call with ``dropout > 0`` (training)
   warns once instead of ignoring it silently.
@@ -50,8 +54,9 @@ import torch
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
-from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, zero_padded_values
+from ._common import compute_dtype, dense_softmax, exact_attention
 from ._fallback import exact_for_length
+from ._kernelized import FeatureMap, Scratch, kernel_attention, kernel_weights
 
 KERNELS = ("softmax", "relu")
 _MAX_RELU_EPS = 1e6
@@ -145,7 +150,8 @@ def softmax_features(
     stabilize: str | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Positive random features of the softmax kernel, (B, H, N, d) -> (B, H, N, m).
+    """Positive random features of the softmax kernel, (B, H, N, d) -> (B, H, N, m), written out densely (the
+    attention itself computes them chunk by chunk through :class:`_PositiveFeatures`).
 
     Without ``stabilize`` they are the unbiased estimator: E[phi(q) . phi(k)] = exp(scale q.k).
     ``stabilize="query"`` drops the per-row constant exp(-|x|^2/2) / sqrt(m) and subtracts the row maximum;
@@ -167,33 +173,6 @@ def softmax_features(
     elif stabilize is not None:
         raise ValueError(f"stabilize must be None, 'query' or 'key', got {stabilize!r}")
     return logits.sub_(shift).exp_()
-
-
-def relu_features(x: torch.Tensor, omega: torch.Tensor, scale: float, eps: float) -> torch.Tensor:
-    """Generalised-kernel features ReLU(w.x~) + eps, (B, H, N, d) -> (B, H, N, m)."""
-    return torch.relu(x @ (omega * math.sqrt(scale)).t()) + eps
-
-
-def _features(q, k, key_mask, scale, config, omega):
-    if config.kernel == "relu":
-        phi_q, phi_k = (relu_features(x, omega, scale, config.relu_eps) for x in (q, k))
-    else:
-        phi_q = softmax_features(q, omega, scale, hyperbolic=config.hyperbolic, stabilize="query")
-        phi_k = softmax_features(k, omega, scale, hyperbolic=config.hyperbolic, stabilize="key", mask=key_mask)
-    if key_mask is not None:
-        phi_k = phi_k * key_mask[:, None, :, None]  # padded keys: out of the numerator and of D
-    return phi_q, phi_k
-
-
-# Keys and queries are processed in chunks of this many rows: the (rows, m) feature tensors stay small and
-# hot in cache instead of two (N, m) tensors (200 MB each at N = 16384, m = 256). On a GPU, where every chunk
-# costs a dozen kernel launches, chunks are far larger (512-row chunks make FAVOR+ launch-bound on a GPU).
-_CHUNK = 512
-_CHUNK_GPU = 16384
-
-
-def _chunk_rows(x: torch.Tensor) -> int:
-    return _CHUNK if x.device.type == "cpu" else _CHUNK_GPU
 
 
 def _projections(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,75 +214,71 @@ def _row_max(raw: torch.Tensor, hyperbolic: bool) -> torch.Tensor:
     return torch.maximum(raw.amax(-1), raw.amin(-1).neg_())
 
 
-class _Scratch:
-    """Flat memory that every chunk of one call writes its projections and features to (no gradients).
+class _PositiveFeatures(FeatureMap):
+    """The softmax kernel's positive features, exp(+-w.x~ - |x~|^2 / 2) / sqrt(m), up to factors that cancel.
 
-    Fresh pages cost more than the arithmetic on them on the CPU (first-touch page faults of a new tensor for
-    every chunk), so one buffer is reused."""
+    Queries: exp(-|q~|^2 / 2) / sqrt(m) and the row maximum of +-w.q~ are per-row factors, dropped / subtracted.
+    Keys: log(sqrt(m) phi(k)) = +-w.k~ - s |k|^2 / 2; one maximum of it over the real keys of a (batch, head) is
+    subtracted, tracked online over chunks by the shared helper (:mod:`._kernelized`); padded keys get a shift
+    of -inf, so their features are exactly zero."""
 
-    def __init__(self, like: torch.Tensor, rows: int, directions: int, features: int, grad: bool) -> None:
-        self.raw: torch.Tensor | None = None
-        self.phi: torch.Tensor | None = None
-        if not grad:
-            self.raw = like.new_empty(rows * directions)
-            self.phi = like.new_empty(rows * features)
+    def __init__(self, w: torch.Tensor, scale: float, hyperbolic: bool, features: int) -> None:
+        self.w, self.scale, self.hyperbolic, self.features = w, scale, hyperbolic, features
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.w,)
+
+    def _raw(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        return _projections(x, self.w, scratch("raw", x[..., 0].numel() * self.w.shape[1]))  # (B, H, n, m')
+
+    def _exp(self, raw: torch.Tensor, shift: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        return _exp_features(
+            raw, shift[..., None], self.hyperbolic, scratch("phi", raw[..., 0].numel() * self.features)
+        )
+
+    def queries(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        raw = self._raw(x, scratch)
+        return self._exp(raw, -_row_max(raw, self.hyperbolic), scratch)
+
+    def key_logits(self, x, real, scratch):
+        raw = self._raw(x, scratch)
+        # -s |k|^2 / 2, (B, H, n); vector_norm is several times faster than square().sum() on CPU
+        norm = x.square().sum(-1) if scratch.grad else torch.linalg.vector_norm(x, dim=-1).square_()
+        norm = norm * (-self.scale / 2)
+        row_max = _row_max(raw, self.hyperbolic) + norm.detach()  # (B, H, n)
+        if real is not None:
+            row_max = row_max.masked_fill(~real, float("-inf"))  # a chunk of padding alone sets no maximum
+        return (raw, norm), row_max.amax(-1, keepdim=True)  # (B, H, 1)
+
+    def key_features(self, pre, shift, real, scratch):
+        raw, norm = pre
+        row_shift = norm - shift  # (B, H, n)
+        if real is not None:
+            row_shift = row_shift.masked_fill(~real, float("-inf"))  # padded keys: out of the numerator and of D
+        return self._exp(raw, row_shift, scratch)
 
 
-def _key_summary(k, v, key_mask, scale, config, w, grad) -> torch.Tensor:
-    """phi(K)^T [V, 1], (B, H, m, dv + 1): the value sums and, in the last column, the normaliser sums,
-    accumulated over chunks of keys.
+class _ReluFeatures(FeatureMap):
+    """The generalised kernel's features ReLU(w.x~) + eps, (B, H, n, d) -> (B, H, n, m)."""
 
-    Softmax features: log(sqrt(m) phi(k)) = +-w.k~ - s |k|^2 / 2. The maximum subtracted for stability is
-    tracked online: when a chunk raises it, the running sums are rescaled by exp(old - new), so the result
-    equals one global subtraction. Padded keys get a shift of -inf: their features are exactly zero, so they
-    enter neither the numerator nor D.
-    """
-    batch, heads, s, _ = k.shape
-    bh, dv = batch * heads, v.shape[-1]
-    hyperbolic = config.kernel == "softmax" and config.hyperbolic
-    m = config.features
-    values = k.new_zeros(bh, m, dv)  # phi(K)^T V
-    norms = k.new_zeros(batch, heads, m)  # phi(K)^T 1
-    top = k.new_full((batch, heads), float("-inf"))  # running maximum of the key log-features
-    rows = min(s, _chunk_rows(k))
-    scratch = _Scratch(k, bh * rows, w.shape[1], m, grad)
-    for start in range(0, s, rows):
-        kc = k[:, :, start : start + rows]
-        vc = v[:, :, start : start + rows]
-        n = kc.shape[2]
-        mc = None if key_mask is None else key_mask[:, None, start : start + rows]  # (B, 1, n)
-        raw = _projections(kc, w, scratch.raw)  # (B, H, n, m')
-        if config.kernel == "relu":
-            phi = torch.relu(raw) + config.relu_eps
-            if mc is not None:
-                phi = phi * mc[..., None]  # padded keys: out of the numerator and of D
-        else:
-            # -s |k|^2 / 2, (B, H, n); vector_norm is several times faster than square().sum() on CPU
-            norm = kc.square().sum(-1) if grad else torch.linalg.vector_norm(kc, dim=-1).square_()
-            norm = norm * (-scale / 2)
-            row_max = _row_max(raw, hyperbolic) + norm.detach()
-            if mc is not None:
-                row_max = row_max.masked_fill(~mc, float("-inf"))
-            # ``top`` stays -inf until a real key comes (a chunk of padding alone must not set it)
-            new_top = torch.maximum(top, row_max.amax(-1))
-            finite_top = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
-            if start:
-                rescale = torch.exp(top - finite_top)  # exp(-inf) = 0: no real key before (the sums are 0)
-                values = values * rescale.view(bh, 1, 1) if grad else values.mul_(rescale.view(bh, 1, 1))
-                norms = norms * rescale[..., None] if grad else norms.mul_(rescale[..., None])
-            top = new_top
-            shift = norm - finite_top[..., None]
-            if mc is not None:
-                shift = shift.masked_fill(~mc, float("-inf"))
-            phi = _exp_features(raw, shift[..., None], hyperbolic, scratch.phi)
-        phi_t = phi.view(bh, n, m).transpose(1, 2)  # (B*H, m, n)
-        if grad:
-            values = torch.baddbmm(values, phi_t, vc.reshape(bh, n, dv))
-            norms = norms + phi.sum(-2)
-        else:
-            values.baddbmm_(phi_t, vc.reshape(bh, n, dv))
-            norms += phi.sum(-2)
-    return torch.cat([values.view(batch, heads, m, dv), norms[..., None]], dim=-1)
+    def __init__(self, w: torch.Tensor, eps: float, features: int) -> None:
+        self.w, self.eps, self.features = w, eps, features
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.w,)
+
+    def queries(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        raw = _projections(x, self.w, scratch("raw", x[..., 0].numel() * self.w.shape[1]))
+        return torch.relu(raw) + self.eps if scratch.grad else raw.relu_().add_(self.eps)
+
+    keys = queries
+
+
+def _feature_map(config: FavorConfig, state: dict[str, torch.Tensor], scale: float, dt: torch.dtype) -> FeatureMap:
+    w = (state["omega"].to(dt) * math.sqrt(scale)).t()  # (d, m'): w.x~ = (sqrt(s) w).x
+    if config.kernel == "relu":
+        return _ReluFeatures(w, config.relu_eps, config.features)
+    return _PositiveFeatures(w, scale, config.hyperbolic, config.features)
 
 
 def _softmax_logits(x, omega, scale, hyperbolic):
@@ -317,8 +292,6 @@ def _softmax_logits(x, omega, scale, hyperbolic):
 def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """Dense (B, H, N, S) attention implied by the random features (analysis only)."""
     dt = compute_dtype(q.dtype)
-    key_mask = safe_key_mask(key_mask)
-    phi_q, phi_k = _features(q.to(dt), k.to(dt), key_mask, scale, config, state["omega"].to(dt))
 
     def exact(r: torch.Tensor | None) -> torch.Tensor:
         if r is None:
@@ -326,11 +299,10 @@ def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.
         return dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale)
 
     def approximate() -> torch.Tensor:
-        a = phi_q @ phi_k.transpose(-1, -2)  # (B, H, N, S)
-        den = a.sum(-1, keepdim=True)
-        out = a / den.clamp_min(config.stabilizer)
-        low = _underflow(den[..., 0], query_mask, config, dt)
-        return _fallback.replace_query_rows(out, low, exact, method="favor", why=_UNDERFLOW, count=False)
+        fmap = _feature_map(config, state, scale, dt)
+        w, den = kernel_weights(q, k, key_mask, fmap, floor=config.stabilizer)
+        low = _underflow(den, query_mask, config, dt)
+        return _fallback.replace_query_rows(w, low, exact, method="favor", why=_UNDERFLOW, count=False)
 
     return _with_fallback(approximate, exact, q, query_mask, config)
 
@@ -404,40 +376,5 @@ def favor_attention(
 
 def _favor(q, k, v, key_mask, scale, config, state) -> tuple[torch.Tensor, torch.Tensor]:
     """The output (B, H, N, dv) in the input dtype and the normaliser D of every query row (B, H, N)."""
-    dt = compute_dtype(q.dtype)
-    key_mask = safe_key_mask(key_mask)
-    q, k = q.to(dt), k.to(dt)
-    hyperbolic = config.kernel == "softmax" and config.hyperbolic
-    w = (state["omega"].to(dt) * math.sqrt(scale)).t()  # (d, m'): w.x~ = (sqrt(s) w).x
-    # without gradients the features and the output are written in place (out= has no autograd)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w))
-    summary = _key_summary(k, zero_padded_values(v.to(dt), key_mask), key_mask, scale, config, w, grad)
-    batch, heads, n_q, _ = q.shape
-    bh, m, dv = batch * heads, config.features, summary.shape[-1] - 1
-    summary = summary.view(bh, m, dv + 1)
-    out = summary.new_empty(batch, heads, n_q, dv)  # (B, H, N, dv)
-    outs = []
-    dens = summary.new_empty(batch, heads, n_q)  # (B, H, N)
-    rows = min(n_q, _chunk_rows(q))
-    scratch = _Scratch(q, bh * rows, w.shape[1], m, grad)
-    both_store = None if grad else summary.new_empty(bh * rows * (dv + 1))
-    for start in range(0, n_q, rows):  # chunks of queries: D^-1 phi(Q) (phi(K)^T V)
-        raw = _projections(q[:, :, start : start + rows], w, scratch.raw)  # (B, H, n, m')
-        n = raw.shape[2]
-        if config.kernel == "relu":
-            phi = torch.relu(raw) + config.relu_eps
-        else:  # exp(-|q~|^2 / 2) / sqrt(m) and the row maximum are per-row factors: they cancel in D^-1
-            phi = _exp_features(raw, -_row_max(raw, hyperbolic)[..., None], hyperbolic, scratch.phi)
-        phi = phi.view(bh, n, m)
-        if grad:
-            both = phi @ summary  # (B*H, n, dv + 1): numerator | D
-        else:
-            both = torch.bmm(phi, summary, out=both_store[: bh * n * (dv + 1)].view(bh, n, dv + 1))
-        both = both.view(batch, heads, n, dv + 1)
-        dens[:, :, start : start + n] = both[..., -1].detach()
-        den = both[..., -1:].clamp_min(config.stabilizer)
-        if grad:
-            outs.append(both[..., :-1] / den)
-        else:
-            torch.div(both[..., :-1], den, out=out[:, :, start : start + n])
-    return (torch.cat(outs, dim=2) if grad else out).to(v.dtype), dens  # (B, H, N, dv), (B, H, N)
+    fmap = _feature_map(config, state, scale, compute_dtype(q.dtype))
+    return kernel_attention(q, k, v, key_mask, fmap, floor=config.stabilizer)

@@ -45,6 +45,17 @@ def methods_markdown() -> str:
     return "\n".join(rows)
 
 
+def methods_summary_markdown() -> str:
+    """The README's short method table (what each method is, its option names), generated from the registry;
+    the full table with defaults and help is :func:`methods_markdown` (docs/methods.md, ``approx methods``)."""
+    rows = ["| method | what it computes | options |", "| --- | --- | --- |"]
+    for name in methods():
+        spec = get_method(name)
+        opts = ", ".join(f"`{o}`" for o in spec.config_class.option_names()) or "-"
+        rows.append(f"| `{name}` | {spec.summary} | {opts} |")
+    return "\n".join(rows)
+
+
 def _cmd_methods(args: argparse.Namespace) -> int:
     if args.markdown:
         print(methods_markdown())
@@ -300,8 +311,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from .provenance import provenance
 
     setup = parse_setup(args.method)  # unknown method or option: exit 2 before loading anything
-    if not get_method(setup.method).needs_fit:
-        raise ValueError(f"method {setup.method!r} has nothing to fit; fitted methods: {', '.join(_fit_configs())}")
+    if not get_method(setup.method).requires_fit(get_method(setup.method).make_config(**setup.options)):
+        raise ValueError(
+            f"method {setup.method!r} has nothing to fit with these options; methods with learned state (for "
+            f"some, only with some options): {', '.join(_fit_configs())}"
+        )
     options = _fit_options(args, setup.method)
     set_threads(args.threads)
     wall = time.perf_counter()

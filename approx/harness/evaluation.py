@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..config import MethodConfig
 from ..integration import (
     attach,
+    attention_modules,
     attention_probe,
     attention_shape,
     checkpoint_heads,
@@ -97,6 +98,11 @@ class _Run:
     model_info: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
 
+    @property
+    def attention_layers(self) -> int:
+        """Attention layers of the model, patched or not (the whole-model matmul count needs them)."""
+        return len(attention_modules(self.model))
+
 
 def _run_batches(run: _Run, batches, layers, labels: list[str], progress: bool) -> list[dict[str, Any]]:
     """Run the unpatched model and every method on this process's batches; one record per batch with the
@@ -125,7 +131,7 @@ def _run_batch(run: _Run, b: int, idx: list[int], layers, labels: list[str], bar
     for label, method_layers in zip(labels, layers, strict=True):
         bar.set_postfix_str(f"{tokens} tokens, {label}", refresh=True)
         attach(run.model, method_layers)
-        probe = fid.AttentionProbe()
+        probe = fid.AttentionProbe(total_layers=run.attention_layers)
         try:
             with attention_probe(probe):
                 out, mem = _forward(run.model, inputs, run.device)
@@ -176,7 +182,8 @@ def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     setups = [as_setup(m, seed) for m in methods]
     for s, given in zip(setups, methods, strict=True):
-        if get_method(s.method).needs_fit and not (isinstance(given, dict) or is_saved_setting(given)):
+        spec, fitted = get_method(s.method), isinstance(given, dict) or is_saved_setting(given)
+        if not fitted and spec.requires_fit(spec.make_config(**s.options)):
             raise ValueError(
                 f"{s.method} must be fitted before it is evaluated: fit it (`approx fit ... --output-dir OUT`, then "
                 "pass OUT as the method), or in Python approx.fit(model, data) and pass its layers: "
@@ -401,7 +408,9 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     cosines = [("last", "hidden cos (last)")]
     cosines += [(k, h) for k, h in _EXTRA_COSINES if all(k in r["fidelity"]["hidden_state_cosine"] for r in results)]
     head = ["method", *metric_names, *task_fid, *(h for _, h in cosines)]
-    head += ["attn rel. err", "attn FLOPs vs full", "seconds", "speed vs full", "peak MiB"]
+    matmul = all(r["fidelity"]["cost"].get("matmul_vs_softmax_model") is not None for r in results)
+    head += ["attn rel. err", "attn FLOPs vs full", *(["matmul vs softmax"] if matmul else [])]
+    head += ["seconds", "speed vs full", "peak MiB"]
     rows = [
         f"**{first['task']}** v{first['task_version']} ({first['mode']}, {first['examples']} examples) on "
         f"`{model_label or first['model']}`",
@@ -412,7 +421,7 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     ref_fid = first["fidelity"]
     ref_row = ["full (unpatched)", *(_fmt(first["reference_metrics"][m], 2) for m in metric_names)]
     ref_row += ["-"] * len(task_fid) + ["1.0000"] * len(cosines)
-    ref_row += ["0", "1.00", _fmt(ref_fid["reference_seconds"], 2), "1.00x"]
+    ref_row += ["0", "1.00", *(["1.00"] if matmul else []), _fmt(ref_fid["reference_seconds"], 2), "1.00x"]
     ref_row.append(_fmt(ref_fid["reference_peak_memory_mib"], 1))
     rows.append("| " + " | ".join(ref_row) + " |")
     for r in results:
@@ -423,6 +432,7 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
         row += [
             _fmt(f["attention_relative_error"]["mean"]),
             _fmt(f["cost"]["flops_vs_full"], 3),
+            *([_fmt(f["cost"]["matmul_vs_softmax_model"], 3)] if matmul else []),
             _fmt(f["seconds"], 2),
             f"{f['speedup']:.2f}x" if f["speedup"] else "-",
             _fmt(f["peak_memory_mib"], 1),

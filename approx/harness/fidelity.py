@@ -16,7 +16,11 @@ The ``fidelity`` dict, per method:
 * ``attention_relative_error``: per attention layer, ||O - O_exact|| / ||O_exact|| over real queries, where
   O_exact is exact attention on the *same* queries, keys and values (``mean`` over layers);
 * ``cost``: attention FLOPs and query-key pairs from the method's cost model at the real lengths, and their
-  ratio to full attention's;
+  ratio to full attention's, over the patched layers; and the literature's convention (the MonarchAttention
+  paper's axis): ``matmul_macs``, the multiply-accumulates of the attention matrix products, its ratio to
+  softmax's over the patched layers (``matmul_vs_softmax``) and over *every* attention layer of the model,
+  unpatched ones counted as softmax (``matmul_vs_softmax_model``: the x axis of that paper's figures, where
+  some layers stay exact); ``layers``: the indices of the patched layers and the number of attention layers;
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
 * ``seconds``, ``reference_seconds`` (whole-model forward time over all batches, the probe's own time taken
@@ -49,10 +53,12 @@ class AttentionProbe:
     the method and of full attention at each row's real length, and graph counts; ``seconds`` is its own
     time (taken out of the method's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, total_layers: int | None = None) -> None:
         self.err_num: dict[str, float] = {}
         self.err_den: dict[str, float] = {}
-        self.cost = [0, 0, 0, 0]  # method FLOPs, method pairs, full FLOPs, full pairs
+        # method FLOPs, method pairs, full FLOPs, full pairs, method matmul MACs, full matmul MACs
+        self.cost = [0, 0, 0, 0, 0, 0]
+        self.total_layers = total_layers  # attention layers of the model, patched or not
         self.seconds = 0.0
         self._full = get_method("full")
         self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
@@ -79,7 +85,7 @@ class AttentionProbe:
         for n in lengths:
             c = layer.method.cost(layer.config, n=n, s=n, d=d, dv=dv)
             f = self._full.cost(full_config, n=n, s=n, d=d, dv=dv)
-            for j, value in enumerate((c.flops, c.qk_pairs, f.flops, f.qk_pairs)):
+            for j, value in enumerate((c.flops, c.qk_pairs, f.flops, f.qk_pairs, c.matmul_macs, f.matmul_macs)):
                 self.cost[j] += heads * value
         self.graph(layer, q, k, v, key_mask, scale, out)
         if out.is_cuda:
@@ -133,6 +139,7 @@ def batch_sums(
         "error_num": dict(probe.err_num),
         "error_den": dict(probe.err_den),
         "cost": list(probe.cost),
+        "total_layers": probe.total_layers,
         "graph": graph,
         "fallback_rows": probe.fallback_rows(),
         "seconds": max(seconds - probe.seconds, 0.0),
@@ -182,6 +189,7 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "error_num": _add_keyed,
     "error_den": _add_keyed,
     "cost": _add_lists,
+    "total_layers": _extreme(max),
     "graph": _add_graph,
     "fallback_rows": _add,
     "seconds": _add,
@@ -207,15 +215,38 @@ def total_sums(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-def cost_block(flops: float, pairs: float, full_flops: float, full_pairs: float) -> dict[str, Any]:
+def cost_block(
+    flops: float,
+    pairs: float,
+    full_flops: float,
+    full_pairs: float,
+    macs: float | None = None,
+    full_macs: float | None = None,
+    *,
+    patched_layers: list[str] | None = None,
+    total_layers: int | None = None,
+) -> dict[str, Any]:
     """The ``fidelity["cost"]`` entry: a method's attention FLOPs and query-key pairs and their ratio to full
-    attention's."""
-    return {
+    attention's (patched layers), and the matrix-product count of the literature, over the patched layers and
+    over the whole model (each unpatched layer sees the same lengths as a patched one, so it counts as
+    ``full_macs / len(patched_layers)`` of softmax). ``patched_layers``: the indices of the patched layers."""
+    block = {
         "attention_flops": flops,
         "qk_pairs": pairs,
         "flops_vs_full": flops / full_flops if full_flops else None,
         "qk_pairs_vs_full": pairs / full_pairs if full_pairs else None,
     }
+    if macs is None:  # a record written before matmul MACs were counted
+        return block
+    block.update(matmul_macs=macs, matmul_vs_softmax=macs / full_macs if full_macs else None)
+    model_ratio = None
+    patched = len(patched_layers) if patched_layers is not None else None
+    if full_macs and patched and total_layers:
+        per_layer = full_macs / patched
+        model_ratio = (macs + (total_layers - patched) * per_layer) / (total_layers * per_layer)
+    indices = None if patched_layers is None else [int(i) for i in patched_layers]
+    block.update(matmul_vs_softmax_model=model_ratio, layers={"patched": indices, "total": total_layers})
+    return block
 
 
 def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, predictions: list) -> dict[str, Any]:
@@ -235,7 +266,7 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
         "mean": sum(errors) / len(errors) if errors else None,
         "per_layer": dict(zip(layers, errors, strict=True)),
     }
-    fidelity["cost"] = cost_block(*sums["cost"])
+    fidelity["cost"] = cost_block(*sums["cost"], patched_layers=layers, total_layers=sums.get("total_layers"))
     seconds, ref_seconds = sums["seconds"], sums["reference_seconds"]
     fidelity.update(seconds=seconds, reference_seconds=ref_seconds, speedup=ref_seconds / seconds if seconds else None)
     examples = max(len(predictions), 1)

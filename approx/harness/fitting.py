@@ -91,16 +91,22 @@ def fit(
     progress: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
-    """Fit the state of every patched layer whose method needs it, from the model's own queries and keys on
-    ``data`` (input dicts or token-id lists, see :func:`as_batches`; unlabeled text is enough).
+    """Fit the state of every patched layer whose config needs it (``Method.requires_fit``), from the model's own
+    queries and keys on ``data`` (input dicts or token-id lists, see :func:`as_batches`; unlabeled text is enough).
+    A model whose fittable methods run at options without learned state (e.g. Linformer's ``mean``) gets a
+    warning and nothing is fitted.
 
     ``options`` are the fit settings of the method's ``fit_config`` (e.g. Sparsefinder's ``steps``, ``lr``,
     ``queries``, ``margin``; defaults and help in ``approx.get_method("sparsefinder").fit_config.describe()``),
     checked before anything runs (``ValueError`` listing the valid ones); the seed is the method's ``seed``
     option. Returns what was fitted and how long it took."""
-    layers = {i: lyr for i, lyr in patched_layers(model).items() if lyr.method.needs_fit}
+    patched = patched_layers(model)
+    layers = {i: lyr for i, lyr in patched.items() if lyr.method.requires_fit(lyr.config)}
     if not layers:
-        raise ValueError("no patched layer needs fitting: patch the model with a fitted method (e.g. sparsefinder)")
+        if not any(lyr.method.needs_fit for lyr in patched.values()):
+            raise ValueError("no patched layer needs fitting: patch the model with a fitted method (e.g. sparsefinder)")
+        log.warning("approx.fit: nothing to fit: the patched layers' options have no learned state")
+        return {"layers": [], "inputs": 0, "options": options, "seconds": 0.0, "collect_seconds": 0.0}
     _check_settings(layers, options)
     start = time.perf_counter()
     batches = as_batches(data, batch_size)

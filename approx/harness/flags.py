@@ -107,13 +107,16 @@ def method_option_args(p: argparse.ArgumentParser) -> None:
 def config_flags(p, config_class: type[MethodConfig], *, owner: str | None = None) -> None:
     """One ``--flag`` per field of ``config_class`` (type, help and default read from the dataclass; unset
     flags stay None, so the dataclass's defaults are the only ones)."""
-    taken = set(getattr(p, "_option_string_actions", {}))
+    actions = getattr(p, "_option_string_actions", {})
     for opt in config_class.describe():
         flag = "--" + opt["name"].replace("_", "-")
-        if flag in taken:
-            continue
         kind = opt["type"].replace(" | None", "")
         default = "" if opt["default"] is None else f" (default {opt['default']})"
+        if flag in actions:  # a name several configs share: one flag, each owner's meaning and default listed
+            actions[flag].help += f"; {owner or config_class.method}: {opt['help']}{default}"
+            continue
+        if owner:
+            default += f" [{owner}]"
         p.add_argument(
             flag,
             dest=opt["name"],

@@ -1,17 +1,20 @@
-"""Recipe: the Performer claim on a fine-tuned model: FAVOR+ zero-shot drops, a short fine-tuning recovers.
+"""Recipe: how many fine-tuning steps a method needs after the swap to recover full attention's quality.
 
-Choromanski et al. (2021) swap softmax attention for FAVOR+ in a pretrained model and fine-tune briefly after the
-swap. Here: the SST-2 checkpoint of ``recipes/clustered_table.py`` fine-tuned on dev half 0 (cross-fitting; taken
-from the cache, or fine-tuned now with the same settings) is evaluated on dev half 1 under full attention and
-FAVOR+ (zero-shot). The FAVOR+-patched model is then fine-tuned on half 0 with ``approx.harness.finetune(...,
-method=FavorConfig(...))`` (accelerate; random features fixed, not redrawn) and evaluated on half 1 every
-``--eval-every`` steps. Reported: the zero-shot drop, the accuracy curve, and the first step at which the
-FAVOR+ model is within 1 point (accuracy) of the full-attention checkpoint it started from.
+The Performer claim (Choromanski et al. 2021), generalised to any method: swap softmax attention for the method
+in a fine-tuned model and fine-tune briefly after the swap. Here: the SST-2 checkpoint of
+``recipes/clustered_table.py`` fine-tuned on dev half 0 (cross-fitting; taken from the cache, or fine-tuned now
+with the same settings) is evaluated on dev half 1 under full attention and under each ``--method`` (zero-shot).
+Each patched model is then fine-tuned on half 0 with ``approx.harness.finetune(..., method=...)`` (accelerate;
+random state fixed, not redrawn) and evaluated on half 1 every ``--eval-every`` steps. Reported per method: the
+zero-shot drop, the metric curve, and the first step at which the patched model is within 1 point of the
+full-attention checkpoint it started from.
 
-    python recipes/favor_recovery.py                       # SST-2, 60 steps (CPU time: see the README)
-    python recipes/favor_recovery.py --steps 300 --eval-every 20
+    python recipes/recovery.py                                       # FAVOR+ (256 features), SST-2, 60 steps
+    python recipes/recovery.py --method linear efficient taylor      # the linear-cost kernels, one after another
+    python recipes/recovery.py --method favor:features=128 --steps 300 --eval-every 20
 
-Writes ``recipes/results/favor_recovery_<task>.json``. The evaluation half is never trained on.
+Writes ``recipes/results/recovery_<task>_<method>.json`` per method (the FAVOR+ run made before this recipe
+was generalised is ``favor_recovery_sst2.json``, same format). The evaluation half is never trained on.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ from typing import Any
 import torch
 
 import approx
-from approx.attention.favor import FavorConfig
+from approx.config import MethodConfig
 from approx.harness.finetune import FinetuneConfig, finetune
 from approx.harness.provenance import provenance
+from approx.harness.spec import parse_setup
 from approx.integration import attach
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import clustered_table  # noqa: E402
 from _shared import RESULTS, Timer, checkpoint_summary, ensure_checkpoint, write_json  # noqa: E402
 
-METHOD = FavorConfig(features=256)
+DEFAULT_METHODS = ["favor:features=256"]
 TRAIN_SPLIT, EVAL_SPLIT = "dev/0", "dev/1"
 PRIMARY = {"sst2": "accuracy", "qnli": "accuracy", "stsb": "pearson", "rte": "accuracy", "mrpc": "accuracy"}
 
@@ -54,11 +58,30 @@ def _evaluate(model, tokenizer, task: str, limit: int | None, options: dict[str,
     return result
 
 
+def method_config(spec: str) -> MethodConfig:
+    """A method spec (``name[:opt=val,...]``, as ``approx eval --method`` takes it) as its config object."""
+    setup = parse_setup(spec)
+    return approx.get_method(setup.method).make_config(**setup.options)
+
+
+def file_label(config: MethodConfig) -> str:
+    """The method and the options that differ from its defaults, safe in a file name: ``favor-features-128``."""
+    defaults = type(config)().to_dict()
+    changed = [f"{k}-{v}" for k, v in config.to_dict().items() if defaults.get(k) != v]
+    return "-".join([config.method, *changed]).replace("/", "_").replace(" ", "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="sst2", choices=sorted(PRIMARY))
     p.add_argument("--model", help="base model (default: MiniLM-L6)")
-    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of the FAVOR+ model")
+    p.add_argument(
+        "--method",
+        nargs="+",
+        default=DEFAULT_METHODS,
+        help="methods to swap in, each name[:opt=val,...] (default: %(default)s); run one after another",
+    )
+    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of each patched model")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--learning-rate", type=float, help="default: FinetuneConfig's")
     p.add_argument("--batch-size", type=int, help="default: FinetuneConfig's")
@@ -68,28 +91,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", choices=["auto", "local", "hub"])
     p.add_argument("--checkpoints", type=Path, default=clustered_table.CHECKPOINTS)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
-    p.add_argument("--work-dir", type=Path, help="where the FAVOR+ fine-tuning writes (default: under --checkpoints)")
+    p.add_argument("--work-dir", type=Path, help="where the patched fine-tunings write (default: under --checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    try:
+        configs = [method_config(spec) for spec in args.method]  # every spec checked before anything runs
+    except ValueError as e:
+        p.error(str(e))
+    for config in configs:
+        if approx.get_method(config.method).needs_fit:
+            p.error(f"{config.method} must be fitted before it runs; this recipe swaps in methods that need no fit")
     defaults = FinetuneConfig()  # the fine-tuning defaults live in the config dataclass
     args.learning_rate = defaults.learning_rate if args.learning_rate is None else args.learning_rate
     args.batch_size = defaults.batch_size if args.batch_size is None else args.batch_size
-    task, metric = args.task, PRIMARY[args.task]
+    task = args.task
     data = dict(data_dir=args.data_dir, source=args.source)
     base = args.model or clustered_table.default_model()
 
-    # 1. the full-attention checkpoint (shared with the clustered table), and the zero-shot swap
+    # 1. the full-attention checkpoint (shared with the clustered table)
     settings = clustered_table.base_settings(task, max_steps=args.base_steps, limit=args.limit)
     with Timer() as t_base:
         folder, record, reused = ensure_checkpoint(
             base, task, TRAIN_SPLIT, settings, root=args.checkpoints, progress=not args.quiet, **data
         )
+    for config in configs:
+        recover(config, args, folder, record, reused, t_base.seconds)
+    return 0
+
+
+def recover(config: MethodConfig, args, folder: Path, record: dict[str, Any], reused: bool, base_seconds: float):
+    """The zero-shot swap of one method, then its fine-tuning with evaluations; writes its result."""
+    task, metric = args.task, PRIMARY[args.task]
+    data = dict(data_dir=args.data_dir, source=args.source)
+    label = file_label(config)
     with Timer() as t_zero:
         (zero,) = approx.evaluate(
             str(folder),
             task,
-            [METHOD],
+            [config],
             split=EVAL_SPLIT,
             limit=args.limit,
             batch_size=args.batch_size,
@@ -98,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             **data,
         )
     full, zero_shot = zero["reference_metrics"][metric], zero["metrics"][metric]
-    print(f"{task} {EVAL_SPLIT}: full {full:.2f}, FAVOR+ zero-shot {zero_shot:.2f} ({zero_shot - full:+.2f})")
+    print(f"{task} {EVAL_SPLIT}: full {full:.2f}, {label} zero-shot {zero_shot:.2f} ({zero_shot - full:+.2f})")
 
-    # 2. fine-tune the FAVOR+-patched checkpoint, evaluating every --eval-every steps
+    # 2. fine-tune the patched checkpoint, evaluating every --eval-every steps
     curve = [{"step": 0, metric: zero_shot}]
     tokenizer = approx.integration.load_pretrained(str(folder), task=None, progress=False)[1]
     options = dict(batch_size=args.batch_size, seed=args.seed, **data)
@@ -112,13 +152,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.quiet:
                 print(f"  step {step}: {metric} {value:.2f}", flush=True)
 
-    work = args.work_dir or args.checkpoints / f"{folder.name}-favor-recovery"
+    work = (args.work_dir or args.checkpoints) / f"{folder.name}-recovery-{label}"
     with Timer() as t_ft:
         rec = finetune(
             str(folder),
             task,
             output_dir=work,
-            method=METHOD,
+            method=config,
             train_split=TRAIN_SPLIT,
             max_steps=args.steps,
             learning_rate=args.learning_rate,
@@ -131,17 +171,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     within = next((c["step"] for c in curve if c[metric] >= full - 1.0), None)
     result = {
-        "recipe": "recipes/favor_recovery.py",
+        "recipe": "recipes/recovery.py",
         "task": task,
         "metric": metric,
         "protocol": (
             f"checkpoint fine-tuned with full attention on {task} {TRAIN_SPLIT} (cross-fitting half), evaluated on "
-            f"{EVAL_SPLIT}; FAVOR+ swapped in zero-shot, then the patched model fine-tuned on {TRAIN_SPLIT} "
-            f"({args.steps} steps, AdamW lr {args.learning_rate}, linear warm-up 10 % and decay, features fixed) "
+            f"{EVAL_SPLIT}; {label} swapped in zero-shot, then the patched model fine-tuned on {TRAIN_SPLIT} "
+            f"({args.steps} steps, AdamW lr {args.learning_rate}, linear warm-up 10 % and decay, random state "
+            "fixed) "
             f"and evaluated on {EVAL_SPLIT} every {args.eval_every} steps"
             + (f"; first {args.limit} examples of each half" if args.limit else "")
         ),
-        "method": {"name": METHOD.method, **METHOD.to_dict()},
+        "method": {"name": config.method, **config.to_dict()},
         "base_checkpoint": checkpoint_summary(folder, record, reused),
         "full": full,
         "zero_shot": zero_shot,
@@ -154,20 +195,19 @@ def main(argv: list[str] | None = None) -> int:
         "zero_shot_result": zero,
         "wall_seconds": {
             "base_finetune": record.get("provenance", {}).get("wall_seconds"),
-            "base_this_run": t_base.seconds,
+            "base_this_run": base_seconds,
             "zero_shot_evaluation": t_zero.seconds,
-            "favor_finetune_with_evaluations": t_ft.seconds,
+            "patched_finetune_with_evaluations": t_ft.seconds,
         },
         "provenance": provenance(seed=args.seed),
     }
-    out = args.results_dir / f"favor_recovery_{task}.json"
+    out = args.results_dir / f"recovery_{task}_{label}.json"
     write_json(out, result)
     print(
-        f"full {full:.2f}; FAVOR+ zero-shot {zero_shot:.2f}; after {args.steps} steps {result['final']:.2f}; "
+        f"full {full:.2f}; {label} zero-shot {zero_shot:.2f}; after {args.steps} steps {result['final']:.2f}; "
         f"within 1 point of full after {within if within is not None else 'more than ' + str(args.steps)} steps; "
         f"wrote {out}"
     )
-    return 0
 
 
 if __name__ == "__main__":
