@@ -636,3 +636,20 @@ def test_matmul_count_of_the_literature_over_patched_and_whole_model(fixture_dir
     assert c_some["matmul_vs_softmax_model"] == pytest.approx((r + total - 1) / total)
     full = _run(path, "sst2", ["full"], fixture_dir, limit=6, batch_size=3)[0]["fidelity"]["cost"]
     assert full["matmul_vs_softmax_model"] == 1.0
+
+
+def test_a_method_without_a_matmul_count_still_evaluates(fixture_dir, checkpoints, monkeypatch):
+    """``Cost.matmul_macs`` may be None (a method that has not said): the result says nothing rather than crash."""
+    import dataclasses
+
+    from approx.registry import Cost, _METHODS
+
+    spec = approx.get_method("clustered")
+
+    def cost(config, *, n, s, d, dv):
+        return Cost(flops=spec.cost(config, n=n, s=s, d=d, dv=dv).flops, qk_pairs=1)
+
+    monkeypatch.setitem(_METHODS._entries, "clustered", dataclasses.replace(spec, cost=cost))
+    (r,) = _run(checkpoints("sequence-classification"), "sst2", ["clustered:clusters=2"], fixture_dir, limit=3)
+    c = r["fidelity"]["cost"]
+    assert c["flops_vs_full"] > 0 and "matmul_macs" not in c

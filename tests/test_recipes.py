@@ -315,3 +315,15 @@ def test_monarch_protocol_recipe_smoke(base_model, fixture_dir, tmp_path):
         assert ca["matmul_vs_softmax_model"] == pytest.approx(ca["matmul_vs_softmax"])
     assert fig.is_file() and "| all | clustered |" in recipe.best_table(record)
     assert recipe.main([*argv, "--report"]) == 0
+
+
+def test_monarch_protocol_counts_the_papers_points():
+    """At the paper's 384 tokens on RoBERTa-base (12 layers, head dim 64, the outer eight replaced), the matmul
+    count of blocks of 128 and 96 gives the two ratios the MonarchAttention paper reports, 0.67x and 0.59x."""
+    recipe = _recipe("monarch_protocol")
+    outer = recipe.layer_sets(12)["outer thirds"]
+    assert outer == [0, 1, 2, 3, 8, 9, 10, 11]
+    for block, paper in ((128, 0.67), (96, 0.59)):
+        ratio = recipe.nominal_ratio({"name": "monarch", "block_size": block}, 384, 64, outer, 12)
+        assert ratio == pytest.approx(paper, abs=0.005)
+    assert recipe.nominal_ratio({"name": "full"}, 384, 64, outer, 12) == pytest.approx(1.0)

@@ -111,7 +111,7 @@ class LinformerFitConfig(MethodConfig):
     steps: int = option(200, "optimizer steps (Adam) per layer, one sample (batch of windows) per step")
     lr: float = option(
         0.001,
-        "Adam learning rate of E, F and the score bias (0.001: the best of 0.0005-0.005 for MiniLM-L6's hidden "
+        "Adam learning rate of E, F and the score bias (0.001: the best of the few rates tried on MiniLM-L6's hidden "
         "states on held-out WikiText-2 windows; larger rates fit the calibration windows and lose on others)",
     )
     rows: int = option(128, "query rows per window drawn at random for each step's error (all when fewer)")

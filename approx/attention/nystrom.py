@@ -74,7 +74,7 @@ class NystromConfig(MethodConfig):
     exact_below: int = option(
         0,
         "sequences with fewer real tokens get exact attention (0 = never; with 64 landmarks the pseudo-inverse's "
-        "fixed cost makes Nystrom slower than SDPA below about 600 tokens on a CPU)",
+        "fixed cost makes Nystrom slower than SDPA on short sequences: see the docs' Speed page)",
     )
 
     def check(self) -> None:

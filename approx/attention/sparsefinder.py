@@ -255,7 +255,9 @@ def cost(config: SparsefinderConfig, *, n: int, s: int, d: int, dv: int) -> Cost
     edges = min(s, group + local + glob)
     pairs = min(n * s, n * edges + glob * s)
     return Cost(
-        flops=2 * pairs * (d + dv) + 2 * (n + s) * d * r + overhead, qk_pairs=pairs, matmul_macs=pairs * (d + dv)
+        flops=2 * pairs * (d + dv) + 2 * (n + s) * d * r + overhead,
+        qk_pairs=pairs,
+        matmul_macs=pairs * (d + dv) + (n + s) * d * r,
     )
 
 

@@ -409,7 +409,7 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     cosines += [(k, h) for k, h in _EXTRA_COSINES if all(k in r["fidelity"]["hidden_state_cosine"] for r in results)]
     head = ["method", *metric_names, *task_fid, *(h for _, h in cosines)]
     matmul = all(r["fidelity"]["cost"].get("matmul_vs_softmax_model") is not None for r in results)
-    head += ["attn rel. err", "attn FLOPs vs full", *(["matmul vs softmax"] if matmul else [])]
+    head += ["attn rel. err", "attn FLOPs vs full", *(["matmul vs softmax (model)"] if matmul else [])]
     head += ["seconds", "speed vs full", "peak MiB"]
     rows = [
         f"**{first['task']}** v{first['task_version']} ({first['mode']}, {first['examples']} examples) on "

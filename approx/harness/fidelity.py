@@ -86,7 +86,10 @@ class AttentionProbe:
             c = layer.method.cost(layer.config, n=n, s=n, d=d, dv=dv)
             f = self._full.cost(full_config, n=n, s=n, d=d, dv=dv)
             for j, value in enumerate((c.flops, c.qk_pairs, f.flops, f.qk_pairs, c.matmul_macs, f.matmul_macs)):
-                self.cost[j] += heads * value
+                if value is None or self.cost[j] is None:  # a method that does not count matmuls (yet): none
+                    self.cost[j] = None
+                else:
+                    self.cost[j] += heads * value
         self.graph(layer, q, k, v, key_mask, scale, out)
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
@@ -156,7 +159,8 @@ def _add(a, b):
 
 
 def _add_lists(a: list, b: list) -> list:
-    return [x + y for x, y in zip(a, b, strict=True)]
+    """Elementwise sums; None (a count a method does not report) stays None."""
+    return [None if x is None or y is None else x + y for x, y in zip(a, b, strict=True)]
 
 
 def _add_keyed(a: dict, b: dict) -> dict:
