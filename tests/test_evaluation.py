@@ -642,7 +642,7 @@ def test_a_method_without_a_matmul_count_still_evaluates(fixture_dir, checkpoint
     """``Cost.matmul_macs`` may be None (a method that has not said): the result says nothing rather than crash."""
     import dataclasses
 
-    from approx.registry import Cost, _METHODS
+    from approx.registry import _METHODS, Cost
 
     spec = approx.get_method("clustered")
 
