@@ -162,6 +162,8 @@ def cost(config: LinformerConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     k = config.projections
     if exact_for_length(n, exact_below=config.exact_below, at_most=_budget(config)):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
+    if config.mode == "mean":
+        k = min(k, s)  # at most one segment per real key
     # pooling (mean) or resampling to L positions: a product with a matrix of about one nonzero per token
     macs = s * (d + dv)
     if config.mode != "mean":
