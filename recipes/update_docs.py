@@ -36,6 +36,7 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cpu.json",
     "benchmarks/results/attention_op_cpu_1thread.json",
     "benchmarks/results/attention_op_cpu_sparsefinder.json",
+    "benchmarks/results/attention_op_cpu_kernel_lowrank.json",
     "benchmarks/results/attention_op_cpu_backward.json",
     "benchmarks/results/attention_op_cuda.json",
     "benchmarks/results/attention_op_cuda_bf16.json",
