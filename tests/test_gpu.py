@@ -114,7 +114,7 @@ def test_patched_tiny_model_on_gpu(method):
     with torch.no_grad():
         ref = model_output(model, **inputs)
         spec = get_method(method)
-        if spec.needs_fit:
+        if spec.requires_fit(spec.config_class(**small_budget(method))):
             pytest.skip(f"{method} needs fitting on the model's own queries (covered on the CPU)")
         approx.patch(model, method, **small_budget(method))
         out = model_output(model, **inputs)

@@ -35,11 +35,12 @@ _FITTED: dict = {}
 
 
 def layer(method, **options):
-    """A fresh layer; a method with learned state (``needs_fit``) is fitted on the tests' own inputs
+    """A fresh layer; a config with learned state (``requires_fit``) is fitted on the tests' own inputs
     (``make_qkv()`` with a padded row), once per option set."""
     spec = get_method(method)
-    lyr = ApproxAttention(method, spec.config_class(**options), head_dim=D)
-    if spec.needs_fit:
+    config = spec.config_class(**options)
+    lyr = ApproxAttention(method, config, head_dim=D)
+    if spec.requires_fit(config):
         key = (method, tuple(sorted(options.items())))
         if key not in _FITTED:
             q, k, _ = make_qkv()
@@ -507,7 +508,9 @@ def test_dropout_keeps_the_expected_output(method):
     mean, bound = _mean_with_dropout(lyr, q, k, v, mask, 0.2, 150)
     assert ((mean - lyr(q, k, v, mask)).abs() <= bound).masked_fill(~real, True).all()
     limit = get_method(method).exact_limit
-    if method == "full" or (limit.approaches is None and not get_method(method).needs_fit):  # (fits are slow)
+    spec = get_method(method)
+    fitted = spec.requires_fit(spec.config_class(**small_budget(method)))
+    if method == "full" or (limit.approaches is None and not fitted):  # (fits are slow)
         q, k, v = limit_inputs(distinct=None if method == "full" else limit.distinct_queries)
         options = {} if method == "full" else limit.options(120)
         mean, bound = _mean_with_dropout(layer(method, **{**small_budget(method), **options}), q, k, v, mask, 0.2, 150)

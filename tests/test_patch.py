@@ -19,7 +19,8 @@ def options(method):
 def patched(model, method, **opts):
     """``approx.patch``, then ``approx.fit`` on the tests' own batch for methods with learned state."""
     approx.patch(model, method, **opts)
-    if approx.get_method(method).needs_fit:
+    spec = approx.get_method(method)
+    if spec.requires_fit(spec.config_class(**opts)):
         approx.fit(model, [batch(48, pad=13)], progress=False, steps=100)
     return model
 

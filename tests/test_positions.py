@@ -80,9 +80,10 @@ def test_short_inputs_are_unchanged_and_long_inputs_run(family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_reads_past_the_old_limit(family, method):
-    if approx.get_method(method).needs_fit:
+    spec = approx.get_method(method)
+    if spec.requires_fit(spec.config_class(**spec.test_options)):
         pytest.skip(f"{method} needs fitting (approx.fit); not part of this test")
-    opts = dict(approx.get_method(method).test_options)
+    opts = dict(spec.test_options)
     model = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), NEW)
     approx.patch(model, method, **opts)
     with torch.no_grad():
@@ -92,7 +93,8 @@ def test_every_method_reads_past_the_old_limit(family, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_extend_after_patch(method):
-    if approx.get_method(method).needs_fit:
+    spec = approx.get_method(method)
+    if spec.requires_fit(spec.config_class(**spec.test_options)):
         pytest.skip(f"{method} needs fitting (approx.fit); not part of this test")
     patched = approx.patch(tiny_model("roberta", "base", max_position_embeddings=ROWS), method,
                            **approx.get_method(method).test_options)  # fmt: skip

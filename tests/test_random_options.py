@@ -72,7 +72,7 @@ def test_random_options_are_refused_by_name_or_give_finite_padding_free_outputs(
     except ValueError as e:
         assert any(f"option {name!r}" in str(e) for name in options), str(e)
         return
-    if spec.needs_fit:
+    if spec.requires_fit(config):
         return
     assert set_options is not None
     batch = data.draw(st.integers(1, 2), label="batch")
