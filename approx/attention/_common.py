@@ -33,6 +33,30 @@ def exact_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale)
 
 
+def exact_rows(q, k, v, key_mask: torch.Tensor | None, scale: float, dropout: float = 0.0):
+    """``exact(rows)`` for :func:`._fallback.with_fallback` and ``replace_query_rows``: exact attention on the
+    batch rows ``rows`` (a bool or index tensor over B; None: every row), (b, H, N, dv)."""
+
+    def exact(rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is None:
+            return exact_attention(q, k, v, key_mask, scale, dropout)
+        return exact_attention(q[rows], k[rows], v[rows], None if key_mask is None else key_mask[rows], scale, dropout)
+
+    return exact
+
+
+def exact_weight_rows(q, k, key_mask: torch.Tensor | None, scale: float, dtype: torch.dtype | None = None):
+    """``exact(rows)`` like :func:`exact_rows` for the dense weights paths: the softmax matrix (b, H, N, S) of the
+    batch rows ``rows`` (None: every row), computed in ``dtype`` (default: the inputs')."""
+
+    def exact(rows: torch.Tensor | None) -> torch.Tensor:
+        qr, kr = (q, k) if rows is None else (q[rows], k[rows])
+        mask = key_mask if rows is None or key_mask is None else key_mask[rows]
+        return dense_softmax(qr.to(dtype or qr.dtype), kr.to(dtype or kr.dtype), mask, scale)
+
+    return exact
+
+
 def dense_softmax(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """softmax(s Q K^T + log m) as a dense (B, H, N, S) matrix: for analysis and plots, never a fast path."""
     key_mask = safe_key_mask(key_mask)

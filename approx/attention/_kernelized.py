@@ -36,7 +36,7 @@ import torch
 
 from ..registry import Cost
 from . import _fallback
-from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
 from ._fallback import exact_for_length
 
 __all__ = [
@@ -250,10 +250,6 @@ def kernel_weights(
 # ------------------------------------------------------------------------------- a method's entry points
 
 
-def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if mask is None else mask[rows]
-
-
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,10 +276,7 @@ def attend(
             stacklevel=4,
         )
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return exact_attention(q, k, v, key_mask, scale)
-        return exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale)
+    exact = exact_rows(q, k, v, key_mask, scale)
 
     def approximate() -> torch.Tensor:
         return kernel_attention(q, k, v, key_mask, fmap, floor=floor)[0]
@@ -313,10 +306,7 @@ def weights(
     back."""
     dt = compute_dtype(q.dtype)
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return dense_softmax(q.to(dt), k.to(dt), key_mask, scale)
-        return dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale)
+    exact = exact_weight_rows(q, k, key_mask, scale, dt)
 
     def approximate() -> torch.Tensor:
         return kernel_weights(q, k, key_mask, fmap, floor=floor)[0]

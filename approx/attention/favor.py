@@ -54,7 +54,7 @@ import torch
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
-from ._common import compute_dtype, dense_softmax, exact_attention
+from ._common import compute_dtype, exact_rows, exact_weight_rows
 from ._fallback import exact_for_length
 from ._kernelized import FeatureMap, Scratch, kernel_attention, kernel_weights
 
@@ -293,10 +293,7 @@ def favor_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.
     """Dense (B, H, N, S) attention implied by the random features (analysis only)."""
     dt = compute_dtype(q.dtype)
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return dense_softmax(q.to(dt), k.to(dt), key_mask, scale)
-        return dense_softmax(q[r].to(dt), k[r].to(dt), _rows(key_mask, r), scale)
+    exact = exact_weight_rows(q, k, key_mask, scale, dt)
 
     def approximate() -> torch.Tensor:
         fmap = _feature_map(config, state, scale, dt)
@@ -316,10 +313,6 @@ def _underflow(den: torch.Tensor, query_mask: torch.Tensor | None, config: Favor
     floor = max(config.stabilizer, torch.finfo(dt).tiny)
     low = ~((den >= floor) & (den < math.inf))
     return low if query_mask is None else low & query_mask[:, None, :]
-
-
-def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if mask is None else mask[rows]
 
 
 def _with_fallback(approximate, exact, q: torch.Tensor, query_mask: torch.Tensor | None, config: FavorConfig):
@@ -361,10 +354,7 @@ def favor_attention(
             stacklevel=3,
         )
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return exact_attention(q, k, v, key_mask, scale)
-        return exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale)
+    exact = exact_rows(q, k, v, key_mask, scale)
 
     def approximate() -> torch.Tensor:
         out, den = _favor(q, k, v, key_mask, scale, config, state)

@@ -55,7 +55,14 @@ from tqdm.auto import tqdm
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
-from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, zero_padded_values
+from ._common import (
+    compute_dtype,
+    dense_softmax,
+    exact_rows,
+    exact_weight_rows,
+    safe_key_mask,
+    zero_padded_values,
+)
 from ._fallback import exact_for_length
 from ._segments import attend_summaries, log_sizes, resample, segment_ids, segment_means, segment_sums
 
@@ -204,10 +211,6 @@ def _linformer(q, k, v, key_mask, scale, config, state, dropout) -> torch.Tensor
     return attend_summaries(q, keys, values, bias, scale, dropout)  # (B, H, N, dv)
 
 
-def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if mask is None else mask[rows]
-
-
 def linformer_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """The dense (B, H, N, S) attention ``mean`` implies: a segment's softmax weight shared equally by its real
     keys (analysis only). ``random`` and ``fitted`` project with signed E, F: no distribution to show."""
@@ -222,10 +225,7 @@ def linformer_weights(q, k, *, key_mask, query_mask, scale, config, state) -> to
     batch, heads, n, _ = q.shape
     s, m = k.shape[2], config.projections
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return dense_softmax(q, k, key_mask, scale)
-        return dense_softmax(q[r], k[r], _rows(key_mask, r), scale)
+    exact = exact_weight_rows(q, k, key_mask, scale)
 
     def approximate() -> torch.Tensor:
         ids, sizes = segment_ids(key_mask, s, m, batch=batch, device=q.device)  # (B, S), (B, m)
@@ -380,10 +380,7 @@ def linformer_attention(
         _require_fitted(state)
     out_dtype = v.dtype
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return exact_attention(q, k, v, key_mask, scale, dropout)
-        return exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale, dropout)
+    exact = exact_rows(q, k, v, key_mask, scale, dropout)
 
     def approximate() -> torch.Tensor:
         return _linformer(q, k, v, key_mask, scale, config, state, dropout).to(out_dtype)

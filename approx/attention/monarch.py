@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
-from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
 from ._fallback import exact_for_length
 
 
@@ -458,10 +458,6 @@ def _monarch_weights(q, k, key_mask, query_mask, scale, config: MonarchConfig) -
 # --------------------------------------------------------------------------------------------- register
 
 
-def _rows(mask: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if mask is None else mask[rows]
-
-
 def _with_fallback(approximate, exact, q: torch.Tensor, query_mask, config: MonarchConfig):
     """Batch rows with fewer than ``exact_below`` real tokens get ``exact(rows)`` (see :mod:`._fallback`)."""
     shape = (q.shape[0], q.shape[-2])
@@ -474,10 +470,7 @@ def monarch_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torc
     """Dense (B, H, N, S) Monarch attention matrix (analysis only)."""
     dt = compute_dtype(q.dtype)
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return dense_softmax(q.to(dt), k.to(dt), safe_key_mask(key_mask), scale)
-        return dense_softmax(q[r].to(dt), k[r].to(dt), safe_key_mask(_rows(key_mask, r)), scale)
+    exact = exact_weight_rows(q, k, key_mask, scale, dt)
 
     def approximate() -> torch.Tensor:
         return _monarch_weights(q, k, key_mask, query_mask, scale, config)
@@ -515,10 +508,7 @@ def monarch_attention(
             stacklevel=3,
         )
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return exact_attention(q, k, v, key_mask, scale)
-        return exact_attention(q[r], k[r], v[r], _rows(key_mask, r), scale)
+    exact = exact_rows(q, k, v, key_mask, scale)
 
     def approximate() -> torch.Tensor:
         return _monarch(q, k, v, key_mask, query_mask, scale, config)

@@ -49,7 +49,7 @@ import torch
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
-from ._common import compute_dtype, exact_attention, safe_key_mask, zero_padded_values
+from ._common import compute_dtype, exact_rows, safe_key_mask, zero_padded_values
 from ._fallback import exact_for_length
 from ._segments import attend_summaries, empty_bias, segment_means
 
@@ -173,10 +173,7 @@ def nystrom_attention(
         )
     out_dtype = v.dtype
 
-    def exact(r: torch.Tensor | None) -> torch.Tensor:
-        if r is None:
-            return exact_attention(q, k, v, key_mask, scale)
-        return exact_attention(q[r], k[r], v[r], None if key_mask is None else key_mask[r], scale)
+    exact = exact_rows(q, k, v, key_mask, scale)
 
     def approximate() -> torch.Tensor:
         return _nystrom(q, k, v, key_mask, query_mask, scale, config).to(out_dtype)
