@@ -11,6 +11,7 @@ approx.extend_positions(model, 4096, tokenizer=tok)  # read 4096 tokens (trained
 """
 
 from ._version import __version__ as __version__  # noqa: E402
+from .attention._context import tokens  # noqa: E402
 from .attention._fallback import FallbackWarning  # noqa: E402
 from .config import MethodConfig  # noqa: E402
 from .harness.evaluation import evaluate, markdown_report  # noqa: E402
@@ -60,6 +61,7 @@ __all__ = [
     "save",
     "settings",
     "Setup",
+    "tokens",
     "unpatch",
 ]
 

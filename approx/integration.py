@@ -23,6 +23,7 @@ from torch import nn
 
 from . import saved
 from ._version import __version__
+from .attention import _context
 from .attention._common import dense_softmax, exact_attention
 from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, layer_seed, select_layers
 from .layer import PROBES as _PROBES
@@ -55,6 +56,7 @@ __all__ = [
 ATTENTION_NAME = "approx"
 _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to a patched attention module
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
+_HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the question-mask hooks
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
@@ -128,6 +130,25 @@ def _attention_forward(
             dense_softmax(query, key, key_mask, scale) if exact else layer.weights(query, key, key_mask, scale=scale)
         )
     return out.transpose(1, 2).contiguous(), weights
+
+
+_QUESTION_TOKENS: list = []  # the context tokens of the forwards in progress (nested forwards stack)
+
+
+def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a patched model: the question's positions of this batch (every token before the
+    first SEP, from ``input_ids`` and ``config.sep_token_id`` or from ``token_type_ids``), for the methods that
+    make the question global (``window`` with ``question_global``); see ``approx.attention._context``."""
+    input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    token_types = kwargs.get("token_type_ids")
+    sep = getattr(getattr(model, "config", None), "sep_token_id", None)
+    question = _context.question_of(input_ids, token_types, sep)
+    _QUESTION_TOKENS.append(_context._QUESTION.set(question))
+
+
+def _reset_question(model: nn.Module, args: tuple, output: Any) -> None:
+    if _QUESTION_TOKENS:
+        _context._QUESTION.reset(_QUESTION_TOKENS.pop())
 
 
 def _attentions_requested() -> bool:
@@ -277,6 +298,14 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         setattr(model, _ORIGINAL, original)
         # an instance attribute, so `model.save_pretrained` writes a complete approx folder (see `save`)
         model.save_pretrained = functools.partial(_save_pretrained, model)
+        setattr(
+            model,
+            _HOOKS,
+            (
+                model.register_forward_pre_hook(_set_question, with_kwargs=True),
+                model.register_forward_hook(_reset_question, always_call=True),
+            ),
+        )
     for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
     return model
@@ -295,6 +324,9 @@ def unpatch(model: nn.Module) -> nn.Module:
             delattr(module, _CHILD)
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
+    for handle in getattr(model, _HOOKS, ()):
+        handle.remove()
+    model.__dict__.pop(_HOOKS, None)
     model.__dict__.pop("save_pretrained", None)
     return model
 

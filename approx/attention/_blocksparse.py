@@ -1,0 +1,307 @@
+"""Attention over a block-sparse pattern (plain torch): the one kernel of the sparse-pattern methods
+(``window``, ``bigbird``, ``sparse-transformer``, ``lsh``).
+
+Every one of them is "each query block attends a set of key blocks", after putting queries and keys in an order
+of the method's choosing (LSH sorts them by hash, the strided pattern by position modulo l). A
+:class:`Pattern` says:
+
+* ``block``: rows per query block and keys per key block, in the sorted order;
+* ``kv_blocks`` (B|1, H|1, Tq, K) and ``kv_valid``: the key blocks each query block attends;
+* ``q_order`` / ``k_order`` (B|1, H|1, N): the original position at every sorted slot (None: positions in order);
+* ``allow(i, j)`` and ``bias(i, j)``: an element mask and an additive score bias inside the gathered blocks, as
+  functions of the *original* positions: i (B, H, *lead, r), j (B, H, *lead, E) -> (.., r, E) (e.g. the window's
+  ``|i - j| <= w``, LSH's ``-log n`` for a pair found in n rounds);
+* ``shared_keys`` (B, S): keys every query attends (global tokens; Sparse Transformer's summary columns), computed
+  once as a dense (N, E) strip and left out of the blocks so that no pair is counted twice;
+* ``global_queries`` (B, N): queries that attend every key (global tokens), computed as dense rows.
+
+:func:`attend` gathers, for a chunk of query blocks at a time, their key blocks into one (rows, K * block) score
+matrix per block: no (N, S) tensor is formed, work and memory are O(N K block). Scores and sums run in float32
+for half-precision inputs; gradients flow through every step (plain indexing and matrix products). It returns
+the per-query log-sum-exp too, so that several patterns (LSH rounds) combine exactly (:func:`combine`).
+:func:`dense_mask` builds the same pattern as a dense (B, H, N, S) mask and bias from the same block lists: for
+``weights()``, graph statistics and tests only.
+
+FlexAttention (``torch.nn.attention.flex_attention``) was measured against this kernel (see the docs' Speed
+page): on the CPU it has no backward pass and must be compiled (seconds per new shape), so this plain kernel is
+the one every method runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._common import compute_dtype, safe_key_mask, zero_padded_values
+
+__all__ = ["Pattern", "attend", "combine", "dense_mask", "dense_weights", "range_blocks", "token_rows"]
+
+# Largest score tensor of one chunk of query blocks, in elements (B * H * c * block * keys).
+_CHUNK_ELEMENTS = 1 << 22
+
+PairFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Pattern:
+    """A block-sparse attention pattern (see the module docstring)."""
+
+    block: int
+    kv_blocks: torch.Tensor
+    kv_valid: torch.Tensor | None = None
+    q_order: torch.Tensor | None = None
+    k_order: torch.Tensor | None = None
+    allow: PairFn | None = None
+    bias: PairFn | None = None
+    shared_keys: torch.Tensor | None = None
+    global_queries: torch.Tensor | None = None
+
+
+def range_blocks(lo: torch.Tensor, hi: torch.Tensor, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key blocks covering the sorted key slots [lo, hi) of every query block: ``lo``, ``hi`` (..., Tq) long
+    -> block ids (..., Tq, K) and which are real, K the most any query block needs."""
+    first = lo.clamp(min=0).div(block, rounding_mode="floor")
+    last = (hi.clamp(max=n_blocks * block) - 1).div(block, rounding_mode="floor")  # inclusive
+    count = (last - first + 1).clamp(min=0)
+    width = max(1, int(count.max()) if count.numel() else 1)
+    ids = first[..., None] + torch.arange(width, device=lo.device)
+    valid = torch.arange(width, device=lo.device) < count[..., None]
+    return ids.clamp(0, max(n_blocks - 1, 0)), valid
+
+
+def token_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions where ``mask`` (B, S) is True, left-aligned: (B, E) long and which entries are real."""
+    width = max(1, int(mask.sum(-1).max()) if mask.numel() else 1)
+    pos = mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, :width]
+    return pos, mask.gather(-1, pos)
+
+
+def _sorted_positions(order: torch.Tensor | None, b: int, h: int, n: int, slots: int, device) -> torch.Tensor:
+    """The original position at every sorted slot, (B, H, slots) long, -1 for the slots past the end."""
+    pos = torch.arange(n, device=device).expand(b, h, n) if order is None else order.expand(b, h, n)
+    return F.pad(pos, (0, slots - n), value=-1)
+
+
+def _take(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n, d) at positions pos (B, H, m) (-1: a zero row) -> (B, H, m, d)."""
+    out = x.gather(2, pos.clamp(min=0)[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return out.masked_fill((pos < 0)[..., None], 0.0)
+
+
+def _shared(k, v, key_mask, shared_keys):
+    """The shared keys and values (B, H, E, d) and which are real (B, E), or None."""
+    if shared_keys is None:
+        return None
+    real = shared_keys if key_mask is None else shared_keys & key_mask
+    if not bool(real.any()):
+        return None
+    pos, ok = token_rows(real)
+    idx = pos[:, None, :].expand(-1, k.shape[1], -1)
+    return _take(k, idx), _take(v, idx), ok
+
+
+def _normalise(scores: torch.Tensor, ok: torch.Tensor, with_lse: bool):
+    """softmax over the allowed entries of the last dim (rows with none: zeros, log-sum-exp -inf)."""
+    has = ok.any(-1, keepdim=True)
+    scores = scores.masked_fill(~ok, float("-inf")).masked_fill(~has, 0.0)
+    lse = torch.logsumexp(scores, -1).masked_fill(~has[..., 0], float("-inf")) if with_lse else None
+    return scores.softmax(-1) * has, lse
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    *,
+    key_mask: torch.Tensor | None,
+    scale: float,
+    dropout: float = 0.0,
+    with_lse: bool = False,
+):
+    """Softmax attention of q (B, H, N, d) to k, v (B, H, S, d / dv) on ``pattern``'s pairs only: (B, H, N, dv) in
+    v's dtype, and with ``with_lse`` the log-sum-exp of every query's allowed scores (B, H, N), float32 or float64
+    (-inf for a query with no allowed key, whose output is 0)."""
+    dt, out_dtype = compute_dtype(q.dtype), v.dtype
+    key_mask = safe_key_mask(key_mask)
+    b, h, n, d = q.shape
+    s, dv, blk = k.shape[2], v.shape[-1], pattern.block
+    q, k, v = q.to(dt), k.to(dt), zero_padded_values(v.to(dt), key_mask)
+    tq, tk = math.ceil(n / blk), math.ceil(s / blk)
+    qpos = _sorted_positions(pattern.q_order, b, h, n, tq * blk, q.device)  # (B, H, Tq * blk)
+    kpos = _sorted_positions(pattern.k_order, b, h, s, tk * blk, q.device)
+    qs, ks, vs = _take(q, qpos) * scale, _take(k, kpos), _take(v, kpos)
+    key_ok = kpos >= 0
+    if key_mask is not None or pattern.shared_keys is not None:
+        batch = torch.arange(b, device=q.device).view(b, 1, 1)
+        if key_mask is not None:
+            key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
+        if pattern.shared_keys is not None:  # computed in the shared strip, not again in the blocks
+            key_ok = key_ok & ~pattern.shared_keys[batch, kpos.clamp(min=0)]
+    k_tab, v_tab = ks.reshape(b * h * tk, blk, d), vs.reshape(b * h * tk, blk, dv)
+    pos_tab, ok_tab = kpos.reshape(b * h * tk, blk), key_ok.reshape(b * h * tk, blk)
+    kvb = pattern.kv_blocks.expand(b, h, tq, -1)
+    n_kv = kvb.shape[-1]
+    blocks = kvb.clamp(0, tk - 1) + (torch.arange(b * h, device=q.device) * tk).view(b, h, 1, 1)
+    bvalid = (kvb >= 0) & (kvb < tk)
+    if pattern.kv_valid is not None:
+        bvalid = bvalid & pattern.kv_valid.expand(b, h, tq, -1)
+    shared = _shared(k, v, key_mask, pattern.shared_keys)
+    n_sh = 0 if shared is None else shared[0].shape[2]
+    out = qs.new_empty(b, h, tq * blk, dv)
+    lse = qs.new_empty(b, h, tq * blk) if with_lse else None
+    per = max(1, _CHUNK_ELEMENTS // max(1, b * h * blk * (n_kv * blk + n_sh)))
+    for t0 in range(0, tq, per):
+        t1 = min(tq, t0 + per)
+        c, rows = t1 - t0, slice(t0 * blk, t1 * blk)
+        idx = blocks[:, :, t0:t1].reshape(-1)
+        kg = k_tab.index_select(0, idx).view(b, h, c, n_kv * blk, d)
+        jpos = pos_tab.index_select(0, idx).view(b, h, c, n_kv * blk)
+        ok = ok_tab.index_select(0, idx).view(b, h, c, n_kv, blk) & bvalid[:, :, t0:t1, :, None]
+        ok = ok.view(b, h, c, 1, n_kv * blk)
+        qc = qs[:, :, rows].reshape(b, h, c, blk, d)
+        scores = qc @ kg.transpose(-1, -2)  # (B, H, c, blk, K * blk)
+        ipos = qpos[:, :, rows].reshape(b, h, c, blk).clamp(min=0)
+        jc = jpos.clamp(min=0)
+        if pattern.allow is not None:
+            ok = ok & pattern.allow(ipos, jc)
+        if pattern.bias is not None:
+            scores = scores + pattern.bias(ipos, jc)
+        ok = ok.expand_as(scores)
+        if shared is not None:
+            scores = torch.cat([scores, qc @ shared[0][:, :, None].transpose(-1, -2)], -1)
+            ok = torch.cat([ok, shared[2][:, None, None, None, :].expand(b, h, c, blk, n_sh)], -1)
+        p, lse_c = _normalise(scores, ok, with_lse)
+        if dropout > 0.0:
+            p = F.dropout(p, dropout)
+        o = p[..., : n_kv * blk] @ v_tab.index_select(0, idx).view(b, h, c, n_kv * blk, dv)
+        if shared is not None:
+            o = o + p[..., n_kv * blk :] @ shared[1][:, :, None]
+        out[:, :, rows] = o.reshape(b, h, c * blk, dv)
+        if with_lse:
+            lse[:, :, rows] = lse_c.reshape(b, h, c * blk)
+    out, lse = _unsort(out, lse, pattern.q_order, n)
+    if pattern.global_queries is not None and bool(pattern.global_queries.any()):
+        out, lse = _global_rows(q * scale, k, v, key_mask, pattern.global_queries, out, lse, dropout)
+    return (out.to(out_dtype), lse) if with_lse else out.to(out_dtype)
+
+
+def _unsort(out, lse, order, n):
+    """Back from sorted slots to original positions: (B, H, N, dv) and (B, H, N)."""
+    if order is None:
+        return out[:, :, :n], None if lse is None else lse[:, :, :n]
+    inv = order.argsort(-1).expand(out.shape[0], out.shape[1], n)
+    out = out.gather(2, inv[..., None].expand(-1, -1, -1, out.shape[-1]))
+    return out, None if lse is None else lse.gather(2, inv)
+
+
+def _global_rows(qs, k, v, key_mask, global_queries, out, lse, dropout):
+    """Replace the rows of global queries by dense attention to every real key."""
+    bi, ni = global_queries.nonzero(as_tuple=True)
+    scores = torch.einsum("ghd,ghsd->ghs", qs[bi, :, ni], k[bi])  # (G, H, S)
+    ok = torch.ones_like(scores, dtype=torch.bool) if key_mask is None else key_mask[bi, None].expand_as(scores)
+    p, lse_g = _normalise(scores, ok, lse is not None)
+    if dropout > 0.0:
+        p = F.dropout(p, dropout)
+    out = out.clone()
+    out[bi, :, ni] = torch.einsum("ghs,ghsd->ghd", p, v[bi])
+    if lse is not None:
+        lse = lse.clone()
+        lse[bi, :, ni] = lse_g
+    return out, lse
+
+
+def combine(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Outputs of several patterns over disjoint (or de-duplicated) pairs merged into one softmax:
+    O = sum_r exp(L_r - L) O_r with L = logsumexp_r L_r (a query with no pair anywhere gets 0)."""
+    stacked = torch.stack(lses)  # (R, B, H, N)
+    total = torch.logsumexp(stacked, 0)
+    w = torch.exp(stacked - total.masked_fill(torch.isinf(total), 0.0)).nan_to_num(0.0)
+    return sum(w_r[..., None].to(o.dtype) * o for w_r, o in zip(w, outs, strict=True))
+
+
+# ------------------------------------------------------------------------------------------ dense paths
+
+
+def dense_mask(pattern: Pattern, *, b: int, h: int, n: int, s: int, key_mask, device):
+    """The pattern as a dense (B, H, N, S) bool mask over original positions and the (B|1, H|1, N, S) additive
+    bias (0 where there is none), from the same block lists as :func:`attend` (measuring and tests only)."""
+    key_mask = safe_key_mask(key_mask)
+    blk = pattern.block
+    tq, tk = math.ceil(n / blk), math.ceil(s / blk)
+    kvb = pattern.kv_blocks.expand(b, h, tq, -1)
+    valid = (kvb >= 0) & (kvb < tk)
+    if pattern.kv_valid is not None:
+        valid = valid & pattern.kv_valid.expand(b, h, tq, -1)
+    blockmask = torch.zeros(b, h, tq, tk + 1, dtype=torch.bool, device=device)
+    blockmask.scatter_(-1, kvb.clamp(0, tk - 1).masked_fill(~valid, tk), True)
+    sorted_mask = blockmask[..., :tk].repeat_interleave(blk, 2).repeat_interleave(blk, 3)[:, :, :n, :s]
+    qpos = _sorted_positions(pattern.q_order, b, h, n, n, device)  # (B, H, N): original position per slot
+    kpos = _sorted_positions(pattern.k_order, b, h, s, s, device)
+    if pattern.allow is not None:
+        sorted_mask = sorted_mask & pattern.allow(qpos, kpos)
+    bias = pattern.bias(qpos, kpos) if pattern.bias is not None else None
+    # un-sort: the slot of original position i is inv[i]
+    inv_q = qpos.argsort(-1)
+    inv_k = kpos.argsort(-1)
+    mask = sorted_mask.gather(2, inv_q[..., None].expand(-1, -1, -1, s)).gather(
+        3, inv_k[:, :, None, :].expand(-1, -1, n, -1)
+    )
+    if bias is not None:
+        bias = bias.expand(b, h, n, s).gather(2, inv_q[..., None].expand(-1, -1, -1, s))
+        bias = bias.gather(3, inv_k[:, :, None, :].expand(-1, -1, n, -1))
+    if pattern.shared_keys is not None:
+        mask = mask | pattern.shared_keys[:, None, None, :s]
+    if pattern.global_queries is not None:
+        mask = mask | pattern.global_queries[:, None, :n, None]
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :]
+    return mask, (torch.zeros((), device=device) if bias is None else bias)
+
+
+def dense_weights(q, k, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
+    """The dense (B, H, N, S) attention matrix of ``pattern`` (rows without an allowed key are 0); the shared
+    keys and global rows carry no bias, as in :func:`attend`."""
+    dt = compute_dtype(q.dtype)
+    b, h, n, _ = q.shape
+    s = k.shape[2]
+    mask, bias = dense_mask(pattern, b=b, h=h, n=n, s=s, key_mask=key_mask, device=q.device)
+    scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale
+    plain = torch.zeros(b, 1, n, s, dtype=torch.bool, device=q.device)
+    if pattern.shared_keys is not None:
+        plain = plain | pattern.shared_keys[:, None, None, :s]
+    if pattern.global_queries is not None:
+        plain = plain | pattern.global_queries[:, None, :n, None]
+    scores = scores + torch.where(plain, torch.zeros((), device=q.device, dtype=dt), bias.to(dt))
+    return _normalise(scores, mask, False)[0]
+
+
+def pattern_stats(q, k, pattern: Pattern, *, key_mask, scale: float, alpha: float = 1.5) -> dict[str, torch.Tensor]:
+    """The pattern's graph against the alpha-entmax gold graph G, as Sparsefinder reports it: counts per head (H,)
+    summed over the batch over real queries and keys (``predicted`` |Ĝ|, ``valid`` pairs, ``gold`` |G|, ``hit``
+    |G ∩ Ĝ|, ``queries``, ``exact``: queries with G ⊆ Ĝ). O(N S): measuring only."""
+    from ._fitting import gold_graph  # the entmax gold graph, as for Sparsefinder
+
+    dt = compute_dtype(q.dtype)
+    q, k = q.detach().to(dt), k.detach().to(dt)
+    b, h, n, _ = q.shape
+    s = k.shape[2]
+    key_mask = safe_key_mask(key_mask)
+    pred, _ = dense_mask(pattern, b=b, h=h, n=n, s=s, key_mask=key_mask, device=q.device)
+    gold = gold_graph(q, k, key_mask, scale, alpha)
+    real_q = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None or n != s else key_mask
+    real = real_q[:, None, :, None]
+    valid = real & (torch.ones_like(pred) if key_mask is None else key_mask[:, None, None, :])
+    missed = (gold & ~pred & real).sum(-1)
+    return {
+        "predicted": (pred & real).sum((0, 2, 3)).double().cpu(),
+        "valid": valid.sum((0, 2, 3)).double().cpu(),
+        "gold": (gold & real).sum((0, 2, 3)).double().cpu(),
+        "hit": (gold & pred & real).sum((0, 2, 3)).double().cpu(),
+        "queries": real[..., 0].expand(b, h, n).sum((0, 2)).double().cpu(),
+        "exact": ((missed == 0) & real[..., 0]).sum((0, 2)).double().cpu(),
+    }

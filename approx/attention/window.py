@@ -1,0 +1,175 @@
+"""Sliding-window attention with global tokens (Longformer).
+
+Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", arXiv 2004.05150.
+
+Query i attends key j when ``|i - j| <= window * dilation`` and ``(i - j)`` is a multiple of ``dilation``:
+``window`` is **one-sided** here, 2 * window + 1 keys per query. Longformer's ``attention_window`` is the
+two-sided total (its users confused the two, allenai/longformer #194): its ``attention_window=512`` is
+``window=256`` here. Global tokens attend every key and every query attends them: the first ``global_tokens``
+positions (CLS, the classification choice), and with ``question_global`` every token before the first SEP (the
+question of a QA input, Longformer's choice; a patched model finds it from its ``input_ids`` or
+``token_type_ids``, see :mod:`._context`). Longformer trains separate projections for global attention; a
+pretrained encoder has none, so global tokens use the layer's own Q, K and V (zero-shot).
+
+Runs on the block-sparse kernel (:mod:`._blocksparse`): query blocks of ``block`` rows attend the key blocks
+their window touches, the element mask keeps the exact window; global keys are a shared strip and global queries
+dense rows. Positions are those of the padded sequence (padding at the end leaves the real tokens' pairs
+unchanged). With ``window >= N - 1`` (and dilation 1) every pair is in: exact attention, computed by the same
+code (the exact-limit test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import MethodConfig, option
+from ..registry import Cost, ExactLimit, register
+from . import _blocksparse, _fallback
+from ._blocksparse import Pattern
+from ._common import exact_rows, exact_weight_rows
+from ._context import question_mask
+
+NO_QUESTION = (
+    "window: question_global=True needs the question's positions: run the patched model on inputs with "
+    "input_ids (and a config with sep_token_id) or token_type_ids, or wrap plain calls in "
+    "approx.attention.tokens(question_mask=...)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowConfig(MethodConfig):
+    """Options of sliding-window (Longformer) attention."""
+
+    method = "window"
+
+    window: int = option(
+        256,
+        "one-sided: query i attends keys j with |i - j| <= window (times dilation); Longformer's two-sided "
+        "attention_window is 2 * window",
+    )
+    dilation: int = option(1, "attend every dilation-th key inside a window of window * dilation on each side")
+    global_tokens: int = option(1, "the first global_tokens positions (CLS) attend to and are attended by every token")
+    question_global: bool = option(
+        False, "every token before the first SEP (the question of a QA input) is global too (Longformer's QA choice)"
+    )
+    block: int = option(64, "rows per query block of the kernel (speed only: the output does not depend on it)")
+    exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
+
+    def check(self) -> None:
+        self.require(self.window >= 0, "window", "a one-sided width: 0 (only i = j) or more")
+        self.require(self.dilation >= 1, "dilation", "1 (contiguous) or more")
+        self.require(self.global_tokens >= 0, "global_tokens", "cannot be negative")
+        self.require(self.block >= 1, "block", "at least one row per block")
+        self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
+
+
+def window_pairs(n: int, s: int, window: int, dilation: int) -> int:
+    """Pairs (i < n, j < s) with |i - j| = dilation * t, t <= window: sum over the offsets of the rows they fit."""
+    total = 0
+    for t in range(-window, window + 1):
+        off = dilation * t
+        total += max(0, min(n, s - off) - max(0, -off))
+    return total
+
+
+def cost(config: WindowConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
+    """The window's pairs plus the global tokens' rows and columns (taken once), for ``global_tokens`` globals
+    (a question adds its length: data dependent)."""
+    if _fallback.exact_for_length(n, exact_below=config.exact_below):
+        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
+    g = min(config.global_tokens, n, s)
+    local = window_pairs(n - g, s - g, config.window, config.dilation)  # pairs between non-global tokens
+    pairs = min(n * s, local + g * s + (n - g) * g)
+    return Cost(flops=2 * pairs * (d + dv), qk_pairs=pairs, matmul_macs=pairs * (d + dv))
+
+
+def global_positions(config: WindowConfig, b: int, n: int, device) -> torch.Tensor | None:
+    """(B, N) bool: the first ``global_tokens`` positions, and the question when ``question_global``."""
+    glob = (torch.arange(n, device=device) < config.global_tokens).expand(b, n)
+    if config.question_global:
+        question = question_mask()
+        if question is None:
+            raise RuntimeError(NO_QUESTION)
+        if tuple(question.shape) != (b, n):
+            raise ValueError(f"window: the question mask has shape {tuple(question.shape)}, the inputs ({b}, {n})")
+        glob = glob | question.to(device=device, dtype=torch.bool)
+    return glob if bool(glob.any()) else None
+
+
+def pattern(config: WindowConfig, *, b: int, n: int, s: int, device) -> Pattern:
+    """Query block t attends the key blocks that [t * block - reach, (t + 1) * block - 1 + reach] touches."""
+    blk, reach, dil = config.block, config.window * config.dilation, config.dilation
+    tq, tk = -(-n // blk), -(-s // blk)
+    starts = torch.arange(tq, device=device) * blk
+    kv, valid = _blocksparse.range_blocks(starts - reach, starts + blk + reach, blk, tk)
+
+    def allow(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        diff = i[..., :, None] - j[..., None, :]
+        ok = diff.abs() <= reach
+        return ok if dil == 1 else ok & (diff.remainder(dil) == 0)
+
+    glob = global_positions(config, b, n, device)
+    shared = None if glob is None else torch.nn.functional.pad(glob, (0, max(0, s - n)))[:, :s]
+    return Pattern(blk, kv[None, None], valid[None, None], allow=allow, shared_keys=shared, global_queries=glob)
+
+
+def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
+    """The dense (B, H, N, S) matrix of the window pattern (measuring only)."""
+    b, _, n, _ = q.shape
+    pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
+    return _fallback.with_fallback(
+        lambda: _blocksparse.dense_weights(q, k, pat, key_mask=key_mask, scale=scale),
+        exact_weight_rows(q, k, key_mask, scale, torch.float64 if q.dtype == torch.float64 else torch.float32),
+        query_mask=query_mask,
+        shape=(b, n),
+        device=q.device,
+        exact_below=config.exact_below,
+    )
+
+
+def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str, torch.Tensor]:
+    """Sparsity and recall of the window pattern against the entmax (alpha 1.5) gold graph, as Sparsefinder."""
+    b, _, n, _ = q.shape
+    pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
+    return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale)
+
+
+@register(
+    "window",
+    WindowConfig,
+    cost=cost,
+    weights=weights,
+    stats=graph_stats,
+    test_options={"window": 5, "block": 8},
+    # a window reaching every key: each pair in, through the pattern code
+    exact_limit=ExactLimit(options=lambda n: {"window": n}),
+)
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    scale: float,
+    config: WindowConfig,
+    state: dict[str, torch.Tensor],
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Sliding-window attention with global tokens (Longformer), O(N window)."""
+    b, _, n, _ = q.shape
+
+    def approximate() -> torch.Tensor:
+        pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
+        return _blocksparse.attend(q, k, v, pat, key_mask=key_mask, scale=scale, dropout=dropout)
+
+    return _fallback.with_fallback(
+        approximate,
+        exact_rows(q, k, v, key_mask, scale, dropout),
+        query_mask=query_mask,
+        shape=(b, n),
+        device=q.device,
+        exact_below=config.exact_below,
+    )
