@@ -9,11 +9,14 @@ of the method's choosing (LSH sorts them by hash, the strided pattern by positio
 * ``kv_blocks`` (B|1, H|1, Tq, K) and ``kv_valid``: the key blocks each query block attends;
 * ``q_order`` / ``k_order`` (B|1, H|1, N): the original position at every sorted slot (None: positions in order);
 * ``allow(i, j)`` and ``bias(i, j)``: an element mask and an additive score bias inside the gathered blocks, as
-  functions of the *original* positions: i (B, H, *lead, r), j (B, H, *lead, E) -> (.., r, E) (e.g. the window's
-  ``|i - j| <= w``, LSH's ``-log n`` for a pair found in n rounds);
+  *elementwise* functions of the *original* positions, called on broadcastable tensors (the gather kernel passes
+  i (B, H, *lead, r, 1) and j (B, H, *lead, 1, E), the dense path (B, H, N, 1) and (B, H, 1, S), FlexAttention
+  single positions), e.g. the window's ``|i - j| <= w``;
 * ``shared_keys`` (B, S): keys every query attends (global tokens; Sparse Transformer's summary columns), computed
   once as a dense (N, E) strip and left out of the blocks so that no pair is counted twice;
-* ``global_queries`` (B, N): queries that attend every key (global tokens), computed as dense rows.
+* ``global_queries`` (B, N): queries that attend every key (global tokens), computed as dense rows;
+* ``flex`` and ``kv_full``: whether FlexAttention can call ``allow``/``bias`` one pair at a time, and which key
+  blocks ``allow`` admits whole (a speed hint for FlexAttention only: see :mod:`._flex`).
 
 :func:`attend` gathers, for a chunk of query blocks at a time, their key blocks into one (rows, K * block) score
 matrix per block: no (N, S) tensor is formed, work and memory are O(N K block). Scores and sums run in float32
@@ -32,13 +35,32 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..config import option
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
 __all__ = ["Pattern", "attend", "combine", "dense_mask", "dense_weights", "range_blocks", "token_rows"]
+
+# the kernels that run a pattern (the sparse-pattern methods' ``kernel`` option): see :func:`attend`
+KERNELS = ("auto", "gather", "flex")
+
+
+def kernel_option() -> Any:
+    """The ``kernel`` option of every sparse-pattern method's config (check it with :func:`check_kernel`)."""
+    return option(
+        "auto",
+        "'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: inference only, "
+        "float32/16); 'auto': flex on long inputs where it can run the call, else gather (same output to rounding)",
+    )
+
+
+def check_kernel(config) -> None:
+    config.require(config.kernel in KERNELS, "kernel", f"choose one of {', '.join(KERNELS)}")
+
 
 # Largest score tensor of one chunk of query blocks, in elements (B * H * c * block * keys).
 _CHUNK_ELEMENTS = 1 << 22
@@ -59,6 +81,18 @@ class Pattern:
     bias: PairFn | None = None
     shared_keys: torch.Tensor | None = None
     global_queries: torch.Tensor | None = None
+    # allow / bias are functions of the positions alone (FlexAttention can call them one pair at a time)
+    flex: bool = True
+    # (B|1, H|1, Tq, K) bool: key blocks whose every pair ``allow`` admits (FlexAttention then skips the element
+    # mask there); None: none known (every block when there is no ``allow``)
+    kv_full: torch.Tensor | None = None
+    # every pair ``allow`` admits lies in the listed key blocks (FlexAttention then need not look the blocks up)
+    allow_implies_blocks: bool = False
+
+
+def _batch_index(b: int, device) -> torch.Tensor:
+    """arange(B) shaped (B, 1, 1), to index (B, S) tables with (B, H, m) positions."""
+    return torch.arange(b, device=device).view(b, 1, 1)
 
 
 def range_blocks(lo: torch.Tensor, hi: torch.Tensor, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,10 +156,28 @@ def attend(
     scale: float,
     dropout: float = 0.0,
     with_lse: bool = False,
+    kernel: str = "gather",
 ):
     """Softmax attention of q (B, H, N, d) to k, v (B, H, S, d / dv) on ``pattern``'s pairs only: (B, H, N, dv) in
     v's dtype, and with ``with_lse`` the log-sum-exp of every query's allowed scores (B, H, N), float32 or float64
-    (-inf for a query with no allowed key, whose output is 0)."""
+    (-inf for a query with no allowed key, whose output is 0).
+
+    ``kernel``: ``"gather"`` (this module's plain-torch kernel), ``"flex"`` (compiled FlexAttention on the same
+    pattern: :mod:`._flex`; an error when it cannot run the call) or ``"auto"`` (flex where it can run the call and
+    the sequence is long enough to repay it, see ``_flex.usable``; else gather)."""
+    if kernel != "gather":
+        from . import _flex
+
+        why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
+        if why is None and (kernel == "flex" or _flex.worth_it(q, k)):
+            done = _flex.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, with_lse=with_lse)
+            if done is not None:
+                return done
+            why = _flex.unusable(
+                q, k, v, pattern, dropout=dropout, with_lse=with_lse
+            )  # it failed to compile: gather from now on
+        if kernel == "flex":
+            raise RuntimeError(f"kernel='flex' cannot run this call: {why}")
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
     key_mask = safe_key_mask(key_mask)
     b, h, n, d = q.shape
@@ -137,7 +189,7 @@ def attend(
     qs, ks, vs = _take(q, qpos) * scale, _take(k, kpos), _take(v, kpos)
     key_ok = kpos >= 0
     if key_mask is not None or pattern.shared_keys is not None:
-        batch = torch.arange(b, device=q.device).view(b, 1, 1)
+        batch = _batch_index(b, q.device)
         if key_mask is not None:
             key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
         if pattern.shared_keys is not None:  # computed in the shared strip, not again in the blocks
@@ -168,9 +220,9 @@ def attend(
         ipos = qpos[:, :, rows].reshape(b, h, c, blk).clamp(min=0)
         jc = jpos.clamp(min=0)
         if pattern.allow is not None:
-            ok = ok & pattern.allow(ipos, jc)
+            ok = ok & pattern.allow(ipos[..., :, None], jc[..., None, :])
         if pattern.bias is not None:
-            scores = scores + pattern.bias(ipos, jc)
+            scores = scores + pattern.bias(ipos[..., :, None], jc[..., None, :])
         ok = ok.expand_as(scores)
         if shared is not None:
             scores = torch.cat([scores, qc @ shared[0][:, :, None].transpose(-1, -2)], -1)
@@ -243,8 +295,8 @@ def dense_mask(pattern: Pattern, *, b: int, h: int, n: int, s: int, key_mask, de
     qpos = _sorted_positions(pattern.q_order, b, h, n, n, device)  # (B, H, N): original position per slot
     kpos = _sorted_positions(pattern.k_order, b, h, s, s, device)
     if pattern.allow is not None:
-        sorted_mask = sorted_mask & pattern.allow(qpos, kpos)
-    bias = pattern.bias(qpos, kpos) if pattern.bias is not None else None
+        sorted_mask = sorted_mask & pattern.allow(qpos[..., :, None], kpos[..., None, :])
+    bias = pattern.bias(qpos[..., :, None], kpos[..., None, :]) if pattern.bias is not None else None
     # un-sort: the slot of original position i is inv[i]
     inv_q = qpos.argsort(-1)
     inv_k = kpos.argsort(-1)
@@ -295,7 +347,7 @@ def pattern_stats(q, k, pattern: Pattern, *, key_mask, scale: float, alpha: floa
     gold = gold_graph(q, k, key_mask, scale, alpha)
     real_q = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None or n != s else key_mask
     real = real_q[:, None, :, None]
-    valid = real & (torch.ones_like(pred) if key_mask is None else key_mask[:, None, None, :])
+    valid = (real & (torch.ones_like(pred) if key_mask is None else key_mask[:, None, None, :])).expand_as(pred)
     missed = (gold & ~pred & real).sum(-1)
     return {
         "predicted": (pred & real).sum((0, 2, 3)).double().cpu(),

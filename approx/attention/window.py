@@ -56,6 +56,7 @@ class WindowConfig(MethodConfig):
     )
     block: int = option(64, "rows per query block of the kernel (speed only: the output does not depend on it)")
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
+    kernel: str = _blocksparse.kernel_option()
 
     def check(self) -> None:
         self.require(self.window >= 0, "window", "a one-sided width: 0 (only i = j) or more")
@@ -63,6 +64,7 @@ class WindowConfig(MethodConfig):
         self.require(self.global_tokens >= 0, "global_tokens", "cannot be negative")
         self.require(self.block >= 1, "block", "at least one row per block")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
+        _blocksparse.check_kernel(self)
 
 
 def window_pairs(n: int, s: int, window: int, dilation: int) -> int:
@@ -106,13 +108,26 @@ def pattern(config: WindowConfig, *, b: int, n: int, s: int, device) -> Pattern:
     kv, valid = _blocksparse.range_blocks(starts - reach, starts + blk + reach, blk, tk)
 
     def allow(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        diff = i[..., :, None] - j[..., None, :]
+        diff = i - j
         ok = diff.abs() <= reach
         return ok if dil == 1 else ok & (diff.remainder(dil) == 0)
 
+    # blocks every pair of which is within the window (contiguous windows only): the largest distance fits
+    q_first, k_first = starts[:, None], kv * blk
+    far = torch.maximum((q_first - (k_first + blk - 1)).abs(), (q_first + blk - 1 - k_first).abs())
+    full = (far <= reach) & (dil == 1)
     glob = global_positions(config, b, n, device)
     shared = None if glob is None else torch.nn.functional.pad(glob, (0, max(0, s - n)))[:, :s]
-    return Pattern(blk, kv[None, None], valid[None, None], allow=allow, shared_keys=shared, global_queries=glob)
+    return Pattern(
+        blk,
+        kv[None, None],
+        valid[None, None],
+        allow=allow,
+        shared_keys=shared,
+        global_queries=glob,
+        kv_full=full[None, None],
+        allow_implies_blocks=dil == 1,  # the listed blocks are all those within reach
+    )
 
 
 def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
@@ -163,7 +178,7 @@ def window_attention(
 
     def approximate() -> torch.Tensor:
         pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
-        return _blocksparse.attend(q, k, v, pat, key_mask=key_mask, scale=scale, dropout=dropout)
+        return _blocksparse.attend(q, k, v, pat, key_mask=key_mask, scale=scale, dropout=dropout, kernel=config.kernel)
 
     return _fallback.with_fallback(
         approximate,

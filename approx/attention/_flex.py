@@ -1,0 +1,213 @@
+"""The block-sparse patterns of :mod:`._blocksparse` run by PyTorch's FlexAttention (compiled).
+
+``torch.nn.attention.flex_attention`` takes a ``BlockMask`` (which key blocks each query block visits) and a
+``mask_mod`` / ``score_mod`` evaluated inside the visited blocks; compiled, it never forms an (N, S) matrix and
+fuses the scores, the online softmax and the value sum. Measured against the gather kernel on the same pattern
+(``benchmarks/flex_vs_gather.py``; docs' Speed page) it is several times faster on long CPU inputs, but on the
+CPU it has **no backward pass**, it needs a C++ compiler and a first compilation of seconds per dtype, and it does
+not take float64. So ``kernel="auto"`` (the sparse-pattern methods' default) uses it only where it can run the
+call and repay the compilation: no gradient on the CPU, no dropout, float32 / float16 / bfloat16, at least
+:data:`MIN_LENGTH` keys; everything else runs the gather kernel, which gives the same output to float rounding (a
+test checks it). A compilation failure is reported once (a warning naming the reason) and the gather kernel is
+used from then on.
+
+The pattern is translated as it is: queries and keys are put in the pattern's sorted order, every query block's
+key blocks (its own, the blocks holding shared keys, every block for a block holding a global query) form the
+``BlockMask``, and ``mask_mod`` looks the original positions up to apply the pattern's own block membership, its
+``allow`` function, key padding, shared keys and global queries; ``bias`` becomes a ``score_mod``. The pattern's
+functions are called on one pair at a time (shape (1, 1, 1) positions), so they must be functions of the
+positions only (``Pattern.flex = False`` says otherwise, e.g. LSH's per-round lookups).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ._common import safe_key_mask, zero_padded_values
+
+__all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
+
+# keys from which kernel="auto" takes FlexAttention (the compiled kernel's per-call overhead is repaid; see the
+# docs' Speed page for the measurement)
+MIN_LENGTH = 1024
+_COMPILED = None
+_RAISE = False  # debugging: let a compilation error through
+_BROKEN: str | None = None  # why compiling failed once (then the gather kernel is used)
+
+
+def _flex_fn():
+    global _COMPILED
+    if _COMPILED is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # static shapes: with dynamic=True inductor's CPU code (torch 2.13) confuses the size of a captured table
+        # with the query split size and fails to compile; lengths are bucketed instead (_bucket)
+        _COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED
+
+
+def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool = False) -> str | None:
+    """Why FlexAttention cannot run this call, or None when it can."""
+    if _BROKEN is not None:
+        return f"FlexAttention failed to compile earlier ({_BROKEN})"
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return "this torch has no torch.nn.attention.flex_attention"
+    if not getattr(pattern, "flex", True):
+        return "this pattern's functions are not position-only"
+    if dropout > 0.0:
+        return "attention dropout is not applied by FlexAttention here"
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"FlexAttention does not take {q.dtype}"
+    if q.device.type == "cpu" and with_lse:
+        return "compiled FlexAttention on the CPU does not return the log-sum-exp (needed to combine patterns)"
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return "FlexAttention has no backward pass on the CPU"
+    return None
+
+
+def worth_it(q, k) -> bool:
+    """kernel='auto': long enough to repay the compiled kernel (and its compilation)."""
+    return k.shape[2] >= MIN_LENGTH
+
+
+def _bucket(n: int, blk: int) -> int:
+    """The padded length compiled for n: a multiple of the block and of a quarter of n's octave (at most a quarter
+    more rows and keys; four compiled shapes per doubling of the length, as ``torch.compile`` specialises on shapes)."""
+    step = max(blk, (1 << max(0, n.bit_length() - 1)) // 4)
+    step = math.lcm(step, blk)
+    return -(-n // step) * step
+
+
+def _block_lists(pattern, b, h, tq, tk, qpos, kpos, key_ok, device):
+    """(B, H, Tq, Tk) bool each: the pattern's own key blocks, the visited ones (shared keys' and global queries'
+    blocks too) and the *full* ones, where every pair is in without looking (FlexAttention skips ``mask_mod`` there):
+    own blocks the pattern marks full (``kv_full``; every own block when it has no ``allow``) with only real keys."""
+    from ._blocksparse import _batch_index  # noqa: PLC0415
+
+    kvb = pattern.kv_blocks.expand(b, h, tq, -1)
+    valid = (kvb >= 0) & (kvb < tk)
+    if pattern.kv_valid is not None:
+        valid = valid & pattern.kv_valid.expand(b, h, tq, -1)
+
+    def scatter(which):
+        m = torch.zeros(b, h, tq, tk + 1, dtype=torch.bool, device=device)
+        return m.scatter_(-1, kvb.clamp(0, tk - 1).masked_fill(~which, tk), True)[..., :tk]
+
+    own = scatter(valid)
+    candidate = pattern.kv_full if pattern.kv_full is not None else None
+    if candidate is None and pattern.allow is None:
+        candidate = torch.ones((), dtype=torch.bool, device=device)
+    full = torch.zeros_like(own)
+    if candidate is not None:
+        real_block = key_ok.view(b, h, tk, -1).all(-1)  # (B, H, Tk): no padded key in the block
+        full = scatter(valid & candidate.expand(b, h, tq, kvb.shape[-1])) & real_block[:, :, None, :]
+    visit = own.clone()
+    batch = _batch_index(b, device)
+    if pattern.shared_keys is not None:
+        shared_slot = (kpos >= 0) & pattern.shared_keys[batch, kpos.clamp(min=0)]  # (B, H, Tk * blk)
+        visit |= shared_slot.view(b, h, tk, -1).any(-1)[:, :, None, :]
+    if pattern.global_queries is not None:
+        global_slot = (qpos >= 0) & pattern.global_queries[batch, qpos.clamp(min=0)]
+        visit |= global_slot.view(b, h, tq, -1).any(-1)[..., None]
+    return own, visit, full
+
+
+def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, Tq, Tk) bool -> FlexAttention's counts (B, H, Tq) and block indices (B, H, Tq, Tk), int32."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    return counts, blocks.to(torch.uint8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
+    """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning)."""
+    global _BROKEN
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from ._blocksparse import _batch_index, _sorted_positions, _take, _unsort
+
+    key_mask = safe_key_mask(key_mask)
+    b, h, n, _ = q.shape
+    s, blk, device = k.shape[2], pattern.block, q.device
+    tq0, tk0 = math.ceil(n / blk), math.ceil(s / blk)
+    tq, tk = _bucket(n, blk) // blk, _bucket(s, blk) // blk  # a few lengths per octave: few compilations
+    qpos = _sorted_positions(pattern.q_order, b, h, n, tq * blk, device)
+    kpos = _sorted_positions(pattern.k_order, b, h, s, tk * blk, device)
+    v = zero_padded_values(v, key_mask)
+    qs, ks, vs = _take(q, qpos), _take(k, kpos), _take(v, kpos)
+    batch = _batch_index(b, device)
+    key_ok = kpos >= 0
+    if key_mask is not None:
+        key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
+    lists = _block_lists(
+        pattern, b, h, tq0, tk0, qpos[..., : tq0 * blk], kpos[..., : tk0 * blk], key_ok[..., : tk0 * blk], device
+    )
+    own, visit, full = (F.pad(m, (0, tk - tk0, 0, tq - tq0)) for m in lists)  # the bucket's extra blocks: none
+    qpos0, kpos0 = qpos.clamp(min=0), kpos.clamp(min=0)
+    # shared keys and global queries per sorted slot (a lookup by slot: inductor's CPU code generation fails on a
+    # table indexed by a value read from another table)
+    shared = None if pattern.shared_keys is None else pattern.shared_keys[batch, kpos0] & (kpos >= 0)
+    glob = None if pattern.global_queries is None else pattern.global_queries[batch, qpos0] & (qpos >= 0)
+    allow, bias = pattern.allow, pattern.bias
+
+    # look-ups only where needed: positions when sorted, own blocks unless allow implies them, key padding
+    sorted_q, sorted_k = pattern.q_order is not None, pattern.k_order is not None
+    check_own = allow is None or not pattern.allow_implies_blocks
+    check_keys = not bool(key_ok.all())
+
+    def pair(bi, hi, qi, kj):
+        i = qpos0[bi, hi, qi] if sorted_q else qi
+        j = kpos0[bi, hi, kj] if sorted_k else kj
+        inside = own[bi, hi, qi // blk, kj // blk] if check_own else None
+        if allow is not None:
+            inside = allow(i, j) if inside is None else inside & allow(i, j)
+        plain = None  # a shared key or a global query: in, whatever the pattern says
+        if shared is not None:
+            plain = shared[bi, hi, kj]
+        if glob is not None:
+            plain = glob[bi, hi, qi] if plain is None else plain | glob[bi, hi, qi]
+        return i, j, inside, plain
+
+    def mask_mod(bi, hi, qi, kj):
+        _, _, inside, plain = pair(bi, hi, qi, kj)
+        ok = inside if plain is None else inside | plain
+        return key_ok[bi, hi, kj] & ok if check_keys else ok
+
+    score_mod = None
+    if bias is not None:
+
+        def score_mod(score, bi, hi, qi, kj):
+            i, j, _, plain = pair(bi, hi, qi, kj)
+            return score + (bias(i, j) if plain is None else torch.where(plain, 0.0, bias(i, j)))
+
+    partial_counts, partial = _lists(visit & ~full)
+    full_counts, full_idx = _lists(full) if bool(full.any()) else (None, None)
+    mask = BlockMask.from_kv_blocks(
+        partial_counts,
+        partial,
+        full_counts,
+        full_idx,
+        BLOCK_SIZE=blk,
+        mask_mod=mask_mod,
+        seq_lengths=(tq * blk, tk * blk),
+    )
+    try:
+        res = _flex_fn()(qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale, return_lse=with_lse)
+    except Exception as err:  # noqa: BLE001 - a compiler missing or failing: say so once, then use gather
+        if _RAISE:
+            raise
+        _BROKEN = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        warnings.warn(
+            f"approx: FlexAttention could not run ({_BROKEN}); the sparse-pattern methods use their gather kernel",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    out, lse = (res[0], res[1].float()) if with_lse else (res, None)
+    out, lse = _unsort(out, lse, pattern.q_order, n)
+    return (out.to(v.dtype), lse) if with_lse else out.to(v.dtype)

@@ -1,0 +1,283 @@
+"""LSH attention (Reformer), made asymmetric for separate queries and keys as SMYRF does.
+
+Kitaev, Kaiser, Levskaya, "Reformer: The Efficient Transformer", arXiv 2001.04451; Daras, Kitaev, Odena,
+Dimakis, "SMYRF: Efficient Attention using Asymmetric Clustering", arXiv 2010.05315.
+
+Reformer hashes shared queries/keys with random rotations and lets each query attend the keys of its own hash
+bucket. A pretrained encoder has separate Q and K, so (SMYRF) both are first mapped onto one sphere of radius M,
+
+    F(q) = [q; 0; sqrt(M^2 - |q|^2)],   G(k) = [k; sqrt(M^2 - |k|^2); 0],   M^2 = max |q|^2 + max |k|^2
+
+(the maxima over the REAL queries and keys of each sequence and head), so that F(q) . G(k) = q . k and
+|F(q) - G(k)|^2 = 2 M^2 - 2 q . k: a near query and key have a large dot product. Per round r, queries and keys
+are sorted *separately* by the same random hash of F(q) and G(k), both sorted lists are cut into clusters of
+``cluster_size`` c consecutive entries (balanced: every cluster but the last holds exactly c real tokens), and
+the t-th query cluster attends the t-th key cluster (a block-diagonal pattern in the sorted orders). ``rounds``
+independent hashes are combined exactly: each round's softmax over its pairs, with the score of a pair found in
+n of the rounds lowered by log n (Reformer's de-duplication), is merged with the others through their
+log-sum-exp normalisers, O = sum_r exp(L_r - L) O_r, L = logsumexp_r L_r. The result is exactly the softmax over
+the *union* of the rounds' pairs with the plain scores (each pair counted once): the dense ``weights()``.
+
+Choices made here:
+
+* **The hash is one random projection per round, sorted as a continuous value** (the angle of F(q) or G(k)
+  to a random direction a_r ~ N(0, I_{d+2}): all F(q), G(k) have norm M, so a_r . x orders them by angle): the
+  continuous form of Reformer's hash (with 2 buckets it is sign(a_r . x)), and SMYRF's E2LSH projection sorted
+  before flooring. Reformer's argmax over ``buckets`` rotations, sorted by (bucket, position), was measured and
+  rejected: queries and keys are sorted separately, and their populations of each bucket differ (F and G live
+  on different coordinates), so query cluster t and key cluster t hold unrelated buckets; on synthetic
+  clustered and low-rank inputs (N = 512 and 2048, c = 64, 2 rounds) that covered 25-30 % and 6-8 % of the
+  attention mass, no better than random clusters (25 %, 6 %), while the sorted projection covered 53-64 % and
+  17-24 %. A rank-based cut of one projection needs no bucket count (nothing to tune with the length).
+* Ties are broken by position (a stable sort); padded queries and keys are sorted last (their hash is +inf),
+  so they never take a cluster slot of a real token and M^2 ignores them: appending padding changes nothing.
+* Query cluster t attends key cluster min(t, T_k - 1), T_k the number of clusters holding a real key: for
+  self-attention (as many real queries as keys) that is cluster t; with more real queries than keys (cross
+  attention) the last clusters of queries attend the last cluster of keys instead of nothing.
+* The directions are state: ``(rounds, head_dim + 2)`` drawn from ``seed``, **shared by every head** (heads are
+  unknown when a layer is patched; each head still sorts its own projections), saved with the model and
+  redrawn only by ``approx.redraw``. Hashing carries no gradient; attention does.
+* Defaults: ``cluster_size = 64``, Reformer's chunk length (transformers' ``lsh_attn_chunk_length``) and one
+  kernel block; ``rounds = 4``: the Reformer paper compares 1, 2, 4 and 8 hashes and quality improves with each;
+  transformers' default of 1 hash leaves most of the attention mass out (on the synthetic inputs above, N = 512,
+  c = 64: 31 % / 53 % / 76 % covered with 1 / 2 / 4 rounds). 4 x 64 = 256 keys per query.
+* ``c >= N`` puts every real key in one cluster: exact attention through the same code, with any ``rounds``
+  (every pair is found in every round, lowered by log rounds, and the combination restores it); so is any row
+  with at most c real tokens. ``exact_below`` (default 0) is the generic fallback to exact attention.
+
+Runs on the block-sparse kernel (:mod:`._blocksparse`), one :class:`~._blocksparse.Pattern` per round (q_order /
+k_order the sorted positions, kv_blocks one key block per query block, the de-duplication as the pattern's
+``bias``), merged with :func:`~._blocksparse.combine`. Cost: rounds * N * c pairs plus the hashing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import MethodConfig, option
+from ..registry import Cost, ExactLimit, register
+from . import _blocksparse, _fallback
+from ._blocksparse import Pattern
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class LshConfig(MethodConfig):
+    """Options of LSH (Reformer / SMYRF) attention."""
+
+    method = "lsh"
+
+    cluster_size: int = option(
+        64, "c: queries and keys per cluster (balanced); query cluster t attends key cluster t (Reformer's chunk 64)"
+    )
+    rounds: int = option(4, "independent hashing rounds, merged exactly with duplicate pairs counted once")
+    seed: int = option(0, "seed of the random hash directions (one per round, shared by the heads)")
+    exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
+
+    def check(self) -> None:
+        self.require(self.cluster_size >= 1, "cluster_size", "at least one token per cluster")
+        self.require(self.rounds >= 1, "rounds", "at least one hashing round")
+        self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
+        self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
+
+
+def init_state(config: LshConfig, *, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
+    """One random direction a_r ~ N(0, I) of the transformed space (head_dim + 2) per round, shared by the heads."""
+    g = torch.Generator().manual_seed(seed)
+    return {"directions": torch.randn(config.rounds, head_dim + 2, generator=g)}
+
+
+def cost(config: LshConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
+    """rounds * N * min(c, S) pairs (duplicates included: they are computed), plus the hashing: the norms and
+    one projection per round of every query and key."""
+    if _fallback.exact_for_length(n, exact_below=config.exact_below):
+        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
+    pairs = config.rounds * n * min(config.cluster_size, s)
+    hashing = 2 * (n + s) * d + 2 * (n + s) * config.rounds * (d + 2)
+    return Cost(flops=2 * pairs * (d + dv) + hashing, qk_pairs=pairs, matmul_macs=pairs * (d + dv))
+
+
+# ------------------------------------------------------------------------------------------------ hashing
+
+
+def hash_projections(q, k, key_mask, query_mask, directions):
+    """a_r . F(q) and a_r . G(k) for every round: (R, B, H, N) and (R, B, H, S) in the compute dtype, +inf for
+    padded queries and keys (sorted last). M^2 = max |q|^2 + max |k|^2 over the real tokens of each (B, H)."""
+    dt = compute_dtype(q.dtype)
+    qf, kf = q.detach().to(dt), k.detach().to(dt)
+    d = qf.shape[-1]
+    a = directions.to(device=q.device, dtype=dt)  # (R, d + 2)
+    qn, kn = (qf * qf).sum(-1), (kf * kf).sum(-1)  # (B, H, N), (B, H, S)
+    q_real = None if query_mask is None else query_mask[:, None, :]
+    k_real = None if key_mask is None else key_mask[:, None, :]
+    q_max = (qn if q_real is None else qn.masked_fill(~q_real, 0.0)).amax(-1, keepdim=True)
+    k_max = (kn if k_real is None else kn.masked_fill(~k_real, 0.0)).amax(-1, keepdim=True)
+    m2 = q_max + k_max  # (B, H, 1)
+    # F(q) = [q; 0; sqrt(M^2 - |q|^2)], G(k) = [k; sqrt(M^2 - |k|^2); 0]
+    pq = qf @ a[:, :d].t() + (m2 - qn).clamp(min=0.0).sqrt()[..., None] * a[:, d + 1]  # (B, H, N, R)
+    pk = kf @ a[:, :d].t() + (m2 - kn).clamp(min=0.0).sqrt()[..., None] * a[:, d]  # (B, H, S, R)
+    if q_real is not None:
+        pq = pq.masked_fill(~q_real[..., None], float("inf"))
+    if k_real is not None:
+        pk = pk.masked_fill(~k_real[..., None], float("inf"))
+    return pq.permute(3, 0, 1, 2), pk.permute(3, 0, 1, 2)
+
+
+def _clusters(proj: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (stable: ties by position) and cut into clusters of c: the sorted positions and every position's
+    cluster, both (R, B, H, L)."""
+    order = proj.argsort(dim=-1, stable=True)
+    slots = torch.arange(proj.shape[-1], device=proj.device).expand_as(order)
+    cluster = torch.empty_like(order).scatter_(-1, order, slots.div(c, rounding_mode="floor"))
+    return order, cluster
+
+
+@dataclasses.dataclass
+class Hashed:
+    """The rounds' sorted orders and clusters: ``q_order``/``target`` (R, B, H, N): queries' sorted positions and
+    the key cluster each query attends; ``k_order``/``k_cluster`` (R, B, H, S); ``kv`` (B, 1, Tq, 1) the key
+    block of every query block; ``block`` the kernel's block (c, or the padded length when c exceeds it)."""
+
+    q_order: torch.Tensor
+    target: torch.Tensor
+    k_order: torch.Tensor
+    k_cluster: torch.Tensor
+    kv: torch.Tensor
+    block: int
+
+
+def hash_and_sort(q, k, key_mask, query_mask, config: LshConfig, state) -> Hashed:
+    """Every round's hash, separate sorts of the queries and keys, and their clusters of ``cluster_size``."""
+    b, _, n, _ = q.shape
+    s = k.shape[2]
+    c = config.cluster_size
+    key_mask = safe_key_mask(key_mask)  # a row without real keys attends every key
+    pq, pk = hash_projections(q, k, key_mask, query_mask, state["directions"])
+    q_order, q_cluster = _clusters(pq, c)
+    k_order, k_cluster = _clusters(pk, c)
+    real_keys = torch.full((b,), s, device=q.device) if key_mask is None else key_mask.sum(-1)
+    last = (real_keys + c - 1).div(c, rounding_mode="floor").clamp(min=1) - 1  # (B,) last cluster with a real key
+    target = torch.minimum(q_cluster, last.view(1, b, 1, 1))
+    block = min(c, max(n, s, 1))  # one block = one cluster (c >= the padded length: one block holds all)
+    tq = -(-n // block)
+    kv = torch.minimum(torch.arange(tq, device=q.device).view(1, tq), last.view(b, 1))  # (B, Tq)
+    return Hashed(q_order, target, k_order, k_cluster, kv.view(b, 1, tq, 1), block)
+
+
+def _at(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """table (R, B, H, L) at original positions pos (B, H, ...) -> (R, B, H, ...)."""
+    r, (b, h) = table.shape[0], pos.shape[:2]
+    idx = pos.reshape(b, h, -1)[None].expand(r, b, h, -1)
+    return table.gather(-1, idx).view(r, *pos.shape)
+
+
+def pair_counts(hashed: Hashed, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """In how many rounds query i attends key j, elementwise on broadcastable original positions (the kernel's
+    i (B, H, *lead, r, 1) and j (B, H, *lead, 1, E) -> (B, H, *lead, r, E)): the rounds where the key cluster
+    query i attends is key j's cluster. A lookup per (B, H), so the patterns say ``flex=False``."""
+    return (_at(hashed.target, i) == _at(hashed.k_cluster, j)).sum(0)
+
+
+def round_patterns(hashed: Hashed, dtype: torch.dtype) -> list[Pattern]:
+    """One pattern per round; with several rounds, a pair found in n of them has its score lowered by log n."""
+    rounds = hashed.q_order.shape[0]
+    bias = None
+    if rounds > 1:
+        log_n = torch.arange(rounds + 1, device=hashed.kv.device, dtype=dtype).clamp(min=1).log()
+
+        def bias(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return -log_n[pair_counts(hashed, i, j)]
+
+    return [
+        Pattern(hashed.block, hashed.kv, q_order=hashed.q_order[r], k_order=hashed.k_order[r], bias=bias, flex=False)
+        for r in range(rounds)
+    ]
+
+
+def union_pattern(hashed: Hashed, *, n: int, s: int) -> Pattern:
+    """The union of the rounds' pairs as one pattern (a single block over everything, the element mask "found in
+    some round"): what the merged rounds compute, for ``weights()`` and graph statistics (O(N S))."""
+    one = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=hashed.kv.device)
+    return Pattern(max(n, s, 1), one, allow=lambda i, j: pair_counts(hashed, i, j) > 0, flex=False)
+
+
+# ----------------------------------------------------------------------------------------------- dense paths
+
+
+def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
+    """The dense (B, H, N, S) matrix of the merged rounds: softmax over the union of their pairs (measuring only)."""
+    b, _, n, _ = q.shape
+
+    def approximate() -> torch.Tensor:
+        hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
+        pat = union_pattern(hashed, n=n, s=k.shape[2])
+        return _blocksparse.dense_weights(q, k, pat, key_mask=key_mask, scale=scale)
+
+    return _fallback.with_fallback(
+        approximate,
+        exact_weight_rows(q, k, key_mask, scale, torch.float64 if q.dtype == torch.float64 else torch.float32),
+        query_mask=query_mask,
+        shape=(b, n),
+        device=q.device,
+        exact_below=config.exact_below,
+    )
+
+
+def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str, torch.Tensor]:
+    """Sparsity and recall of the union of the rounds' pairs against the entmax (alpha 1.5) gold graph."""
+    hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
+    pat = union_pattern(hashed, n=q.shape[2], s=k.shape[2])
+    return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale)
+
+
+@register(
+    "lsh",
+    LshConfig,
+    cost=cost,
+    init_state=init_state,
+    weights=weights,
+    stats=graph_stats,
+    test_options={"cluster_size": 8, "rounds": 2},
+    # one cluster holding every key, two rounds: every pair in both, the de-duplication makes it exact
+    exact_limit=ExactLimit(options=lambda n: {"cluster_size": n}),
+)
+def lsh_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: torch.Tensor | None,
+    query_mask: torch.Tensor | None,
+    scale: float,
+    config: LshConfig,
+    state: dict[str, torch.Tensor],
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """LSH attention (Reformer, asymmetric as SMYRF): sorted hash clusters, rounds merged, O(rounds N c)."""
+    b, _, n, _ = q.shape
+
+    def approximate() -> torch.Tensor:
+        dt = compute_dtype(q.dtype)
+        hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
+        patterns = round_patterns(hashed, dt)
+        if len(patterns) == 1:
+            return _blocksparse.attend(q, k, v, patterns[0], key_mask=key_mask, scale=scale, dropout=dropout)
+        outs, lses = [], []
+        for pat in patterns:  # outputs in the compute dtype, merged, then cast once
+            o, lse = _blocksparse.attend(
+                q, k, v.to(dt), pat, key_mask=key_mask, scale=scale, dropout=dropout, with_lse=True
+            )
+            outs.append(o)
+            lses.append(lse)
+        return _blocksparse.combine(outs, lses).to(v.dtype)
+
+    return _fallback.with_fallback(
+        approximate,
+        exact_rows(q, k, v, key_mask, scale, dropout),
+        query_mask=query_mask,
+        shape=(b, n),
+        device=q.device,
+        exact_below=config.exact_below,
+    )

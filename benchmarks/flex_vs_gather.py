@@ -1,0 +1,193 @@
+"""FlexAttention against approx's block-sparse kernel, on the same pattern and inputs (issue #17's choice).
+
+Usage::
+
+    python benchmarks/flex_vs_gather.py --threads 2                      # N = 1024 ... 16384 (~5 min on 2 cores)
+    python benchmarks/flex_vs_gather.py --lengths 4096 --block 128
+    python benchmarks/flex_vs_gather.py --device cuda                     # a GPU, when one is lent
+
+The pattern is the ``window`` method's (one-sided window 256, the CLS token global; ``--window``,
+``--global-tokens``), run three ways: ``gather`` (``approx.ApproxAttention("window", kernel="gather")``: key blocks
+gathered per query block, plain torch), ``approx-flex`` (the same layer with ``kernel="flex"``: approx's generic
+translation of a pattern to FlexAttention, table look-ups in its ``mask_mod``) and ``flex`` (raw
+``torch.nn.attention.flex_attention`` compiled, on the same block lists with a hand-written ``mask_mod``:
+``|i - j| <= w`` or a global token). Inputs (1, 12, N, 64) float32, no padding, forward. Times interleave SDPA,
+the three in one process (one warm-up each, ``--repeats`` timed calls, median); flex's first call (its
+compilation) is timed apart. The outputs are compared (max absolute difference). Whether flex has a backward pass
+on the device is tried and recorded. Results: stdout (markdown) and ``--output`` (JSON, with provenance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from approx import ApproxAttention
+from approx.attention import _flex
+from approx.attention import window as window_mod
+from approx.attention.window import WindowConfig
+from approx.harness.provenance import provenance
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--window", type=int, default=256, help="one-sided window (Longformer's 512 two-sided)")
+    p.add_argument("--global-tokens", type=int, default=1)
+    p.add_argument("--block", type=int, default=64, help="block size of both kernels")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "flex_vs_gather_cpu.json")
+    return p.parse_args(argv)
+
+
+def flex_block_mask(config: WindowConfig, n: int, device: str):
+    """The window pattern's block lists as a FlexAttention BlockMask (global query blocks attend every block)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    pat = window_mod.pattern(config, b=1, n=n, s=n, device=device)
+    blk, tk = config.block, -(-n // config.block)
+    lists = []
+    for t in range(pat.kv_blocks.shape[2]):
+        ids = set(pat.kv_blocks[0, 0, t][pat.kv_valid[0, 0, t]].tolist())
+        if config.global_tokens:
+            ids |= set(range(-(-config.global_tokens // blk)))  # the blocks holding the global keys
+            if t * blk < config.global_tokens:
+                ids = set(range(tk))  # a global query's block attends everything
+        lists.append(sorted(ids))
+    indices = torch.zeros(1, 1, len(lists), tk, dtype=torch.int32)
+    counts = torch.zeros(1, 1, len(lists), dtype=torch.int32)
+    for t, ids in enumerate(lists):
+        indices[0, 0, t, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        counts[0, 0, t] = len(ids)
+    w, g = config.window, config.global_tokens
+
+    def mask_mod(b, h, i, j):
+        return ((i - j).abs() <= w) | (i < g) | (j < g)
+
+    return BlockMask.from_kv_blocks(
+        counts.to(device), indices.to(device), BLOCK_SIZE=blk, mask_mod=mask_mod, seq_lengths=(n, n)
+    )
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def flex_backward(flex, config: WindowConfig, device: str) -> str:
+    """'yes', or the error flex raises for a backward pass on this device."""
+    n = 256
+    q, k, v = (torch.randn(1, 2, n, 64, device=device, requires_grad=True) for _ in range(3))
+    try:
+        flex(q, k, v, block_mask=flex_block_mask(config, n, device)).sum().backward()
+        return "yes"
+    except Exception as err:  # noqa: BLE001 - recorded, not raised: the answer is the point
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+
+
+def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: WindowConfig) -> dict:
+    """One length: SDPA, approx's two kernels and raw flex interleaved (medians), flex's first call, the outputs'
+    largest difference."""
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    q, k, v = (torch.randn(1, 12, n, 64, generator=g).to(args.device) for _ in range(3))
+    with torch.no_grad():
+        mask = flex_block_mask(config, n, args.device)
+        compile_s = timed(lambda: layers["flex"](q, k, v), args.device)  # approx's first: see _flex.py
+        fns = {
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+            "gather": lambda: layers["gather"](q, k, v),
+            "approx-flex": lambda: layers["flex"](q, k, v),
+            "flex": lambda: flex(q, k, v, block_mask=mask),
+        }
+        for f in fns.values():
+            f()
+        times = {c: [] for c in fns}
+        for _ in range(args.repeats):
+            for c, f in fns.items():
+                times[c].append(timed(f, args.device))
+        ref = layers["gather"](q, k, v)
+        diff = max(float((ref - o).abs().max()) for o in (layers["flex"](q, k, v), flex(q, k, v, block_mask=mask)))
+    med = {c: statistics.median(t) for c, t in times.items()}
+    print(f"[time] N={n}: " + ", ".join(f"{c} {m * 1e3:.0f} ms" for c, m in med.items()), file=sys.stderr)
+    return {
+        "n": n,
+        "median_s": med,
+        "times_s": times,
+        "ratio_to_sdpa": {c: med["sdpa"] / med[c] for c in ("gather", "approx-flex", "flex")},
+        "flex_over_gather": med["gather"] / med["approx-flex"],
+        "flex_first_call_s": compile_s,
+        "max_abs_diff": diff,
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    flex = _flex._flex_fn()  # the compiled flex_attention approx uses (one compilation cache for both)
+    config = WindowConfig(window=args.window, global_tokens=args.global_tokens, block=args.block)
+    layers = {
+        kernel: ApproxAttention("window", dataclasses.replace(config, kernel=kernel), head_dim=64).to(args.device)
+        for kernel in ("gather", "flex")
+    }
+    rows = [measure(n, args, flex, layers, config) for n in args.lengths]
+    backward = flex_backward(flex, config, args.device)
+    result = {
+        "benchmark": "flex_vs_gather",
+        "pattern": {"method": "window", **config.to_dict()},
+        "shape": [1, 12, "N", 64],
+        "dtype": "float32",
+        "repeats": args.repeats,
+        "flex_backward": backward,
+        "rows": rows,
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "provenance": provenance(device=args.device),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"FlexAttention vs approx's gather kernel, window pattern {result['pattern']['window']} one-sided, "
+        f"block {result['pattern']['block']}, {result['provenance']['torch_threads']} threads, "
+        f"{result['provenance']['device']}; flex backward: {result['flex_backward']}",
+        "",
+        "| N | SDPA ms | gather ms | approx on flex ms | raw flex ms | gather vs SDPA | approx on flex vs SDPA | "
+        "raw flex vs SDPA | flex vs gather | flex first call s | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        m, x = r["median_s"], r["ratio_to_sdpa"]
+        lines.append(
+            f"| {r['n']} | {m['sdpa'] * 1e3:.0f} | {m['gather'] * 1e3:.0f} | {m['approx-flex'] * 1e3:.0f} | "
+            f"{m['flex'] * 1e3:.0f} | {x['gather']:.2f}× | {x['approx-flex']:.2f}× | {x['flex']:.2f}× | "
+            f"{r['flex_over_gather']:.2f}× | {r['flex_first_call_s']:.1f} | {r['max_abs_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The block-sparse kernel shared by the sparse-pattern methods: its gather path against a float64 masked softmax
+built independently from the block lists, sorted orders, shared keys and global rows, combining patterns through
+their log-sum-exp, and FlexAttention on the same pattern (same output; where it cannot run, why)."""
+
+import pytest
+import torch
+
+from approx import ApproxAttention
+from approx.attention import _blocksparse, _flex
+from approx.attention._blocksparse import Pattern
+from approx.attention.window import WindowConfig
+
+B, H, D = 2, 3, 8
+
+
+def qkv(n, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+
+
+def masked_softmax(q, k, v, allowed):
+    """float64 softmax over ``allowed`` (B, H, N, S) pairs; rows with none give 0."""
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5
+    has = allowed.any(-1, keepdim=True)
+    p = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has, 0).softmax(-1) * has
+    return p @ v
+
+
+def random_pattern(n, block, k_blocks, seed):
+    """Random key blocks per query block (B, H, Tq, K), random orders per (batch, head), a random element mask."""
+    g = torch.Generator().manual_seed(seed)
+    t = -(-n // block)
+    kv = torch.randint(0, t, (B, H, t, k_blocks), generator=g)
+    kv = torch.sort(kv, dim=-1).values
+    dup = torch.cat([torch.zeros_like(kv[..., :1], dtype=torch.bool), kv[..., 1:] == kv[..., :-1]], -1)
+    q_order = torch.stack([torch.randperm(n, generator=g) for _ in range(B * H)]).view(B, H, n)
+    k_order = torch.stack([torch.randperm(n, generator=g) for _ in range(B * H)]).view(B, H, n)
+    keep = torch.rand(n, n, generator=g) < 0.7
+    return Pattern(block, kv, ~dup, q_order=q_order, k_order=k_order, allow=lambda i, j: keep[i, j])
+
+
+def allowed_pairs(p: Pattern, n, key_mask):
+    """The pattern's pairs written directly from its definition: query i (sorted slot a) attends key j (sorted
+    slot c) when c's block is one of a's block's key blocks and allow(i, j)."""
+    allowed = torch.zeros(B, H, n, n, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for a in range(n):
+                i = int(p.q_order[b, h, a]) if p.q_order is not None else a
+                blocks = {
+                    int(x) for x, ok in zip(p.kv_blocks[b, h, a // p.block], p.kv_valid[b, h, a // p.block]) if ok
+                }
+                for c in range(n):
+                    j = int(p.k_order[b, h, c]) if p.k_order is not None else c
+                    if c // p.block in blocks and bool(p.allow(torch.tensor(i), torch.tensor(j))):
+                        allowed[b, h, i, j] = True
+    if key_mask is not None:
+        allowed &= key_mask[:, None, None, :]
+    return allowed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gather_kernel_matches_its_definition(seed):
+    n = 37
+    q, k, v = qkv(n, seed)
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, 30:] = False
+    p = random_pattern(n, 5, 3, seed)
+    out, lse = _blocksparse.attend(q, k, v, p, key_mask=mask, scale=D**-0.5, with_lse=True)
+    allowed = allowed_pairs(p, n, mask)
+    torch.testing.assert_close(out, masked_softmax(q, k, v, allowed), rtol=1e-12, atol=1e-12)
+    scores = ((q @ k.transpose(-1, -2)) * D**-0.5).masked_fill(~allowed, float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+    dense = _blocksparse.dense_weights(q, k, p, key_mask=mask, scale=D**-0.5)
+    torch.testing.assert_close(dense @ v.masked_fill(~mask[:, None, :, None], 0), out, rtol=1e-12, atol=1e-12)
+
+
+def test_shared_keys_and_global_rows_are_counted_once():
+    n = 40
+    q, k, v = qkv(n, 3)
+    shared = torch.zeros(B, n, dtype=torch.bool)
+    shared[:, [0, 17, 18]] = True
+    glob = torch.zeros(B, n, dtype=torch.bool)
+    glob[0, 5] = True
+    t = -(-n // 8)
+    diag = torch.arange(t)[None, None, :, None]  # block t attends block t
+    p = Pattern(8, diag, shared_keys=shared, global_queries=glob)
+    out = _blocksparse.attend(q, k, v, p, key_mask=None, scale=D**-0.5)
+    block = torch.arange(n) // 8
+    allowed = (block[:, None] == block[None, :])[None, None] | shared[:, None, None, :] | glob[:, None, :, None]
+    torch.testing.assert_close(out, masked_softmax(q, k, v, allowed.expand(B, H, n, n)), rtol=1e-12, atol=1e-12)
+
+
+def test_combining_disjoint_patterns_is_the_union():
+    n = 32
+    q, k, v = qkv(n, 4)
+    even = Pattern(
+        4,
+        torch.arange(8)[None, None, :, None].expand(1, 1, 8, 8) * 0 + torch.arange(8),
+        allow=lambda i, j: (i + j) % 2 == 0,
+    )
+    odd = Pattern(4, even.kv_blocks, allow=lambda i, j: ((i + j) % 2 == 1) & ((i - j).abs() < 5))
+    outs, lses = zip(
+        *(_blocksparse.attend(q, k, v, p, key_mask=None, scale=D**-0.5, with_lse=True) for p in (even, odd))
+    )
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    union = ((i + j) % 2 == 0) | ((i - j).abs() < 5)
+    torch.testing.assert_close(
+        _blocksparse.combine(list(outs), list(lses)), masked_softmax(q, k, v, union.expand(B, H, n, n))
+    )
+
+
+def test_flex_says_why_it_cannot_run():
+    q, k, v = qkv(64, dtype=torch.float32)
+    p = Pattern(8, torch.zeros(1, 1, 8, 1, dtype=torch.long))
+    assert "float64" in _flex.unusable(q.double(), k, v, p, dropout=0.0)
+    assert "dropout" in _flex.unusable(q, k, v, p, dropout=0.1)
+    assert "log-sum-exp" in _flex.unusable(q, k, v, p, dropout=0.0, with_lse=True)
+    assert "backward" in _flex.unusable(q.requires_grad_(), k, v, p, dropout=0.0)
+    with pytest.raises(RuntimeError, match="kernel='flex' cannot run"):
+        _blocksparse.attend(q.double(), k.double(), v.double(), p, key_mask=None, scale=1.0, kernel="flex")
+
+
+def test_flex_gives_the_gather_output():
+    """Compiled FlexAttention on the window pattern (global tokens, dilation, a padded row, N not a multiple of the
+    block) gives the gather kernel's output; skipped with the reason where it cannot compile (no C++ compiler)."""
+    n = 300
+    q, k, v = qkv(n, 5, dtype=torch.float32)
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, 250:] = False
+    options = {"window": 9, "dilation": 2, "global_tokens": 3, "block": 32}
+    gather = ApproxAttention("window", WindowConfig(kernel="gather", **options), head_dim=D)
+    flex = ApproxAttention("window", WindowConfig(kernel="flex", **options), head_dim=D)
+    with torch.no_grad():
+        ref = gather(q, k, v, mask)
+        try:
+            out = flex(q, k, v, mask)
+        except RuntimeError as err:
+            if _flex._BROKEN is not None:
+                pytest.skip(f"FlexAttention cannot compile here: {_flex._BROKEN}")
+            raise err
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1, :, :250], ref[1, :, :250], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,252 @@
+"""LSH attention (Reformer, asymmetric as SMYRF): the properties of its definition. The generic tests
+(tests/test_methods.py and others) cover padding, dtypes, gradients, dropout, weights and the exact limit too.
+
+The reference below is written from the papers' definition with plain loops and dense masks; it reads only the
+layer's random state (the hash directions), never the method's functions."""
+
+import math
+
+import pytest
+import torch
+from conftest import batch, model_output, tiny_model
+from reference import naive_attention
+
+import approx
+from approx import ApproxAttention, get_method
+from approx.attention.lsh import LshConfig
+
+B, H, D = 2, 3, 16
+
+
+def inputs(n=120, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for _ in range(3))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def padded_mask(n, real_last_row):
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, real_last_row:] = False
+    return mask
+
+
+def lsh(**options):
+    return ApproxAttention("lsh", LshConfig(**options), head_dim=D)
+
+
+def reference_lsh(q, k, v, mask, directions, c, scale=D**-0.5):
+    """Reformer's multi-round LSH attention on SMYRF's asymmetric transform, from the definition, float64.
+
+    Per batch row and head, over the real tokens only: M^2 = max|q|^2 + max|k|^2, F(q) = [q, 0, sqrt(M^2 - |q|^2)],
+    G(k) = [k, sqrt(M^2 - |k|^2), 0]; per round (direction a), queries and keys are sorted by (a . F, position),
+    resp. (a . G, position), and the query at sorted rank p is in cluster p // c (keys alike); query i attends key
+    j in that round when their clusters are equal. Reformer's weights: the sum over rounds of
+    exp(s_ij - log n_ij) over the round's pairs (n_ij: rounds in which i attends j), normalised over all rounds."""
+    q, k, v, directions = q.double(), k.double(), v.double(), directions.double()
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float64)
+    for b in range(q.shape[0]):
+        real = torch.arange(q.shape[2]) if mask is None else mask[b].nonzero()[:, 0]
+        m = len(real)
+        for h in range(q.shape[1]):
+            qr, kr, vr = q[b, h, real], k[b, h, real], v[b, h, real]
+            m2 = max(float(x @ x) for x in qr) + max(float(x @ x) for x in kr)
+            f = [
+                torch.cat([x, torch.zeros(1, dtype=x.dtype), torch.tensor([math.sqrt(m2 - float(x @ x))])]) for x in qr
+            ]
+            g = [
+                torch.cat([x, torch.tensor([math.sqrt(m2 - float(x @ x))]), torch.zeros(1, dtype=x.dtype)]) for x in kr
+            ]
+            same = []  # per round: (m, m) bool, query i attends key j
+            for a in directions:
+                q_rank = sorted(range(m), key=lambda i: (float(f[i] @ a), i))
+                k_rank = sorted(range(m), key=lambda j: (float(g[j] @ a), j))
+                q_cluster, k_cluster = [0] * m, [0] * m
+                for p, i in enumerate(q_rank):
+                    q_cluster[i] = p // c
+                for p, j in enumerate(k_rank):
+                    k_cluster[j] = p // c
+                same.append(torch.tensor([[q_cluster[i] == k_cluster[j] for j in range(m)] for i in range(m)]))
+            n_pairs = torch.stack(same).sum(0).double()  # n_ij
+            scores = qr @ kr.T * scale
+            scores = scores - scores.max(-1, keepdim=True).values
+            num = torch.zeros(m, m, dtype=torch.float64)
+            for found in same:
+                num += torch.where(found, torch.exp(scores - torch.log(n_pairs.clamp(min=1))), 0.0)
+            out[b, h, real] = (num / num.sum(-1, keepdim=True)) @ vr
+    return out
+
+
+def real_rows(x, mask):
+    return x.masked_fill(~mask[:, None, :, None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------- definition
+
+
+@pytest.mark.parametrize("rounds, c", [(1, 8), (2, 8), (3, 16), (4, 5)])
+def test_matches_the_definition(rounds, c):
+    """Hashing, separate sorts, balanced clusters, de-duplicated rounds: against the loop reference, padded row
+    included (the pads take no cluster slot: the reference never sees them)."""
+    q, k, v = inputs(n=60)
+    mask = padded_mask(60, 43)
+    lyr = lsh(cluster_size=c, rounds=rounds)
+    ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], c)
+    out = lyr(q, k, v, mask)
+    torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+    assert (real_rows(out - naive_attention(q, k, v, mask), mask)).abs().max() > 1e-3  # not exact attention
+
+
+def test_dense_weights_are_the_merged_rounds():
+    """weights() (softmax over the union of the rounds' pairs) reproduces the output, and each row's support is
+    the union: a de-duplication error (a pair weighted twice) would break the first, a wrong union the second."""
+    q, k, v = inputs(n=60)
+    mask = padded_mask(60, 43)
+    lyr = lsh(cluster_size=6, rounds=3)
+    w = lyr.weights(q, k, mask)
+    torch.testing.assert_close(lyr(q, k, v, mask), w @ real_rows(v, mask), rtol=1e-10, atol=1e-12)
+    support = (w > 0).sum(-1)[real_rows(torch.ones(B, H, 60, 1), mask)[..., 0] > 0]
+    assert support.min() >= 6 and support.max() <= 18 and support.float().mean() > 6  # c <= |union| <= rounds c
+
+
+def test_clusters_are_balanced():
+    """One round: every real query attends exactly c real keys, but the last cluster (90 = 11 * 8 + 2)."""
+    q, k, _ = inputs(n=120)
+    mask = padded_mask(120, 90)
+    w = lsh(cluster_size=8, rounds=1).weights(q, k, mask)
+    counts = (w > 0).sum(-1)  # (B, H, N)
+    assert (counts[0] == 8).all()
+    row = counts[1, :, :90]
+    assert ((row == 8) | (row == 2)).all() and ((row == 2).sum(-1) == 2).all()
+
+
+# ------------------------------------------------------------------------------------------ exact limits
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+@pytest.mark.parametrize("c", [120, 500])
+def test_one_cluster_is_exact(rounds, c):
+    """c >= N: every real key in one cluster, every pair found in every round (lowered by log rounds in each,
+    restored by the merge): exact attention, with a padded row."""
+    q, k, v = inputs()
+    mask = padded_mask(120, 90)
+    out = lsh(cluster_size=c, rounds=rounds)(q, k, v, mask)
+    assert real_rows(out - naive_attention(q, k, v, mask), mask).abs().max() <= 1e-9
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_rows_no_longer_than_a_cluster_are_exact(rounds):
+    """A row with at most c real tokens is exact (one cluster), the longer row of the same batch is not."""
+    q, k, v = inputs()
+    mask = padded_mask(120, 40)
+    err = real_rows(lsh(cluster_size=64, rounds=rounds)(q, k, v, mask) - naive_attention(q, k, v, mask), mask).abs()
+    assert err[1].max() <= 1e-9 and err[0].max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ padding
+
+
+def test_padding_is_invisible_even_when_poisoned():
+    """Pads with huge queries and keys (which would set M^2 and win the sort if counted) change nothing."""
+    q, k, v = inputs(n=100)
+    lyr = lsh(cluster_size=8, rounds=3)
+    short = lyr(q[:1], k[:1], v[:1], None)
+    pad = 37
+    qp, kp, vp = (torch.cat([x[:1], 1e4 * torch.ones(1, H, pad, D, dtype=x.dtype)], 2) for x in (q, k, v))
+    mask = torch.arange(100 + pad)[None] < 100
+    torch.testing.assert_close(lyr(qp, kp, vp, mask)[:, :, :100], short, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- cross attention
+
+
+def test_more_queries_than_keys_attend_the_last_key_cluster():
+    """N > S (no query mask): the query clusters past the last key cluster attend it; every query gets a
+    distribution over real keys and the output is its weights times v."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 50, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 20, D, generator=g, dtype=torch.float64) for _ in range(2))
+    key_mask = torch.arange(20)[None] < 17
+    spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=2)
+    state = spec.init_state(config, head_dim=D, seed=0)
+    kw = dict(key_mask=key_mask, query_mask=None, scale=D**-0.5, config=config, state=state)
+    out = spec.attend(q, k, v, **kw)
+    w = spec.weights(q, k, **kw)
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 50, dtype=torch.float64))
+    assert (w[..., 17:] == 0).all()
+    torch.testing.assert_close(out, w @ v.masked_fill(~key_mask[:, None, :, None], 0.0))
+
+
+# ------------------------------------------------------------------------------------------- recall (stats)
+
+
+def structured(n=256, seed=0):
+    """Queries and keys around 8 shared centres: each query's large scores sit on the keys of its centre."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(8, D, generator=g, dtype=torch.float64) * 2
+    q = centres[torch.randint(0, 8, (B, H, n), generator=g)] + 0.5 * torch.randn(B, H, n, D, generator=g)
+    k = centres[torch.randint(0, 8, (B, H, n), generator=g)] + 0.5 * torch.randn(B, H, n, D, generator=g)
+    return q, k
+
+
+def recall(q, k, mask, **options):
+    """|G ∩ Ĝ| / |G| and |Ĝ| / valid pairs, summed over heads and a few seeds of the directions."""
+    hit = gold = predicted = valid = 0.0
+    for seed in range(3):
+        s = lsh(seed=seed, **options).graph_stats(q, k, mask)
+        hit, gold = hit + float(s["hit"].sum()), gold + float(s["gold"].sum())
+        predicted, valid = predicted + float(s["predicted"].sum()), valid + float(s["valid"].mean()) * H
+    return hit / gold, predicted / valid
+
+
+def test_more_rounds_and_larger_clusters_raise_recall():
+    q, k = structured()
+    mask = padded_mask(256, 200)
+    by_rounds = [recall(q, k, mask, cluster_size=16, rounds=r) for r in (1, 2, 4)]
+    by_size = [recall(q, k, mask, cluster_size=c, rounds=2) for c in (8, 16, 32)]
+    for series in (by_rounds, by_size):
+        recalls = [r for r, _ in series]
+        assert all(a < b for a, b in zip(recalls, recalls[1:])), series
+    # better than chance: random clusters of the same density would find about that fraction of the gold pairs
+    for r, density in by_rounds + by_size:
+        assert r > 1.5 * density, (r, density)
+
+
+# ----------------------------------------------------------------------------------------- state and cost
+
+
+def test_directions_are_seeded_state_shared_by_heads_and_redrawn():
+    a, b = lsh(rounds=3), lsh(rounds=3)
+    assert a.state()["directions"].shape == (3, D + 2)  # one per round, shared by every head
+    assert torch.equal(a.state()["directions"], b.state()["directions"])
+    assert not torch.equal(a.state()["directions"], lsh(rounds=3, seed=1).state()["directions"])
+    q, k, v = inputs()
+    before = a(q, k, v, None)
+    a.redraw(5)
+    assert not torch.equal(a.state()["directions"], b.state()["directions"])
+    assert not torch.equal(a(q, k, v, None), before)
+
+
+def test_redraw_through_a_patched_model():
+    """Fixed until redrawn; the same redraw seed gives the same directions and outputs."""
+    model = approx.patch(tiny_model("bert"), "lsh", cluster_size=8)
+    inputs_ = batch(48, pad=13)
+    with torch.no_grad():
+        a = model_output(model, **inputs_)
+        assert torch.equal(model_output(model, **inputs_), a)
+        directions = approx.patched_layers(model)[0].state()["directions"].clone()
+        approx.redraw(model, seed=1)
+        assert not torch.equal(approx.patched_layers(model)[0].state()["directions"], directions)
+        c = model_output(model, **inputs_)
+        assert not torch.equal(c, a)
+        approx.redraw(model, seed=1)
+        assert torch.equal(model_output(model, **inputs_), c)
+
+
+def test_cost():
+    spec = get_method("lsh")
+    cost = spec.cost(LshConfig(cluster_size=64, rounds=4), n=1024, s=1024, d=64, dv=32)
+    assert cost.qk_pairs == 4 * 1024 * 64
+    assert cost.matmul_macs == 4 * 1024 * 64 * (64 + 32)
+    assert cost.flops > 2 * cost.matmul_macs  # plus the hashing
+    short = spec.cost(LshConfig(cluster_size=64, rounds=2), n=40, s=40, d=64, dv=64)
+    assert short.qk_pairs == 2 * 40 * 40  # one cluster: every pair, in each round

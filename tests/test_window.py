@@ -1,0 +1,154 @@
+"""The window (Longformer) method: an independent float64 reference from the definition, the one-sided
+convention, global tokens and the question, the cost count, and lucidrains' local-attention as a peer."""
+
+import pytest
+import torch
+from reference import naive_attention
+
+import approx
+from approx import ApproxAttention
+from approx.attention import _context
+from approx.attention.window import NO_QUESTION, WindowConfig, cost, window_pairs
+
+B, H, D = 2, 3, 16
+
+
+def qkv(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for _ in range(3))
+
+
+def reference(q, k, v, key_mask, *, window, dilation=1, glob=None):
+    """softmax over {j : |i - j| <= window * dilation, dilation | (i - j)} plus the global rows and columns, float64."""
+    n, s = q.shape[2], k.shape[2]
+    diff = torch.arange(n)[:, None] - torch.arange(s)[None, :]
+    allowed = ((diff.abs() <= window * dilation) & (diff % dilation == 0))[None].expand(B, n, s)
+    if glob is not None:
+        allowed = allowed | glob[:, None, :s] | glob[:, :n, None]
+    allowed = allowed & key_mask[:, None, :]
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5
+    return scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
+
+
+def mask_of(n, real):
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, real:] = False
+    return mask
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 5, "block": 8, "global_tokens": 0},
+        {"window": 5, "block": 8},
+        {"window": 3, "dilation": 4, "global_tokens": 2, "block": 16},
+        {"window": 7, "block": 5, "global_tokens": 3},  # blocks not a multiple of anything
+        {"window": 0, "block": 8, "global_tokens": 0},  # only i = j
+    ],
+)
+def test_matches_the_definition(options):
+    q, k, v = qkv(100)
+    mask = mask_of(100, 77)
+    out = ApproxAttention("window", WindowConfig(**options), head_dim=D)(q, k, v, mask)
+    glob = (torch.arange(100) < options.get("global_tokens", 1)).expand(B, 100)
+    ref = reference(q, k, v, mask, window=options["window"], dilation=options.get("dilation", 1), glob=glob)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(out.masked_fill(~real, 0), ref.masked_fill(~real, 0), rtol=1e-12, atol=1e-12)
+
+
+def test_block_size_does_not_change_the_output():
+    q, k, v = qkv(150)
+    mask = mask_of(150, 111)
+    outs = [ApproxAttention("window", WindowConfig(window=9, block=b), head_dim=D)(q, k, v, mask) for b in (4, 16, 64)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-12, atol=1e-12)
+
+
+def test_window_is_one_sided():
+    """window = w: an interior query (no global token near it) attends exactly 2 w + 1 keys; Longformer's
+    two-sided attention_window = 2 w."""
+    q, k, _ = qkv(64)
+    w = ApproxAttention("window", WindowConfig(window=4, global_tokens=0, block=8), head_dim=D).weights(q, k)
+    counts = (w > 0).sum(-1)
+    assert (counts[:, :, 4:-4] == 9).all()
+    assert (counts[:, :, 0] == 5).all()  # the first query: itself and 4 keys to the right
+
+
+def test_question_tokens_are_global():
+    q, k, v = qkv(60)
+    mask = mask_of(60, 50)
+    question = torch.zeros(B, 60, dtype=torch.bool)
+    question[0, :12] = True
+    question[1, :7] = True
+    layer = ApproxAttention("window", WindowConfig(window=3, block=8, question_global=True), head_dim=D)
+    with pytest.raises(RuntimeError, match="question"):
+        layer(q, k, v, mask)
+    assert NO_QUESTION.startswith("window:")
+    with approx.tokens(question_mask=question):
+        out = layer(q, k, v, mask)
+    glob = question | (torch.arange(60) < 1)
+    ref = reference(q, k, v, mask, window=3, glob=glob)
+    torch.testing.assert_close(out[:, :, :50], ref[:, :, :50], rtol=1e-12, atol=1e-12)
+    assert _context.question_mask() is None  # the context ends with the block
+
+
+def test_question_is_found_from_ids_or_token_types():
+    ids = torch.tensor([[101, 7, 8, 102, 9, 9, 102, 0], [101, 5, 102, 6, 6, 6, 102, 0]])
+    types = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1, 0]])
+    want = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(_context.question_of(ids, None, 102), want)
+    assert torch.equal(_context.question_of(ids, types, None), want)
+    assert _context.question_of(ids, None, None) is None
+    assert not _context.question_of(ids, torch.zeros_like(types), None).any()  # one segment: no question
+
+
+def test_a_patched_model_passes_its_question(monkeypatch):
+    """A patched BERT sets the question mask from token_type_ids at every forward, and clears it after."""
+    from conftest import tiny_model
+
+    model = tiny_model("bert").eval()
+    approx.patch(model, "window", window=2, block=4, question_global=True)
+    ids = torch.randint(5, 90, (2, 24))
+    types = torch.zeros(2, 24, dtype=torch.long)
+    types[:, 9:] = 1
+    seen = []
+    with approx.integration.attention_probe(lambda *a: seen.append(_context.question_mask())):
+        model(input_ids=ids, token_type_ids=types)
+    assert seen and all(torch.equal(m, (torch.arange(24) < 8).expand(2, 24)) for m in seen)
+    assert _context.question_mask() is None
+    with pytest.raises(RuntimeError, match="question"):
+        model(input_ids=ids)  # BERT's config has no sep_token_id and no token types were given
+    approx.unpatch(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("n,s,w,dil", [(100, 100, 5, 1), (100, 100, 7, 3), (40, 40, 60, 1), (30, 50, 4, 2)])
+def test_pair_count_matches_the_mask(n, s, w, dil):
+    diff = torch.arange(n)[:, None] - torch.arange(s)[None, :]
+    assert window_pairs(n, s, w, dil) == int(((diff.abs() <= w * dil) & (diff % dil == 0)).sum())
+    c = cost(WindowConfig(window=w, dilation=dil, global_tokens=0), n=n, s=s, d=64, dv=64)
+    assert c.qk_pairs == window_pairs(n, s, w, dil) and c.matmul_macs == c.qk_pairs * 128
+
+
+def test_exact_when_the_window_covers_everything():
+    q, k, v = qkv(90)
+    mask = mask_of(90, 70)
+    out = ApproxAttention("window", WindowConfig(window=89, block=16), head_dim=D)(q, k, v, mask)
+    torch.testing.assert_close(out[:, :, :70], naive_attention(q, k, v, mask)[:, :, :70], rtol=1e-12, atol=1e-12)
+
+
+def test_local_attention_peer_agrees():
+    """lucidrains' local-attention (exact_windowsize, non-causal, one block back and forward) is the same window."""
+    local_attention = pytest.importorskip("local_attention", reason="the [peers] extra is not installed")
+    w, n = 8, 96
+    q, k, v = (t.float() for t in qkv(n))
+    mask = mask_of(n, 80)
+    peer = local_attention.LocalAttention(
+        window_size=w, causal=False, look_backward=1, look_forward=1, exact_windowsize=True, autopad=True
+    )
+    theirs = peer(q.reshape(B * H, n, D), k.reshape(B * H, n, D), v.reshape(B * H, n, D)).reshape(B, H, n, D)
+    ours = ApproxAttention("window", WindowConfig(window=w, global_tokens=0, block=16), head_dim=D)(q, k, v)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    padded = peer(q, k, v, mask=mask)  # (B, H, n, d) with a key-padding mask
+    ours_padded = ApproxAttention("window", WindowConfig(window=w, global_tokens=0), head_dim=D)(q, k, v, mask)
+    torch.testing.assert_close(ours_padded[1, :, :80], padded[1, :, :80], rtol=1e-5, atol=1e-5)
