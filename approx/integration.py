@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,7 @@ def _attention_forward(
     return out.transpose(1, 2).contiguous(), weights
 
 
-_QUESTION_TOKENS: list = []  # the context tokens of the forwards in progress (nested forwards stack)
+_QUESTION_TOKENS = threading.local()  # per thread: the context tokens of the forwards in progress (a stack)
 
 
 def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -141,14 +142,23 @@ def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
     make the question global (``window`` with ``question_global``); see ``approx.attention._context``."""
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     token_types = kwargs.get("token_type_ids")
-    sep = getattr(getattr(model, "config", None), "sep_token_id", None)
+    config = getattr(model, "config", None)
+    sep = getattr(config, "sep_token_id", None)
+    if sep is None:  # RoBERTa-style configs name their separator </s> only as eos
+        sep = getattr(config, "eos_token_id", None)
     question = _context.question_of(input_ids, token_types, sep)
-    _QUESTION_TOKENS.append(_context._QUESTION.set(question))
+    if question is None:  # nothing found here: keep what the caller set with approx.tokens(...), if anything
+        question = _context.question_mask()
+    stack = getattr(_QUESTION_TOKENS, "stack", None)
+    if stack is None:
+        stack = _QUESTION_TOKENS.stack = []
+    stack.append(_context._QUESTION.set(question))
 
 
 def _reset_question(model: nn.Module, args: tuple, output: Any) -> None:
-    if _QUESTION_TOKENS:
-        _context._QUESTION.reset(_QUESTION_TOKENS.pop())
+    stack = getattr(_QUESTION_TOKENS, "stack", None)
+    if stack:
+        _context._QUESTION.reset(stack.pop())
 
 
 def _attentions_requested() -> bool:

@@ -32,8 +32,9 @@ from approx.harness.spec import short_label
 from approx.integration import load_pretrained
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _shared import CHECKPOINTS, RESULTS, Timer, checkpoint_summary, ensure_checkpoint, evaluate_checkpoints, write_json  # noqa: E402,I001
+from _shared import RESULTS, Timer, checkpoint_summary, ensure_checkpoint, evaluate_checkpoints, write_json  # noqa: E402,I001
 from clustered_table import base_settings, default_model  # noqa: E402
+import monarch_protocol  # noqa: E402
 from monarch_protocol import FOLDS, MAX_LENGTH, QUESTIONS, READER, patched  # noqa: E402
 
 OUTPUT = RESULTS / "sparse_protocol.json"
@@ -60,6 +61,8 @@ WINDOW_TARGET = 0.98  # window with the question global: within 2 % of full F1
 
 def run(args) -> dict[str, Any]:
     settings = {**base_settings("squad", args.profile), **READER[args.profile]}
+    if args.max_steps is not None:  # smoke runs
+        settings.update(max_steps=args.max_steps, limit=args.train_limit)
     data = {"data_dir": args.data_dir, "source": args.source}
     pairs, checkpoints = [], []
     for train_split, eval_split in FOLDS[args.profile]:
@@ -226,20 +229,11 @@ def figure(record: dict[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", choices=["cpu", "gpu"], default="gpu" if torch.cuda.is_available() else "cpu")
+    """monarch_protocol.py's options (the same reader and data), with this recipe's outputs and ``--methods``."""
+    p = monarch_protocol.build_parser()
+    p.description = __doc__
+    p.set_defaults(output=OUTPUT, figure=FIGURE)
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    p.add_argument("--questions", type=int, help="questions read in all (default: the profile's)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
-    p.add_argument("--source", choices=["auto", "local", "hub"])
-    p.add_argument("--model", help="base model of the reader (default: MiniLM-L6)")
-    p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="the checkpoint cache")
-    p.add_argument("--output", type=Path, default=OUTPUT)
-    p.add_argument("--figure", type=Path, default=FIGURE)
-    p.add_argument("--report", action="store_true", help="only print the tables and redraw the figure")
-    p.add_argument("--quiet", action="store_true")
     return p
 
 

@@ -37,6 +37,7 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cpu_1thread.json",
     "benchmarks/results/attention_op_cpu_sparsefinder.json",
     "benchmarks/results/attention_op_cpu_kernel_lowrank.json",
+    "benchmarks/results/attention_op_cpu_sparse_patterns.json",
     "benchmarks/results/attention_op_cpu_backward.json",
     "benchmarks/results/attention_op_cuda.json",
     "benchmarks/results/attention_op_cuda_bf16.json",
@@ -239,15 +240,40 @@ LONG_INPUTS = "recipes/results/long_inputs.json"
 MONARCH_PROTOCOL = "recipes/results/monarch_protocol.json"
 
 
+def _protocol_block(path: str, recipe: str, figure: str, alt: str) -> str:
+    """A SQuAD-protocol recipe's docs block: its ``markdown(record)`` and its figure."""
+    if not (ROOT / path).is_file():
+        return f"*No result file yet: run `python recipes/{recipe}.py`.*\n"
+    markdown = __import__(recipe).markdown
+    record = json.loads((ROOT / path).read_text())
+    return markdown(record) + f"\n![{alt}](figures/recipes/figures/{figure})\n"
+
+
 def monarch_protocol_block(path: str = MONARCH_PROTOCOL) -> str:
     """recipes/monarch_protocol.py: the best points per method at matched matmul budgets, the targets, the full
     tables and the figure."""
+    return _protocol_block(path, "monarch_protocol", "monarch_protocol.png", "SQuAD F1 against matmul cost")
+
+
+SPARSE_PROTOCOL = "recipes/results/sparse_protocol.json"
+FLEX_VS_GATHER = "benchmarks/results/flex_vs_gather_cpu.json"
+
+
+def sparse_protocol_block(path: str = SPARSE_PROTOCOL) -> str:
+    """recipes/sparse_protocol.py: the sparse patterns' best points at half the pairs, the window target, the
+    table and the figure."""
+    return _protocol_block(path, "sparse_protocol", "sparse_protocol.png", "SQuAD F1 against the share of pairs")
+
+
+def flex_vs_gather_block(path: str = FLEX_VS_GATHER) -> str:
+    """benchmarks/flex_vs_gather.py: FlexAttention against the gather kernel on the window pattern."""
     if not (ROOT / path).is_file():
-        return "*No result file yet: run `python recipes/monarch_protocol.py`.*\n"
-    from monarch_protocol import markdown
+        return "*No result file yet: run `python benchmarks/flex_vs_gather.py`.*\n"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from flex_vs_gather import markdown
 
     record = json.loads((ROOT / path).read_text())
-    return markdown(record) + "\n![SQuAD F1 against matmul cost](figures/recipes/figures/monarch_protocol.png)\n"
+    return markdown(record) + f"\n\nCommand: `{record['command']}`.\n"
 
 
 def long_inputs_block(path: str = LONG_INPUTS) -> str:
@@ -436,6 +462,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         "sparsefinder-task": sparsefinder_task_block(json.loads((ROOT / SPARSEFINDER_TASK).read_text())),
         "minilm-mlm": minilm_mlm_block(),
         "monarch-protocol": monarch_protocol_block(),
+        "sparse-protocol": sparse_protocol_block(),
     }
     return {
         README: {
@@ -448,7 +475,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
         DOCS / "results.md": results,
         DOCS / "long-inputs.md": {"minilm-mlm": minilm_mlm_table(), "long-inputs": long_inputs_block()},
-        DOCS / "speed.md": {"benchmarks": benchmarks()},
+        DOCS / "speed.md": {"benchmarks": benchmarks(), "flex-vs-gather": flex_vs_gather_block()},
     }
 
 

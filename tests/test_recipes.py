@@ -327,3 +327,38 @@ def test_monarch_protocol_counts_the_papers_points():
         ratio = recipe.nominal_ratio({"name": "monarch", "block_size": block}, 384, 64, outer, 12)
         assert ratio == pytest.approx(paper, abs=0.005)
     assert recipe.nominal_ratio({"name": "full"}, 384, 64, outer, 12) == pytest.approx(1.0)
+
+
+@pytest.mark.smoke
+def test_sparse_protocol_recipe_smoke(base_model, fixture_dir, tmp_path):
+    """Two sparse patterns on the tiny reader: the x axis is the measured share of pairs (graph statistics, below 1
+    for a narrow window), the question made global from the SQuAD features' token types, the tables and figure."""
+    recipe = _recipe("sparse_protocol")
+    recipe.METHODS = {
+        "window": [{"window": 2, "block": 8}, {"window": 2, "block": 8, "question_global": True}],
+        "lsh": [{"cluster_size": 8, "rounds": 2}],
+    }
+    out, fig = tmp_path / "res" / "sp.json", tmp_path / "res" / "sp.png"
+    argv = [
+        *("--model", str(base_model), "--data-dir", str(fixture_dir), "--source", "local", "--profile", "cpu"),
+        *("--questions", "4", "--max-steps", "1", "--train-limit", "6", "--batch-size", "2", "--quiet"),
+        *(
+            "--checkpoints",
+            str(tmp_path / "ck"),
+            "--output",
+            str(out),
+            "--figure",
+            str(fig),
+            "--methods",
+            "window",
+            "lsh",
+        ),
+    ]
+    assert recipe.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert [r["method"]["name"] for r in record["results"]] == ["window", "window", "lsh"]
+    shares = [recipe.pair_share(r) for r in record["results"]]
+    assert all(0 < x < 1 for x in shares), shares
+    assert shares[1] > shares[0], "the global question adds rows and columns of pairs"
+    assert fig.is_file() and "| window |" in recipe.best_table(record["results"])
+    assert recipe.main([*argv, "--report"]) == 0

@@ -99,7 +99,7 @@ def test_question_is_found_from_ids_or_token_types():
     assert torch.equal(_context.question_of(ids, None, 102), want)
     assert torch.equal(_context.question_of(ids, types, None), want)
     assert _context.question_of(ids, None, None) is None
-    assert not _context.question_of(ids, torch.zeros_like(types), None).any()  # one segment: no question
+    assert _context.question_of(ids, torch.zeros_like(types), None) is None  # one segment: no question at all
 
 
 def test_a_patched_model_passes_its_question(monkeypatch):

@@ -25,9 +25,11 @@ the per-query log-sum-exp too, so that several patterns (LSH rounds) combine exa
 :func:`dense_mask` builds the same pattern as a dense (B, H, N, S) mask and bias from the same block lists: for
 ``weights()``, graph statistics and tests only.
 
-FlexAttention (``torch.nn.attention.flex_attention``) was measured against this kernel (see the docs' Speed
-page): on the CPU it has no backward pass and must be compiled (seconds per new shape), so this plain kernel is
-the one every method runs.
+FlexAttention (``torch.nn.attention.flex_attention``, :mod:`._flex`) runs the same patterns, faster on long inputs
+(the docs' Speed page has the measurement); on the CPU it has no backward pass, no float64 and no log-sum-exp, and it
+compiles per shape, so ``kernel="auto"`` uses it for long inference calls only and this plain kernel for the rest.
+A pattern lists each key block of a query block at most once (the dense and flex paths de-duplicate, this one
+would count a repeated block twice).
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def attend(
     kernel: str = "gather",
 ):
     """Softmax attention of q (B, H, N, d) to k, v (B, H, S, d / dv) on ``pattern``'s pairs only: (B, H, N, dv) in
-    v's dtype, and with ``with_lse`` the log-sum-exp of every query's allowed scores (B, H, N), float32 or float64
+    v's dtype (with ``with_lse``: in the compute dtype, float32 for half inputs, ready for :func:`combine`), and with
+    ``with_lse`` the log-sum-exp of every query's allowed scores (B, H, N), float32 or float64
     (-inf for a query with no allowed key, whose output is 0).
 
     ``kernel``: ``"gather"`` (this module's plain-torch kernel), ``"flex"`` (compiled FlexAttention on the same
@@ -169,7 +172,7 @@ def attend(
         from . import _flex
 
         why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
-        if why is None and (kernel == "flex" or _flex.worth_it(q, k)):
+        if why is None and (kernel == "flex" or _flex.worth_it(q, k, pattern)):
             done = _flex.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, with_lse=with_lse)
             if done is not None:
                 return done
@@ -239,7 +242,7 @@ def attend(
     out, lse = _unsort(out, lse, pattern.q_order, n)
     if pattern.global_queries is not None and bool(pattern.global_queries.any()):
         out, lse = _global_rows(q * scale, k, v, key_mask, pattern.global_queries, out, lse, dropout)
-    return (out.to(out_dtype), lse) if with_lse else out.to(out_dtype)
+    return (out, lse) if with_lse else out.to(out_dtype)  # to combine: in the compute dtype
 
 
 def _unsort(out, lse, order, n):
@@ -252,18 +255,29 @@ def _unsort(out, lse, order, n):
 
 
 def _global_rows(qs, k, v, key_mask, global_queries, out, lse, dropout):
-    """Replace the rows of global queries by dense attention to every real key."""
-    bi, ni = global_queries.nonzero(as_tuple=True)
-    scores = torch.einsum("ghd,ghsd->ghs", qs[bi, :, ni], k[bi])  # (G, H, S)
-    ok = torch.ones_like(scores, dtype=torch.bool) if key_mask is None else key_mask[bi, None].expand_as(scores)
-    p, lse_g = _normalise(scores, ok, lse is not None)
-    if dropout > 0.0:
-        p = F.dropout(p, dropout)
-    out = out.clone()
-    out[bi, :, ni] = torch.einsum("ghs,ghsd->ghd", p, v[bi])
-    if lse is not None:
-        lse = lse.clone()
-        lse[bi, :, ni] = lse_g
+    """Replace the rows of global queries by dense attention to every real key: each batch row's global queries
+    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query)."""
+    pos, real = token_rows(global_queries)  # (B, G)
+    b, h, _, d = qs.shape
+    s = k.shape[2]
+    ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=qs.device) if key_mask is None else key_mask[:, None, None, :]
+    out, lse = out.clone(), None if lse is None else lse.clone()
+    step = max(1, _CHUNK_ELEMENTS // max(1, b * h * s))
+    for g0 in range(0, pos.shape[1], step):
+        idx = pos[:, g0 : g0 + step]  # (B, g)
+        qg = qs.gather(2, idx[:, None, :, None].expand(b, h, -1, d))  # (B, H, g, d)
+        p, lse_g = _normalise(qg @ k.transpose(-1, -2), ok.expand(b, h, idx.shape[1], s), lse is not None)
+        if dropout > 0.0:
+            p = F.dropout(p, dropout)
+        keep = real[:, None, g0 : g0 + step, None]  # (B, 1, g, 1): padding entries of the left-aligned list
+        rows = idx[:, None, :, None].expand(b, h, -1, out.shape[-1])
+        out = out.scatter(2, rows, torch.where(keep, p @ v, out.gather(2, rows)))
+        if lse is not None:
+            lse = lse.scatter(
+                2,
+                idx[:, None, :].expand(b, h, -1),
+                torch.where(keep[..., 0], lse_g, lse.gather(2, idx[:, None, :].expand(b, h, -1))),
+            )
     return out, lse
 
 

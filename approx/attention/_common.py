@@ -47,7 +47,8 @@ def exact_rows(q, k, v, key_mask: torch.Tensor | None, scale: float, dropout: fl
 
 def exact_weight_rows(q, k, key_mask: torch.Tensor | None, scale: float, dtype: torch.dtype | None = None):
     """``exact(rows)`` like :func:`exact_rows` for the dense weights paths: the softmax matrix (b, H, N, S) of the
-    batch rows ``rows`` (None: every row), computed in ``dtype`` (default: the inputs')."""
+    batch rows ``rows`` (None: every row), computed in ``dtype`` (default: the inputs', half precision in float32)."""
+    dtype = dtype or compute_dtype(q.dtype)
 
     def exact(rows: torch.Tensor | None) -> torch.Tensor:
         qr, kr = (q, k) if rows is None else (q[rows], k[rows])

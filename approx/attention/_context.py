@@ -5,7 +5,7 @@ Longformer makes the question tokens global on QA inputs ("every token before th
 computes that mask from its inputs at every forward (``approx.integration`` registers the hook) and the
 ``window`` method reads it here; for plain tensors, wrap the call::
 
-    with approx.attention.tokens(question_mask=mask):   # (B, N) bool
+    with approx.tokens(question_mask=mask):   # (B, N) bool
         out = layer(q, k, v, key_mask)
 """
 
@@ -42,7 +42,9 @@ def question_of(
 ) -> torch.Tensor | None:
     """Every position before the first SEP, (B, N) bool: from ``input_ids`` when the SEP id is known, else from
     ``token_type_ids`` (the first SEP closes segment 0: it is the token just before the first token of segment 1).
-    A row without a SEP (or without a second segment) has no question. None when neither input is given."""
+    A row without a SEP (or without a second segment) has no question. None when neither input is given or when no
+    row has a question (e.g. single-segment inputs): a method that needs one then says so instead of running
+    without it."""
     if sep_token_id is not None and input_ids is not None:
         is_sep = input_ids == sep_token_id
     elif token_type_ids is not None:
@@ -51,5 +53,7 @@ def question_of(
     else:
         return None
     has = is_sep.any(-1, keepdim=True)
+    if not bool(has.any()):
+        return None
     first = is_sep.to(torch.uint8).argmax(-1, keepdim=True)
     return (torch.arange(is_sep.shape[-1], device=is_sep.device) < first) & has

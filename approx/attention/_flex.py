@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ._common import safe_key_mask, zero_padded_values
+from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
 __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
 
@@ -36,7 +36,46 @@ __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
 MIN_LENGTH = 1024
 _COMPILED = None
 _RAISE = False  # debugging: let a compilation error through
-_BROKEN: str | None = None  # why compiling failed once (then the gather kernel is used)
+_BROKEN: dict[str, str] = {}  # device type -> why compiling failed there once (then the gather kernel is used)
+# compiled shapes per device type: torch.compile specialises on every shape and pattern (several methods and lengths
+# in one process), and after its recompile limit (8 by default, for all of them together) it runs the *uncompiled*
+# flex_attention, a dense O(N S) computation; approx's calls raise that limit to this, and kernel="auto" stops
+# asking flex for new shapes once it is reached (a warning says so)
+MAX_SHAPES = 64
+_SHAPES: dict[str, set] = {}
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a failed compilation (a missing or failing C++ compiler), not of the attention itself."""
+    errors: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        errors.append(BackendCompilerFailed)
+    except ImportError:
+        pass
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:
+        pass
+    return tuple(errors) or (RuntimeError,)
+
+
+_COMPILE_ERRORS = _compile_errors()
+
+
+def _call(qs, ks, vs, score_mod, mask, scale: float, with_lse: bool):
+    """The compiled flex_attention: (out, lse) with ``with_lse`` (not on the CPU: see :func:`unusable`), else out."""
+    if with_lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = _flex_fn()(
+            qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True)
+        )
+        return out, aux.lse
+    return _flex_fn()(qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale)
 
 
 def _flex_fn():
@@ -52,8 +91,6 @@ def _flex_fn():
 
 def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool = False) -> str | None:
     """Why FlexAttention cannot run this call, or None when it can."""
-    if _BROKEN is not None:
-        return f"FlexAttention failed to compile earlier ({_BROKEN})"
     try:
         import torch.nn.attention.flex_attention  # noqa: F401
     except ImportError:
@@ -68,19 +105,38 @@ def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool = False) -> str
         return "compiled FlexAttention on the CPU does not return the log-sum-exp (needed to combine patterns)"
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return "FlexAttention has no backward pass on the CPU"
+    if q.device.type in _BROKEN:
+        return f"FlexAttention failed to compile earlier on {q.device.type} ({_BROKEN[q.device.type]})"
     return None
 
 
-def worth_it(q, k) -> bool:
-    """kernel='auto': long enough to repay the compiled kernel (and its compilation)."""
-    return k.shape[2] >= MIN_LENGTH
+def worth_it(q, k, pattern=None) -> bool:
+    """kernel='auto': long enough to repay the compiled kernel (and its compilation), and a shape already compiled
+    or room for one more (see :data:`MAX_SHAPES`; a warning says when the limit is reached)."""
+    if k.shape[2] < MIN_LENGTH:
+        return False
+    shapes = _SHAPES.setdefault(q.device.type, set())
+    blk = getattr(pattern, "block", 64)
+    key = (tuple(q.shape[:2]), _bucket(q.shape[2], blk), _bucket(k.shape[2], blk), q.dtype, blk, q.shape[-1])
+    if key in shapes or len(shapes) < MAX_SHAPES:
+        shapes.add(key)
+        return True
+    if len(shapes) == MAX_SHAPES:
+        shapes.add(None)  # warn once
+        warnings.warn(
+            f"approx: FlexAttention has compiled {MAX_SHAPES} shapes in this process; new shapes run the gather "
+            "kernel (pad inputs to a few lengths, or pass kernel='flex' to compile anyway)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return False
 
 
 def _bucket(n: int, blk: int) -> int:
     """The padded length compiled for n: a multiple of the block and of a quarter of n's octave (at most a quarter
     more rows and keys; four compiled shapes per doubling of the length, as ``torch.compile`` specialises on shapes)."""
-    step = max(blk, (1 << max(0, n.bit_length() - 1)) // 4)
-    step = math.lcm(step, blk)
+    quarter = (1 << max(0, n.bit_length() - 1)) // 4
+    step = blk * max(1, -(-quarter // blk))
     return -(-n // step) * step
 
 
@@ -100,7 +156,7 @@ def _block_lists(pattern, b, h, tq, tk, qpos, kpos, key_ok, device):
         return m.scatter_(-1, kvb.clamp(0, tk - 1).masked_fill(~which, tk), True)[..., :tk]
 
     own = scatter(valid)
-    candidate = pattern.kv_full if pattern.kv_full is not None else None
+    candidate = pattern.kv_full
     if candidate is None and pattern.allow is None:
         candidate = torch.ones((), dtype=torch.bool, device=device)
     full = torch.zeros_like(own)
@@ -126,7 +182,6 @@ def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning)."""
-    global _BROKEN
     from torch.nn.attention.flex_attention import BlockMask
 
     from ._blocksparse import _batch_index, _sorted_positions, _take, _unsort
@@ -197,17 +252,23 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
         seq_lengths=(tq * blk, tk * blk),
     )
     try:
-        res = _flex_fn()(qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale, return_lse=with_lse)
-    except Exception as err:  # noqa: BLE001 - a compiler missing or failing: say so once, then use gather
+        limits = torch._dynamo.config.patch(
+            recompile_limit=MAX_SHAPES, accumulated_recompile_limit=max(256, 4 * MAX_SHAPES)
+        )
+        with limits:
+            res = _call(qs, ks, vs, score_mod, mask, scale, with_lse)
+    except _COMPILE_ERRORS as err:  # a compiler missing or failing: say so once, then use gather on this device
         if _RAISE:
             raise
-        _BROKEN = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        _BROKEN[q.device.type] = why
         warnings.warn(
-            f"approx: FlexAttention could not run ({_BROKEN}); the sparse-pattern methods use their gather kernel",
+            f"approx: FlexAttention could not compile ({why}); the sparse-pattern methods use their gather kernel on "
+            f"{q.device.type}",
             RuntimeWarning,
             stacklevel=3,
         )
         return None
     out, lse = (res[0], res[1].float()) if with_lse else (res, None)
     out, lse = _unsort(out, lse, pattern.q_order, n)
-    return (out.to(v.dtype), lse) if with_lse else out.to(v.dtype)
+    return (out.to(compute_dtype(v.dtype)), lse) if with_lse else out.to(v.dtype)

@@ -217,7 +217,7 @@ def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor
 
     return _fallback.with_fallback(
         approximate,
-        exact_weight_rows(q, k, key_mask, scale, torch.float64 if q.dtype == torch.float64 else torch.float32),
+        exact_weight_rows(q, k, key_mask, scale),
         query_mask=query_mask,
         shape=(b, n),
         device=q.device,

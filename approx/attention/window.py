@@ -32,9 +32,9 @@ from ._common import exact_rows, exact_weight_rows
 from ._context import question_mask
 
 NO_QUESTION = (
-    "window: question_global=True needs the question's positions: run the patched model on inputs with "
-    "input_ids (and a config with sep_token_id) or token_type_ids, or wrap plain calls in "
-    "approx.attention.tokens(question_mask=...)"
+    "window: question_global=True needs the question's positions and none were found: run the patched model on "
+    "question-context pairs with input_ids (and a config with sep_token_id or eos_token_id) or token_type_ids, or "
+    "wrap the call in approx.tokens(question_mask=...)"
 )
 
 
@@ -50,7 +50,10 @@ class WindowConfig(MethodConfig):
         "attention_window is 2 * window",
     )
     dilation: int = option(1, "attend every dilation-th key inside a window of window * dilation on each side")
-    global_tokens: int = option(1, "the first global_tokens positions (CLS) attend to and are attended by every token")
+    global_tokens: int = option(
+        1,
+        "the first global_tokens positions (CLS; padding must be at the end) attend to and are attended by every token",
+    )
     question_global: bool = option(
         False, "every token before the first SEP (the question of a QA input) is global too (Longformer's QA choice)"
     )
@@ -136,7 +139,7 @@ def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor
     pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
     return _fallback.with_fallback(
         lambda: _blocksparse.dense_weights(q, k, pat, key_mask=key_mask, scale=scale),
-        exact_weight_rows(q, k, key_mask, scale, torch.float64 if q.dtype == torch.float64 else torch.float32),
+        exact_weight_rows(q, k, key_mask, scale),
         query_mask=query_mask,
         shape=(b, n),
         device=q.device,
