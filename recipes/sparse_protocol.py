@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import RESULTS, Timer, checkpoint_summary, ensure_checkpoint, evaluate_checkpoints, write_json  # noqa: E402,I001
 from clustered_table import base_settings, default_model  # noqa: E402
 import monarch_protocol  # noqa: E402
-from monarch_protocol import FOLDS, MAX_LENGTH, QUESTIONS, READER, patched  # noqa: E402
+from monarch_protocol import FOLDS, MAX_LENGTH, READER, patched  # noqa: E402
 
 OUTPUT = RESULTS / "sparse_protocol.json"
 FIGURE = RESULTS / "figures" / "sparse_protocol.png"
@@ -44,17 +44,20 @@ FIGURE = RESULTS / "figures" / "sparse_protocol.png"
 # pairs; BigBird about (3 + 2 + r) blocks of b; LSH rounds * cluster size).
 METHODS: dict[str, list[dict[str, Any]]] = {
     "window": [
-        *({"window": w, "question_global": True} for w in (8, 16, 32, 64, 128, 192)),
-        *({"window": w} for w in (16, 64)),  # CLS as the only global token, the classification choice
+        *({"window": w, "question_global": True} for w in (16, 32, 64, 128)),
+        {"window": 64},  # CLS as the only global token, the classification choice
     ],
-    "bigbird": [{"block": b, "random_blocks": r} for b, r in ((8, 3), (16, 1), (16, 3), (32, 2))],
+    "bigbird": [{"block": 16, "random_blocks": r} for r in (1, 3)],
     "sparse-transformer": [
-        *({"pattern": "strided", "stride": s, "heads": "union"} for s in (16, 32, 64)),
-        *({"pattern": "fixed", "stride": s, "summary": 8, "heads": "union"} for s in (32, 64)),
+        {"pattern": "strided", "stride": 32, "heads": "union"},
         {"pattern": "strided", "stride": 32, "heads": "split"},
+        {"pattern": "fixed", "stride": 32, "summary": 8, "heads": "union"},
     ],
-    "lsh": [{"cluster_size": c, "rounds": r} for c, r in ((32, 2), (64, 2), (64, 4))],
+    "lsh": [{"cluster_size": c, "rounds": 2} for c in (32, 64)],
 }
+# questions of the evaluation half: on the CPU the graph statistics (an entmax over every layer's scores) cost as much
+# as the reading, so fewer than the MonarchAttention protocol's 400
+QUESTIONS = {"cpu": 100, "gpu": None}
 BUDGET = 0.5  # the matched budget: the share of full attention's pairs
 WINDOW_TARGET = 0.98  # window with the question global: within 2 % of full F1
 
