@@ -141,3 +141,40 @@ def test_flex_gives_the_gather_output():
             raise err
     torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[1, :, :250], ref[1, :, :250], rtol=1e-5, atol=1e-5)
+
+
+def test_flex_runs_bigbird_like_gather():
+    """BigBird is the hardest translation (per-row orders with the real tokens first, per-head random blocks,
+    global blocks as shared keys and dense rows): FlexAttention gives the gather kernel's output."""
+    from approx.attention.bigbird import BigBirdConfig
+
+    n = 200
+    q, k, v = qkv(n, 6, dtype=torch.float32)
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, 150:] = False
+    options = {"block": 16, "random_blocks": 2, "full_fallback": False}
+    out = {}
+    for kernel in ("gather", "flex"):
+        layer = ApproxAttention("bigbird", BigBirdConfig(kernel=kernel, **options), head_dim=D)
+        with torch.no_grad():
+            try:
+                out[kernel] = layer(q, k, v, mask)
+            except RuntimeError:
+                if _flex._BROKEN.get("cpu"):
+                    pytest.skip(f"FlexAttention cannot compile here: {_flex._BROKEN.get('cpu')}")
+                raise
+    torch.testing.assert_close(out["flex"][0], out["gather"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["flex"][1, :, :150], out["gather"][1, :, :150], rtol=1e-5, atol=1e-5)
+
+
+def test_auto_stops_compiling_new_shapes_past_the_limit(monkeypatch):
+    """kernel='auto' asks FlexAttention for at most MAX_SHAPES shapes per process, then warns and uses gather."""
+    monkeypatch.setattr(_flex, "_SHAPES", {})
+    monkeypatch.setattr(_flex, "MAX_SHAPES", 2)
+    k = torch.zeros(1, 1, 2048, 8)
+    p = Pattern(64, torch.zeros(1, 1, 1, 1, dtype=torch.long))
+    assert _flex.worth_it(torch.zeros(1, 1, 2048, 8), k, p) and _flex.worth_it(torch.zeros(1, 2, 2048, 8), k, p)
+    assert _flex.worth_it(torch.zeros(1, 1, 2048, 8), k, p)  # a shape already compiled
+    with pytest.warns(RuntimeWarning, match="compiled 2 shapes"):
+        assert not _flex.worth_it(torch.zeros(1, 3, 2048, 8), k, p)
+    assert not _flex.worth_it(torch.zeros(1, 1, 512, 8), torch.zeros(1, 1, 512, 8), p)  # short: gather
