@@ -90,6 +90,9 @@ class Pattern:
     kv_full: torch.Tensor | None = None
     # every pair ``allow`` admits lies in the listed key blocks (FlexAttention then need not look the blocks up)
     allow_implies_blocks: bool = False
+    # plain(i, j): elementwise, True where j is a shared key or i a global query, when that depends on the positions
+    # only (FlexAttention then computes it instead of looking the tables up); None: look-ups
+    plain: PairFn | None = None
 
 
 def _batch_index(b: int, device) -> torch.Tensor:

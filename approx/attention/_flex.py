@@ -194,7 +194,17 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     qpos = _sorted_positions(pattern.q_order, b, h, n, tq * blk, device)
     kpos = _sorted_positions(pattern.k_order, b, h, s, tk * blk, device)
     v = zero_padded_values(v, key_mask)
-    qs, ks, vs = _take(q, qpos), _take(k, kpos), _take(v, kpos)
+
+    def slots(x, order, length):  # in the sorted order and padded to the bucket (a copy only when sorted)
+        if order is None:
+            return F.pad(x, (0, 0, 0, length - x.shape[2]))
+        return _take(x, qpos if x is q else kpos)
+
+    qs, ks, vs = (
+        slots(q, pattern.q_order, tq * blk),
+        slots(k, pattern.k_order, tk * blk),
+        slots(v, pattern.k_order, tk * blk),
+    )
     batch = _batch_index(b, device)
     key_ok = kpos >= 0
     if key_mask is not None:
@@ -208,7 +218,7 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     # table indexed by a value read from another table)
     shared = None if pattern.shared_keys is None else pattern.shared_keys[batch, kpos0] & (kpos >= 0)
     glob = None if pattern.global_queries is None else pattern.global_queries[batch, qpos0] & (qpos >= 0)
-    allow, bias = pattern.allow, pattern.bias
+    allow, bias, plain_fn = pattern.allow, pattern.bias, pattern.plain
 
     # look-ups only where needed: positions when sorted, own blocks unless allow implies them, key padding
     sorted_q, sorted_k = pattern.q_order is not None, pattern.k_order is not None
@@ -221,6 +231,8 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
         inside = own[bi, hi, qi // blk, kj // blk] if check_own else None
         if allow is not None:
             inside = allow(i, j) if inside is None else inside & allow(i, j)
+        if plain_fn is not None:  # shared keys and global queries as a function of the positions
+            return i, j, inside, plain_fn(i, j)
         plain = None  # a shared key or a global query: in, whatever the pattern says
         if shared is not None:
             plain = shared[bi, hi, kj]

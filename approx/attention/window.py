@@ -130,6 +130,10 @@ def pattern(config: WindowConfig, *, b: int, n: int, s: int, device) -> Pattern:
         global_queries=glob,
         kv_full=full[None, None],
         allow_implies_blocks=dil == 1,  # the listed blocks are all those within reach
+        # the first global_tokens positions, when they are the only global ones (no question)
+        plain=None
+        if config.question_global
+        else (lambda i, j: (i < config.global_tokens) | (j < config.global_tokens)),
     )
 
 
