@@ -127,6 +127,25 @@ def write_json(path: Path, payload: Any) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def protocol_main(argv, build_parser, run, figure, markdown) -> int:
+    """The main of a SQuAD-protocol recipe (monarch_protocol.py, sparse_protocol.py): run it and write its JSON, or
+    with ``--report`` read the committed JSON; then draw the figure and print the markdown."""
+    import torch
+
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.report:
+        record = json.loads(args.output.read_text())
+    else:
+        record = run(args)
+        write_json(args.output, record)
+    figure(record, args.figure)
+    print(markdown(record))
+    print(f"wrote {args.figure}" + ("" if args.report else f" and {args.output}"))
+    return 0
+
+
 class Timer:
     def __enter__(self) -> Timer:
         self.start = time.perf_counter()

@@ -44,7 +44,7 @@ from _shared import (
     checkpoint_summary,
     ensure_checkpoint,
     evaluate_checkpoints,
-    write_json,
+    protocol_main,
 )  # noqa: E402,I001
 from clustered_table import base_settings, default_model  # noqa: E402
 
@@ -319,20 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.report:
-        record = json.loads(args.output.read_text())
-    else:
-        record = run(args)
-        write_json(args.output, record)
-    figure(record, args.figure)
-    print(markdown(record))
-    print(f"wrote {args.figure}" + ("" if args.report else f" and {args.output}"))
-    return 0
+    return protocol_main(argv, build_parser, run, figure, markdown)
 
 
 if __name__ == "__main__":

@@ -180,39 +180,10 @@ def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, blocks.to(torch.uint8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
 
 
-def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
-    """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from ._blocksparse import _batch_index, _sorted_positions, _take, _unsort
-
-    key_mask = safe_key_mask(key_mask)
-    b, h, n, _ = q.shape
-    s, blk, device = k.shape[2], pattern.block, q.device
-    tq0, tk0 = math.ceil(n / blk), math.ceil(s / blk)
-    tq, tk = _bucket(n, blk) // blk, _bucket(s, blk) // blk  # a few lengths per octave: few compilations
-    qpos = _sorted_positions(pattern.q_order, b, h, n, tq * blk, device)
-    kpos = _sorted_positions(pattern.k_order, b, h, s, tk * blk, device)
-    v = zero_padded_values(v, key_mask)
-
-    def slots(x, order, length):  # in the sorted order and padded to the bucket (a copy only when sorted)
-        if order is None:
-            return F.pad(x, (0, 0, 0, length - x.shape[2]))
-        return _take(x, qpos if x is q else kpos)
-
-    qs, ks, vs = (
-        slots(q, pattern.q_order, tq * blk),
-        slots(k, pattern.k_order, tk * blk),
-        slots(v, pattern.k_order, tk * blk),
-    )
-    batch = _batch_index(b, device)
-    key_ok = kpos >= 0
-    if key_mask is not None:
-        key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
-    lists = _block_lists(
-        pattern, b, h, tq0, tk0, qpos[..., : tq0 * blk], kpos[..., : tk0 * blk], key_ok[..., : tk0 * blk], device
-    )
-    own, visit, full = (F.pad(m, (0, tk - tk0, 0, tq - tq0)) for m in lists)  # the bucket's extra blocks: none
+def _mods(pattern, qpos, kpos, key_ok, own, batch):
+    """FlexAttention's ``mask_mod`` and ``score_mod`` (None without a bias) of a pattern, over sorted slots: the
+    pattern's own blocks and ``allow``, shared keys and global queries, key padding; look-ups only where needed."""
+    blk = pattern.block
     qpos0, kpos0 = qpos.clamp(min=0), kpos.clamp(min=0)
     # shared keys and global queries per sorted slot (a lookup by slot: inductor's CPU code generation fails on a
     # table indexed by a value read from another table)
@@ -252,6 +223,43 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
             i, j, _, plain = pair(bi, hi, qi, kj)
             return score + (bias(i, j) if plain is None else torch.where(plain, 0.0, bias(i, j)))
 
+    return mask_mod, score_mod
+
+
+def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
+    """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from ._blocksparse import _batch_index, _sorted_positions, _take, _unsort
+
+    key_mask = safe_key_mask(key_mask)
+    b, h, n, _ = q.shape
+    s, blk, device = k.shape[2], pattern.block, q.device
+    tq0, tk0 = math.ceil(n / blk), math.ceil(s / blk)
+    tq, tk = _bucket(n, blk) // blk, _bucket(s, blk) // blk  # a few lengths per octave: few compilations
+    qpos = _sorted_positions(pattern.q_order, b, h, n, tq * blk, device)
+    kpos = _sorted_positions(pattern.k_order, b, h, s, tk * blk, device)
+    v = zero_padded_values(v, key_mask)
+
+    def slots(x, order, length):  # in the sorted order and padded to the bucket (a copy only when sorted)
+        if order is None:
+            return F.pad(x, (0, 0, 0, length - x.shape[2]))
+        return _take(x, qpos if x is q else kpos)
+
+    qs, ks, vs = (
+        slots(q, pattern.q_order, tq * blk),
+        slots(k, pattern.k_order, tk * blk),
+        slots(v, pattern.k_order, tk * blk),
+    )
+    batch = _batch_index(b, device)
+    key_ok = kpos >= 0
+    if key_mask is not None:
+        key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
+    lists = _block_lists(
+        pattern, b, h, tq0, tk0, qpos[..., : tq0 * blk], kpos[..., : tk0 * blk], key_ok[..., : tk0 * blk], device
+    )
+    own, visit, full = (F.pad(m, (0, tk - tk0, 0, tq - tq0)) for m in lists)  # the bucket's extra blocks: none
+    mask_mod, score_mod = _mods(pattern, qpos, kpos, key_ok, own, batch)
     partial_counts, partial = _lists(visit & ~full)
     full_counts, full_idx = _lists(full) if bool(full.any()) else (None, None)
     mask = BlockMask.from_kv_blocks(
