@@ -152,3 +152,15 @@ def test_local_attention_peer_agrees():
     padded = peer(q, k, v, mask=mask)  # (B, H, n, d) with a key-padding mask
     ours_padded = ApproxAttention("window", WindowConfig(window=w, global_tokens=0), head_dim=D)(q, k, v, mask)
     torch.testing.assert_close(ours_padded[1, :, :80], padded[1, :, :80], rtol=1e-5, atol=1e-5)
+
+
+def test_graph_stats_count_exact_rows_as_full():
+    """A batch row below exact_below gets exact attention, so its graph statistics count every real pair."""
+    q, k, _ = qkv(60)
+    mask = mask_of(60, 40)  # row 1: 40 real tokens, below exact_below=50; row 0: 60, approximated
+    layer = ApproxAttention("window", WindowConfig(window=2, block=8, exact_below=50), head_dim=D)
+    stats = layer.graph_stats(q, k, mask, scale=D**-0.5)
+    # non-global rows: their window among positions 1..59, plus the CLS column; the CLS row: every key
+    row0 = sum(min(59, i + 2) - max(1, i - 2) + 1 for i in range(1, 60)) + 59 + 60
+    assert torch.equal(stats["predicted"], torch.full((H,), float(row0 + 40 * 40), dtype=torch.float64))
+    assert torch.equal(stats["valid"], torch.full((H,), float(60 * 60 + 40 * 40), dtype=torch.float64))

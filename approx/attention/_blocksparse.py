@@ -349,10 +349,13 @@ def dense_weights(q, k, pattern: Pattern, *, key_mask, scale: float) -> torch.Te
     return _normalise(scores, mask, False)[0]
 
 
-def pattern_stats(q, k, pattern: Pattern, *, key_mask, scale: float, alpha: float = 1.5) -> dict[str, torch.Tensor]:
+def pattern_stats(
+    q, k, pattern: Pattern, *, key_mask, scale: float, alpha: float = 1.5, exact_rows: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The pattern's graph against the alpha-entmax gold graph G, as Sparsefinder reports it: counts per head (H,)
     summed over the batch over real queries and keys (``predicted`` |Ĝ|, ``valid`` pairs, ``gold`` |G|, ``hit``
-    |G ∩ Ĝ|, ``queries``, ``exact``: queries with G ⊆ Ĝ). O(N S): measuring only."""
+    |G ∩ Ĝ|, ``queries``, ``exact``: queries with G ⊆ Ĝ). ``exact_rows`` (B,) bool: batch rows that get exact
+    attention (a method's ``exact_below``), counted with every pair. O(N S): measuring only."""
     from ._fitting import gold_graph  # the entmax gold graph, as for Sparsefinder
 
     dt = compute_dtype(q.dtype)
@@ -361,6 +364,9 @@ def pattern_stats(q, k, pattern: Pattern, *, key_mask, scale: float, alpha: floa
     s = k.shape[2]
     key_mask = safe_key_mask(key_mask)
     pred, _ = dense_mask(pattern, b=b, h=h, n=n, s=s, key_mask=key_mask, device=q.device)
+    if exact_rows is not None:
+        real_keys = torch.ones(b, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+        pred = pred | (exact_rows[:, None, None, None] & real_keys[:, None, None, :])
     gold = gold_graph(q, k, key_mask, scale, alpha)
     real_q = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None or n != s else key_mask
     real = real_q[:, None, :, None]

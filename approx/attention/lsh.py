@@ -229,7 +229,8 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     """Sparsity and recall of the union of the rounds' pairs against the entmax (alpha 1.5) gold graph."""
     hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
     pat = union_pattern(hashed, n=q.shape[2], s=k.shape[2])
-    return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale)
+    exact = _fallback.exact_rows(query_mask, q.shape[2], q.shape[0], q.device, exact_below=config.exact_below)
+    return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale, exact_rows=exact)
 
 
 @register(

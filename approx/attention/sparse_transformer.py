@@ -321,7 +321,8 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     """Sparsity and recall of the pattern against the entmax (alpha 1.5) gold graph, as Sparsefinder."""
     b, h, n, _ = q.shape
     mask = pattern_mask(config, key_mask=key_mask, b=b, h=h, n=n, s=k.shape[2], device=q.device)
-    return _blocksparse.pattern_stats(q, k, _mask_pattern(mask), key_mask=key_mask, scale=scale)
+    exact = _fallback.exact_rows(query_mask, n, b, q.device, exact_below=config.exact_below)
+    return _blocksparse.pattern_stats(q, k, _mask_pattern(mask), key_mask=key_mask, scale=scale, exact_rows=exact)
 
 
 @register(

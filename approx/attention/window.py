@@ -155,7 +155,8 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     """Sparsity and recall of the window pattern against the entmax (alpha 1.5) gold graph, as Sparsefinder."""
     b, _, n, _ = q.shape
     pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
-    return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale)
+    exact = _fallback.exact_rows(query_mask, n, b, q.device, exact_below=config.exact_below)
+    return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale, exact_rows=exact)
 
 
 @register(
