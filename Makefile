@@ -34,6 +34,11 @@ bench:
 	$(PY) benchmarks/attention_op.py --backward --lengths 512 1024 2048 4096 8192 --methods clustered favor i-clustered \
 		--output benchmarks/results/attention_op_cpu_backward.json
 	$(PY) benchmarks/whole_model.py --output benchmarks/results/whole_model_cpu.json
+	$(PY) benchmarks/attention_op.py --methods clustered i-clustered favor --variant "clustered[engine=compiled]" \
+		--variant "i-clustered[engine=compiled]" --lengths 1024 4096 16384 --repeats 5 --no-memory --fallback none \
+		--background-load 1 --output benchmarks/results/attention_op_cpu_contention.json
+	$(PY) benchmarks/favor_chunks.py
+	$(PY) benchmarks/entmax_partial_sort.py
 
 bench-gpu:
 	$(PY) -m pytest -m gpu tests/test_gpu.py
@@ -41,6 +46,7 @@ bench-gpu:
 		--lengths 1024 2048 4096 8192 16384 32768 65536 --sdpa-max 65536 --eager-max 8192 --repeats 10 \
 		--output benchmarks/results/attention_op_cuda.json
 	$(PY) benchmarks/attention_op.py --device cuda --dtype bfloat16 --methods full clustered i-clustered favor \
+		--variant "clustered[engine=compiled]" --variant "i-clustered[engine=compiled]" \
 		--fallback none --lengths 1024 2048 4096 8192 16384 32768 65536 --sdpa-max 65536 --eager-max 8192 \
 		--repeats 10 --output benchmarks/results/attention_op_cuda_bf16.json
 	$(PY) benchmarks/whole_model.py --random-weights --device cuda --no-fallback --lengths 1024 2048 4096 8192 16384 \

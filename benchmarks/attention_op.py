@@ -39,6 +39,7 @@ Results go to stdout (markdown), a JSON file (``--output``) and a PNG plot next 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -122,9 +123,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument(
+        "--no-ops", action="store_true", help="skip counting the operator calls of one call (torch.profiler events)"
+    )
+    p.add_argument(
+        "--background-load",
+        type=int,
+        default=0,
+        metavar="JOBS",
+        help="time every contender a second time while JOBS single-threaded CPU jobs (matrix products) run "
+        "beside it, so that contention is measured (reported next to the quiet times)",
+    )
+    p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/attention_op.json", help="JSON path (PNG next to it)"
     )
     p.add_argument("--replot", type=Path, default=None, help="only redraw the PNG of a result JSON")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="METHOD[KEY=VALUE,...]",
+        help="also run METHOD with these options, as the contender named so (repeatable), e.g. "
+        "'clustered[engine=eager]' beside clustered",
+    )
     p.add_argument("--_memory-probe", nargs=2, metavar=("CONTENDER", "N"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     registered = approx.methods()
@@ -140,7 +160,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         method, _, length = item.partition("=")
         if method not in args.methods or not length.isdigit():
             p.error(f"--fallback {item!r}: expected METHOD=LENGTH with METHOD in {args.methods}")
-        args.variants[f"{method}+exact<{length}"] = (method, int(length))
+        args.variants[f"{method}+exact<{length}"] = (method, {"exact_below": int(length)})
+    for item in args.variant:
+        method, bracket, rest = item.partition("[")
+        pairs = [kv.partition("=") for kv in rest.rstrip("]").split(",") if kv] if bracket else []
+        if method not in args.methods or not item.endswith("]") or not pairs or any(not eq for _, eq, _ in pairs):
+            p.error(f"--variant {item!r}: expected METHOD[KEY=VALUE,...] with METHOD in {args.methods}")
+        args.variants[item] = (method, {k: _value(v) for k, _, v in pairs})
     return args
 
 
@@ -167,15 +193,16 @@ def build_configs(methods: list[str], overrides: list[str]) -> dict[str, MethodC
 
 
 def all_configs(args: argparse.Namespace) -> dict[str, MethodConfig]:
-    """Configs of the methods and of the fallback rows (``METHOD+exact<L``), by contender name."""
+    """Configs of the methods, of the fallback rows (``METHOD+exact<L``) and of the variants (``METHOD[K=V]``), by
+    contender name."""
     configs = build_configs(args.methods, args.option)
-    for name, (method, length) in args.variants.items():
-        configs[name] = dataclasses.replace(configs[method], exact_below=length)
+    for name, (method, options) in args.variants.items():
+        configs[name] = dataclasses.replace(configs[method], **options)
     return configs
 
 
 def method_of(name: str) -> str:
-    return name.split("+exact<")[0]
+    return name.split("+exact<")[0].split("[")[0]
 
 
 def config_at(name: str, configs: dict[str, MethodConfig], n: int) -> MethodConfig:
@@ -270,8 +297,12 @@ def call(fn: Fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bo
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def time_all(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[int, dict[str, list[float]]]:
-    """{N: {contender: [seconds per repeat]}}, contenders interleaved within each repeat."""
+def time_all(
+    args: argparse.Namespace, configs: dict[str, MethodConfig], *, loaded: bool = False
+) -> dict[int, dict[str, list[float]]]:
+    """{N: {contender: [seconds per repeat]}}, contenders interleaved within each repeat. With ``loaded``, the
+    ``--background-load`` jobs run during the timed calls (started after the warm-up of each N); with operator
+    counting on, ``args.ops[N][contender]`` gets the operator calls of one call (quiet pass only)."""
     times: dict[int, dict[str, list[float]]] = {}
     for n in args.lengths:
         q, k, v = make_inputs(n, args.seed, args.device, args.dtype)
@@ -284,16 +315,57 @@ def time_all(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict
         times[n] = {c: [] for c in fns}
         for f in fns.values():
             call(f, q, k, v, args.backward)  # warm-up
-        for _ in range(args.repeats):
-            for c, f in fns.items():
-                _sync(args.device)
-                t0 = time.perf_counter()
-                call(f, q, k, v, args.backward)
-                _sync(args.device)
-                times[n][c].append(time.perf_counter() - t0)
+        if not loaded and not args.no_ops:
+            args.ops[n] = {c: count_ops(f, q, k, v, args.backward) for c, f in fns.items()}
+            print(f"[ops] N={n}: " + ", ".join(f"{c} {m}" for c, m in args.ops[n].items()), file=sys.stderr)
+        with background_load(args.background_load if loaded else 0):
+            for _ in range(args.repeats):
+                for c, f in fns.items():
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                    call(f, q, k, v, args.backward)
+                    _sync(args.device)
+                    times[n][c].append(time.perf_counter() - t0)
         med = {c: f"{statistics.median(t) * 1e3:.0f}" for c, t in times[n].items()}
-        print(f"[time] N={n}: " + ", ".join(f"{c} {m} ms" for c, m in med.items()), file=sys.stderr, flush=True)
+        tag = f"time, {args.background_load} background job(s)" if loaded else "time"
+        print(f"[{tag}] N={n}: " + ", ".join(f"{c} {m} ms" for c, m in med.items()), file=sys.stderr, flush=True)
     return times
+
+
+def count_ops(fn: Fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool) -> int:
+    """The operator calls of one call: the events torch.profiler records on the CPU (every aten operator, nested
+    ones included: SDPA's CPU flash kernel is 19), after a warm-up call. Each can start a parallel region, which
+    is what a busy machine makes slow."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call(fn, q, k, v, backward)
+    return len(prof.events())
+
+
+# a single-threaded CPU job: matrix products, forever (killed when the timed calls end)
+_LOAD_JOB = (
+    "import torch; torch.set_num_threads(1); a = torch.randn(384, 384); print('ready', flush=True)\n"
+    "while True:\n    a = torch.tanh(a @ a)"
+)
+
+
+@contextlib.contextmanager
+def background_load(jobs: int):
+    """``jobs`` competing single-threaded CPU processes while the block runs (none for 0)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _LOAD_JOB], stdout=subprocess.PIPE, text=True) for _ in range(jobs)
+    ]
+    try:
+        for proc in procs:
+            proc.stdout.readline()  # running
+        if procs:
+            time.sleep(0.5)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -357,6 +429,7 @@ def measure_memory(args: argparse.Namespace, configs: dict[str, MethodConfig]) -
     passthrough = ["--threads", str(args.threads), "--seed", str(args.seed), "--methods", *args.methods]
     passthrough += [f"--option={o}" for o in args.option] + ["--device", args.device]
     passthrough += [f"--fallback={f}" for f in args.fallback] or ["--fallback=none"]
+    passthrough += [f"--variant={v}" for v in args.variant]
     passthrough += ["--backward"] if args.backward else []
     passthrough += ["--dtype", args.dtype]
     mem: dict[int, dict[str, dict[str, Any]]] = {}
@@ -431,6 +504,12 @@ TARGETS: dict[str, dict[int, float]] = {
 }
 
 
+# issue 19, CPU: at most this many operator calls per attention call, and with one core held by a background job
+# the ratio to SDPA falls by at most this factor from the quiet one, at these N
+OPS_TARGET = {"clustered": 400, "i-clustered": 400, "favor": 400}
+LOAD_FALL_TARGET, LOAD_FALL_LENGTHS = 2.0, (4096, 16384)
+
+
 def _ratio(time_ms: dict[int, dict[str, float]], n: int, c: str) -> float | None:
     t = time_ms.get(n, {})
     return t["sdpa"] / t[c] if "sdpa" in t and c in t else None
@@ -475,7 +554,50 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
     for n in ns:
         cells = [f"{res['cost'][n][c]['qk_pairs']:,} / {res['cost'][n][c]['flops'] / 1e9:.3g}" for c in cols]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
+    ops = res.get("ops") or {}
+    if ops:
+        ocols = [c for c in cols if any(c in ops.get(n, {}) for n in ns)]
+        out += ["", "## Operator calls per call (torch.profiler events of one call, nested operators included)", ""]
+        out += ["| N | " + " | ".join(ocols) + " |", "|" + "---|" * (len(ocols) + 1)]
+        for n in ns:
+            out.append(f"| {n} | " + " | ".join(str(ops.get(n, {}).get(c, "-")) for c in ocols) + " |")
+    loaded = res.get("times_loaded_s") or {}
+    loaded_ms = {n: {c: statistics.median(t) * 1e3 for c, t in loaded.get(n, {}).items()} for n in ns}
+    if loaded:
+        jobs = res["background_load"]["jobs"]
+        out += ["", f"## Time with {jobs} single-threaded background job(s) (median ms, x SDPA in the same pass)", ""]
+        out += ["| N | " + " | ".join(f"{c} ms" for c in cols) + " |", "|" + "---|" * (len(cols) + 1)]
+        for n in ns:
+            cells = []
+            for c in cols:
+                t, r, r0 = loaded_ms[n].get(c), _ratio(loaded_ms, n, c), _ratio(time_ms, n, c)
+                fall = f", falls x{r0 / r:.2f}" if r and r0 and c != "sdpa" else ""
+                slow = f"; x{t / time_ms[n][c]:.1f} of quiet" if t is not None and c in time_ms[n] else ""
+                extra = (
+                    f" ({r:.2f}x{fall}{slow})" if r is not None and c != "sdpa" else (f" ({slow[2:]})" if slow else "")
+                )
+                cells.append("-" if t is None else f"{t:.1f}{extra}")
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        out.append("falls xF: the quiet ratio to SDPA over the loaded one (1 = contention hurts it as much as SDPA).")
     out += ["", f"## Targets (set for the CPU forward; here {res.get('device', 'cpu')})", ""]
+    for method, limit in OPS_TARGET.items():
+        got = {n: ops[n][method] for n in ns if method in ops.get(n, {})}
+        if got:
+            ok = max(got.values()) <= limit
+            detail = ", ".join(f"{v} at N={n}" for n, v in got.items())
+            out.append(
+                f"- {_label(method, configs)}: <= {limit} operator calls per call: {'met' if ok else 'not met'} ({detail})"
+            )
+    for method in OPS_TARGET:
+        for n in LOAD_FALL_LENGTHS:
+            r0, r = _ratio(time_ms, n, method), _ratio(loaded_ms, n, method) if loaded else None
+            if r0 is None or r is None:
+                continue
+            verdict = "met" if r0 / r <= LOAD_FALL_TARGET else "not met"
+            out.append(
+                f"- {_label(method, configs)} at N={n}, loaded: ratio falls by <= {LOAD_FALL_TARGET}x: {verdict} "
+                f"({r0:.2f}x quiet, {r:.2f}x loaded: x{r0 / r:.2f})"
+            )
     for method, goals in TARGETS.items():
         if method not in names:
             continue
@@ -511,10 +633,12 @@ def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
-    base = [c for c in res["contenders"] if "+exact<" not in c]
+    base = [c for c in res["contenders"] if "+exact<" not in c and "[" not in c]
     for c in res["contenders"]:  # a fallback row: dashed, in the colour of its method
         i = base.index(method_of(c)) if method_of(c) in base else len(base)
-        style = dict(color=f"C{i % 10}", linestyle="--" if "+exact<" in c else "-", marker="o", label=c)
+        style = dict(
+            color=f"C{i % 10}", linestyle="--" if "+exact<" in c else (":" if "[" in c else "-"), marker="o", label=c
+        )
         ns = [n for n in res["lengths"] if c in res["times_s"][n]]
         ax_t.plot(ns, [statistics.median(res["times_s"][n][c]) * 1e3 for n in ns], **style)
         mn = [n for n in ns if c in res["memory"].get(n, {})]
@@ -549,8 +673,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.replot is not None:
         res = json.loads(args.replot.read_text())
-        for key in ("times_s", "memory", "cost"):
-            res[key] = {int(n): v for n, v in res[key].items()}
+        for key in ("times_s", "memory", "cost", "ops", "times_loaded_s"):
+            res[key] = {int(n): v for n, v in res.get(key, {}).items()}
         plot(res, args.replot.with_suffix(".png"))
         return
     if args._memory_probe is not None:
@@ -581,7 +705,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[skip] {m} at N={ns}: above --eager-max / --sdpa-max", file=sys.stderr)
     res["memory"] = {} if args.no_memory else measure_memory(args, configs)
     args.memory = res["memory"]
+    args.ops = {}
     res["times_s"] = time_all(args, configs)
+    res["ops"] = args.ops
+    if args.background_load:
+        res["background_load"] = {"jobs": args.background_load, "job": _LOAD_JOB}
+        res["times_loaded_s"] = time_all(args, configs, loaded=True)
     res["skipped_reasons"] = dict(_SPARSEFINDER_SKIP)
     res["provenance"]["loadavg_after"] = os.getloadavg()
     res["provenance"]["wall_s"] = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()

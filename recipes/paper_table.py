@@ -95,9 +95,20 @@ DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def method_label(method: dict[str, Any]) -> str:
-    """``clustered-25``, ``i-clustered-100``, ``favor-256`` (extra options after a colon)."""
+    """``clustered-25``, ``i-clustered-100``, ``favor-256``, ``window-32`` (the method's budget knob; extra options
+    after a colon)."""
     name = method["name"]
-    knob = {"clustered": "clusters", "i-clustered": "clusters", "favor": "features"}.get(name)
+    knob = {
+        "clustered": "clusters",
+        "i-clustered": "clusters",
+        "favor": "features",
+        "window": "window",
+        "bigbird": "block",
+        "sparse-transformer": "stride",
+        "lsh": "cluster_size",
+        "linformer": "projections",
+        "nystrom": "landmarks",
+    }.get(name)
     label = f"{name}-{method[knob]}" if knob else name
     if name == "i-clustered" and method.get("topk") != 32:
         label += f":k={method['topk']}"

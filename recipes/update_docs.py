@@ -128,6 +128,55 @@ def benchmark_block(path: str) -> str:
     )
 
 
+CONTENTION = "benchmarks/results/attention_op_cpu_contention.json"
+ENTMAX_SORT = "benchmarks/results/entmax_partial_sort_cpu.json"
+
+
+def contention_block(path: str = CONTENTION) -> str:
+    """Quiet and loaded times and the operator calls per call (``attention_op.py --background-load``)."""
+    res = json.loads((ROOT / path).read_text())
+    cols = [c for c in res["contenders"] if c not in ("sdpa", "eager") and any(c in t for t in res["times_s"].values())]
+    rows = ["| N | contender | operator calls | quiet ms (× SDPA) | loaded ms (× SDPA) | ratio falls × |"]
+    rows.append("|" + " --- |" * 6)
+    for n in map(str, res["lengths"]):
+        quiet = {c: _median_ms(v) for c, v in res["times_s"][n].items()}
+        loaded = {c: _median_ms(v) for c, v in res["times_loaded_s"][n].items()}
+        ops = res.get("ops", {}).get(n, {})
+        rows.append(f"| {n} | sdpa | {ops.get('sdpa', '-')} | {_ms(quiet['sdpa'])} | {_ms(loaded['sdpa'])} | - |")
+        for c in cols:
+            r0, r1 = quiet["sdpa"] / quiet[c], loaded["sdpa"] / loaded[c]
+            rows.append(
+                f"| {n} | {c} | {ops.get(c, '-')} | {_ms(quiet[c])} ({r0:.2f}×) | {_ms(loaded[c])} ({r1:.2f}×) "
+                f"| {r0 / r1:.2f} |"
+            )
+    load = res["provenance"].get("loadavg_before")
+    return (
+        f"**Quiet and busy CPU**, shape (1, 12, N, 64), {_hardware(res)}, median of {res['repeats']} interleaved "
+        f"calls per pass (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
+        + (f"; load average {load[0]:.1f} before the run" if load else "")
+        + f"). The loaded pass runs {res['background_load']['jobs']} single-threaded job (matrix products) beside "
+        "the timed calls; *operator calls* are the torch.profiler events of one call (SDPA's fused CPU kernel: "
+        "19); *ratio falls ×* is the quiet ratio to SDPA over the loaded one.\n\n" + "\n".join(rows) + "\n"
+    )
+
+
+def entmax_sort_block(path: str = ENTMAX_SORT) -> str:
+    res = json.loads((ROOT / path).read_text())
+    base = _median_ms(res["times_s"]["full sort"])
+    rows = ["| entmax15 | ms per pass | × full sort | max abs diff |", "|" + " --- |" * 4]
+    for name, t in res["times_s"].items():
+        diff = res["max_abs_diff_vs_full_sort"][name]
+        rows.append(f"| {name} | {_ms(_median_ms(t))} | {base / _median_ms(t):.2f}× | {diff:.0e} |")
+    s, a = res["support"], res["settings"]
+    return (
+        f"**entmax15's partial sort on real attention**: MiniLM-L6's scores on {a['windows']} WikiText-2 windows of "
+        f"{a['length']} tokens, every layer and head ({res['rows']:,} rows), {a['threads']} threads, median of "
+        f"{a['repeats']} passes (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])})."
+        f" Support per row: median {s['median']:.0f} keys, 99th percentile {s['p99']:.0f}, largest {s['max']:.0f}."
+        "\n\n" + "\n".join(rows) + "\n"
+    )
+
+
 def whole_model_block(path: str) -> str:
     res = json.loads((ROOT / path).read_text())
     names = [c for c in res["contenders"] if c != "sdpa"]
@@ -475,7 +524,12 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
         DOCS / "results.md": results,
         DOCS / "long-inputs.md": {"minilm-mlm": minilm_mlm_table(), "long-inputs": long_inputs_block()},
-        DOCS / "speed.md": {"benchmarks": benchmarks(), "flex-vs-gather": flex_vs_gather_block()},
+        DOCS / "speed.md": {
+            "benchmarks": benchmarks(),
+            "flex-vs-gather": flex_vs_gather_block(),
+            "contention": contention_block(),
+            "entmax-sort": entmax_sort_block(),
+        },
     }
 
 

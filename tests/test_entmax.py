@@ -234,3 +234,18 @@ def test_few_bisection_steps_do_not_depend_on_padding(alpha, n_iter):
         m = torch.cat([mask, torch.zeros(B, extra, dtype=torch.bool)], dim=1)
         out = lyr(pad(q), pad(k), pad(v), m)
         torch.testing.assert_close(out[1:, :, :n_real], reference, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sharp", [3.0, 0.05])
+def test_partial_sort_on_long_rows_matches_the_bisection(sharp):
+    """Rows longer than ``_entmax.PARTIAL_SORT`` sort only their largest scores first; with flat scores the support
+    overflows them and the row is solved again (sharp = 0.05: supports of well over 64 keys). Both against the
+    package's bisection written out here."""
+    from approx.attention import _entmax
+
+    n = 3 * _entmax.PARTIAL_SORT + 11
+    q, k, v, mask = inputs(7, n=n, sharp=sharp)
+    out = layer()(q, k, v, mask)
+    support = (layer().weights(q, k, mask) > 0).sum(-1)
+    assert (support > _entmax.PARTIAL_SORT).any() == (sharp < 1)  # flat rows take the retry path
+    torch.testing.assert_close(out, independent(q, k, v, mask, 1.5), rtol=0, atol=1e-13)

@@ -123,3 +123,80 @@ def test_patched_tiny_model_on_gpu(method):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         approx.unpatch(model)
         torch.testing.assert_close(model_output(model, **inputs), ref, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------- FlexAttention on CUDA
+# The sparse patterns' kernel="flex" path on CUDA (with gradients and the log-sum-exp, which the CPU build lacks):
+# long enough for the default blocks, a padded row, N not a multiple of the block. The oracle is the method's
+# separate dense weights() path in float64 on the CPU.
+FLEX_CASES = [
+    ("window", {"window": 100, "global_tokens": 2}),
+    ("window", {"window": 40, "dilation": 3, "block": 32}),
+    ("bigbird", {"block": 32, "random_blocks": 2, "full_fallback": False}),
+    ("sparse-transformer", {"pattern": "strided", "stride": 64, "heads": "split"}),
+    ("sparse-transformer", {"pattern": "strided", "stride": 64, "heads": "union"}),  # combines with the lse
+    ("sparse-transformer", {"pattern": "fixed", "stride": 64, "summary": 8, "heads": "union"}),
+]
+FLEX_N, FLEX_REAL = 1100, 1001
+
+
+def _flex_layer(method, kernel, **options):
+    spec = get_method(method)
+    return approx.ApproxAttention(method, spec.config_class(kernel=kernel, **options), head_dim=D)
+
+
+@pytest.mark.parametrize("method,options", FLEX_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(FLEX_CASES)])
+def test_flex_on_gpu_equals_float64_dense_weights(method, options):
+    q, k, v = make_qkv(FLEX_N, dtype=torch.float64, sharp=1.0)
+    mask = padded_mask(FLEX_N, FLEX_REAL)
+    lyr = _flex_layer(method, "flex", **options)
+    expected = lyr.weights(q, k, mask) @ v.masked_fill(~mask[:, None, :, None], 0)
+    real = mask[:, None, :, None]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        with torch.no_grad():
+            out = lyr.to(CUDA)(*cuda(q.to(dtype), k.to(dtype), v.to(dtype), mask)).double().cpu()
+        assert out.dtype == torch.float64 and torch.isfinite(out).all()
+        err = ((out - expected).masked_fill(~real, 0).norm() / expected.masked_fill(~real, 0).norm()).item()
+        assert err <= tol, (method, options, dtype, err)
+
+
+@pytest.mark.parametrize("method,options", FLEX_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(FLEX_CASES)])
+def test_flex_gradients_on_gpu_equal_the_gather_kernel(method, options):
+    """FlexAttention's backward (CUDA only) against the plain-torch gather kernel's autograd, float32."""
+    q, k, v = make_qkv(FLEX_N, sharp=1.0)
+    mask = padded_mask(FLEX_N, FLEX_REAL).to(CUDA)
+    grads = {}
+    for kernel in ("gather", "flex"):
+        leaves = [t.to(CUDA).requires_grad_() for t in (q, k, v)]
+        out = _flex_layer(method, kernel, **options).to(CUDA)(*leaves, mask)
+        (out.masked_fill(~mask[:, None, :, None], 0) * torch.linspace(-1, 1, D, device=CUDA)).sum().backward()
+        grads[kernel] = [t.grad for t in leaves]
+    for name, g_flex, g_gather in zip("qkv", grads["flex"], grads["gather"]):
+        err = ((g_flex - g_gather).norm() / g_gather.norm()).item()
+        assert torch.isfinite(g_flex).all() and err <= 1e-4, (method, options, name, err)
+
+
+def test_auto_kernel_uses_flex_on_long_gpu_inputs(monkeypatch):
+    """kernel='auto' sends a long CUDA call to FlexAttention (inference and training alike: CUDA has its backward)."""
+    from approx.attention import _flex
+
+    calls = []
+    real_attend = _flex.attend
+    monkeypatch.setattr(_flex, "attend", lambda *a, **kw: calls.append(1) or real_attend(*a, **kw))
+    q, k, v = (t.to(CUDA).requires_grad_() for t in make_qkv(FLEX_N))
+    _flex_layer("window", "auto", window=64)(q, k, v, None).sum().backward()
+    assert calls, "kernel='auto' did not use FlexAttention on a long CUDA input"
+
+
+@pytest.mark.parametrize("method", ["clustered", "i-clustered"])
+def test_compiled_engine_on_gpu_equals_the_cpu_eager_code(method):
+    """engine="compiled" (Triton kernels through torch.compile on CUDA) against the eager code on the CPU, float64
+    (so that no hash bit flips on rounding): the same clusters, the same output."""
+    q, k, v = make_qkv(1100, sharp=1.0, dtype=torch.float64)
+    mask = padded_mask(1100, 1001)
+    options = {"clusters": 25}
+    expected = layer(method, **options)(q, k, v, mask)
+    with torch.no_grad():
+        out = layer(method, engine="compiled", **options).to(CUDA)(*cuda(q, k, v, mask)).cpu()
+    real = mask[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-9, atol=1e-9)

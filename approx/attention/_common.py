@@ -110,12 +110,13 @@ def cluster_blocks(assign: torch.Tensor, clusters: int, block: int):
     return order, slot, block_cluster, nb
 
 
-def block_rows(assign: torch.Tensor, clusters: int, block: int):
+def block_rows(assign: torch.Tensor, clusters: int, block: int, *, used: bool = True):
     """The blocks of :func:`cluster_blocks` as rows of flat tables, for chunked ``index_select`` / ``index_copy_``.
 
     Returns ``dest`` (B*H*nb, block): the row of the (B*H*N) query table of every block row, B*H*N (one past
-    the last query: a spare row) for padding rows; ``used`` (U,): the blocks that hold queries; ``cluster``
-    (B*H*nb,): the row of every block's cluster in a (B*H*C) table.
+    the last query: a spare row) for padding rows; ``used`` (U,): the blocks that hold queries (None when not
+    ``used``: a shape that depends on the data, which compiled code avoids); ``cluster`` (B*H*nb,): the row of
+    every block's cluster in a (B*H*C) table.
     """
     batch, heads, n = assign.shape
     bh = batch * heads
@@ -123,5 +124,5 @@ def block_rows(assign: torch.Tensor, clusters: int, block: int):
     head = torch.arange(bh, device=assign.device).view(batch, heads, 1)
     dest = torch.full((bh * nb, block), bh * n, dtype=torch.long, device=assign.device)
     dest.view(-1)[(slot + head * (nb * block)).reshape(-1)] = (order + head * n).reshape(-1)
-    used = (dest[:, 0] < bh * n).nonzero().squeeze(1)  # the first row of a block in use holds a query
-    return dest, used, (block_cluster + head * clusters).reshape(-1)
+    in_use = (dest[:, 0] < bh * n).nonzero().squeeze(1) if used else None  # its first row holds a query
+    return dest, in_use, (block_cluster + head * clusters).reshape(-1)

@@ -21,6 +21,11 @@ from entmax import entmax15
 FLOAT64_BELOW = 1e-3
 # alpha - 1 below this is refused by configs: even float64 loses the weights (error ~1e-16 / (alpha - 1))
 MIN_ALPHA_GAP = 1e-9
+# alpha = 1.5: sort the largest PARTIAL_SORT scores of a row first (exact: the package solves a row again with
+# twice as many when its support fills them). On MiniLM-L6's attention at 512 tokens the support is 6 keys at the
+# median and 54 at the 99th percentile, and this is 4.7x faster than sorting every score, with the same output
+# (benchmarks/entmax_partial_sort.py)
+PARTIAL_SORT = 64
 # alpha above this is refused: the bisection works on (alpha - 1) * scores within a bracket of width 1, which
 # rounding swamps for large alpha (alpha = 1e30 gives 0 / 0 = NaN); alpha = 100 is already nearly argmax
 MAX_ALPHA = 100.0
@@ -59,14 +64,14 @@ class _Bisect(torch.autograd.Function):
 
 
 def entmax(
-    scores: torch.Tensor, alpha: float, *, n_iter: int | None = None, partial_sort: int | None = None
+    scores: torch.Tensor, alpha: float, *, n_iter: int | None = None, partial_sort: int | None = PARTIAL_SORT
 ) -> torch.Tensor:
     """alpha-entmax over the last dimension of ``scores`` (-inf entries get exactly zero weight).
 
     ``n_iter``: bisection steps for alpha != 1.5 (None: the package's default, 50). ``partial_sort``: for
     alpha = 1.5, sort only the largest ``partial_sort`` scores of a row first (exact: the package widens the
-    sort for rows whose support fills them); None, or a row no longer than that, sorts everything. Every row
-    needs at least one finite score.
+    sort for rows whose support fills them; default :data:`PARTIAL_SORT`); None, or a row no longer than that,
+    sorts everything. Every row needs at least one finite score.
     """
     if alpha == 1.5:
         k = partial_sort if partial_sort is not None and scores.shape[-1] > partial_sort else None

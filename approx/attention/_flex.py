@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._compiled import compile_errors
 
 __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
 
@@ -45,25 +46,7 @@ MAX_SHAPES = 64
 _SHAPES: dict[str, set] = {}
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions of a failed compilation (a missing or failing C++ compiler), not of the attention itself."""
-    errors: list[type[BaseException]] = []
-    try:
-        from torch._dynamo.exc import BackendCompilerFailed
-
-        errors.append(BackendCompilerFailed)
-    except ImportError:
-        pass
-    try:
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    except ImportError:
-        pass
-    return tuple(errors) or (RuntimeError,)
-
-
-_COMPILE_ERRORS = _compile_errors()
+_COMPILE_ERRORS = compile_errors()
 
 
 def _call(qs, ks, vs, score_mod, mask, scale: float, with_lse: bool):

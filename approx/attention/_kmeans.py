@@ -35,11 +35,17 @@ class _FreshCodes:
     def __getitem__(self, draw: int) -> torch.Tensor:  # (1, H, C, B)
         if draw not in self.draws:
             salt, heads, clusters, nbits, device = self.args
-            h = torch.arange(heads, device=device)[:, None, None]
-            c = torch.arange(clusters, device=device)[None, :, None]
-            b = torch.arange(nbits, device=device)[None, None, :]
-            self.draws[draw] = ((hash_ints(salt.to(device), draw, h, c, b) & 1).float() * 2 - 1)[None]
+            self.draws[draw] = fresh_draws(salt, draw, draw + 1, heads, clusters, nbits, device)[0]
         return self.draws[draw]
+
+
+def fresh_draws(salt: torch.Tensor, first: int, stop: int, heads: int, clusters: int, nbits: int, device):
+    """The fresh codes of draws ``first`` .. ``stop - 1`` at once (see :class:`_FreshCodes`): (draws, 1, H, C, B)."""
+    t = torch.arange(first, stop, device=device)[:, None, None, None]
+    h = torch.arange(heads, device=device)[:, None, None]
+    c = torch.arange(clusters, device=device)[None, :, None]
+    b = torch.arange(nbits, device=device)[None, None, :]
+    return ((hash_ints(salt.to(device), t, h, c, b) & 1).float() * 2 - 1)[:, None]
 
 
 def _distinct_by_priority(codes: torch.Tensor, real: torch.Tensor, clusters: int):
@@ -63,13 +69,17 @@ def _initial_centroids(
     real: torch.Tensor,
     clusters: int,
     salt: torch.Tensor,
-    fresh: _FreshCodes,
+    fresh: _FreshCodes | torch.Tensor,
+    *,
+    sync: bool = True,
 ) -> torch.Tensor:
     """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits).
 
     The order is by a hash of (salt, head, position), padded queries last. Only the first 4C queries in that
     order are packed and compared; where they hold fewer than C distinct codes (many equal queries), every
-    query is. Both give the same choice: the C highest-priority distinct codes.
+    query is. Both give the same choice: the C highest-priority distinct codes. Without ``sync`` (no host
+    synchronisation: GPU, compiled code), every query is compared at once and ``fresh`` is draw 0 itself,
+    (1, H, C, bits), put wherever codes are missing.
     """
     batch, heads, n, nbits = signs.shape
     pos = torch.arange(n, device=signs.device)
@@ -85,6 +95,10 @@ def _initial_centroids(
         chosen, sel = _distinct_by_priority(pack_bits(cand), real_h.gather(-1, order), clusters)
         return chosen, order.gather(-1, sel), m
 
+    if not sync:
+        chosen, query, m = pick(n)
+        cent = signs.gather(2, query[..., None].expand(-1, -1, -1, nbits))
+        return torch.where((chosen >= m)[..., None], fresh, cent)
     chosen, query, m = pick(min(n, 4 * clusters))
     if m < n and bool((chosen >= m).any()):
         chosen, query, m = pick(n)
@@ -169,45 +183,48 @@ def kmeans(
     batch, heads, n, width = signs.shape
     g, nbits, dev = batch * heads, width - 1, signs.device
     real = torch.ones(batch, n, dtype=torch.bool, device=dev) if query_mask is None else query_mask
-    fresh = _FreshCodes(salt, heads, clusters, nbits, dev)
-    cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, fresh).reshape(g, clusters, nbits)
+    if sync_free is None:
+        sync_free = dev.type != "cpu"
+    sync_free = sync_free or not _exact_keys(clusters, nbits)
+    if sync_free:  # every fresh code up front: draw 0 for the start, draw t + 1 for iteration t
+        codes = fresh_draws(salt, 0, iterations + 1, heads, clusters, nbits, dev)
+        cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, codes[0], sync=False)
+    else:
+        fresh = _FreshCodes(salt, heads, clusters, nbits, dev)
+        cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, fresh)
+    cent = cent.reshape(g, clusters, nbits)
     signs = signs.reshape(g, n, width)
     # one row per query: its +-1 vote on every bit and, last, its weight; the last column counts the members.
     # Votes and counts move together in one index_add_ (few kernel launches: each can stall when the CPU
     # cores are shared). Padded queries vote with weight 0.
     weight = real[:, None, :, None].float().expand(batch, heads, n, 1).reshape(g, n, 1)
     members = (signs if query_mask is None else signs * weight).reshape(g * n, width)
-    if sync_free is None:
-        sync_free = dev.type != "cpu"
-    if sync_free or not _exact_keys(clusters, nbits):
-        result = _kmeans_fixed_iterations(signs, members, cent, fresh, batch, iterations)
+    if sync_free:
+        codes = codes[1:].expand(-1, batch, -1, -1, -1).reshape(iterations, g, clusters, nbits)
+        result = _kmeans_fixed_iterations(signs, members, cent, codes, iterations)
     else:
         result = _kmeans_incremental(signs, members, cent, fresh, batch, iterations)
     return result.view(batch, heads, n)
 
 
-def _majority(votes: torch.Tensor, cent: torch.Tensor, fresh: _FreshCodes, it: int, batch: int, *, sync: bool):
-    """The centroid update of iteration ``it``: the bitwise majority of the members (a tie keeps the bit), a
-    fresh code for an empty cluster. ``votes`` (G, C, bits + 1), last column the member count. Returns the new
-    centroids (G, C, bits) and which clusters are empty (G, C). ``sync``: look whether any cluster is empty
-    before drawing fresh codes (a host synchronisation)."""
-    g, clusters, nbits = cent.shape
+def _majority(votes: torch.Tensor, cent: torch.Tensor, codes: torch.Tensor | None):
+    """The centroid update: the bitwise majority of the members (a tie keeps the bit), ``codes`` (G, C, bits) for
+    an empty cluster (None: no cluster is empty). ``votes`` (G, C, bits + 1), last column the member count.
+    Returns the new centroids (G, C, bits) and which clusters are empty (G, C)."""
     new = torch.where(votes[..., :-1] == 0, cent, torch.sign(votes[..., :-1]))
     empty = votes[..., -1] == 0
-    if sync and not bool(empty.any()):
-        return new, empty
-    codes = fresh[it + 1].expand(batch, -1, -1, -1).reshape(g, clusters, nbits)
-    return torch.where(empty[..., None], codes, new), empty
+    return (new, empty) if codes is None else (torch.where(empty[..., None], codes, new), empty)
 
 
 def _kmeans_fixed_iterations(
-    signs: torch.Tensor, members: torch.Tensor, cent: torch.Tensor, fresh: _FreshCodes, batch: int, iterations: int
+    signs: torch.Tensor, members: torch.Tensor, cent: torch.Tensor, codes: torch.Tensor, iterations: int
 ) -> torch.Tensor:
     """The Lloyd iterations of :func:`hamming_kmeans` without a host synchronisation: (G, N) assignments.
 
     ``signs``: (G, N, bits + 1) +-1 codes with a trailing 1; ``members``: (G*N, bits + 1) weighted votes and
-    weights; ``cent``: (G, C, bits) initial centroids. Every iteration recounts all the votes (one
-    ``index_add_``) and every series runs all ``iterations``: the plain reference of the CPU path.
+    weights; ``cent``: (G, C, bits) initial centroids; ``codes``: (iterations, G, C, bits) the fresh codes of
+    each iteration's empty clusters. Every iteration recounts all the votes (one ``index_add_``) and every
+    series runs all ``iterations``: the plain reference of the CPU path, and the path that compiles.
     """
     g, n = signs.shape[:2]
     clusters, nbits = cent.shape[-2:]
@@ -215,7 +232,7 @@ def _kmeans_fixed_iterations(
     for it in range(iterations):
         rows = (_assign(signs, cent) + offset).reshape(-1)  # (G*N,) rows of the (G*C) vote table
         v = members.new_zeros(g * clusters, nbits + 1).index_add_(0, rows, members).view(g, clusters, nbits + 1)
-        cent, _ = _majority(v, cent, fresh, it, batch, sync=False)
+        cent, _ = _majority(v, cent, codes[it])
     return _assign(signs, cent)
 
 
@@ -258,7 +275,9 @@ def _kmeans_incremental(
     a = _decode(best, clusters)
     votes = members.new_zeros(g * clusters, width).index_add_(0, (a + offset).reshape(-1), members)
     for it in range(iterations):
-        new, empty = _majority(votes.view(g, clusters, width), cent, fresh, it, batch, sync=True)
+        new, empty = _majority(votes.view(g, clusters, width), cent, None)
+        if bool(empty.any()):  # fresh codes for the empty clusters
+            new = torch.where(empty[..., None], fresh[it + 1].expand(batch, -1, -1, -1).reshape(g, clusters, -1), new)
         changed = (new != cent).any(-1)  # (G, C)
         cols = int(changed.sum(-1).max())
         if cols == 0:

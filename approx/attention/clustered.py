@@ -25,6 +25,10 @@ Choices made here:
   from the fused SDPA kernel (A^c is never formed); per-cluster rows are copied with ``index_select`` on
   flattened tables. Large fresh tensors are avoided where a reused buffer does: on the CPU, first-touch page
   faults of a new 50 MB tensor cost more than a pass of arithmetic over it.
+* ``engine="compiled"`` runs the clustering (hash, K-means without host synchronisation, centroids) as one
+  ``torch.compile`` graph (:mod:`._compiled`): about a hundred operator calls instead of thousands, the same
+  clusters; on the CPU it is slower than the eager code (its K-means cannot stop early or skip the centroids
+  that did not move), so it is for GPUs.
 * Attention dropout (training) acts on the centroid attention A^c (one mask per cluster, shared by its
   queries) and on the rows that fall back to exact attention; its expected output is the output without it.
 """
@@ -37,7 +41,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _fallback
+from . import _compiled, _fallback
 from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, softmax_, zero_padded_values
 from ._fallback import exact_for_length
 from ._hashing import hash_signs
@@ -54,6 +58,7 @@ class ClusteredConfig(MethodConfig):
     iterations: int = option(10, "Lloyd iterations of the Hamming K-means (reference default 10)")
     bits: int = option(63, "bits B of the LSH code of a query; codes are packed in int64, so at most 63")
     seed: int = option(0, "seed of the hash planes and of the K-means initialisation")
+    engine: str = _compiled.engine_option()
     exact_below: int = option(
         0,
         "sequences with fewer real tokens get exact attention (0 = never; set it to the measured crossover for "
@@ -66,6 +71,7 @@ class ClusteredConfig(MethodConfig):
         self.require(self.iterations >= 0, "iterations", "cannot be negative")
         self.require(1 <= self.bits <= 63, "bits", "a code is packed into a signed 64-bit integer: 1 to 63 bits")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
+        _compiled.check_engine(self)
 
 
 def init_state(config: ClusteredConfig, *, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
@@ -99,6 +105,14 @@ def cluster_queries(
     """Hash, then Hamming K-means: the cluster index of every query, (B, H, N) long."""
     signs = hash_signs(q, state["planes"], state["offsets"], query_mask)
     return kmeans(signs, query_mask, config.clusters, config.iterations, state["salt"])
+
+
+def _clusters(q, query_mask, planes, offsets, salt, clusters: int, iterations: int):
+    """Hash, K-means without host synchronisation, centroids: the cluster index of every query (B, H, N) and the
+    centroids Q^c (B, H, C, d). One function, so that ``engine="compiled"`` makes it one compiled graph."""
+    signs = hash_signs(q, planes, offsets, query_mask)
+    assign = kmeans(signs, query_mask, clusters, iterations, salt, sync_free=True)
+    return assign, centroids(q, assign, query_mask, clusters)[0]
 
 
 def _flat_index(assign: torch.Tensor, clusters: int) -> torch.Tensor:
@@ -152,8 +166,12 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     key_mask = safe_key_mask(key_mask)
     v = zero_padded_values(v, key_mask)
-    assign = cluster_queries(q, query_mask, config, state)
-    qc, _ = centroids(q, assign, query_mask, config.clusters)
+    if config.engine == "compiled":
+        args = (q, query_mask, state["planes"], state["offsets"], state["salt"], config.clusters, config.iterations)
+        assign, qc = _compiled.call(_clusters, *args, method=config.method)
+    else:
+        assign = cluster_queries(q, query_mask, config, state)
+        qc, _ = centroids(q, assign, query_mask, config.clusters)
     return q, k, v, key_mask, assign, qc
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..config import option
 from ..registry import Cost, ExactLimit, register
+from . import _compiled
 from ._common import block_rows, block_size, softmax_
 from .clustered import ClusteredConfig, centroid_attention, exact_for, gather_clusters, run
 from .clustered import cost as clustered_cost
@@ -73,19 +74,20 @@ def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int):
 _CENTROID_BYTES = 16 * 2**20
 
 
-def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float, dropout: float = 0.0):
+def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float, dropout: float = 0.0, *, chunked: bool = True):
     """What improved clustered attention needs of A^c (B, H, C, S): the top-k keys of every cluster (indices,
     weights, which are real: see :func:`_top_keys`), A^c V (B, H, C, dv) and the top-k weights that A^c V
     used (B, H, C, k): with ``dropout``, A^c V and those come from A^c after attention dropout.
 
     A^c is computed for a few (batch row, head) series at a time, at most ``_CENTROID_BYTES`` of it, instead
-    of one (B, H, C, S) tensor (78 MB at N = 16384, C = 100): a lower peak memory at the same speed.
+    of one (B, H, C, S) tensor (78 MB at N = 16384, C = 100): a lower peak memory at the same speed. Not
+    ``chunked`` (compiled code: one graph, no loop): every series at once.
     """
     batch, heads, clusters, d = qc.shape
     s, bh = k.shape[2], batch * heads
     q3, k3, v3 = qc.reshape(bh, 1, clusters, d), k.reshape(bh, 1, s, d), v.reshape(bh, 1, s, v.shape[-1])
     m2 = None if key_mask is None else key_mask[:, None, :].expand(batch, heads, s).reshape(bh, s)
-    per = max(1, _CENTROID_BYTES // (clusters * s * qc.element_size()))  # series per chunk
+    per = max(1, _CENTROID_BYTES // (clusters * s * qc.element_size())) if chunked else bh  # series per chunk
     parts = []
     for start in range(0, bh, per):
         rows = slice(start, start + per)
@@ -131,34 +133,42 @@ _CHUNK_ROWS = 8192
 _CHUNK_ROWS_GPU = 1 << 20
 
 
-def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0) -> torch.Tensor:
+def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, *, chunked: bool = True):
     """Improved clustered output (B, H, N, dv) from the clusters and their centroids.
 
     Queries are sorted by cluster into blocks that share their cluster's top-k keys, so the recomputed
     scores are (L, d) x (d, k) matrix products per block rather than one gather of k keys per query. Every
     move of rows (queries into blocks, cluster keys to blocks, outputs back) is one ``index_select`` on a
-    flattened table.
+    flattened table. ``chunked`` (eager code): the blocks that hold queries, a chunk of them at a time, and A^c
+    a few series at a time; not ``chunked`` (compiled code: shapes that do not depend on the data, no loop):
+    every block at once, the empty ones too (their rows are the spare row: at most C blocks of waste).
     """
     batch, heads, n, d = q.shape
     dv, clusters = v.shape[-1], qc.shape[2]
     bh = batch * heads
     # (B, H, C, k) top keys and their A^c weights, A^c V and the weights it used (after dropout)
-    index, weight, real_top, cv, cv_weight = _centroid_summary(qc, k, v, key_mask, topk, scale, dropout)
+    summary = _centroid_summary(qc, k, v, key_mask, topk, scale, dropout, chunked=chunked)
+    index, weight, real_top, cv, cv_weight = summary
     mass = weight.sum(-1)  # (B, H, C)
     kt, vt = _gather_keys(k, index), _gather_keys(v, index)  # (B, H, C, k, d), (B, H, C, k, dv)
     rest = cv - (cv_weight[..., None] * vt).sum(-2)  # (B, H, C, dv): centroid output off the top-k keys
 
     block = block_size(n, clusters)
-    dest, used, bc = block_rows(assign, clusters, block)  # (B*H*nb, L) query rows, blocks in use, their clusters
+    # (B*H*nb, L) query rows, the blocks in use (every block when not chunked), their clusters
+    dest, used, bc = block_rows(assign, clusters, block, used=chunked)
     # per cluster (small): the scale goes into the keys, the mass m_j into the values
     tables = (kt * scale, vt * mass[..., None, None], rest[..., None, :], real_top)
     out = q.new_empty(bh * n + 1, dv)  # every query's output, and a spare row that padding rows are written to
     flat_q = q.reshape(bh * n, d)
     per = max(1, (_CHUNK_ROWS if q.device.type == "cpu" else _CHUNK_ROWS_GPU) // block)  # blocks per chunk
-    for start in range(0, used.numel(), per):
-        blocks = used[start : start + per]
-        rows = dest.index_select(0, blocks)  # (b, L)
-        clus = bc.index_select(0, blocks)
+    chunks = range(0, used.numel(), per) if chunked else [None]
+    for start in chunks:
+        if start is None:
+            rows, clus = dest, bc
+        else:
+            blocks = used[start : start + per]
+            rows = dest.index_select(0, blocks)  # (b, L)
+            clus = bc.index_select(0, blocks)
         kc, vc, rc, tc = (
             None if x is None else x.reshape(bh * clusters, *x.shape[3:]).index_select(0, clus) for x in tables
         )
@@ -209,6 +219,14 @@ def iclustered_attention(
     """Improved clustered attention: clustered attention plus exact scores on each cluster's top-k keys."""
 
     def finish(q, k, v, key_mask, assign, qc):
+        if config.engine == "compiled" and dropout <= 0.0:  # attention dropout: the eager code applies it
+            args = (q, k, v, key_mask, assign, qc, config.topk, scale)
+            return _compiled.call(_improved_static, *args, method=config.method)
         return _improved(q, k, v, key_mask, assign, qc, config.topk, scale, dropout)
 
     return run(q, k, v, key_mask, query_mask, scale, config, state, finish, dropout=dropout)
+
+
+def _improved_static(q, k, v, key_mask, assign, qc, topk: int, scale: float) -> torch.Tensor:
+    """:func:`_improved` without chunks or data-dependent shapes (the function ``engine="compiled"`` compiles)."""
+    return _improved(q, k, v, key_mask, assign, qc, topk, scale, chunked=False)
