@@ -177,6 +177,21 @@ def entmax_sort_block(path: str = ENTMAX_SORT) -> str:
     )
 
 
+SHARPER = "recipes/results/sharper_clustering.json"
+
+
+def sharper_clustering_block(path: str = SHARPER) -> str:
+    """recipes/sharper_clustering.py's table (issue #20, step 0)."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from sharper_clustering import markdown
+
+    res = json.loads((ROOT / path).read_text())
+    return (
+        f"Protocol: {res['protocol']} (`python recipes/sharper_clustering.py`; {_provenance_line(res['provenance'])})."
+        "\n\n" + markdown(res) + "\n"
+    )
+
+
 def whole_model_block(path: str) -> str:
     res = json.loads((ROOT / path).read_text())
     names = [c for c in res["contenders"] if c != "sdpa"]
@@ -512,6 +527,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         "minilm-mlm": minilm_mlm_block(),
         "monarch-protocol": monarch_protocol_block(),
         "sparse-protocol": sparse_protocol_block(),
+        "sharper-clustering": sharper_clustering_block(),
     }
     return {
         README: {

@@ -39,11 +39,12 @@ def write_data(root: Path, n: int = 12, seed: int = 0) -> Path:
     _tsv(g / "CoLA/dev.tsv", [["src", i % 2, "", s()] for i in range(n)], None)
     _tsv(g / "CoLA/train.tsv", [["src", i % 2, "", s()] for i in range(n)], None)
     _tsv(g / "SST-2/dev.tsv", [[s(), i % 2] for i in range(n)], ["sentence", "label"])
-    _tsv(
-        g / "MRPC/dev.tsv",
-        [[i % 2, i, i + 1, s(), s()] for i in range(n)],
-        ["\ufeffQuality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
-    )
+    for split in ("dev", "train"):
+        _tsv(
+            g / f"MRPC/{split}.tsv",
+            [[i % 2, i, i + 1, s(), s()] for i in range(n)],
+            ["\ufeffQuality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
+        )
     _tsv(
         g / "QQP/dev.tsv",
         [[i, i, i + 1, s(), s(), i % 2] for i in range(n)],

@@ -106,3 +106,23 @@ def test_engine_option_is_checked_and_a_failed_compilation_says_what_to_do(monke
     layer = ApproxAttention("clustered", get_method("clustered").make_config(engine="compiled"), head_dim=D)
     with pytest.raises(RuntimeError, match="engine='eager'"):
         layer(*make_qkv(N), None)
+
+
+@pytest.mark.parametrize("method", ["clustered", "i-clustered"])
+def test_compiled_engine_gradients_equal_the_eager_ones(method):
+    """Training through the compiled graphs (torch.compile's autograd): the eager code's gradients, float64."""
+    mask = padded_mask(N, N - 70)
+    grads = {}
+    for engine in ("eager", "compiled"):
+        x = [t.requires_grad_() for t in make_qkv(N, dtype=torch.float64)]
+        layer = ApproxAttention(method, get_method(method).make_config(clusters=C, engine=engine), head_dim=D)
+        try:
+            out = layer(*x, mask)
+        except RuntimeError as err:
+            if "could not compile" in str(err):
+                pytest.skip(f"torch.compile cannot compile here: {err}")
+            raise
+        (out.masked_fill(~mask[:, None, :, None], 0) * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+        grads[engine] = [t.grad for t in x]
+    for name, a, b in zip("qkv", grads["compiled"], grads["eager"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"d{name}")

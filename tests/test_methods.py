@@ -340,26 +340,34 @@ def test_incremental_kmeans_equals_full_iterations_at_scale(monkeypatch):
     assert torch.equal(incremental, full)
 
 
-def test_hash_codes_follow_their_definition():
-    """Bit b is set where q . a_b >= mean_b + std_b * u_b, mean and std over the real queries of the (batch row,
-    head): checked against a float64 two-pass computation, on a cloud far from the origin and with padding, away
-    from the thresholds (float32 rounding may flip a bit that sits on one)."""
+@pytest.mark.parametrize("thresholds", ["random", "mean"])
+def test_hash_codes_follow_their_definition(thresholds):
+    """Bit b is set where q . a_b >= mean_b + std_b * u_b (u_b the layer's draw, or 0 with thresholds="mean"), mean
+    and std over the real queries of the (batch row, head): checked against a float64 two-pass computation, on a
+    cloud far from the origin and with padding, away from the thresholds (float32 rounding may flip a bit that
+    sits on one); and the method clusters the codes of its own thresholds."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 3, 200, D, generator=g, dtype=torch.float64) * 2 + 20.0
     mask = torch.ones(2, 200, dtype=torch.bool)
     mask[1, 150:] = False
     q[1, :, 150:] = 1e4  # padded queries must not move the thresholds
+    config = clustered_mod.ClusteredConfig(thresholds=thresholds)
     state = layer("clustered").state()
-    bits = _hashing.hash_queries(q.float(), state["planes"], state["offsets"], mask)
+    bits = _hashing.hash_queries(q.float(), state["planes"], clustered_mod.offsets(config, state), mask)
     proj = q @ state["planes"].double().t()  # (B, H, N, bits)
     w = mask[:, None, :, None].double()
     mean = (proj * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)
     std = (((proj - mean) * w) ** 2).sum(2, keepdim=True).div(w.sum(2, keepdim=True)).sqrt()
-    margin = proj - (mean + std * state["offsets"].double())
+    u = state["offsets"].double() if thresholds == "random" else 0.0
+    margin = proj - (mean + std * u)
     real = mask[:, None, :, None].expand_as(margin)
     clear = (margin.abs() > 1e-3 * std) & real
     assert clear[real].float().mean() > 0.9
     assert torch.equal(bits[clear], (margin >= 0)[clear])
+    signs = torch.where(bits, 1.0, -1.0)
+    signs = torch.cat([signs, torch.ones_like(signs[..., :1])], dim=-1)
+    expected = _kmeans.kmeans(signs, mask, config.clusters, config.iterations, state["salt"])
+    assert torch.equal(clustered_mod.cluster_queries(q.float(), mask, config, state), expected)
 
 
 def test_iclustered_chunks_agree_with_the_dense_path(monkeypatch):

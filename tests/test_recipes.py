@@ -362,3 +362,28 @@ def test_sparse_protocol_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert shares[1] > shares[0], "the global question adds rows and columns of pairs"
     assert fig.is_file() and "| window |" in recipe.best_table(record["results"])
     assert recipe.main([*argv, "--report"]) == 0
+
+
+@pytest.mark.smoke
+def test_sharper_clustering_recipe_smoke(base_model, fixture_dir, tmp_path):
+    """Both thresholds for one clustered setting: output errors per seed and layer, SQuAD and MRPC metrics, the table
+    from the JSON; "mean" and "random" are different codes (different errors)."""
+    recipe = _recipe("sharper_clustering")
+    recipe.BUDGETS = [("clustered", {"clusters": 2})]
+    out = tmp_path / "sc.json"
+    argv = [
+        *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local", "--length", "24"),
+        *("--windows", "2", "--seeds", "2", "--questions", "4", "--pairs", "6", "--batch-size", "2"),
+        *("--max-steps", "1", "--train-limit", "6", "--checkpoints", str(tmp_path / "ck"), "--output", str(out)),
+        "--quiet",
+    ]
+    assert recipe.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert len(record["errors"]) == 2 * 2  # seeds x thresholds
+    assert {r["config"]["thresholds"] for r in record["errors"]} == {"random", "mean"}
+    by = {(r["seed"], r["config"]["thresholds"]): r["mean"] for r in record["errors"]}
+    assert by[(0, "random")] != by[(0, "mean")]
+    assert set(record["tasks"]) == {"squad", "mrpc"}
+    assert all(len(t["results"]) == 2 for t in record["tasks"].values())
+    assert "| clustered-2 | mean |" in recipe.markdown(record)
+    assert recipe.main(["--report", "--output", str(out)]) == 0

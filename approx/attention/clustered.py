@@ -15,7 +15,7 @@ Choices made here:
   draws new planes on every forward pass.
 * Bit b of query q is ``[q . a_b >= beta_b]`` with the bias ``beta_b = mean_b + std_b * u_b``, where mean_b
   and std_b are the mean and standard deviation of ``q . a_b`` over the real queries of that sequence and
-  head (see :mod:`._hashing`); K-means starts from C distinct codes in a padding-independent pseudo-random
+  head (see :mod:`._hashing`), and u_b is the layer's draw (``thresholds="random"``) or 0 (``"mean"``); K-means starts from C distinct codes in a padding-independent pseudo-random
   order, centroids are the bitwise majority of their members (see :mod:`._kmeans`).
 * Sequences with at most C real queries fall back to exact attention, per batch row; so do sequences with
   fewer than ``exact_below`` real tokens (off by default, so that measurements at short lengths measure the
@@ -47,6 +47,8 @@ from ._fallback import exact_for_length
 from ._hashing import hash_signs
 from ._kmeans import kmeans
 
+THRESHOLDS = ("random", "mean")
+
 
 @dataclasses.dataclass(frozen=True)
 class ClusteredConfig(MethodConfig):
@@ -57,6 +59,11 @@ class ClusteredConfig(MethodConfig):
     clusters: int = option(25, "number of query clusters C (the paper uses 25 on GLUE/SQuAD, 100 for speed)")
     iterations: int = option(10, "Lloyd iterations of the Hamming K-means (reference default 10)")
     bits: int = option(63, "bits B of the LSH code of a query; codes are packed in int64, so at most 63")
+    thresholds: str = option(
+        "random",
+        "where each hash hyperplane cuts the real queries of a sequence and head: 'random' (their mean plus a "
+        "random number of standard deviations, drawn once per layer) or 'mean' (through their mean: balanced bits)",
+    )
     seed: int = option(0, "seed of the hash planes and of the K-means initialisation")
     engine: str = _compiled.engine_option()
     exact_below: int = option(
@@ -72,6 +79,7 @@ class ClusteredConfig(MethodConfig):
         self.require(1 <= self.bits <= 63, "bits", "a code is packed into a signed 64-bit integer: 1 to 63 bits")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
         _compiled.check_engine(self)
+        self.require(self.thresholds in THRESHOLDS, "thresholds", f"one of {', '.join(map(repr, THRESHOLDS))}")
 
 
 def init_state(config: ClusteredConfig, *, head_dim: int, seed: int) -> dict[str, torch.Tensor]:
@@ -99,11 +107,16 @@ def cost(config: ClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     return Cost(flops=hashing + kmeans + attention, qk_pairs=c * s, matmul_macs=c * s * (d + dv))
 
 
+def offsets(config: ClusteredConfig, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """u_b of the thresholds ``mean_b + std_b * u_b``: the layer's random draws, or zeros (``thresholds="mean"``)."""
+    return state["offsets"] if config.thresholds == "random" else torch.zeros_like(state["offsets"])
+
+
 def cluster_queries(
     q: torch.Tensor, query_mask: torch.Tensor | None, config: ClusteredConfig, state: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     """Hash, then Hamming K-means: the cluster index of every query, (B, H, N) long."""
-    signs = hash_signs(q, state["planes"], state["offsets"], query_mask)
+    signs = hash_signs(q, state["planes"], offsets(config, state), query_mask)
     return kmeans(signs, query_mask, config.clusters, config.iterations, state["salt"])
 
 
@@ -167,7 +180,15 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     key_mask = safe_key_mask(key_mask)
     v = zero_padded_values(v, key_mask)
     if config.engine == "compiled":
-        args = (q, query_mask, state["planes"], state["offsets"], state["salt"], config.clusters, config.iterations)
+        args = (
+            q,
+            query_mask,
+            state["planes"],
+            offsets(config, state),
+            state["salt"],
+            config.clusters,
+            config.iterations,
+        )
         assign, qc = _compiled.call(_clusters, *args, method=config.method)
     else:
         assign = cluster_queries(q, query_mask, config, state)
