@@ -37,7 +37,7 @@ bench:
 	$(PY) benchmarks/attention_op.py --methods clustered i-clustered favor --variant "clustered[engine=compiled]" \
 		--variant "i-clustered[engine=compiled]" --lengths 1024 4096 16384 --repeats 5 --no-memory --fallback none \
 		--background-load 1 --output benchmarks/results/attention_op_cpu_contention.json
-	$(PY) benchmarks/favor_chunks.py
+	$(PY) benchmarks/favor_chunks.py --background-load 1
 	$(PY) benchmarks/entmax_partial_sort.py
 
 bench-gpu:

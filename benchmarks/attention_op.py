@@ -126,6 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-ops", action="store_true", help="skip counting the operator calls of one call (torch.profiler events)"
     )
     p.add_argument(
+        "--count-compiled-kernels",
+        action="store_true",
+        help="count the kernels torch.compile generates among the operator calls too (inductor leaves them out of "
+        "the profile by default; this adds a profiling hook to them, so time such a run apart)",
+    )
+    p.add_argument(
         "--background-load",
         type=int,
         default=0,
@@ -358,7 +364,8 @@ def background_load(jobs: int):
     ]
     try:
         for proc in procs:
-            proc.stdout.readline()  # running
+            if proc.stdout.readline().strip() != "ready":  # it died before running: no load, say so
+                raise RuntimeError(f"a --background-load job did not start (exit code {proc.poll()})")
         if procs:
             time.sleep(0.5)
         yield
@@ -682,6 +689,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(memory_probe(contender, int(n), args)))
         return
     torch.set_num_threads(args.threads)
+    if args.count_compiled_kernels:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
     configs = all_configs(args)
     names = contender_names(args)
     started = dt.datetime.now(dt.timezone.utc)

@@ -9,10 +9,10 @@ Usage::
 support fills them is solved again with twice as many, so the output is exact whatever K. On random scores K = 64
 was measured 2.5x faster than the full sort. Real attention rows are flatter, so supports are larger and more rows
 are solved again: this script measures it on the scores MiniLM-L6 computes (``scale * q k^T`` of every layer and
-head, collected with ``approx.integration.attention_probe`` on WikiText-2 test windows), timing the full sort and each K side by
-side (interleaved, one warm-up, median of ``--repeats`` passes over every layer's scores), and reports the
-support sizes, the largest output difference against the full sort, and the speed ratios. Results: stdout
-(markdown) and ``--output`` (JSON, with provenance).
+head, collected with ``approx.integration.attention_probe`` on WikiText-2 test windows), timing the full sort and
+each K side by side (interleaved, one warm-up, median of ``--repeats`` passes over every layer's scores), and
+reports the support sizes, the largest output difference against the full sort, and the speed ratios. Results:
+stdout (markdown) and ``--output`` (JSON, with provenance).
 """
 
 from __future__ import annotations

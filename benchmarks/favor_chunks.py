@@ -45,7 +45,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     res = {"provenance": provenance(seed=0, loadavg_before=os.getloadavg()), "rows": args.rows, "results": {}}
     res["background_load"] = args.background_load
-    layer = ApproxAttention("favor", get_method("favor").make_config(), head_dim=64)
+    config = get_method("favor").make_config()
+    res["config"] = config.to_dict()
+    layer = ApproxAttention("favor", config, head_dim=64)
     default = _kernelized._CHUNK
     heads = ["quiet ms (× default chunk)"] + (["loaded ms (× default chunk)"] if args.background_load else [])
     lines = ["| N | rows per chunk | operator calls | " + " | ".join(heads) + " |", "|---" * (3 + len(heads)) + "|"]

@@ -48,10 +48,6 @@ BUDGETS += [("clustered", {"clusters": 100}), ("i-clustered", {"clusters": 100, 
 THRESHOLDS = ("random", "mean")
 
 
-def label(method: str, options: dict[str, Any]) -> str:
-    return f"{method}-{options['clusters']}"
-
-
 def configs(seed: int = 0) -> list:
     return [approx.get_method(m).make_config(**o, thresholds=t, seed=seed) for m, o in BUDGETS for t in THRESHOLDS]
 
@@ -138,24 +134,23 @@ def markdown(res: dict[str, Any]) -> str:
     )
     lines = [head + " |", "|" + " --- |" * (3 + len(res["tasks"]))]
     full = {t: r["results"][0]["reference_metrics"][metric[t]] for t, r in res["tasks"].items()}
-    for method, options in BUDGETS:
-        for t in THRESHOLDS:
-            want = {"name": method, "clusters": options["clusters"], "thresholds": t}
+    # the rows of the run, in its order (from the JSON, not from this module's BUDGETS)
+    for method, clusters, t in dict.fromkeys(
+        (r["config"]["name"], r["config"]["clusters"], r["config"]["thresholds"]) for r in res["errors"]
+    ):
+        want = {"name": method, "clusters": clusters, "thresholds": t}
 
-            def match(c, want=want):
-                return all(c[key] == value for key, value in want.items())
+        def match(c, want=want):
+            return all(c[key] == value for key, value in want.items())
 
-            errs = [r["mean"] for r in res["errors"] if match(r["config"])]
-            sd = statistics.stdev(errs) if len(errs) > 1 else 0.0
-            cells = []
-            for task, r in res["tasks"].items():
-                hit = next(x for x in r["results"] if match(x["method"]))
-                cells.append(f"{hit['metrics'][metric[task]]:.2f}")
-            lines.append(
-                f"| {label(method, options)} | {t} | {statistics.fmean(errs):.4f} ± {sd:.4f} | "
-                + " | ".join(cells)
-                + " |"
-            )
+        errs = [r["mean"] for r in res["errors"] if match(r["config"])]
+        sd = statistics.stdev(errs) if len(errs) > 1 else 0.0
+        cells = []
+        for task, r in res["tasks"].items():
+            hit = next(x for x in r["results"] if match(x["method"]))
+            cells.append(f"{hit['metrics'][metric[task]]:.2f}")
+        row = f"| {method}-{clusters} | {t} | {statistics.fmean(errs):.4f} ± {sd:.4f} | " + " | ".join(cells) + " |"
+        lines.append(row)
     lines.append("| full | - | 0 | " + " | ".join(f"{full[t]:.2f}" for t in res["tasks"]) + " |")
     return "\n".join(lines)
 

@@ -48,6 +48,8 @@ def test_compiled_clustering_equals_the_eager_kmeans(distinct):
     try:
         assign, qc = _compiled.call(clustered_mod._clusters, *args, method="clustered")
     except RuntimeError as err:
+        if "could not compile" not in str(err):
+            raise
         pytest.skip(f"torch.compile cannot compile here: {err}")
     real = mask[:, None, :].expand_as(eager)
     assert torch.equal(assign[real], eager[real])
@@ -79,11 +81,15 @@ def test_exact_limits_while_the_compiled_code_runs():
     torch.testing.assert_close(out[real], ref[real], rtol=1e-9, atol=1e-9)
 
 
-def test_sync_free_start_is_the_synchronised_one():
-    """Without a host synchronisation the start compares every query at once: the same C codes."""
+@pytest.mark.parametrize("distinct", [None, 3])
+def test_sync_free_start_is_the_synchronised_one(distinct):
+    """Without a host synchronisation the start compares every query at once: the same C codes, fresh codes where
+    the queries hold fewer distinct codes than clusters (``distinct``), and where the first 4C do (C = 60)."""
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 3, N, D, generator=g)
     q[:, :, : N // 2] = q[:, :, :1]
+    if distinct is not None:
+        q = q[:, :, N // 2 - 1 : N // 2 - 1 + distinct][:, :, torch.arange(N) % distinct]
     mask = padded_mask(N, N - 70)
     state = get_method("clustered").init_state(clustered_mod.ClusteredConfig(), head_dim=D, seed=0)
     signs = _hashing.hash_signs(q, state["planes"], state["offsets"], mask)[..., :-1]

@@ -175,7 +175,10 @@ def attend(
         from . import _flex
 
         why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
-        if why is None and (kernel == "flex" or _flex.worth_it(q, k, pattern)):
+        # auto: inference only (FlexAttention's GPU backward picks tiles that must divide the blocks, 128 rows on
+        # an H100 at head dim 64, and compiles at the first backward, too late to fall back; not measured yet)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if why is None and (kernel == "flex" or (not grad and _flex.worth_it(q, k, pattern))):
             done = _flex.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, with_lse=with_lse)
             if done is not None:
                 return done

@@ -5,7 +5,7 @@ Lloyd iterations, improved-clustered attention's block recomputation. On a GPU e
 H100 measurement showed a floor of about 6 ms per call whatever N); on a CPU every call can open a parallel region,
 which waits for any thread the operating system has descheduled. Compiled by ``torch.compile`` (inductor: Triton
 kernels on a GPU, C++ loops on the CPU), the same functions run as a few dozen fused kernels: a clustered or
-improved-clustered call is about a hundred operator calls instead of thousands (docs' Speed page).
+improved-clustered call is about 150 operator calls instead of thousands (docs' Speed page).
 
 The functions compiled are the methods' own plain-torch functions, written so that nothing in them depends on the
 data's values (no host synchronisation, no data-dependent shape): the K-means runs every iteration (the eager CPU
@@ -14,11 +14,11 @@ recomputed rows is computed, the empty ones too. Tests check that both engines g
 outputs.
 
 Measured on the CPU (``benchmarks/attention_op.py``; docs' Speed page) the compiled path is *slower* than the eager
-one at every length measured (1.5x at N = 1024, 3-4x from 4096), because the eager path's incremental iterations skip most of the work the fixed
-ones do. So ``engine="eager"`` is the default; ``"compiled"`` is there for GPUs, where launches and
-host synchronisations dominate, and is not measured on one yet. Shapes are dynamic: one compilation (tens of
-seconds on the CPU, then cached on disk by inductor) serves every length. A compilation that fails (no C++
-compiler, say) raises an error that says so: the caller asked for it.
+one at every length measured (1.5x at N = 1024, 3-4x from 4096), because the eager path's incremental iterations
+skip most of the work the fixed ones do. So ``engine="eager"`` is the default; ``"compiled"`` is there for GPUs,
+where launches and host synchronisations dominate, and is not measured on one yet. Shapes are dynamic: one
+compilation (tens of seconds on the CPU, then cached on disk by inductor) serves every length. A compilation that
+fails (no C++ compiler, say) raises an error that says so: the caller asked for it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from ..config import option
 __all__ = ["ENGINES", "call", "check_engine", "engine_option"]
 
 ENGINES = ("eager", "compiled")
+MAX_COMPILATIONS = 64
 _COMPILED: dict[Callable, Callable] = {}
 
 
@@ -41,7 +42,7 @@ def engine_option() -> Any:
         "eager",
         "'eager': plain PyTorch, operator by operator (the measured fastest on the CPU); 'compiled': the same "
         "functions without host synchronisation through torch.compile, a few fused kernels (for GPUs; slower on "
-        "the CPU: see the docs' Speed page)",
+        "the CPU: see the docs' Speed page; i-clustered's recomputation stays eager under attention dropout)",
     )
 
 
@@ -76,7 +77,10 @@ def call(fn: Callable, *args: Any, method: str) -> Any:
     if compiled is None:
         compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
     try:
-        return compiled(*args)
+        # dynamo's default of 8 compilations per function (integer options, dtypes, masks) would silently run the
+        # uncompiled function past it
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILATIONS):
+            return compiled(*args)
     except _COMPILE_ERRORS as err:
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         raise RuntimeError(

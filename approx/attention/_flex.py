@@ -3,13 +3,13 @@
 ``torch.nn.attention.flex_attention`` takes a ``BlockMask`` (which key blocks each query block visits) and a
 ``mask_mod`` / ``score_mod`` evaluated inside the visited blocks; compiled, it never forms an (N, S) matrix and
 fuses the scores, the online softmax and the value sum. Measured against the gather kernel on the same pattern
-(``benchmarks/flex_vs_gather.py``; docs' Speed page) it is several times faster on long CPU inputs, but on the
-CPU it has **no backward pass**, it needs a C++ compiler and a first compilation of seconds per dtype, and it does
-not take float64. So ``kernel="auto"`` (the sparse-pattern methods' default) uses it only where it can run the
-call and repay the compilation: no gradient on the CPU, no dropout, float32 / float16 / bfloat16, at least
-:data:`MIN_LENGTH` keys; everything else runs the gather kernel, which gives the same output to float rounding (a
-test checks it). A compilation failure is reported once (a warning naming the reason) and the gather kernel is
-used from then on.
+(``benchmarks/flex_vs_gather.py``; docs' Speed page) it is several times faster on long CPU inputs, but on the CPU
+it has **no backward pass**, it needs a C++ compiler and a first compilation of seconds per dtype, and it does not
+take float64. So ``kernel="auto"`` (the sparse-pattern methods' default) uses it only where it can run the call and
+repay the compilation: no gradient (on a GPU its backward is untested: ``kernel="flex"`` asks for it), no dropout,
+float32 / float16 / bfloat16, at least :data:`MIN_LENGTH` keys; everything else runs the gather kernel, which gives
+the same output to float rounding (a test checks it). A compilation failure is reported once (a warning naming the
+reason) and the gather kernel is used from then on.
 
 The pattern is translated as it is: queries and keys are put in the pattern's sorted order, every query block's
 key blocks (its own, the blocks holding shared keys, every block for a block holding a global query) form the
@@ -35,6 +35,8 @@ __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
 # keys from which kernel="auto" takes FlexAttention (the compiled kernel's per-call overhead is repaid; see the
 # docs' Speed page for the measurement)
 MIN_LENGTH = 1024
+# the largest forward tile asked of the GPU kernel; blocks must be multiples of 16 there (Triton's matrix tiles)
+GPU_TILE = 64
 _COMPILED = None
 _RAISE = False  # debugging: let a compilation error through
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there once (then the gather kernel is used)
@@ -49,16 +51,22 @@ _SHAPES: dict[str, set] = {}
 _COMPILE_ERRORS = compile_errors()
 
 
-def _call(qs, ks, vs, score_mod, mask, scale: float, with_lse: bool):
-    """The compiled flex_attention: (out, lse) with ``with_lse`` (not on the CPU: see :func:`unusable`), else out."""
+def _call(qs, ks, vs, score_mod, mask, scale: float, with_lse: bool, blk: int):
+    """The compiled flex_attention: (out, lse) with ``with_lse`` (not on the CPU: see :func:`unusable`), else out.
+
+    On a GPU the kernel's tiles must divide the pattern's blocks, and inductor's default tiles are up to 128 rows
+    (an H100 at head dim 64 in bfloat16), so the forward tiles are set to at most the block (:data:`GPU_TILE`)."""
+    options = {}
+    if qs.device.type != "cpu":
+        options["kernel_options"] = {"BLOCK_M": min(GPU_TILE, blk), "BLOCK_N": min(GPU_TILE, blk)}
     if with_lse:
         from torch.nn.attention.flex_attention import AuxRequest
 
         out, aux = _flex_fn()(
-            qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True)
+            qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale, return_aux=AuxRequest(lse=True), **options
         )
         return out, aux.lse
-    return _flex_fn()(qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale)
+    return _flex_fn()(qs, ks, vs, score_mod=score_mod, block_mask=mask, scale=scale, **options)
 
 
 def _flex_fn():
@@ -88,6 +96,9 @@ def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool = False) -> str
         return "compiled FlexAttention on the CPU does not return the log-sum-exp (needed to combine patterns)"
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return "FlexAttention has no backward pass on the CPU"
+    blk = getattr(pattern, "block", 64)
+    if q.device.type != "cpu" and blk % 16:
+        return f"FlexAttention's GPU kernels take blocks of a multiple of 16 rows, not {blk}"
     if q.device.type in _BROKEN:
         return f"FlexAttention failed to compile earlier on {q.device.type} ({_BROKEN[q.device.type]})"
     return None
@@ -259,7 +270,7 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
             recompile_limit=MAX_SHAPES, accumulated_recompile_limit=max(256, 4 * MAX_SHAPES)
         )
         with limits:
-            res = _call(qs, ks, vs, score_mod, mask, scale, with_lse)
+            res = _call(qs, ks, vs, score_mod, mask, scale, with_lse, blk)
     except _COMPILE_ERRORS as err:  # a compiler missing or failing: say so once, then use gather on this device
         if _RAISE:
             raise

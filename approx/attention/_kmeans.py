@@ -11,8 +11,9 @@ section 3.2. Choices made here:
 * No Python loop over clusters, heads or batch items. On the CPU the K-means compares queries with the
   centroids that moved only (after two iterations, a few of the C), updates the vote sums with the queries
   that moved only, and stops at a fixed point; on a GPU the iterations run in full, without host
-  synchronisation; both give identical clusters (tested). Only the 4C first queries in priority order are
-  packed to pick the initial codes.
+  synchronisation; both give identical clusters (tested). On the CPU only the 4C first queries in priority order
+  are packed to pick the initial codes (every query where they hold fewer than C distinct codes); without host
+  synchronisation every query is, at once, and every fresh code is drawn up front: the same codes (tested).
 """
 
 from __future__ import annotations
@@ -200,8 +201,7 @@ def kmeans(
     weight = real[:, None, :, None].float().expand(batch, heads, n, 1).reshape(g, n, 1)
     members = (signs if query_mask is None else signs * weight).reshape(g * n, width)
     if sync_free:
-        codes = codes[1:].expand(-1, batch, -1, -1, -1).reshape(iterations, g, clusters, nbits)
-        result = _kmeans_fixed_iterations(signs, members, cent, codes, iterations)
+        result = _kmeans_fixed_iterations(signs, members, cent, codes[1:], batch, iterations)
     else:
         result = _kmeans_incremental(signs, members, cent, fresh, batch, iterations)
     return result.view(batch, heads, n)
@@ -217,14 +217,15 @@ def _majority(votes: torch.Tensor, cent: torch.Tensor, codes: torch.Tensor | Non
 
 
 def _kmeans_fixed_iterations(
-    signs: torch.Tensor, members: torch.Tensor, cent: torch.Tensor, codes: torch.Tensor, iterations: int
+    signs: torch.Tensor, members: torch.Tensor, cent: torch.Tensor, codes: torch.Tensor, batch: int, iterations: int
 ) -> torch.Tensor:
     """The Lloyd iterations of :func:`hamming_kmeans` without a host synchronisation: (G, N) assignments.
 
     ``signs``: (G, N, bits + 1) +-1 codes with a trailing 1; ``members``: (G*N, bits + 1) weighted votes and
-    weights; ``cent``: (G, C, bits) initial centroids; ``codes``: (iterations, G, C, bits) the fresh codes of
-    each iteration's empty clusters. Every iteration recounts all the votes (one ``index_add_``) and every
-    series runs all ``iterations``: the plain reference of the CPU path, and the path that compiles.
+    weights; ``cent``: (G, C, bits) initial centroids, G = ``batch`` x heads; ``codes``: (iterations, 1, H, C, bits)
+    the fresh codes of each iteration's empty clusters (shared by the batch rows). Every iteration recounts all the
+    votes (one ``index_add_``) and every series runs all ``iterations``: the plain reference of the CPU path, and
+    the path that compiles.
     """
     g, n = signs.shape[:2]
     clusters, nbits = cent.shape[-2:]
@@ -232,7 +233,7 @@ def _kmeans_fixed_iterations(
     for it in range(iterations):
         rows = (_assign(signs, cent) + offset).reshape(-1)  # (G*N,) rows of the (G*C) vote table
         v = members.new_zeros(g * clusters, nbits + 1).index_add_(0, rows, members).view(g, clusters, nbits + 1)
-        cent, _ = _majority(v, cent, codes[it])
+        cent, _ = _majority(v, cent, codes[it].expand(batch, -1, -1, -1).reshape(g, clusters, nbits))
     return _assign(signs, cent)
 
 

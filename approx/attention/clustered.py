@@ -13,10 +13,11 @@ Choices made here:
 * The planes a_b ~ N(0, I) and offsets u_b ~ N(0, 1) are drawn once from the seed when a layer is patched
   and kept as buffers, so a patched model is deterministic and saved with its state. The reference code
   draws new planes on every forward pass.
-* Bit b of query q is ``[q . a_b >= beta_b]`` with the bias ``beta_b = mean_b + std_b * u_b``, where mean_b
-  and std_b are the mean and standard deviation of ``q . a_b`` over the real queries of that sequence and
-  head (see :mod:`._hashing`), and u_b is the layer's draw (``thresholds="random"``) or 0 (``"mean"``); K-means starts from C distinct codes in a padding-independent pseudo-random
-  order, centroids are the bitwise majority of their members (see :mod:`._kmeans`).
+* Bit b of query q is ``[q . a_b >= beta_b]`` with the bias ``beta_b = mean_b + std_b * u_b``, where mean_b and
+  std_b are the mean and standard deviation of ``q . a_b`` over the real queries of that sequence and head (see
+  :mod:`._hashing`), and u_b is the layer's draw (``thresholds="random"``) or 0 (``"mean"``); K-means starts from C
+  distinct codes in a padding-independent pseudo-random order, centroids are the bitwise majority of their members
+  (see :mod:`._kmeans`).
 * Sequences with at most C real queries fall back to exact attention, per batch row; so do sequences with
   fewer than ``exact_below`` real tokens (off by default, so that measurements at short lengths measure the
   approximation; set it to the crossover length for speed). Both go through :mod:`._fallback`.
@@ -26,7 +27,7 @@ Choices made here:
   flattened tables. Large fresh tensors are avoided where a reused buffer does: on the CPU, first-touch page
   faults of a new 50 MB tensor cost more than a pass of arithmetic over it.
 * ``engine="compiled"`` runs the clustering (hash, K-means without host synchronisation, centroids) as one
-  ``torch.compile`` graph (:mod:`._compiled`): about a hundred operator calls instead of thousands, the same
+  ``torch.compile`` graph (:mod:`._compiled`): about 150 operator calls instead of thousands, the same
   clusters; on the CPU it is slower than the eager code (its K-means cannot stop early or skip the centroids
   that did not move), so it is for GPUs.
 * Attention dropout (training) acts on the centroid attention A^c (one mask per cluster, shared by its
