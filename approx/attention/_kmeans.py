@@ -209,7 +209,7 @@ def kmeans(
 
 def _majority(votes: torch.Tensor, cent: torch.Tensor, codes: torch.Tensor | None):
     """The centroid update: the bitwise majority of the members (a tie keeps the bit), ``codes`` (G, C, bits) for
-    an empty cluster (None: no cluster is empty). ``votes`` (G, C, bits + 1), last column the member count.
+    an empty cluster (None: empty clusters keep their code, the caller looks). ``votes`` (G, C, bits + 1), last column the member count.
     Returns the new centroids (G, C, bits) and which clusters are empty (G, C)."""
     new = torch.where(votes[..., :-1] == 0, cent, torch.sign(votes[..., :-1]))
     empty = votes[..., -1] == 0
