@@ -609,7 +609,7 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
         if method not in names:
             continue
         for n, goal in goals.items():
-            fallbacks = [c for c in names if method_of(c) == method and c != method]
+            fallbacks = [c for c in names if method_of(c) == method and "+exact<" in c]
             tried = [method] + (fallbacks if n <= 1024 else [])
             got = {c: _ratio(time_ms, n, c) for c in tried if _ratio(time_ms, n, c) is not None}
             if not got:
