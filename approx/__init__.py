@@ -8,12 +8,14 @@ approx.evaluate("ckpt/", "sst2", ["clustered:clusters=25", "i-clustered"])  # me
 approx.finetune("bert-base-uncased", "rte", output_dir="ckpt/rte", method="favor", epochs=3)
 approx.fit(model, windows)                         # learn the state of fitted methods (sparsefinder)
 approx.extend_positions(model, 4096, tokenizer=tok)  # read 4096 tokens (trained positions copied)
+approx.autotune(model, inputs, target="cosine>=0.99")  # each layer's method and budget, tuned to a target
 """
 
 from ._version import __version__ as __version__  # noqa: E402
 from .attention._context import tokens  # noqa: E402
 from .attention._fallback import FallbackWarning  # noqa: E402
 from .config import MethodConfig  # noqa: E402
+from .harness.autotune import Tuning, autotune  # noqa: E402
 from .harness.evaluation import evaluate, markdown_report  # noqa: E402
 from .harness.finetune import FinetuneConfig, finetune  # noqa: E402
 from .harness.fitting import fit, graph_stats  # noqa: E402
@@ -38,6 +40,7 @@ from .registry import methods as _registered_methods  # noqa: E402
 
 __all__ = [
     "ApproxAttention",
+    "autotune",
     "Cost",
     "FallbackWarning",
     "FinetuneConfig",
@@ -62,6 +65,7 @@ __all__ = [
     "settings",
     "Setup",
     "tokens",
+    "Tuning",
     "unpatch",
 ]
 

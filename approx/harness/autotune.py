@@ -1,0 +1,657 @@
+"""Each layer's method and budget, tuned to a fidelity target on a few calibration inputs.
+
+::
+
+    tuning = approx.autotune(model, inputs, target="cosine>=0.99", cost="matmul")
+    tuning.choices                  # per attention layer: "i-clustered:clusters=25", "full", ...
+    approx.save(model, "tuned/")    # an ordinary patched model: each layer's choice and how it was tuned
+
+One method and one budget for every layer is what papers and tools do; attention is easy in some layers and
+hard in others, so :func:`autotune` chooses per layer from the model's own attention, in three steps:
+
+1. **Measure** (the *fit* half of the calibration inputs). For every candidate and every layer, the model runs
+   with that layer alone replaced: the end-to-end loss of fidelity to the unpatched model (1 − cosine of the
+   last hidden states, or the KL divergence of the outputs, as ``target`` says), the layer's attention-output
+   error, and its attention cost from the method's cost model at the inputs' real lengths (``cost="flops"``:
+   approx's full cost model; ``"matmul"``: the literature's attention matmul multiply-accumulates, the
+   MonarchAttention paper's axis). Full attention is always a candidate: no loss, the cost of exact attention.
+2. **Search** (no model runs). Treating the per-layer losses as additive, each layer's candidates are reduced to
+   their lower convex hull in (cost, loss), and the hull steps of all layers are taken in order of increasing
+   loss per unit of cost saved (the greedy by marginal error per unit cost). Every assignment on this path is
+   optimal for the additive model at its own cost (it minimises loss + λ·cost for some λ), from all full
+   attention to every layer at its cheapest candidate.
+3. **Verify** (the *check* half, inputs the measurement never saw). Assignments along the path are run end to end,
+   by bisection, for the cheapest one whose measured fidelity meets ``target`` (with ``budget`` alone: the first
+   one within the budget, measured). The fidelity reported is this measured one, never the additive estimate.
+
+Heads are not tuned separately: no registered method takes per-head settings yet. The random state of each
+candidate (hash planes, random blocks) is drawn from ``seed`` and the layer index, as :func:`approx.patch`
+draws it, so the tuned model's layers are the ones measured. Methods with fitted state (Sparsefinder,
+Linformer ``fitted``) are refused as candidates: fit them and evaluate the folder instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import re
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..config import MethodConfig
+from ..integration import (
+    attach,
+    attention_modules,
+    attention_probe,
+    is_patched,
+    patch,
+    patched_layers,
+    set_tuning,
+    unpatch,
+)
+from ..layer import ApproxAttention
+from ..registry import get_method
+from .fidelity import AttentionProbe
+from .fitting import as_batches
+from .spec import Setup, as_setup, short_label
+
+__all__ = ["DEFAULT_CANDIDATES", "Search", "Target", "Tuning", "autotune", "hull_path", "parse_target", "task_batches"]
+
+log = logging.getLogger(__name__)
+
+# Candidates when none are named: a budget ladder of the methods that keep most of a pretrained encoder's
+# quality zero-shot (docs/results.md), and the cheap kernel and low-rank ones for the layers where they suffice.
+DEFAULT_CANDIDATES: tuple[str, ...] = (
+    "i-clustered:clusters=25",
+    "i-clustered:clusters=50",
+    "i-clustered:clusters=100",
+    "clustered:clusters=25",
+    "nystrom:landmarks=32",
+    "linformer:projections=64",
+    "linformer:projections=128",
+    "bigbird:block=16,random_blocks=1",
+    "efficient",
+)
+
+COSTS = {"flops": (0, 2), "matmul": (4, 5)}  # the convention -> (method, full) slots of AttentionProbe.cost
+RATIO_NAMES = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax"}  # as the harness's cost block names them
+
+_TARGET = re.compile(r"^\s*(cosine|kl)\s*(>=|<=)\s*([0-9.eE+-]+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """End-to-end fidelity to the unpatched model: ``cosine >= value`` (mean over real tokens of the cosine
+    between the last hidden states) or ``kl <= value`` (mean KL(unpatched || patched) of the output
+    distributions: per input for classification and each of a QA head's start and end, per real token for a
+    masked-LM head)."""
+
+    measure: str
+    value: float
+
+    def met(self, fidelity: float) -> bool:
+        return fidelity >= self.value if self.measure == "cosine" else fidelity <= self.value
+
+    def loss(self, fidelity: float) -> float:
+        """What the search adds up per layer: 1 − cosine, or the KL divergence (never below 0)."""
+        return max(1.0 - fidelity if self.measure == "cosine" else fidelity, 0.0)
+
+    def __str__(self) -> str:
+        return f"{self.measure}{'>=' if self.measure == 'cosine' else '<='}{self.value:g}"
+
+
+def parse_target(target: str | float | Target) -> Target:
+    """``"cosine>=0.99"``, ``"kl<=0.01"`` or a float (a cosine) -> :class:`Target`; ``ValueError`` otherwise."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, (int, float)) and not isinstance(target, bool):
+        target = f"cosine>={target}"
+    m = _TARGET.match(target) if isinstance(target, str) else None
+    if m is None or (m.group(1) == "cosine") != (m.group(2) == ">="):
+        raise ValueError(f"target {target!r}: expected 'cosine>=X' (X at most 1), 'kl<=X' (X >= 0) or a float cosine")
+    value = float(m.group(3))
+    if (m.group(1) == "cosine" and not -1.0 <= value <= 1.0) or (m.group(1) == "kl" and value < 0):
+        raise ValueError(f"target {target!r}: a cosine lies in [-1, 1] and a KL divergence is at least 0")
+    return Target(m.group(1), value)
+
+
+def _goal(target, budget: float | None) -> Target | None:
+    """The parsed target (None without one); a target or a budget required, the budget above 0."""
+    goal = None if target is None else parse_target(target)
+    if goal is None and budget is None:
+        raise ValueError(
+            "give a fidelity target (e.g. target='cosine>=0.99'), a cost budget (e.g. budget=0.5), or both"
+        )
+    if budget is not None and not budget > 0:
+        raise ValueError(f"budget is a cost relative to full attention, above 0; got {budget!r}")
+    return goal
+
+
+# ----------------------------------------------------------------------------------------------------- search
+
+
+def hull_path(loss: Sequence[Sequence[float]], cost: Sequence[Sequence[float]]) -> list[list[int]]:
+    """The search of step 2 (module docstring): ``loss[l][c]`` and ``cost[l][c]`` of option ``c`` at layer ``l``,
+    option 0 being full attention. Returns the path of assignments (one option per layer), from all options 0
+    to every layer at its cheapest hull point; each step moves one layer one step along its lower convex hull in
+    (cost, loss), steps taken in order of increasing loss added per cost saved (layer order breaking ties). Options
+    costing at least as much as option 0 are never chosen (option 0 is exact)."""
+    steps = []  # (slope, layer, order within the layer, option)
+    for layer, (losses, costs) in enumerate(zip(loss, cost, strict=True)):
+        current, order = 0, 0
+        while True:
+            cheaper = [c for c in range(len(costs)) if costs[c] < costs[current]]
+            if not cheaper:
+                break
+            slope = {c: (losses[c] - losses[current]) / (costs[current] - costs[c]) for c in cheaper}
+            best = min(slope.values())
+            # on a tie, the nearest point first: the path passes through every point of the hull's edge
+            nxt = max((c for c in cheaper if slope[c] <= best + 1e-15 * max(1.0, abs(best))), key=lambda c: costs[c])
+            steps.append((best, layer, order, nxt))
+            current, order = nxt, order + 1
+    steps.sort(key=lambda s: (s[0], s[1], s[2]))
+    assignment = [0] * len(loss)
+    path = [list(assignment)]
+    for _, layer, _, option in steps:
+        assignment[layer] = option
+        path.append(list(assignment))
+    return path
+
+
+# -------------------------------------------------------------------------------------------- measurement
+
+
+def _last_hidden(out) -> torch.Tensor:
+    hidden = getattr(out, "hidden_states", None)
+    return (hidden[-1] if hidden is not None else out.last_hidden_state).float()
+
+
+def _output_logits(out, mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The output distributions to compare for a KL target: (log-probabilities, units) per output, padding
+    excluded; empty for a bare encoder."""
+    found = []
+    for name in ("logits", "start_logits", "end_logits"):
+        t = getattr(out, name, None)
+        if t is None:
+            continue
+        t = t.float()
+        if name != "logits":  # QA: a distribution over the input's real positions
+            t = t.masked_fill(~mask.bool(), float("-inf"))
+        found.append((name, t.log_softmax(-1)))
+    return found
+
+
+def _kl(ref_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, name: str) -> tuple[float, int]:
+    p = ref_logp.exp()
+    # KL per distribution, at least 0 (float32 rounding can leave -1e-9 where the two agree)
+    terms = torch.where(p > 0, p * (ref_logp - logp), torch.zeros_like(p)).sum(-1).clamp_min(0)
+    if name == "logits" and terms.dim() == 2:  # masked LM: per real token
+        return float((terms * mask).sum()), int(mask.sum())
+    return float(terms.sum()), int(terms.numel())
+
+
+@dataclasses.dataclass
+class _Reference:
+    """The unpatched model's outputs on one batch."""
+
+    inputs: dict[str, torch.Tensor]
+    hidden: torch.Tensor
+    logits: list[tuple[str, torch.Tensor]]
+
+
+class _Calibration:
+    """Runs the model on fixed batches and compares with the unpatched model's outputs on them."""
+
+    def __init__(self, model, batches: list[dict[str, torch.Tensor]], target: Target) -> None:
+        self.model, self.target = model, target
+        self.device = next(model.parameters()).device
+        self.refs = []
+        for inputs in batches:
+            inputs = {k: v.to(self.device) for k, v in inputs.items()}
+            out = model(**inputs, output_hidden_states=True)
+            logits = _output_logits(out, inputs["attention_mask"])
+            if target.measure == "kl" and not logits:
+                raise ValueError(
+                    f"target {target} compares output distributions, and {type(model).__name__} has no output logits "
+                    "(a bare encoder): use a cosine target, or load the model with its task head"
+                )
+            self.refs.append(_Reference(inputs, _last_hidden(out), logits))
+        self.forwards = len(batches)
+        self.inputs = sum(int(b["input_ids"].shape[0]) for b in batches)
+
+    def run(self, layers: dict[int, ApproxAttention]) -> tuple[float, AttentionProbe]:
+        """Fidelity (in the target's measure) with ``layers`` attached, and the probe of the attention error and
+        cost of those layers."""
+        probe = AttentionProbe(total_layers=len(attention_modules(self.model)))
+        num, den = 0.0, 0
+        attach(self.model, layers)
+        try:
+            with attention_probe(probe):
+                for ref in self.refs:
+                    out = self.model(**ref.inputs, output_hidden_states=True)
+                    mask = ref.inputs["attention_mask"]
+                    if self.target.measure == "cosine":
+                        cos = F.cosine_similarity(_last_hidden(out), ref.hidden, dim=-1)
+                        num, den = num + float((cos * mask).sum()), den + int(mask.sum())
+                    else:
+                        for (name, ref_logp), (_, logp) in zip(ref.logits, _output_logits(out, mask), strict=True):
+                            s, n = _kl(ref_logp, logp, mask, name)
+                            num, den = num + s, den + n
+        finally:
+            unpatch(self.model)
+        self.forwards += len(self.refs)
+        return num / max(den, 1), probe
+
+
+# ------------------------------------------------------------------------------------------------- result
+
+
+@dataclasses.dataclass
+class Tuning:
+    """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
+    ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: attention cost relative to full
+    attention in the tuning's convention, ``costs`` in both. ``met``: whether ``fidelity`` meets the target
+    (and the cost the budget). ``table``: per layer and candidate, the loss, attention error and cost ratio
+    measured alone; ``path``: the search's assignments (cost ratio, estimated loss, and the measured fidelity of
+    the ones verified)."""
+
+    choices: list[str]
+    fidelity: float
+    cost: float
+    costs: dict[str, float | None]
+    met: bool
+    target: str | None
+    budget: float | None
+    cost_convention: str
+    candidates: list[str]
+    table: list[dict[str, Any]]
+    path: list[dict[str, Any]]
+    calibration: dict[str, Any]
+    seed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """A few lines for a terminal: each layer's choice, then fidelity and cost."""
+        lines = [f"layer {i}: {c}" for i, c in enumerate(self.choices)]
+        what = f"target {self.target}" if self.target else f"budget {self.budget:g}"
+        lines.append(
+            f"{what}: {'met' if self.met else 'NOT met'}; measured fidelity {self.fidelity:.5f} on "
+            f"{self.calibration['check_inputs']} held-out inputs; attention cost {self.cost:.3f} of full "
+            f"({self.cost_convention})"
+        )
+        return "\n".join(lines)
+
+
+def _split(data: list, seed: int, batch_size: int, pad_id: int) -> tuple[list, list]:
+    """The fit and check halves: token-id lists shuffled with ``seed`` and halved; input dicts (batches)
+    alternate (a single batch is split by its rows)."""
+    if not data:
+        raise ValueError("no calibration data: pass token-id lists or input dicts (input_ids, attention_mask)")
+    if isinstance(data[0], dict):
+        if len(data) == 1 and data[0]["input_ids"].shape[0] >= 2:
+            half = data[0]["input_ids"].shape[0] // 2
+            return [{k: v[:half] for k, v in data[0].items()}], [{k: v[half:] for k, v in data[0].items()}]
+        if len(data) < 2:
+            raise ValueError(
+                "one calibration input given: pass at least two (the search and the check use different ones)"
+            )
+        return list(data[0::2]), list(data[1::2])
+    if len(data) < 2:
+        raise ValueError("one calibration input given: pass at least two (the search and the check use different ones)")
+    order = list(range(len(data)))
+    random.Random(seed).shuffle(order)
+    half = len(order) // 2
+    fit = as_batches([data[i] for i in order[:half]], batch_size, pad_id)
+    check = as_batches([data[i] for i in order[half:]], batch_size, pad_id)
+    return fit, check
+
+
+def _candidate_layers(model, setups: list[Setup]) -> list[dict[int, ApproxAttention]]:
+    """Each candidate's layers for every attention layer, drawn as :func:`approx.patch` draws them."""
+    layers = []
+    for s in setups:
+        spec = get_method(s.method)
+        if s.method == "full":
+            raise ValueError("'full' is always a candidate; name only approximations")
+        if spec.requires_fit(spec.make_config(**s.options)):
+            raise ValueError(
+                f"candidate {short_label({'name': s.method, **s.config()})} has fitted state; autotune draws its "
+                "candidates fresh: choose methods without learned state (see `approx methods`)"
+            )
+        patch(model, s.method, **s.options)
+        layers.append(patched_layers(model))
+        unpatch(model)
+    return layers
+
+
+def _share(value: float, full: float) -> float | None:
+    return value / full if full and math.isfinite(value) else None
+
+
+def _ratio(probe: AttentionProbe, convention: str) -> float | None:
+    mine, full = COSTS[convention]
+    if probe.cost[mine] is None or not probe.cost[full]:
+        return None
+    return probe.cost[mine] / probe.cost[full]
+
+
+class Search:
+    """Steps 1 and 2 of the module docstring, done once: every candidate measured on every layer alone (the *fit*
+    inputs), the search path, and the unpatched model's outputs on the *check* inputs. :meth:`choose` then does
+    step 3 for a target or budget, as often as wanted (e.g. for a range of targets) without measuring again.
+    ``measure``: ``"cosine"`` or ``"kl"`` (what the targets will be); the other arguments as :func:`autotune`'s."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data: Iterable,
+        *,
+        measure: str = "cosine",
+        methods: Sequence[str | Setup | MethodConfig] | None = None,
+        cost: str = "flops",
+        check_data: Iterable | None = None,
+        batch_size: int = 8,
+        pad_id: int | None = None,
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        wall = time.perf_counter()
+        if measure not in ("cosine", "kl"):
+            raise ValueError(f"measure {measure!r} unknown; choose cosine or kl")
+        if cost not in COSTS:
+            raise ValueError(f"cost convention {cost!r} unknown; choose one of: {', '.join(COSTS)}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if is_patched(model):
+            raise ValueError(
+                "the model is patched: autotune compares with the unpatched model; approx.unpatch it first"
+            )
+        given = list(methods) if methods is not None else list(DEFAULT_CANDIDATES)
+        if not given:
+            raise ValueError("name at least one candidate method (see `approx methods`)")
+        setups = [as_setup(m, seed) for m in given]
+        self.labels = [short_label({"name": s.method, **s.config()}) for s in setups]
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"candidates named twice: {sorted({x for x in self.labels if self.labels.count(x) > 1})}")
+        if pad_id is None:
+            pad_id = getattr(model.config, "pad_token_id", None) or 0
+        data = list(data)
+        if check_data is None:
+            fit_batches, check_batches = _split(data, seed, batch_size, pad_id)
+        else:
+            fit_batches = as_batches(data, batch_size, pad_id)
+            check_batches = as_batches(list(check_data), batch_size, pad_id)
+        self.model, self.measure, self.cost_convention, self.seed = model, Target(measure, 1.0), cost, seed
+        torch.manual_seed(seed)
+        with _evaluating(model), torch.inference_mode():
+            self._measure(setups, fit_batches, check_batches, progress)
+        self.seconds = time.perf_counter() - wall
+
+    def _measure(self, setups, fit_batches, check_batches, progress: bool) -> None:
+        model, labels = self.model, self.labels
+        n_layers = len(attention_modules(model))
+        self.options = _candidate_layers(model, setups)
+        self.full = _full_layers(model)
+        fit = _Calibration(model, fit_batches, self.measure)
+        self.check = _Calibration(model, check_batches, self.measure)
+        self.loss = [[0.0] * (len(labels) + 1) for _ in range(n_layers)]
+        # per convention: costs[convention][layer][option], option 0 full attention
+        self.costs = {k: [[0.0] * (len(labels) + 1) for _ in range(n_layers)] for k in COSTS}
+        self.table = []
+        bar = tqdm(total=n_layers * len(labels), disable=not progress, desc="autotune: each layer alone", unit="run")
+        with bar:
+            for c, label in enumerate(labels, start=1):
+                for i in range(n_layers):
+                    bar.set_postfix_str(f"layer {i}, {label}", refresh=False)
+                    fidelity, probe = fit.run({i: self.options[c - 1][i]})
+                    for convention, (mine, full_slot) in COSTS.items():
+                        if probe.cost[mine] is None or probe.cost[full_slot] is None:  # not counted: never cheaper
+                            self.costs[convention][i][c] = math.inf
+                        else:
+                            self.costs[convention][i][0] = probe.cost[full_slot]
+                            self.costs[convention][i][c] = probe.cost[mine]
+                    self.loss[i][c] = self.measure.loss(fidelity)
+                    err = math.sqrt(probe.err_num[str(i)] / max(probe.err_den[str(i)], 1e-30))
+                    self.table.append({
+                        "layer": i, "candidate": label, "fidelity": fidelity, "loss": self.loss[i][c],
+                        "attention_relative_error": err,
+                        **{RATIO_NAMES[k]: _share(self.costs[k][i][c], self.costs[k][i][0]) for k in COSTS},
+                    })  # fmt: skip
+                    bar.update(1)
+        self.fit_inputs, self.fit_forwards = fit.inputs, fit.forwards
+        self.paths: dict[str, list[list[int]]] = {}
+        self.points: dict[str, list[dict[str, Any]]] = {}
+        self.measured: dict[tuple[int, ...], tuple[float, AttentionProbe]] = {}  # by assignment, shared by paths
+
+    def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
+        """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
+        if convention not in self.paths:
+            costs = self.costs[convention]
+            total_full = sum(row[0] for row in costs)
+            path = hull_path(self.loss, costs)
+            self.paths[convention] = path
+            self.points[convention] = [
+                {
+                    "choices": ["full" if a == 0 else self.labels[a - 1] for a in p],
+                    "cost": sum(costs[i][a] for i, a in enumerate(p)) / total_full,
+                    "estimated_loss": sum(self.loss[i][a] for i, a in enumerate(p)),
+                }
+                for p in path
+            ]
+        return self.paths[convention], self.points[convention]
+
+    def _layers(self, assignment: Sequence[int]) -> dict[int, ApproxAttention]:
+        return {i: (self.full[i] if a == 0 else self.options[a - 1][i]) for i, a in enumerate(assignment)}
+
+    def _verify(self, assignment: Sequence[int]) -> float:
+        """The measured fidelity of an assignment on the check inputs (run once, then remembered)."""
+        key = tuple(assignment)
+        if key not in self.measured:
+            self.measured[key] = self.check.run(self._layers(assignment))
+            log.info("autotune: %s: %.5f", key, self.measured[key][0])
+        return self.measured[key][0]
+
+    def choose(
+        self,
+        target: str | float | Target | None = None,
+        budget: float | None = None,
+        *,
+        cost: str | None = None,
+        progress: bool = True,
+    ) -> Tuning:
+        """Step 3: patch the model with the cheapest path point whose measured fidelity meets ``target`` (by
+        bisection along the path), or with ``budget`` alone the first point within it; returns the :class:`Tuning`.
+        ``cost``: the convention of the path and the budget (default: the search's). A model this search patched
+        before is unpatched first."""
+        wall = time.perf_counter()
+        goal = _goal(target, budget)
+        convention = cost or self.cost_convention
+        if convention not in COSTS:
+            raise ValueError(f"cost convention {convention!r} unknown; choose one of: {', '.join(COSTS)}")
+        if goal is not None and goal.measure != self.measure.measure:
+            raise ValueError(
+                f"target {goal} is a {goal.measure} target, and this search measured {self.measure.measure}"
+            )
+        if is_patched(self.model):
+            unpatch(self.model)
+        path, points = self._path(convention)
+        within = [j for j, p in enumerate(points) if budget is None or p["cost"] <= budget + 1e-12]
+        steps = math.ceil(math.log2(len(points) + 1)) + 1
+        with _evaluating(self.model), torch.inference_mode():
+            with tqdm(total=steps, disable=not progress, desc="autotune: verify", unit="run") as bar:
+                chosen = self._bisect(path, goal, within, bar)
+            fidelity, probe = self.measured[tuple(path[chosen])]
+            met = goal.met(fidelity) if goal else True
+            if goal is not None and not met:
+                warnings.warn(
+                    f"autotune: even full attention on every layer measures {fidelity:.5f}, short of {goal}",
+                    stacklevel=2,
+                )
+            if budget is not None and points[chosen]["cost"] > budget + 1e-12:
+                met = False
+                if goal is not None and within:
+                    chosen = within[0]
+                    fidelity = self._verify(path[chosen])
+                    probe = self.measured[tuple(path[chosen])][1]
+                warnings.warn(
+                    f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along the "
+                    f"search path; kept the assignment at cost {points[chosen]['cost']:.3f} (fidelity {fidelity:.5f})",
+                    stacklevel=2,
+                )
+        attach(self.model, self._layers(path[chosen]))
+        tuning = Tuning(
+            choices=points[chosen]["choices"],
+            fidelity=fidelity,
+            cost=_ratio(probe, convention),
+            costs={RATIO_NAMES[k]: _ratio(probe, k) for k in COSTS},
+            met=met,
+            target=None if goal is None else str(goal),
+            budget=budget,
+            cost_convention=convention,
+            candidates=list(self.labels),
+            table=self.table,
+            path=[
+                {**p, **({"measured_fidelity": self.measured[tuple(a)][0]} if tuple(a) in self.measured else {})}
+                for a, p in zip(path, points, strict=True)
+            ],
+            calibration={
+                "fit_inputs": self.fit_inputs,
+                "check_inputs": self.check.inputs,
+                "forward_passes": self.fit_forwards + self.check.forwards,
+                "measure_seconds": self.seconds,
+                "choose_seconds": time.perf_counter() - wall,
+            },
+            seed=self.seed,
+        )
+        set_tuning(self.model, tuning.to_dict())
+        return tuning
+
+    def _bisect(self, path: list[list[int]], goal: Target | None, within: list[int], bar) -> int:
+        last = len(path) - 1
+        if goal is None:  # budget alone: the most faithful point (by the estimate) within it, measured
+            chosen = within[0] if within else last
+            self._verify(path[chosen])
+            bar.update(1)
+            return chosen
+        met = goal.met(self._verify(path[last]))
+        bar.update(1)
+        if met:
+            return last
+        lo, hi = 0, last  # as if fidelity fell monotonically along the path: hi misses the target
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if goal.met(self._verify(path[mid])):
+                lo = mid
+            else:
+                hi = mid
+            bar.update(1)
+        self._verify(path[lo])
+        return lo
+
+
+class _evaluating:  # noqa: N801
+    """The model in eval mode within the block, its training flag restored afterwards."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.training = self.model.training
+        self.model.eval()
+
+    def __exit__(self, *exc) -> None:
+        self.model.train(self.training)
+
+
+def autotune(
+    model: torch.nn.Module,
+    data: Iterable,
+    *,
+    target: str | float | Target | None = "cosine>=0.99",
+    methods: Sequence[str | Setup | MethodConfig] | None = None,
+    budget: float | None = None,
+    cost: str = "flops",
+    check_data: Iterable | None = None,
+    batch_size: int = 8,
+    pad_id: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> Tuning:
+    """Patch ``model`` in place with one method and budget per attention layer, the cheapest assignment whose
+    end-to-end fidelity meets ``target`` (the search is in this module's docstring); returns the
+    :class:`Tuning`, which :func:`approx.save` also records with the model.
+
+    ``data``: unlabelled calibration inputs (token-id lists, or input dicts of ``input_ids`` and
+    ``attention_mask``, e.g. a task's inputs or text windows): shuffled with ``seed`` and halved into the inputs
+    measured per layer and the held-out inputs the choice is verified on (dicts are taken as batches and
+    alternate); ``check_data``: the held-out inputs given separately (then all of ``data`` is measured).
+    ``target``: ``"cosine>=X"`` (last hidden states, mean over real tokens), ``"kl<=X"`` (the output
+    distributions of a model with a task head) or a float (a cosine); None with a ``budget``. ``methods``: the
+    candidate methods with their budgets (``"i-clustered:clusters=50"``, Setups or configs; default
+    :data:`DEFAULT_CANDIDATES`); full attention is always one. ``budget``: the highest attention cost allowed,
+    relative to full attention in the ``cost`` convention (``"flops"``: approx's full cost model;
+    ``"matmul"``: the attention matmul multiply-accumulates of the literature); with a target too, a target
+    not reachable within it is reported (``met`` false, a warning) and the best assignment within it is kept.
+    ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
+    targets on the same measurements, use :class:`Search` and its ``choose``.
+    """
+    goal = _goal(target, budget)  # refused before anything is measured
+    search = Search(
+        model, data, measure=goal.measure if goal else "cosine", methods=methods, cost=cost, check_data=check_data,
+        batch_size=batch_size, pad_id=pad_id, seed=seed, progress=progress,
+    )  # fmt: skip
+    return search.choose(goal, budget, progress=progress)
+
+
+def _full_layers(model) -> dict[int, ApproxAttention]:
+    """Exact attention through approx on every layer: a layer the tuning leaves exact is still recorded."""
+    patch(model, "full")
+    layers = patched_layers(model)
+    unpatch(model)
+    return layers
+
+
+def task_batches(
+    model,
+    tokenizer,
+    task: str,
+    *,
+    split: str | None = None,
+    limit: int | None = None,
+    max_length: int | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    data_dir: str | None = None,
+    source: str | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Calibration inputs from a task's ``split`` (its labels unused): the inputs the task feeds ``model``'s head
+    (token types included), shuffled with ``seed`` and batched; :func:`autotune` alternates the batches between
+    its two halves. Calibrate on a training split (e.g. ``dev/0`` of a cross-fitted task) and evaluate on
+    another."""
+    from ..integration import model_head_from_name
+    from .evaluation import _collate
+    from .tasks import get_task
+
+    spec = get_task(task)
+    mode = spec.mode_for(model_head_from_name(type(model).__name__))
+    examples, _ = spec.load(split or spec.default_split, source=source, data_dir=data_dir, limit=limit)
+    length = spec.default_max_length if max_length is None else max_length
+    features = spec.features(examples, tokenizer, max_length=length, mode=mode)
+    if len(features) < 2:
+        raise ValueError(f"{task} {split}: {len(features)} input(s); autotune needs at least two")
+    order = list(range(len(features)))
+    random.Random(seed).shuffle(order)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    rows = [features[i] for i in order]
+    return [_collate(rows[i : i + batch_size], pad, device) for i in range(0, len(rows), batch_size)]

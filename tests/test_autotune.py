@@ -1,0 +1,293 @@
+"""approx.autotune (issue 20): the search against brute force, the tuned model against the unpatched one measured
+here independently, the record through save / load / evaluate, the command line and the errors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+import approx
+from approx.harness.autotune import hull_path, parse_target
+from approx.harness.cli import main
+from approx.harness.spec import PER_LAYER, as_setup, short_label
+
+CANDIDATES = ["i-clustered:clusters=3,topk=4", "nystrom:landmarks=4", "linformer:projections=8", "efficient"]
+
+
+def _data(count: int, seed: int, lo: int = 20, hi: int = 60) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (count,), generator=g)
+    return [torch.randint(5, 99, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def _batches(rows: list[list[int]], size: int = 4) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(0, len(rows), size):
+        chunk = rows[i : i + size]
+        n = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), n, dtype=torch.long)
+        mask = torch.zeros(len(chunk), n, dtype=torch.long)
+        for j, r in enumerate(chunk):
+            ids[j, : len(r)], mask[j, : len(r)] = torch.tensor(r), 1
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _cosine(reference, model, batches) -> float:
+    """Mean over real tokens of the cosine between the two models' last hidden states, written here."""
+    num = den = 0.0
+    with torch.no_grad():
+        for b in batches:
+            a = reference(**b, output_hidden_states=True).hidden_states[-1].double()
+            o = model(**b, output_hidden_states=True).hidden_states[-1].double()
+            cos = (a * o).sum(-1) / (a.norm(dim=-1) * o.norm(dim=-1))
+            num, den = num + float((cos * b["attention_mask"]).sum()), den + float(b["attention_mask"].sum())
+    return num / den
+
+
+def _patched_as(original, choices: list[str], seed: int = 0):
+    """A copy of ``original`` patched layer by layer with ``choices`` (labels as the tuning reports them)."""
+    model = copy.deepcopy(original)
+    for i, label in enumerate(choices):
+        setup = as_setup(label, seed)
+        approx.patch(model, setup.method, layers=[i], **setup.options)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- search
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hull_path_is_optimal_at_each_of_its_costs(seed):
+    """Brute force over every assignment: no assignment costing at most a path point's cost has a lower summed
+    loss (the path's points minimise loss + lambda * cost); costs fall strictly along the path."""
+    rng = random.Random(seed)
+    layers, options = 4, 4
+    loss = [
+        [0.0] + [rng.choice([0.0, rng.random(), rng.random() ** 3]) for _ in range(options - 1)] for _ in range(layers)
+    ]
+    cost = [[1.0] + [rng.choice([rng.random(), 1.5]) for _ in range(options - 1)] for _ in range(layers)]
+    path = hull_path(loss, cost)
+    assert path[0] == [0] * layers
+    totals = [(sum(cost[i][a] for i, a in enumerate(p)), sum(loss[i][a] for i, a in enumerate(p))) for p in path]
+    assert all(b[0] < a[0] for a, b in itertools.pairwise(totals))
+    everything = [
+        (sum(cost[i][a] for i, a in enumerate(p)), sum(loss[i][a] for i, a in enumerate(p)))
+        for p in itertools.product(range(options), repeat=layers)
+    ]
+    for c, lo in totals:
+        best = min(x for cc, x in everything if cc <= c + 1e-12)
+        assert lo == pytest.approx(best, abs=1e-12)
+    assert all(cost[i][a] < 1.0 or a == 0 for p in path for i, a in enumerate(p))  # never dearer than full
+    cheapest = min(c for c, _ in everything)
+    assert totals[-1][0] == pytest.approx(cheapest)  # ends with every layer at its cheapest
+
+
+def test_parse_target():
+    assert (parse_target(0.98).measure, parse_target(0.98).value) == ("cosine", 0.98)
+    assert str(parse_target("kl <= 0.01")) == "kl<=0.01"
+    for bad in ("cosine<=0.9", "kl>=0.1", "cosine>=1.5", "kl<=-1", "f1>=0.9", "0.9", None):
+        with pytest.raises(ValueError, match="target"):
+            parse_target(bad)
+
+
+# ------------------------------------------------------------------------------------------ end to end, tiny
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return tiny_model("bert", num_hidden_layers=4)
+
+
+def test_target_met_measured_independently_and_the_next_cheaper_point_fails(bert):
+    fit, check = _data(12, 1), _data(12, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cheapest point may miss any target
+        model = copy.deepcopy(bert)
+        cheapest = approx.autotune(model, fit, check_data=check, target=None, budget=1e-9, methods=CANDIDATES,
+                                   batch_size=4, progress=False)  # fmt: skip
+    assert cheapest.choices == cheapest.path[-1]["choices"] and not cheapest.met
+    target = 1 - (1 - cheapest.fidelity) / 4  # between the cheapest point and full attention
+    model = copy.deepcopy(bert)
+    tuning = approx.autotune(model, fit, check_data=check, target=target, methods=CANDIDATES, batch_size=4,
+                             progress=False)  # fmt: skip
+    batches = _batches(check)
+    measured = _cosine(bert, model, batches)
+    assert tuning.met and measured >= target
+    assert tuning.fidelity == pytest.approx(measured, abs=1e-6)
+    # the model holds exactly the layers the tuning reports: the same choices patched here agree bit for bit
+    rebuilt = _patched_as(bert, tuning.choices)
+    with torch.no_grad():
+        for b in batches:
+            assert torch.equal(model(**b).last_hidden_state, rebuilt(**b).last_hidden_state)
+    index = next(j for j, p in enumerate(tuning.path) if p["choices"] == tuning.choices)
+    if index + 1 < len(tuning.path):  # the bisection's bracket: the next cheaper point misses the target
+        cheaper = tuning.path[index + 1]
+        assert _cosine(bert, _patched_as(bert, cheaper["choices"]), batches) < target
+        assert cheaper["measured_fidelity"] < target
+    assert approx.integration.tuning(model)["choices"] == tuning.choices
+
+
+def test_budget_alone_keeps_the_first_point_within_it_and_costs_are_the_cost_models(bert):
+    model = copy.deepcopy(bert)
+    data = _data(16, 3)
+    tuning = approx.autotune(model, data, target=None, budget=0.6, methods=CANDIDATES, batch_size=4, progress=False)
+    within = [p for p in tuning.path if p["cost"] <= 0.6]
+    assert tuning.choices == within[0]["choices"] and tuning.met
+    # the held-out half (seeded shuffle, halved) and its cost from each layer's cost model, summed here
+    order = list(range(len(data)))
+    random.Random(0).shuffle(order)
+    lengths = [len(data[i]) for i in order[len(order) // 2 :]]
+    full = approx.get_method("full")
+    mine = total = 0.0
+    for label in tuning.choices:
+        setup = as_setup(label)
+        method = approx.get_method(setup.method)
+        config = method.make_config(**setup.options)
+        mine += sum(method.cost(config, n=n, s=n, d=8, dv=8).flops for n in lengths)
+        total += sum(full.cost(full.config_class(), n=n, s=n, d=8, dv=8).flops for n in lengths)
+    assert tuning.costs["flops_vs_full"] == pytest.approx(mine / total, rel=1e-9)
+    assert tuning.cost == tuning.costs["flops_vs_full"]
+
+
+def test_kl_target_on_a_classifier_measured_independently():
+    original = tiny_model("bert", "sequence-classification", num_hidden_layers=3, num_labels=3)
+    model = copy.deepcopy(original)
+    fit, check = _data(8, 4), _data(8, 5)
+    tuning = approx.autotune(model, fit, check_data=check, target="kl<=0.001", methods=CANDIDATES, batch_size=4,
+                             progress=False)  # fmt: skip
+    kl, count = 0.0, 0
+    with torch.no_grad():
+        for b in _batches(check):
+            p = F.log_softmax(original(**b).logits.double(), -1)
+            q = F.log_softmax(model(**b).logits.double(), -1)
+            kl, count = kl + float((p.exp() * (p - q)).sum()), count + p.shape[0]
+    assert tuning.fidelity == pytest.approx(kl / count, abs=1e-6)
+    assert tuning.met == (kl / count <= 0.001)
+
+
+def test_save_load_and_evaluate_a_tuned_model(tmp_path, base_model, fixture_dir):
+    from transformers import AutoModel
+
+    from approx.harness.data import wikitext_windows
+
+    model, tok = approx.integration.load_pretrained(base_model, progress=False)
+    windows = wikitext_windows(tok, fixture_dir, split="valid", length=24, count=6)
+    tuning = approx.autotune(model.eval(), windows, target=0.9999, methods=CANDIDATES[1:], batch_size=2,
+                             progress=False)  # fmt: skip
+    folder = approx.save(model, tmp_path / "tuned", tokenizer=tok)
+    meta = json.loads((folder / "approx_config.json").read_text())
+    assert [x["method"] for x in meta["layers"]] == [as_setup(c).method for c in tuning.choices]
+    assert meta["tuning"]["choices"] == tuning.choices and meta["tuning"]["target"] == "cosine>=0.9999"
+    loaded = approx.load(folder, AutoModel).eval()
+    ids = torch.tensor(windows[:2])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    assert approx.integration.tuning(loaded) == meta["tuning"]
+    approx.patch(loaded, "efficient", layers=[0])  # the layers change: the record no longer describes them
+    assert approx.integration.tuning(loaded) is None
+    (result,) = approx.evaluate(base_model, "wikitext2", [str(folder)], data_dir=str(fixture_dir), limit=2,
+                                max_length=24, progress=False)  # fmt: skip
+    assert result["method"]["name"] == PER_LAYER
+    assert [x["layer"] for x in result["method"]["layers"]] == list(range(len(tuning.choices)))
+    assert short_label(result["method"]).startswith(f"{PER_LAYER}[0")
+    assert result["fidelity"]["cost"]["layers"]["patched"] == list(range(len(tuning.choices)))
+    approx.unpatch(model)
+    assert approx.integration.tuning(model) is None
+
+
+def test_per_layer_label_merges_runs_of_layers():
+    layers = [
+        {"layer": 0, "method": "full", "config": {}},
+        {"layer": 1, "method": "nystrom", "config": {"landmarks": 8}},
+        {"layer": 2, "method": "nystrom", "config": {"landmarks": 8}},
+        {"layer": 3, "method": "full", "config": {}},
+    ]
+    label = short_label({"name": PER_LAYER, "layers": layers})
+    assert label == "per-layer[0 full; 1-2 nystrom:landmarks=8; 3 full]"
+
+
+def test_errors_say_what_to_do(bert):
+    data = _data(4, 6)
+    model = copy.deepcopy(bert)
+    cases = [
+        (dict(target=None), "target"),
+        (dict(budget=0), "budget"),
+        (dict(cost="seconds"), "flops, matmul"),
+        (dict(methods=["full"]), "always a candidate"),
+        (dict(methods=["linformer:mode=fitted"]), "fitted state"),
+        (dict(methods=["efficient", "efficient:exact_below=0"]), "named twice"),
+        (dict(methods=["nosuch"]), "unknown"),
+        (dict(methods=[]), "at least one"),
+        (dict(batch_size=0), "batch_size"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(ValueError, match=words):
+            approx.autotune(model, data, progress=False, **kwargs)
+    with pytest.raises(ValueError, match="at least two"):
+        approx.autotune(model, data[:1], progress=False, methods=["efficient"])
+    with pytest.raises(ValueError, match="no output logits"):
+        approx.autotune(model, data, target="kl<=0.1", methods=["efficient"], progress=False)
+    approx.patch(model, "efficient")
+    with pytest.raises(ValueError, match="unpatch"):
+        approx.autotune(model, data, methods=["efficient"], progress=False)
+
+
+# --------------------------------------------------------------------------------------------- command line
+
+
+def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
+    out = tmp_path / "tuned"
+    argv = ["autotune", "--model", base_model, "--data-dir", str(fixture_dir), "--windows", "4", "--length", "24",
+            "--batch-size", "2", "--method", "efficient", "--method", "nystrom:landmarks=4", "--target",
+            "cosine>=0.999", "--output-dir", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "layer 0:" in printed and "target cosine>=0.999" in printed
+    record = json.loads((out / "approx_autotune.json").read_text())
+    assert record["tuning"]["candidates"] == ["efficient", "nystrom:landmarks=4"]
+    assert record["calibration_data"]["windows"] == 4 and record["provenance"]["seed"] == 0
+    argv = ["eval", "--model", base_model, "--task", "wikitext2", "--method", str(out), "--limit", "2",
+            "--max-length", "24", "--data-dir", str(fixture_dir), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    assert f"| {PER_LAYER}[" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--method", "nosuch"], "unknown attention method"),
+        (["--target", "f1>=3"], "target"),
+        (["--method", "efficient:nosuch=1"], "unknown option"),
+    ],
+)
+def test_cli_autotune_refuses_bad_arguments_before_loading(tmp_path, capsys, args, words):
+    assert main(["autotune", "--output-dir", str(tmp_path / "x"), *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_one_search_serves_several_targets_and_both_cost_conventions(bert):
+    """Search.choose for a second target (or the other cost convention) gives what a fresh autotune gives."""
+    from approx.harness.autotune import Search
+
+    fit, check = _data(8, 7), _data(8, 8)
+    model = copy.deepcopy(bert)
+    search = Search(model, fit, check_data=check, methods=CANDIDATES, batch_size=4, progress=False)
+    for target, cost in ((0.99999, "flops"), (0.9999, "flops"), (0.99995, "matmul")):
+        mine = search.choose(target, cost=cost, progress=False)
+        fresh_model = copy.deepcopy(bert)
+        fresh = approx.autotune(fresh_model, fit, check_data=check, target=target, methods=CANDIDATES, cost=cost,
+                                batch_size=4, progress=False)  # fmt: skip
+        assert (mine.choices, mine.cost_convention) == (fresh.choices, cost)
+        assert mine.fidelity == pytest.approx(fresh.fidelity, abs=1e-9)
+        assert approx.settings(model) == approx.settings(fresh_model)
+    with pytest.raises(ValueError, match="this search measured cosine"):
+        search.choose("kl<=0.1", progress=False)
