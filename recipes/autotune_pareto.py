@@ -274,6 +274,14 @@ def markdown(record: dict[str, Any]) -> str:
         metric = t["metric"]
         full = t["tuned"][0]["reference_metrics"][metric]
         lines += [f"**{task}** ({metric}; full attention {full:.2f}; uniform rows: {t['uniform_source']})", ""]
+        for c in t["calibration"]:
+            first = c["tunings"][0]["calibration"]
+            lines.append(
+                f"Calibration of `{Path(c['checkpoint']).name}` on {c['calibration_split']}: {first['fit_inputs']} inputs "
+                f"measured, {first['check_inputs']} held out; every candidate on every layer measured in "
+                f"{c['measure_seconds']:.0f} s; cheapest assignment's KL {c['cheapest_kl']:.3g}."
+            )
+        lines.append("")
         lines += ["| KL target | cost convention | " + metric + " | flops vs full | matmul vs softmax | layers |",
                   "| --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
         for r in t["tuned"]:

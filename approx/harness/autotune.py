@@ -21,8 +21,11 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    optimal for the additive model at its own cost (it minimises loss + λ·cost for some λ), from all full
    attention to every layer at its cheapest candidate.
 3. **Verify** (the *check* half, inputs the measurement never saw). Assignments along the path are run end to end,
-   by bisection, for the cheapest one whose measured fidelity meets ``target`` (with ``budget`` alone: the first
-   one within the budget, measured). The fidelity reported is this measured one, never the additive estimate.
+   by bisection, for the cheapest one whose measured fidelity meets ``target``; bisection takes fidelity to fall
+   along the path, so where it does not, a cheaper point beyond the bracket may meet the target too. With
+   ``budget`` alone: the first point within the budget (the lowest estimated loss), measured. The fidelity reported
+   is the measured one, never the additive estimate. Costs on the path, the budget and the report are the cost
+   models at the check inputs' real lengths (what the verification runs).
 
 Heads are not tuned separately: no registered method takes per-head settings yet. The random state of each
 candidate (hash planes, random blocks) is drawn from ``seed`` and the layer index, as :func:`approx.patch`
@@ -32,6 +35,7 @@ Linformer ``fitted``) are refused as candidates: fit them and evaluate the folde
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -63,7 +67,17 @@ from .fidelity import AttentionProbe
 from .fitting import as_batches
 from .spec import Setup, as_setup, short_label
 
-__all__ = ["DEFAULT_CANDIDATES", "Search", "Target", "Tuning", "autotune", "hull_path", "parse_target", "task_batches"]
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "Search",
+    "Target",
+    "Tuning",
+    "autotune",
+    "check_goal",
+    "hull_path",
+    "parse_target",
+    "task_batches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +115,10 @@ class Target:
         return fidelity >= self.value if self.measure == "cosine" else fidelity <= self.value
 
     def loss(self, fidelity: float) -> float:
-        """What the search adds up per layer: 1 − cosine, or the KL divergence (never below 0)."""
+        """What the search adds up per layer: 1 − cosine, or the KL divergence (never below 0; infinite when the
+        fidelity is not a number, e.g. a method that broke down)."""
+        if not math.isfinite(fidelity):
+            return math.inf
         return max(1.0 - fidelity if self.measure == "cosine" else fidelity, 0.0)
 
     def __str__(self) -> str:
@@ -123,7 +140,7 @@ def parse_target(target: str | float | Target) -> Target:
     return Target(m.group(1), value)
 
 
-def _goal(target, budget: float | None) -> Target | None:
+def check_goal(target, budget: float | None) -> Target | None:
     """The parsed target (None without one); a target or a budget required, the budget above 0."""
     goal = None if target is None else parse_target(target)
     if goal is None and budget is None:
@@ -143,19 +160,23 @@ def hull_path(loss: Sequence[Sequence[float]], cost: Sequence[Sequence[float]]) 
     option 0 being full attention. Returns the path of assignments (one option per layer), from all options 0
     to every layer at its cheapest hull point; each step moves one layer one step along its lower convex hull in
     (cost, loss), steps taken in order of increasing loss added per cost saved (layer order breaking ties). Options
-    costing at least as much as option 0 are never chosen (option 0 is exact)."""
+    costing at least as much as option 0, and options of infinite or undefined loss or cost, are never chosen (option 0
+    is exact)."""
     steps = []  # (slope, layer, order within the layer, option)
     for layer, (losses, costs) in enumerate(zip(loss, cost, strict=True)):
-        current, order = 0, 0
+        current, order, previous = 0, 0, -math.inf
+        usable = [c for c in range(len(costs)) if math.isfinite(losses[c]) and math.isfinite(costs[c])]
         while True:
-            cheaper = [c for c in range(len(costs)) if costs[c] < costs[current]]
+            cheaper = [c for c in usable if costs[c] < costs[current]]
             if not cheaper:
                 break
             slope = {c: (losses[c] - losses[current]) / (costs[current] - costs[c]) for c in cheaper}
             best = min(slope.values())
             # on a tie, the nearest point first: the path passes through every point of the hull's edge
-            nxt = max((c for c in cheaper if slope[c] <= best + 1e-15 * max(1.0, abs(best))), key=lambda c: costs[c])
-            steps.append((best, layer, order, nxt))
+            nxt = max((c for c in cheaper if slope[c] <= best + 1e-12 * max(1.0, abs(best))), key=lambda c: costs[c])
+            # a hull's slopes do not fall; rounding on (nearly) collinear points must not reorder a layer's steps
+            previous = max(previous, slope[nxt])
+            steps.append((previous, layer, order, nxt))
             current, order = nxt, order + 1
     steps.sort(key=lambda s: (s[0], s[1], s[2]))
     assignment = [0] * len(loss)
@@ -214,8 +235,12 @@ class _Calibration:
         self.model, self.target = model, target
         self.device = next(model.parameters()).device
         self.refs = []
+        self.lengths: list[int] = []  # real tokens of every input, for the cost models
         for inputs in batches:
+            if "input_ids" not in inputs or "attention_mask" not in inputs:
+                raise ValueError(f"a calibration batch needs input_ids and attention_mask; got {sorted(inputs)}")
             inputs = {k: v.to(self.device) for k, v in inputs.items()}
+            self.lengths += [int(n) for n in inputs["attention_mask"].sum(-1).tolist()]
             out = model(**inputs, output_hidden_states=True)
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
@@ -257,11 +282,11 @@ class _Calibration:
 @dataclasses.dataclass
 class Tuning:
     """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
-    ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: attention cost relative to full
-    attention in the tuning's convention, ``costs`` in both. ``met``: whether ``fidelity`` meets the target
-    (and the cost the budget). ``table``: per layer and candidate, the loss, attention error and cost ratio
-    measured alone; ``path``: the search's assignments (cost ratio, estimated loss, and the measured fidelity of
-    the ones verified)."""
+    ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost there, relative
+    to full attention in the tuning's convention (``costs``: in both). ``met``: whether ``fidelity`` meets the
+    target and ``cost`` the budget. ``table``: per layer and candidate, the loss, attention error and cost ratios
+    measured with that layer alone replaced (on the fit inputs); ``path``: the search's assignments (cost ratio at
+    the check inputs' lengths, estimated loss, and the measured fidelity of the ones verified)."""
 
     choices: list[str]
     fidelity: float
@@ -334,8 +359,21 @@ def _candidate_layers(model, setups: list[Setup]) -> list[dict[int, ApproxAttent
     return layers
 
 
-def _share(value: float, full: float) -> float | None:
-    return value / full if full and math.isfinite(value) else None
+def _share(value: float | None, full: float | None) -> float | None:
+    return value / full if value is not None and full and math.isfinite(value) else None
+
+
+def _cost(layer: ApproxAttention, lengths: list[int], convention: str) -> float:
+    """A layer's attention cost per head over inputs of these real lengths, from its method's cost model (as the
+    harness's probe counts it); infinite for a method that does not count this convention."""
+    total = 0.0
+    for n, times in collections.Counter(lengths).items():
+        c = layer.method.cost(layer.config, n=n, s=n, d=layer.head_dim, dv=layer.head_dim)
+        value = c.flops if convention == "flops" else c.matmul_macs
+        if value is None:
+            return math.inf
+        total += times * value
+    return total
 
 
 def _ratio(probe: AttentionProbe, convention: str) -> float | None:
@@ -414,20 +452,25 @@ class Search:
                 for i in range(n_layers):
                     bar.set_postfix_str(f"layer {i}, {label}", refresh=False)
                     fidelity, probe = fit.run({i: self.options[c - 1][i]})
-                    for convention, (mine, full_slot) in COSTS.items():
-                        if probe.cost[mine] is None or probe.cost[full_slot] is None:  # not counted: never cheaper
-                            self.costs[convention][i][c] = math.inf
-                        else:
-                            self.costs[convention][i][0] = probe.cost[full_slot]
-                            self.costs[convention][i][c] = probe.cost[mine]
                     self.loss[i][c] = self.measure.loss(fidelity)
+                    if not math.isfinite(self.loss[i][c]):
+                        warnings.warn(
+                            f"autotune: {label} on layer {i} gives fidelity {fidelity}: never chosen", stacklevel=3
+                        )
                     err = math.sqrt(probe.err_num[str(i)] / max(probe.err_den[str(i)], 1e-30))
                     self.table.append({
                         "layer": i, "candidate": label, "fidelity": fidelity, "loss": self.loss[i][c],
                         "attention_relative_error": err,
-                        **{RATIO_NAMES[k]: _share(self.costs[k][i][c], self.costs[k][i][0]) for k in COSTS},
+                        **{RATIO_NAMES[k]: _share(probe.cost[COSTS[k][0]], probe.cost[COSTS[k][1]]) for k in COSTS},
                     })  # fmt: skip
                     bar.update(1)
+        # the costs the path and the budget use: each layer's cost model at the check inputs' lengths, i.e. the cost
+        # the verification measures and the tuning reports (the table above: at the fit inputs' lengths)
+        for convention in COSTS:
+            for i in range(n_layers):
+                self.costs[convention][i][0] = _cost(self.full[i], self.check.lengths, convention)
+                for c in range(1, len(labels) + 1):
+                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], self.check.lengths, convention)
         self.fit_inputs, self.fit_forwards = fit.inputs, fit.forwards
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
@@ -470,11 +513,11 @@ class Search:
         progress: bool = True,
     ) -> Tuning:
         """Step 3: patch the model with the cheapest path point whose measured fidelity meets ``target`` (by
-        bisection along the path), or with ``budget`` alone the first point within it; returns the :class:`Tuning`.
-        ``cost``: the convention of the path and the budget (default: the search's). A model this search patched
-        before is unpatched first."""
+        bisection along the path, as if fidelity fell monotonically along it), or with ``budget`` alone the dearest
+        point within it (the lowest estimated loss); returns the :class:`Tuning`. ``cost``: the convention of the path
+        and the budget (default: the search's). The model is unpatched first (a patch of this search's or any)."""
         wall = time.perf_counter()
-        goal = _goal(target, budget)
+        goal = check_goal(target, budget)
         convention = cost or self.cost_convention
         if convention not in COSTS:
             raise ValueError(f"cost convention {convention!r} unknown; choose one of: {', '.join(COSTS)}")
@@ -605,7 +648,7 @@ def autotune(
     ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
     targets on the same measurements, use :class:`Search` and its ``choose``.
     """
-    goal = _goal(target, budget)  # refused before anything is measured
+    goal = check_goal(target, budget)  # refused before anything is measured
     search = Search(
         model, data, measure=goal.measure if goal else "cosine", methods=methods, cost=cost, check_data=check_data,
         batch_size=batch_size, pad_id=pad_id, seed=seed, progress=progress,
@@ -644,7 +687,8 @@ def task_batches(
 
     spec = get_task(task)
     mode = spec.mode_for(model_head_from_name(type(model).__name__))
-    examples, _ = spec.load(split or spec.default_split, source=source, data_dir=data_dir, limit=limit)
+    split = split or spec.default_split
+    examples, _ = spec.load(split, source=source, data_dir=data_dir, limit=limit)
     length = spec.default_max_length if max_length is None else max_length
     features = spec.features(examples, tokenizer, max_length=length, mode=mode)
     if len(features) < 2:

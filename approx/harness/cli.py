@@ -399,7 +399,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     import time
 
     from ..integration import checkpoint_heads, load_pretrained, save
-    from .autotune import DEFAULT_CANDIDATES, autotune, parse_target, task_batches
+    from .autotune import DEFAULT_CANDIDATES, autotune, check_goal, parse_target, task_batches
     from .data import wikitext_windows
     from .provenance import provenance
     from .tasks import get_task
@@ -408,12 +408,13 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     for spec in candidates:  # unknown method or option: exit 2 before loading anything
         parse_setup(spec)
     target = None if args.target is None and args.budget is not None else parse_target(args.target or "cosine>=0.99")
+    check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
     if args.task is not None:
         get_task(args.task)
     set_threads(args.threads)
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
-    heads = checkpoint_heads(model_path) if Path(model_path).is_dir() else []
+    heads = checkpoint_heads(model_path)  # the checkpoint's own head (a KL target compares its outputs)
     head = heads[0] if heads else None
     model, tokenizer = load_pretrained(model_path, task=head, progress=not args.quiet)
     model.eval()

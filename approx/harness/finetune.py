@@ -54,8 +54,9 @@ from ..integration import (
 )
 from ..integration import redraw as redraw_layers
 from ..positions import extend_positions, position_limit
+from ..registry import get_method
 from .evaluation import _collate
-from .spec import Setup, as_setup
+from .spec import PER_LAYER, Setup, as_setup
 from .tasks import Feature, Task, get_task
 
 __all__ = ["FinetuneConfig", "finetune", "masked_lm_loss"]
@@ -197,7 +198,10 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     head_name = next(iter(task.modes))
     net, tokenizer = load_pretrained(model, task=head_name, progress=progress, **task.head_options())
     head = _head(net, model, head_name)
-    if setup is not None:
+    if setup is not None and setup.method == PER_LAYER:  # a saved per-layer model (approx.autotune): layer by layer
+        for entry in setup.options["layers"]:
+            patch(net, entry["method"], layers=[entry["layer"]], **entry["config"])
+    elif setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
     positions = _extend_for_training(net, tokenizer, cfg.max_length, features)
@@ -398,6 +402,14 @@ def finetune(
     cfg = FinetuneConfig.from_options(**{**base, **settings})  # unknown names: ValueError with the valid ones
     cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
     setup = None if method is None else as_setup(method, cfg.seed)
+    if setup is not None and setup.method == PER_LAYER:
+        fitted = [x["layer"] for x in setup.options["layers"] if get_method(x["method"]).requires_fit(
+            get_method(x["method"]).make_config(**x["config"]))]  # fmt: skip
+        if fitted:
+            raise ValueError(
+                f"{method}: layers {fitted} hold fitted state, which fine-tuning from a per-layer folder would draw "
+                "afresh; fine-tune with one method instead, or approx.load the folder and train it in Python"
+            )
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR
     if resume and not (state_dir / PROGRESS_FILE).is_file():
