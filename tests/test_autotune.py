@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import random
 import warnings
 
@@ -133,6 +134,8 @@ def test_target_met_measured_independently_and_the_next_cheaper_point_fails(bert
         cheaper = tuning.path[index + 1]
         assert _cosine(bert, _patched_as(bert, cheaper["choices"]), batches) < target
         assert cheaper["measured_fidelity"] < target
+    else:  # the cheapest point of all met the target
+        assert index == len(tuning.path) - 1 and tuning.met
     assert approx.integration.tuning(model)["choices"] == tuning.choices
 
 
@@ -291,3 +294,105 @@ def test_one_search_serves_several_targets_and_both_cost_conventions(bert):
         assert approx.settings(model) == approx.settings(fresh_model)
     with pytest.raises(ValueError, match="this search measured cosine"):
         search.choose("kl<=0.1", progress=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hull_path_on_nearly_collinear_points_and_broken_candidates(seed):
+    """Points on one line up to rounding, and options whose loss is infinite (a method that broke down): costs still
+    fall strictly along the path, each point is optimal at its cost (brute force), the broken options never appear."""
+    rng = random.Random(100 + seed)
+    layers, options = 3, 5
+    loss, cost = [], []
+    for _ in range(layers):
+        slope = rng.random()
+        cs = [1.0] + [rng.random() for _ in range(options - 1)]
+        ls = [0.0] + [slope * (1.0 - c) * (1 + rng.uniform(-1e-15, 1e-15)) for c in cs[1:]]
+        ls[-1] = math.inf if rng.random() < 0.7 else ls[-1]
+        loss.append(ls)
+        cost.append(cs)
+    path = hull_path(loss, cost)
+    totals = [(sum(cost[i][a] for i, a in enumerate(p)), sum(loss[i][a] for i, a in enumerate(p))) for p in path]
+    assert all(b[0] < a[0] for a, b in itertools.pairwise(totals))
+    assert all(math.isfinite(x) for _, x in totals)
+    everything = [
+        (sum(cost[i][a] for i, a in enumerate(p)), sum(loss[i][a] for i, a in enumerate(p)))
+        for p in itertools.product(range(options), repeat=layers)
+    ]
+    for c, lo in totals:
+        assert lo == pytest.approx(min(x for cc, x in everything if cc <= c + 1e-12), abs=1e-9)
+
+
+def test_target_loss_of_a_broken_measurement_is_infinite():
+    assert parse_target("kl<=0.1").loss(float("nan")) == math.inf
+    assert parse_target(0.9).loss(float("inf")) == math.inf
+    assert parse_target(0.9).loss(0.95) == pytest.approx(0.05)
+
+
+def test_budget_holds_on_the_check_inputs_even_when_the_halves_differ_in_length(bert):
+    """Long fit inputs, short held-out ones: the budget is judged at the held-out lengths, where the reported cost is
+    measured; the reported cost is the path point's."""
+    fit, check = _data(8, 9, lo=90, hi=120), _data(8, 10, lo=12, hi=20)
+    model = copy.deepcopy(bert)
+    tuning = approx.autotune(model, fit, check_data=check, target=None, budget=0.8, methods=CANDIDATES, batch_size=4,
+                             progress=False)  # fmt: skip
+    assert tuning.met and tuning.cost <= 0.8
+    point = next(p for p in tuning.path if p["choices"] == tuning.choices)
+    assert tuning.cost == pytest.approx(point["cost"], rel=1e-9)
+    assert _cosine(bert, model, _batches(check)) == pytest.approx(tuning.fidelity, abs=1e-6)
+
+
+def test_target_out_of_reach_within_the_budget_is_reported(bert):
+    fit, check = _data(8, 11), _data(8, 12)
+    model = copy.deepcopy(bert)
+    with pytest.warns(UserWarning, match="cannot be met within cost"):
+        tuning = approx.autotune(model, fit, check_data=check, target=0.99999999, budget=0.3, methods=CANDIDATES,
+                                 batch_size=4, progress=False)  # fmt: skip
+    assert not tuning.met and tuning.cost <= 0.3
+    assert tuning.fidelity < 0.99999999
+
+
+def test_kl_target_on_a_qa_model_with_token_types_padding_and_train_mode():
+    """Start and end distributions over each input's real tokens, measured here in float64; the model's training
+    flag is given back."""
+    original = tiny_model("bert", "question-answering", num_hidden_layers=2)
+    model = copy.deepcopy(original).train()
+    g = torch.Generator().manual_seed(13)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(5, 99, (3, 30), generator=g)
+        mask = torch.ones(3, 30, dtype=torch.long)
+        mask[1, 22:] = 0
+        mask[2, 15:] = 0
+        types = torch.zeros(3, 30, dtype=torch.long)
+        types[:, 10:] = 1
+        batches.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": types * mask})
+    tuning = approx.autotune(model, batches, target="kl<=0.0001", methods=CANDIDATES, progress=False)
+    assert model.training
+    model.eval()
+    kl = count = 0.0
+    with torch.no_grad():
+        for b in batches[1::2]:  # the held-out half: dict batches alternate
+            ref, out = original(**b), model(**b)
+            for name in ("start_logits", "end_logits"):
+                p = getattr(ref, name).double().masked_fill(~b["attention_mask"].bool(), -math.inf).log_softmax(-1)
+                q = getattr(out, name).double().masked_fill(~b["attention_mask"].bool(), -math.inf).log_softmax(-1)
+                terms = torch.where(p.exp() > 0, p.exp() * (p - q), torch.zeros_like(p)).sum(-1)
+                kl, count = kl + float(terms.sum()), count + terms.numel()
+    assert tuning.fidelity == pytest.approx(kl / count, abs=1e-6)
+    assert tuning.met == (kl / count <= 0.0001 + 1e-9)
+
+
+def test_finetune_from_a_tuned_folder_keeps_each_layers_choice(tmp_path, base_model, fixture_dir):
+    from approx.harness.data import wikitext_windows
+    from approx.harness.finetune import finetune
+
+    model, tok = approx.integration.load_pretrained(base_model, progress=False)
+    windows = wikitext_windows(tok, fixture_dir, split="valid", length=24, count=6)
+    approx.autotune(model.eval(), windows, target=None, budget=0.5, methods=CANDIDATES[1:], batch_size=2,
+                    progress=False)  # fmt: skip
+    folder = approx.save(model, tmp_path / "tuned", tokenizer=tok)
+    tuned = json.loads((folder / "approx_config.json").read_text())["layers"]
+    finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), train_split="dev/0",
+             data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
+    trained = json.loads((tmp_path / "ft" / "approx_config.json").read_text())["layers"]
+    assert trained == tuned
