@@ -15,8 +15,9 @@ Calibration uses each checkpoint's own training data only (the train split, or t
 the first :data:`CALIBRATION` examples, labels unused, shuffled and halved by ``approx.autotune`` into the inputs
 measured per layer and the held-out inputs its choice is verified on. One :class:`approx.harness.autotune.Search`
 per checkpoint measures every candidate (:data:`CANDIDATES`: the clustered table's methods plus
-i-clustered with 50 clusters) on every layer, with the KL divergence of the head's outputs; then for KL targets at
-each of :data:`FRACTIONS` of the cheapest assignment's divergence and both cost conventions (``flops``: approx's
+i-clustered with 50 clusters) on every layer, with the KL divergence of the head's outputs (STS-B's regression head:
+the cosine of the last hidden states, :data:`MEASURE`); then for targets at
+each of :data:`FRACTIONS` of the cheapest assignment's loss and both cost conventions (``flops``: approx's
 full cost model; ``matmul``: the literature's attention matmul count) a model is chosen, saved (``runs/autotune/``,
 identical choices once) and evaluated with ``approx.evaluate`` on data no calibration saw. Cross-fitted tasks (SST-2, QNLI) tune each half's checkpoint on its own training half and merge
 the halves' predictions as the clustered table does.
@@ -61,6 +62,8 @@ CANDIDATES = [*METHODS, approx.get_method("i-clustered").make_config(clusters=50
 # layer approximated) while SQuAD's start and end distributions move a lot, so fixed KL values would waste most
 # targets on either. Eight halvings span 1/2 to 1/256 of the cheapest point's divergence.
 FRACTIONS = tuple(0.5**k for k in range(1, 9))
+# STS-B's head is a regression (one score, no distribution): its targets are cosines of the last hidden states
+MEASURE = {"stsb": "cosine"}
 CONVENTIONS = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax_model"}  # tuning cost -> result's cost field
 CALIBRATION = 64  # examples of the training data per checkpoint (halved: measured / held out)
 SQUAD = {"reader": {"cpu": {"limit": None}, "gpu": {}}, "questions": {"cpu": 400, "gpu": None}}
@@ -105,14 +108,15 @@ def tune_checkpoint(task: str, folder: Path, train_split: str, args) -> tuple[li
     model, tokenizer = load_pretrained(str(folder), task=head, progress=False)
     batches = task_batches(model.eval(), tokenizer, task, split=train_split, limit=args.calibration, batch_size=8,
                            seed=args.seed, data_dir=args.data_dir, source=args.source)  # fmt: skip
-    search = Search(model, batches, measure="kl", methods=CANDIDATES, seed=args.seed, progress=not args.quiet)
+    measure = MEASURE.get(task, "kl")
+    search = Search(model, batches, measure=measure, methods=CANDIDATES, seed=args.seed, progress=not args.quiet)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cheapest point misses a zero budget's target by construction
         cheapest = search.choose(None, budget=1e-12, progress=False).fidelity
     folders, tunings, saved = [], [], {}
     for convention in CONVENTIONS:
         for fraction in FRACTIONS:
-            target = f"kl<={float(f'{cheapest * fraction:.3g}')}"
+            target = _target(measure, cheapest, fraction)
             tuning = search.choose(target, cost=convention, progress=False)
             key = tuple(tuning.choices)
             if key not in saved:
@@ -128,11 +132,19 @@ def tune_checkpoint(task: str, folder: Path, train_split: str, args) -> tuple[li
         "checkpoint": _relative(folder),
         "calibration_split": train_split,
         "calibration_examples": args.calibration,
-        "cheapest_kl": cheapest,
+        "measure": measure,
+        "cheapest_fidelity": cheapest,
         "measure_seconds": search.seconds,
         "table": search.table,
         "tunings": tunings,
     }
+
+
+def _target(measure: str, cheapest: float, fraction: float) -> str:
+    """The target at ``fraction`` of the cheapest assignment's loss (KL, or 1 - cosine), to 3 significant digits."""
+    if measure == "kl":
+        return f"kl<={float(f'{cheapest * fraction:.3g}')}"
+    return f"cosine>={1 - float(f'{(1 - cheapest) * fraction:.3g}')}"
 
 
 def _labels() -> list[tuple[str, float]]:
@@ -145,7 +157,7 @@ def _relabel(results: list[dict[str, Any]]) -> None:
         r["tuned_layers"] = r["method"]["layers"]
         r["method"] = {
             "name": PER_LAYER,
-            "label": f"autotune KL <= 1/{round(1 / fraction)} of cheapest, {convention} cost",
+            "label": f"autotune 1/{round(1 / fraction)} of the cheapest loss, {convention} cost",
         }
 
 
@@ -279,10 +291,11 @@ def markdown(record: dict[str, Any]) -> str:
             lines.append(
                 f"Calibration of `{Path(c['checkpoint']).name}` on {c['calibration_split']}: {first['fit_inputs']} inputs "
                 f"measured, {first['check_inputs']} held out; every candidate on every layer measured in "
-                f"{c['measure_seconds']:.0f} s; cheapest assignment's KL {c['cheapest_kl']:.3g}."
+                f"{c['measure_seconds']:.0f} s; the cheapest assignment's {c.get('measure', 'kl')} "
+                f"{c.get('cheapest_fidelity', c.get('cheapest_kl')):.4g}."
             )
         lines.append("")
-        lines += ["| KL target | cost convention | " + metric + " | flops vs full | matmul vs softmax | layers |",
+        lines += ["| target | cost convention | " + metric + " | flops vs full | matmul vs softmax | layers |",
                   "| --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
         for r in t["tuned"]:
             c = r["fidelity"]["cost"]
@@ -335,7 +348,7 @@ def figure(record: dict[str, Any], path: Path) -> None:
                 ax.annotate(short_label(u["method"]).split(":")[0], (x, y), fontsize=5, color="0.4",
                             xytext=(2, 2), textcoords="offset points")  # fmt: skip
             mine = sorted(_point(r, metric, field) for r in t["tuned"] if r["autotune"]["cost"] == convention)
-            ax.plot([p[0] for p in mine], [p[1] for p in mine], "D-", color="C3", ms=4, label="autotune (KL targets)")
+            ax.plot([p[0] for p in mine], [p[1] for p in mine], "D-", color="C3", ms=4, label="autotune (targets)")
             ax.plot([1.0], [t["tuned"][0]["reference_metrics"][metric]], "k*", ms=10, label="full attention")
             ax.set_xscale("log")
             ax.set_title(f"{task}: tuned with the {convention} cost", fontsize=8)
@@ -382,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     record = json.loads(args.output.read_text()) if args.output.is_file() else {"tasks": {}}
     if not args.report:
         for task in args.tasks:
+            for kept in record["tasks"].values():  # tasks of an earlier run keep that run's provenance
+                kept.setdefault("provenance", record.get("provenance"))
             t = run_task(task, args)
+            t["provenance"] = provenance(seed=args.seed)
             t["dominance"] = dominance(t)
             if task == "squad":
                 t["targets"] = squad_targets(t)

@@ -426,7 +426,7 @@ def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
             assert c["calibration_split"] == {"cola": "train", "sst2": half, "squad": "dev/0"}[name]
             assert len(c["tunings"]) == 4 and all((tmp_path / "tuned").as_posix() in x["folder"] for x in c["tunings"])
             assert [x["fraction"] for x in c["tunings"]] == [0.5, 1e-6, 0.5, 1e-6]
-            half_kl = float(f"{c['cheapest_kl'] * 0.5:.3g}")
+            half_kl = float(f"{c['cheapest_fidelity'] * 0.5:.3g}")
             assert parse_target(c["tunings"][0]["target"]).value == half_kl
     sst2 = record["tasks"]["sst2"]
     assert len(sst2["calibration"]) == 2 and all("tuned_layers" in h for h in sst2["tuned"][0]["halves"])

@@ -196,14 +196,16 @@ def _last_hidden(out) -> torch.Tensor:
 
 
 def _output_logits(out, mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-    """The output distributions to compare for a KL target: (log-probabilities, units) per output, padding
-    excluded; empty for a bare encoder."""
+    """The output distributions to compare for a KL target: (name, log-probabilities) per output, padding
+    excluded; empty for a bare encoder and for a regression head (one score per input)."""
     found = []
     for name in ("logits", "start_logits", "end_logits"):
         t = getattr(out, name, None)
         if t is None:
             continue
         t = t.float()
+        if t.shape[-1] == 1:  # a regression head's score: no distribution to compare
+            continue
         if name != "logits":  # QA: a distribution over the input's real positions
             t = t.masked_fill(~mask.bool(), float("-inf"))
         found.append((name, t.log_softmax(-1)))
@@ -245,8 +247,9 @@ class _Calibration:
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
                 raise ValueError(
-                    f"target {target} compares output distributions, and {type(model).__name__} has no output logits "
-                    "(a bare encoder): use a cosine target, or load the model with its task head"
+                    f"target {target} compares output distributions, and {type(model).__name__} has none (a bare "
+                    "encoder, or a regression head's single score): use a cosine target, or load the model with its "
+                    "classification, QA or masked-LM head"
                 )
             self.refs.append(_Reference(inputs, _last_hidden(out), logits))
         self.forwards = len(batches)
