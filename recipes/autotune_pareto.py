@@ -335,6 +335,7 @@ def figure(record: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     tasks = [t for t in TASK_ORDER if t in record["tasks"]]
     fig, axes = plt.subplots(len(tasks), 2, figsize=(10, 3.0 * len(tasks)), squeeze=False)
@@ -351,6 +352,7 @@ def figure(record: dict[str, Any], path: Path) -> None:
             ax.plot([p[0] for p in mine], [p[1] for p in mine], "D-", color="C3", ms=4, label="autotune (targets)")
             ax.plot([1.0], [t["tuned"][0]["reference_metrics"][metric]], "k*", ms=10, label="full attention")
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_title(f"{task}: tuned with the {convention} cost", fontsize=8)
             ax.set_xlabel(f"attention cost vs full ({field})", fontsize=7)
             ax.set_ylabel(metric, fontsize=7)
@@ -358,7 +360,7 @@ def figure(record: dict[str, Any], path: Path) -> None:
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=6, loc="lower right")
     fig.suptitle("Per-layer autotuned models (red) against every uniform setting (grey), zero-shot", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
