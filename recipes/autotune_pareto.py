@@ -60,8 +60,10 @@ CANDIDATES = [*METHODS, approx.get_method("i-clustered").make_config(clusters=50
 # Targets as fractions of the KL divergence of the cheapest assignment (every layer at its cheapest candidate),
 # measured per checkpoint: a weakly trained classifier's outputs barely move (RTE's checkpoint: KL 3e-5 with every
 # layer approximated) while SQuAD's start and end distributions move a lot, so fixed KL values would waste most
-# targets on either. Eight halvings span 1/2 to 1/256 of the cheapest point's divergence.
-FRACTIONS = tuple(0.5**k for k in range(1, 9))
+# targets on either. Eight halvings span 1/2 to 1/256 of the cheapest point's divergence; the two ends of the
+# search path are tuned points too: 1 (the cheapest assignment itself) and 0 (exact attention on every layer, the
+# only assignment without loss).
+FRACTIONS = (1.0, *(0.5**k for k in range(1, 9)), 0.0)
 # STS-B's head is a regression (one score, no distribution): its targets are cosines of the last hidden states
 MEASURE = {"stsb": "cosine"}
 CONVENTIONS = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax_model"}  # tuning cost -> result's cost field
@@ -141,10 +143,17 @@ def tune_checkpoint(task: str, folder: Path, train_split: str, args) -> tuple[li
 
 
 def _target(measure: str, cheapest: float, fraction: float) -> str:
-    """The target at ``fraction`` of the cheapest assignment's loss (KL, or 1 - cosine), to 3 significant digits."""
+    """The target at ``fraction`` of the cheapest assignment's loss (KL, or 1 - cosine), to 3 significant digits
+    (the cheapest point's own value as measured: rounding must not put it out of its own reach)."""
+    if fraction == 1.0:
+        return f"{'kl<=' if measure == 'kl' else 'cosine>='}{cheapest!r}"
     if measure == "kl":
         return f"kl<={float(f'{cheapest * fraction:.3g}')}"
     return f"cosine>={1 - float(f'{(1 - cheapest) * fraction:.3g}')}"
+
+
+def _fraction_text(fraction: float) -> str:
+    return "1/" + str(round(1 / fraction)) if 0 < fraction < 1 else str(int(fraction))
 
 
 def _labels() -> list[tuple[str, float]]:
@@ -157,7 +166,7 @@ def _relabel(results: list[dict[str, Any]]) -> None:
         r["tuned_layers"] = r["method"]["layers"]
         r["method"] = {
             "name": PER_LAYER,
-            "label": f"autotune 1/{round(1 / fraction)} of the cheapest loss, {convention} cost",
+            "label": f"autotune {_fraction_text(fraction)} of the cheapest loss, {convention} cost",
         }
 
 

@@ -402,7 +402,7 @@ def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
     pareto = _recipe("autotune_pareto")
     few = [approx.get_method("efficient").make_config(), approx.get_method("nystrom").make_config(landmarks=4)]
     table.METHODS = few
-    pareto.CANDIDATES, pareto.FRACTIONS = few, (0.5, 1e-6)
+    pareto.CANDIDATES, pareto.FRACTIONS = few, (1.0, 1e-6, 0.0)
     common = [
         *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local"),
         *("--limit", "6", "--max-steps", "1", "--checkpoints", str(tmp_path / "ck"), "--quiet"),
@@ -418,16 +418,19 @@ def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
     record = json.loads(out.read_text())
     assert set(record["tasks"]) == {"cola", "sst2", "squad"}
     for name, t in record["tasks"].items():
-        assert len(t["tuned"]) == 2 * 2  # conventions x targets
-        assert [r["autotune"]["cost"] for r in t["tuned"]] == ["flops", "flops", "matmul", "matmul"]
+        assert len(t["tuned"]) == 2 * 3  # conventions x targets
+        assert [r["autotune"]["cost"] for r in t["tuned"]] == ["flops"] * 3 + ["matmul"] * 3
         assert len(t["uniform"]) == 2 and t["dominance"]["flops"]["uniform"] == 2
         for c in t["calibration"]:  # each checkpoint tuned on its own training data
             half = Path(c["checkpoint"]).name.split("-")[1].replace("dev", "dev/")
             assert c["calibration_split"] == {"cola": "train", "sst2": half, "squad": "dev/0"}[name]
-            assert len(c["tunings"]) == 4 and all((tmp_path / "tuned").as_posix() in x["folder"] for x in c["tunings"])
-            assert [x["fraction"] for x in c["tunings"]] == [0.5, 1e-6, 0.5, 1e-6]
-            half_kl = float(f"{c['cheapest_fidelity'] * 0.5:.3g}")
-            assert parse_target(c["tunings"][0]["target"]).value == half_kl
+            assert len(c["tunings"]) == 6 and all((tmp_path / "tuned").as_posix() in x["folder"] for x in c["tunings"])
+            assert [x["fraction"] for x in c["tunings"]] == [1.0, 1e-6, 0.0] * 2
+            tiny = float(f"{c['cheapest_fidelity'] * 1e-6:.3g}")
+            assert parse_target(c["tunings"][1]["target"]).value == tiny
+            cheapest, exact = c["tunings"][0], c["tunings"][2]  # the two ends of the path
+            assert cheapest["choices"] == cheapest["path"][-1]["choices"] and cheapest["met"]
+            assert exact["choices"] == ["full"] * len(exact["choices"])
     sst2 = record["tasks"]["sst2"]
     assert len(sst2["calibration"]) == 2 and all("tuned_layers" in h for h in sst2["tuned"][0]["halves"])
     assert sst2["uniform_source"].endswith("full attention's accuracy equal)")
