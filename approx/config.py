@@ -15,9 +15,15 @@ from typing import Any, ClassVar
 __all__ = ["MethodConfig", "option", "did_you_mean"]
 
 
-def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
-    """A config field with its help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+_UNSET = object()
+
+
+def option(default: Any, help: str, *, absent: Any = _UNSET) -> Any:  # noqa: A002 - mirrors argparse's name
+    """A config field with its help text. ``absent``: what a *recorded* config without this option meant, when that
+    differs from ``default`` (the option came later, with a default that changes the method): a folder saved or a
+    result written before keeps its meaning (:meth:`MethodConfig.from_record`)."""
+    metadata = {"help": help} if absent is _UNSET else {"help": help, "absent": absent}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
@@ -74,6 +80,27 @@ class MethodConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def recorded_options(cls, record: dict[str, Any]) -> dict[str, Any]:
+        """The options of a recorded config (``to_dict`` of an earlier version: a saved folder's layer, a result's
+        ``"method"`` entry without its ``"name"``), each option it lacks that has an ``absent`` value set to it, so
+        that the record means what it meant when it was written."""
+        out = dict(record)
+        for f in dataclasses.fields(cls):
+            if f.name not in out and "absent" in f.metadata:
+                out[f.name] = f.metadata["absent"]
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (``torch.save`` of a patched model, ``copy``): an option the pickle predates takes its
+        ``absent`` value, as in :meth:`recorded_options`, not today's default."""
+        self.__dict__.update(type(self).recorded_options(state))
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> MethodConfig:
+        """:meth:`from_options` on :meth:`recorded_options`: the config a saved or reported record describes."""
+        return cls.from_options(**cls.recorded_options(record))
 
     @classmethod
     def describe(cls) -> list[dict[str, Any]]:

@@ -3,9 +3,10 @@ registry, one ``register`` call per method file, nothing to edit elsewhere.
 
 A method is a pure attention function over already-projected, per-head tensors plus its config class, an
 optional state initialiser (random planes, features, learned projections: tensors kept as buffers on the
-patched layer) and a cost model. Its registration also carries what generic code needs to know about it: the
-attention it predicts while being fitted (``teacher``), the options at which the generic tests see it
-approximate (``test_options``) and how it reaches exact attention (``exact_limit``).
+patched layer) and a cost model (and a per-row one where the cost depends on more than the lengths). Its
+registration also carries what generic code needs to know about it: the attention it predicts while being fitted
+(``teacher``), the options at which the generic tests see it approximate (``test_options``) and how it reaches
+exact attention (``exact_limit``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ AttendFn = Callable[..., torch.Tensor]
 InitStateFn = Callable[..., dict[str, torch.Tensor]]
 # cost(config, *, n, s, d, dv) -> Cost
 CostFn = Callable[..., Cost]
+# batch_cost(config, *, b, n, key_mask, d, dv) -> [Cost] * b: the cost of one self-attention call per batch row, for
+#   a method whose cost depends on the data beyond the lengths (window's global question tokens, read from
+#   ``attention._context``, which the forward sets); key_mask: (B, N) bool, True = real token, or None.
+BatchCostFn = Callable[..., list[Cost]]
 # weights(q, k, *, key_mask, query_mask, scale, config, state) -> (B, H, N, S): the dense attention matrix the
 # method implies, for analysis and plots on short inputs (it is O(N * S) by construction).
 WeightsFn = Callable[..., torch.Tensor]
@@ -158,6 +163,8 @@ class Method:
     fit_config: type[MethodConfig] | None = None
     # which configs have learned state (e.g. Linformer's mode="fitted"); None: every config of a method with ``fit``
     fit_when: Callable[[MethodConfig], bool] | None = None
+    # the per-row cost of a call when it depends on the data, not only the lengths (see ``costs``); None: ``cost``
+    batch_cost: BatchCostFn | None = None
 
     @property
     def needs_fit(self) -> bool:
@@ -173,6 +180,19 @@ class Method:
 
     def make_config(self, **options: Any) -> MethodConfig:
         return self.config_class.from_options(**options)
+
+    def costs(
+        self, config: MethodConfig, *, b: int, n: int, key_mask: torch.Tensor | None, d: int, dv: int
+    ) -> list[Cost]:
+        """The cost of one self-attention call on a batch, per row (``key_mask``: (B, N) bool, True = real token,
+        padding at the end, or None): ``batch_cost`` when the method has one (its cost depends on the data, e.g.
+        window's global question tokens; call it where the forward's context is set), else ``cost`` at each row's
+        real length."""
+        if self.batch_cost is not None:
+            return list(self.batch_cost(config, b=b, n=n, key_mask=key_mask, d=d, dv=dv))
+        lengths = [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
+        at = {m: self.cost(config, n=m, s=m, d=d, dv=dv) for m in set(lengths)}
+        return [at[m] for m in lengths]
 
 
 _METHODS: Registry[Method] = Registry("attention method", "approx.attention", plural="methods")
@@ -192,6 +212,7 @@ def register(
     exact_limit: ExactLimit | None = None,
     fit_config: type[MethodConfig] | None = None,
     fit_when: Callable[[MethodConfig], bool] | None = None,
+    batch_cost: BatchCostFn | None = None,
 ) -> Callable[[AttendFn], AttendFn]:
     """Decorator registering an attend function as method ``name`` (see :class:`Method` for the fields)."""
 
@@ -216,6 +237,7 @@ def register(
                 exact_limit=exact_limit,
                 fit_config=fit_config,
                 fit_when=fit_when,
+                batch_cost=batch_cost,
             ),
         )
         return attend

@@ -86,7 +86,7 @@ def build_layers(folder: str | os.PathLike, head_dims: list[int]) -> tuple[dict[
         try:
             (i,) = select_layers(entry["layer"], len(head_dims), name="layer")
             spec = get_method(entry["method"])
-            config = spec.make_config(**entry["config"])
+            config = spec.config_class.from_record(entry["config"])  # options it predates: as it was saved
         except (ValueError, TypeError) as e:
             raise ValueError(f"{file}: {e}") from None
         if i in layers:

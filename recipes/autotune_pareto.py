@@ -24,6 +24,8 @@ the halves' predictions as the clustered table does.
 
     python recipes/autotune_pareto.py --threads 2                 # every task (CPU: about 40 minutes)
     python recipes/autotune_pareto.py --tasks squad rte           # some tasks (the others kept from the JSON)
+    python recipes/autotune_pareto.py --tasks squad --clustering default --output OTHER.json --figure OTHER.png
+                                                                  # SQuAD with today's clustering (refine=1)
     python recipes/autotune_pareto.py --report                    # tables and figure from the committed JSON
 
 Writes ``recipes/results/autotune_pareto.json`` and ``recipes/results/figures/autotune_pareto.png``.
@@ -32,6 +34,7 @@ Writes ``recipes/results/autotune_pareto.json`` and ``recipes/results/figures/au
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -56,7 +59,20 @@ from paper_table import PRIMARY_METRIC  # noqa: E402
 OUTPUT = RESULTS / "autotune_pareto.json"
 FIGURE = RESULTS / "figures" / "autotune_pareto.png"
 TUNED = ROOT / "runs" / "autotune"
-CANDIDATES = [*METHODS, approx.get_method("i-clustered").make_config(clusters=50, topk=32)]
+# the paper's clustering (refine=0), as the clustered table's uniform rows were measured
+CANDIDATES = [*METHODS, approx.get_method("i-clustered").make_config(clusters=50, topk=32, refine=0)]
+# --clustering: "paper" (CANDIDATES) or "default" (clustered and improved clustered at today's defaults: one Euclidean
+# step, issue #20 step 0); only SQuAD, whose uniform rows are evaluated in the same run, can take "default"
+CLUSTERING = ("paper", "default")
+
+
+def candidates(clustering: str = "paper") -> list:
+    """:data:`CANDIDATES`, with the clustering methods at today's default ``refine`` for ``"default"``."""
+    if clustering == "paper":
+        return list(CANDIDATES)
+    return [dataclasses.replace(c, refine=type(c)().refine) if hasattr(c, "refine") else c for c in CANDIDATES]
+
+
 # Targets as fractions of the KL divergence of the cheapest assignment (every layer at its cheapest candidate),
 # measured per checkpoint: a weakly trained classifier's outputs barely move (RTE's checkpoint: KL 3e-5 with every
 # layer approximated) while SQuAD's start and end distributions move a lot, so fixed KL values would waste most
@@ -101,7 +117,9 @@ def _limit(task: str, args, halves: int) -> int | None:
     return TASKS[task].get("eval_limit") if args.profile == "cpu" else None
 
 
-def tune_checkpoint(task: str, folder: Path, train_split: str, args) -> tuple[list[Path], dict[str, Any]]:
+def tune_checkpoint(
+    task: str, folder: Path, train_split: str, args, methods: list
+) -> tuple[list[Path], dict[str, Any]]:
     """Measure once on the checkpoint's training data, then choose and save a model per target and convention
     (identical choices saved once: the returned folders repeat)."""
     import warnings
@@ -111,7 +129,7 @@ def tune_checkpoint(task: str, folder: Path, train_split: str, args) -> tuple[li
     batches = task_batches(model.eval(), tokenizer, task, split=train_split, limit=args.calibration, batch_size=8,
                            seed=args.seed, data_dir=args.data_dir, source=args.source)  # fmt: skip
     measure = MEASURE.get(task, "kl")
-    search = Search(model, batches, measure=measure, methods=CANDIDATES, seed=args.seed, progress=not args.quiet)
+    search = Search(model, batches, measure=measure, methods=methods, seed=args.seed, progress=not args.quiet)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cheapest point misses a zero budget's target by construction
         cheapest = search.choose(None, budget=1e-12, progress=False).fidelity
@@ -182,14 +200,21 @@ def _evaluate_once(folder: Path, task: str, folders: list[Path], extra: list, **
 
 def run_task(task: str, args) -> dict[str, Any]:
     start = time.perf_counter()
+    clustering = getattr(args, "clustering", "paper")
+    if clustering != "paper" and task != "squad":
+        raise SystemExit(
+            f"--clustering {clustering}: {task}'s uniform rows come from the clustered table, measured with the paper's "
+            "clustering; only squad (uniform rows evaluated in the same run) can take another"
+        )
+    methods = candidates(clustering)
     checkpoints = _checkpoints(task, args)
     limit = _limit(task, args, len(checkpoints))
     common = dict(batch_size=32, seed=args.seed, data_dir=args.data_dir, source=args.source, progress=not args.quiet)
     halves, examples, calibrations = [], [], []
     for folder, train_split, eval_split in checkpoints:
-        folders, calibration = tune_checkpoint(task, folder, train_split, args)
+        folders, calibration = tune_checkpoint(task, folder, train_split, args, methods)
         calibrations.append(calibration)
-        results = _evaluate_once(folder, task, folders, CANDIDATES if task == "squad" else [], split=eval_split,
+        results = _evaluate_once(folder, task, folders, methods if task == "squad" else [], split=eval_split,
                                  limit=limit, predictions=len(checkpoints) > 1, **common)  # fmt: skip
         _relabel(results)
         halves.append(results)
@@ -211,6 +236,8 @@ def run_task(task: str, args) -> dict[str, Any]:
         "tuned": tuned,
         "uniform": uniform,
         "uniform_source": source,
+        "clustering": clustering,
+        "candidates": [short_label({"name": c.method, **c.to_dict()}) for c in methods],
         "seconds": time.perf_counter() - start,
     }
 
@@ -259,11 +286,21 @@ def dominance(task_record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _same(method: dict[str, Any], config) -> bool:
+    """Whether a result's ``"method"`` record is ``config`` (a record from before an option means what it did then)."""
+    spec = approx.get_method(method["name"])
+    return (
+        spec.name == config.method
+        and spec.config_class.from_record({k: v for k, v in method.items() if k != "name"}) == config
+    )
+
+
 def squad_targets(task_record: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's two SQuAD targets, judged on this run's numbers (the first needs i-clustered-25's row)."""
     full = task_record["tuned"][0]["reference_metrics"]["f1"]
     floor = 0.99 * full
-    icl25 = next((u for u in task_record["uniform"] if short_label(u["method"]) == "i-clustered"), None)
+    icl25_config = candidates(task_record.get("clustering", "paper"))[1]  # i-clustered-25 of the run's clustering
+    icl25 = next((u for u in task_record["uniform"] if _same(u["method"], icl25_config)), None)
     icl_cost = None if icl25 is None else icl25["fidelity"]["cost"]["flops_vs_full"]
     below = "i-clustered-25's (not measured)" if icl_cost is None else f"i-clustered-25's ({icl_cost:.3f})"
     checks = []
@@ -380,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", choices=TASK_ORDER, default=list(TASK_ORDER))
     p.add_argument("--profile", choices=["cpu", "gpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--uniform-dir", type=Path, help="clustered_table_<task>.json (default: the profile's results)")
+    p.add_argument("--clustering", choices=CLUSTERING, default="paper", help="the clustering methods' refine: the "
+                   "paper's (0, as the clustered table) or today's default; 'default' for squad only")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")

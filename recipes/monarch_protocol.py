@@ -13,17 +13,25 @@ fine-tuning, on every question of the half: :data:`READER`) reads dev half 1, wh
 ``fidelity.cost.matmul_vs_softmax_model`` (the harness's count of that convention, real lengths, every layer);
 approx's own full cost model (``flops_vs_full``, patched layers) is in every result too.
 
+The sparse-pattern methods (issue #17: ``window`` with the question global, ``bigbird``, ``sparse-transformer``,
+``lsh``) are on the same axis: their matmul count is the pattern's pairs times (d + dv), at each input's real length;
+for ``window`` the question's own tokens are global rows and columns, counted per input (``Method.costs``).
+
     python recipes/monarch_protocol.py                  # CPU: one fold, --questions of dev/1 (see the docs' Results)
     python recipes/monarch_protocol.py --profile gpu    # the clustered table's gpu checkpoints, both folds
+    python recipes/monarch_protocol.py --methods window lsh --update   # run some methods, merge into the JSON
     python recipes/monarch_protocol.py --report         # tables and figure from the committed JSON
 
 Writes ``recipes/results/monarch_protocol.json`` (the harness's results, each with its ``layer_set``) and
-``recipes/results/figures/monarch_protocol.png``.
+``recipes/results/figures/monarch_protocol.png``. With ``--update`` the new results replace those of the same layer
+set and method config in the existing JSON and the others are kept; it refuses when the checkpoint, the questions or
+the protocol differ, and ``runs`` lists what each run added, with its provenance.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,7 @@ from _shared import (
     ensure_checkpoint,
     evaluate_checkpoints,
     protocol_main,
+    write_json,
 )  # noqa: E402,I001
 from clustered_table import base_settings, default_model  # noqa: E402
 
@@ -65,8 +74,22 @@ METHODS: dict[str, list[dict[str, Any]]] = {
     "efficient": [{}],
     "taylor": [{}],
     "favor": [{"features": m} for m in (64, 256)],
-    "clustered": [{"clusters": c} for c in (25, 100)],
-    "i-clustered": [{"clusters": c, "topk": 32} for c in (25, 100)],
+    # the paper's clustering (refine=0), as the committed rows were measured; today's default (one Euclidean step) is
+    # measured against it in recipes/sharper_clustering.py
+    "clustered": [{"clusters": c, "refine": 0} for c in (25, 100)],
+    "i-clustered": [{"clusters": c, "topk": 32, "refine": 0} for c in (25, 100)],
+    # the sparse patterns, from about 0.2x to 0.7x of softmax's matmuls on every layer at dev/1's real lengths (160
+    # tokens on average, a 12-token question): each window adds the question's rows and columns, BigBird 3 + 2 + r
+    # blocks per block row, the strided pattern a local band and every stride-th column, LSH rounds * cluster pairs
+    "window": [{"window": w, "question_global": True} for w in (8, 16, 32, 64)],
+    "bigbird": [{"block": b, "random_blocks": r} for b, r in ((8, 1), (16, 1), (16, 3))],
+    "sparse-transformer": [{"pattern": "strided", "stride": s, "heads": "union"} for s in (16, 32, 64)],
+    "lsh": [{"cluster_size": c, "rounds": 2} for c in (16, 32, 64)],
+}
+# line styles of the figure by family: kernel and low-rank solid, sparse patterns dashed, clustering dotted
+FAMILIES = {
+    "sparse": ("--", "s", ("window", "bigbird", "sparse-transformer", "lsh")),
+    "clustered": (":", "^", ("clustered", "i-clustered")),
 }
 BUDGETS = (0.5, 0.7)  # the issue's table: each method's best F1 at or below these matmul ratios
 # The paper's anchors (fine-tuned RoBERTa-base, SQuAD v1.1, layers 0-3 and 8-11 replaced): softmax 93.0 F1;
@@ -84,8 +107,14 @@ def layer_sets(n_layers: int) -> dict[str, list[int]]:
     return {"all": list(range(n_layers)), "outer thirds": [*range(third), *range(n_layers - third, n_layers)]}
 
 
-def configs() -> list[Any]:
-    return [approx.get_method(name).make_config(**o) for name, options in METHODS.items() for o in options]
+def configs(names: list[str] | None = None) -> list[Any]:
+    """The configs of :data:`METHODS` (of ``names`` only, when given)."""
+    return [
+        approx.get_method(name).make_config(**o)
+        for name, options in METHODS.items()
+        if names is None or name in names
+        for o in options
+    ]
 
 
 def patched(model, config, layers: list[int]) -> dict[int, Any]:
@@ -116,20 +145,7 @@ def run(args) -> dict[str, Any]:
     sets = layer_sets(n_layers)
     questions = args.questions if args.questions is not None else QUESTIONS[args.profile]
     limit = None if questions is None else max(1, questions // len(pairs))
-    results = []
-    with Timer() as t_eval:
-        for name, layers in sets.items():
-            methods = [patched(model, c, layers) for c in configs()]
-            for r in evaluate_checkpoints(
-                "squad", pairs, methods, limit=limit, batch_size=args.batch_size, progress=not args.quiet, **data,
-            ):  # fmt: skip
-                r["layer_set"] = name
-                r["nominal_matmul_vs_softmax_model"] = nominal_ratio(
-                    r["method"], MAX_LENGTH, head_dim, layers, n_layers
-                )
-                results.append(r)
-            print(report_table([r for r in results if r["layer_set"] == name]), flush=True)
-    return {
+    header = {
         "recipe": "recipes/monarch_protocol.py",
         "profile": args.profile,
         "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
@@ -143,18 +159,128 @@ def run(args) -> dict[str, Any]:
         ),
         "layer_sets": sets,
         "checkpoints": checkpoints,
+    }
+    old = None
+    if args.update:  # refused before the evaluation, not after it
+        if not args.output.is_file():
+            raise SystemExit(f"--update: {args.output} does not exist; run without --update first")
+        old = json.loads(args.output.read_text())
+        check_mergeable(old, header)
+    results = []
+    with Timer() as t_eval:
+        for name, layers in sets.items():
+            methods = [patched(model, c, layers) for c in configs(args.methods)]
+            for r in evaluate_checkpoints(
+                "squad", pairs, methods, limit=limit, batch_size=args.batch_size, progress=not args.quiet, **data,
+            ):  # fmt: skip
+                r["layer_set"] = name
+                r["nominal_matmul_vs_softmax_model"] = nominal_ratio(
+                    r["method"], MAX_LENGTH, head_dim, layers, n_layers
+                )
+                results.append(r)
+            print(report_table([r for r in results if r["layer_set"] == name]), flush=True)
+    record = {
+        **header,
         "results": results,
         "best": best_points(results),
         "wall_seconds": {"finetune_this_run": t_ft.seconds, "evaluate": t_eval.seconds},
         "provenance": provenance(seed=0),
     }
+    if old is None:
+        return record
+    try:
+        return merge(old, record)
+    except SystemExit:  # refused after all (the results differ): keep this run's results beside the file
+        write_json(args.output.with_suffix(".unmerged.json"), record)
+        print(f"this run's results are in {args.output.with_suffix('.unmerged.json')}", file=sys.stderr)
+        raise
 
 
-def nominal_ratio(method: dict[str, Any], n: int, d: int, layers: list[int], n_layers: int) -> float:
+# ------------------------------------------------------------------------------------- merging runs (--update)
+# what two runs must share for their results to sit in one table: the reader, the questions, the protocol
+_SAME_RUN = ("recipe", "profile", "protocol", "layer_sets")
+_SAME_RESULT = ("task", "task_version", "split", "max_length", "examples", "model")
+
+
+def _checkpoint_key(checkpoints: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in c.items() if k != "reused_from_cache"} for c in checkpoints]
+
+
+def _result_key(r: dict[str, Any]) -> tuple[str, str]:
+    """A result's place in the table: its layer set and its whole method config (an option the record predates at
+    the value it meant then, so that a re-run of an old setting replaces it)."""
+    method = r["method"]
+    if method["name"] == "per-layer":
+        return r["layer_set"], json.dumps(method, sort_keys=True)
+    options = approx.get_method(method["name"]).config_class.recorded_options(
+        {k: v for k, v in method.items() if k != "name"}
+    )
+    return r["layer_set"], json.dumps({"name": method["name"], **options}, sort_keys=True)
+
+
+def check_mergeable(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """``SystemExit`` naming every difference that keeps ``new``'s results out of ``old``'s table: the recipe,
+    profile, protocol (questions, layers), layer sets, checkpoints and, where both have results, what each result
+    was measured on (task version, split, length, questions, model)."""
+    problems = [f"{k}: {old.get(k)!r} here, {new.get(k)!r} in this run" for k in _SAME_RUN if old.get(k) != new.get(k)]
+    if _checkpoint_key(old.get("checkpoints", [])) != _checkpoint_key(new.get("checkpoints", [])):
+        problems.append(f"checkpoints: {old.get('checkpoints')} here, {new.get('checkpoints')} in this run")
+    seen = {tuple(r.get(k) for k in _SAME_RESULT) for r in old.get("results", [])}
+    for r in new.get("results", []):
+        key = tuple(r.get(k) for k in _SAME_RESULT)
+        if seen and key not in seen:
+            problems.append(f"results measured on {dict(zip(_SAME_RESULT, key, strict=True))}; here on "
+                            f"{[dict(zip(_SAME_RESULT, k, strict=True)) for k in seen]}")  # fmt: skip
+            break
+    if problems:
+        raise SystemExit(
+            "--update: the existing results are of another run, refusing to merge:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def _run_entry(record: dict[str, Any], **what: list[str]) -> dict[str, Any]:
+    return {**what, "wall_seconds": record["wall_seconds"], "provenance": record["provenance"]}
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s results in ``old``'s record (see :func:`check_mergeable`): a result of the same layer set and method
+    config is replaced, the others kept; ``runs`` lists each run's added and replaced settings, wall time and
+    provenance (the first run's taken from ``old`` when it has none); ``best`` is recomputed."""
+    check_mergeable(old, new)
+    fresh = {_result_key(r): r for r in new["results"]}
+    kept = [r for r in old["results"] if _result_key(r) not in fresh]
+    replaced = [short_label(r["method"]) for r in old["results"] if _result_key(r) in fresh]
+    order = {name: i for i, name in enumerate(METHODS)}
+    sets = list(old["layer_sets"])
+    results = sorted(
+        kept + new["results"],
+        key=lambda r: (sets.index(r["layer_set"]), order.get(r["method"]["name"], len(order))),
+    )  # stable: each method's settings in the order they ran
+    runs = old.get("runs") or [
+        _run_entry(old, added=list(dict.fromkeys(short_label(r["method"]) for r in old["results"])))
+    ]
+    added = [x for x in dict.fromkeys(short_label(r["method"]) for r in new["results"]) if x not in replaced]
+    runs = [*runs, _run_entry(new, added=added, replaced=list(dict.fromkeys(replaced)))]
+    return {
+        **old,
+        "device": new["device"],
+        "results": results,
+        "best": best_points(results),
+        "runs": runs,
+        # the last run's provenance (the code that wrote the file); the evaluation time summed over the runs
+        "wall_seconds": {**new["wall_seconds"], "evaluate": sum(r["wall_seconds"]["evaluate"] for r in runs)},
+        "provenance": new["provenance"],
+    }
+
+
+def nominal_ratio(method: dict[str, Any], n: int, d: int, layers: list[int], n_layers: int) -> float | None:
     """The whole-model matmul ratio if every input were ``n`` tokens long (the paper's count, at its padded 384):
-    the patched layers at the method's cost, the others at softmax's."""
+    the patched layers at the method's cost, the others at softmax's. None for a window whose question is global:
+    its count depends on each input's question, not on a length alone."""
     spec = approx.get_method(method["name"])
-    config = spec.make_config(**{k: v for k, v in method.items() if k != "name"})
+    config = spec.config_class.from_record({k: v for k, v in method.items() if k != "name"})
+    if getattr(config, "question_global", False):
+        return None
     full = approx.get_method("full")
     per_layer = (
         spec.cost(config, n=n, s=n, d=d, dv=d).matmul_macs
@@ -228,9 +354,10 @@ def report_table(results: list[dict[str, Any]]) -> str:
     for r in sorted(results, key=lambda r: (r["method"]["name"], _ratio(r))):
         f1 = r["metrics"]["f1"]
         speed = r["fidelity"].get("speedup")
+        nominal = r.get("nominal_matmul_vs_softmax_model")
         rows.append(
             f"| {short_label(r['method'])} | {f1:.1f} | {f'{f1 / full:.1%}' if full else '-'} | {_ratio(r):.3f} | "
-            f"{r.get('nominal_matmul_vs_softmax_model', float('nan')):.3f} | "
+            f"{'-' if nominal is None else f'{nominal:.3f}'} | "
             f"{r['fidelity']['cost']['flops_vs_full']:.3f} | {f'{speed:.2f}x' if speed else '-'} |"
         )
     return "\n".join(rows)
@@ -254,15 +381,27 @@ def markdown(record: dict[str, Any]) -> str:
     parts = [best_table(record), "", *[f"- {t}" for t in targets(record)], ""]
     for name in record["layer_sets"]:
         parts += [report_table([r for r in record["results"] if r["layer_set"] == name]), ""]
-    w, prov = record["wall_seconds"], record["provenance"]
-    commit = (prov.get("git_commit") or "unknown")[:12] + (
-        "+dirty" if str(prov.get("git_commit")).endswith("dirty") else ""
-    )
-    parts.append(
-        f"Protocol: {record['protocol']}. {record['profile']} profile on {record['device']}, "
-        f"{prov.get('torch_threads')} threads; evaluation wall time {w['evaluate'] / 60:.0f} min; commit "
-        f"`{commit}`, {prov.get('date_utc', '?')}."
-    )
+    runs = record.get("runs") or [_run_entry(record)]
+    stamps = []
+    for run_ in runs:
+        prov = run_["provenance"]
+        commit = (prov.get("git_commit") or "unknown")[:12] + (
+            "+dirty" if str(prov.get("git_commit")).endswith("dirty") else ""
+        )
+        stamps.append(
+            f"{prov.get('torch_threads')} threads; evaluation wall time {run_['wall_seconds']['evaluate'] / 60:.0f} "
+            f"min; commit `{commit}`, {prov.get('date_utc', '?')}"
+        )
+    head = f"Protocol: {record['protocol']}. {record['profile']} profile on {record['device']}"
+    if len(runs) == 1:
+        parts.append(f"{head}, {stamps[0]}.")
+    else:  # what each run evaluated, and how
+        names = [
+            ", ".join(dict.fromkeys(x.split(":")[0] for x in r.get("added", []) + r.get("replaced", []))) for r in runs
+        ]
+        parts.append(
+            f"{head}; {len(runs)} runs: " + "; ".join(f"({n}) {t}" for n, t in zip(names, stamps, strict=True)) + "."
+        )
     return "\n".join(parts) + "\n"
 
 
@@ -273,15 +412,21 @@ def figure(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sets = list(record["layer_sets"])
-    fig, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.4 * len(sets), 5.0), squeeze=False, sharey=True)
     names = list(dict.fromkeys(r["method"]["name"] for r in record["results"]))
-    colours = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3, strict=False))
+    style = {}  # per method: colour, line style and marker; colours counted within each family
+    palette, used = plt.rcParams["axes.prop_cycle"].by_key()["color"], {}
+    for method in names:
+        family = next((f for f, (_, _, members) in FAMILIES.items() if method in members), "kernel and low-rank")
+        ls, marker, _ = FAMILIES.get(family, ("-", "o", ()))
+        used[family] = used.get(family, -1) + 1
+        style[method] = {"color": palette[used[family] % len(palette)], "ls": ls, "marker": marker}
     for ax, name in zip(axes[0], sets, strict=True):
         mine = [r for r in record["results"] if r["layer_set"] == name]
         for method in names:
             curve = sorted((r for r in mine if r["method"]["name"] == method), key=_ratio)
-            ax.plot([_ratio(r) for r in curve], [r["metrics"]["f1"] for r in curve], "o-", ms=4,
-                    color=colours[method], label=method)  # fmt: skip
+            ax.plot([_ratio(r) for r in curve], [r["metrics"]["f1"] for r in curve], ms=4, lw=1.2, label=method,
+                    **style[method])  # fmt: skip
         ax.plot([1.0], [mine[0]["reference_metrics"]["f1"]], "k*", ms=12, label="softmax (full)")
         for b in BUDGETS:
             ax.axvline(b, color="grey", lw=0.6, ls=":")
@@ -291,15 +436,22 @@ def figure(record: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
     axes[0][0].set_ylabel("SQuAD v1.1 F1 (dev half never trained on)", fontsize=8)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"Zero-shot swap on a fine-tuned MiniLM-L6 SQuAD reader ({record['profile']} profile)", fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(len(labels), 7), frameon=False)
+    fig.suptitle(
+        f"Zero-shot swap on a fine-tuned MiniLM-L6 SQuAD reader ({record['profile']} profile): kernel and low-rank "
+        "solid, sparse patterns dashed, clustering dotted",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * -(-len(labels) // 7), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def common_parser() -> argparse.ArgumentParser:
+    """The options of the SQuAD-protocol recipes (this one and ``sparse_protocol.py``): the reader, the data, the
+    outputs."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=["cpu", "gpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--questions", type=int, help="questions read in all (default: the profile's)")
@@ -315,6 +467,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--figure", type=Path, default=FIGURE)
     p.add_argument("--report", action="store_true", help="only print the tables and redraw the figure")
     p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = common_parser()
+    p.add_argument("--methods", nargs="+", choices=list(METHODS), help="run only these methods (default: all)")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="merge into the existing --output: results of the same layer set and method config replaced, others kept",
+    )
     return p
 
 

@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import approx
+
 __all__ = ["PAPER", "load_results", "markdown_table", "pattern_checks", "method_label"]
 
 # Vyas, Katharopoulos, Fleuret, "Fast Transformers with Clustered Attention", NeurIPS 2020 (arXiv 2007.04825),
@@ -112,6 +114,12 @@ def method_label(method: dict[str, Any]) -> str:
     label = f"{name}-{method[knob]}" if knob else name
     if name == "i-clustered" and method.get("topk") != 32:
         label += f":k={method['topk']}"
+    if name in ("clustered", "i-clustered"):  # the paper's clustering has no Euclidean step (a record without one: 0)
+        recorded = approx.get_method(name).config_class.recorded_options(
+            {k: v for k, v in method.items() if k != "name"}
+        )
+        if recorded.get("refine", 0) != 0:
+            label += f":refine={recorded['refine']}"
     return label
 
 

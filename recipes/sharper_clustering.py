@@ -14,10 +14,14 @@ with random thresholds and below it with u = 0: this recipe measures the choice 
    table's cpu-profile checkpoint, fine-tuned on train) on every dev pair, every layer swapped.
 
 for clustered (C = 25, 100) and improved clustered (C = 25, 100, k = 32), each choice of :data:`VARIANTS` (the
-thresholds, the bits of the hash, the K-means iterations) changed alone from the defaults. A choice becomes the
-default only where it wins on both: lower error in every setting and no task metric lower. Writes ``recipes/results/sharper_clustering.json``.
+thresholds, the bits of the hash, the K-means iterations, Euclidean Lloyd steps after the Hamming K-means, and
+improved clustering's top-k keys chosen by the clusters' spread instead of the centroid alone) changed alone from
+the baseline (the defaults before issue #20: the paper's clustering, ``refine=0``). A choice becomes the default
+only where it wins on both: lower error in every setting and no task metric lower (``refine=1`` did, and is the
+default since). Writes ``recipes/results/sharper_clustering.json``.
 
-    python recipes/sharper_clustering.py                  # CPU: about half an hour (MRPC fine-tuning included)
+    python recipes/sharper_clustering.py                  # CPU: about an hour on one thread (MRPC fine-tuning included)
+    python recipes/sharper_clustering.py --variants refine=1 topk_by=spread --update   # add variants to the JSON
     python recipes/sharper_clustering.py --report         # the tables from the committed JSON
 """
 
@@ -46,8 +50,12 @@ from monarch_protocol import FOLDS, READER  # noqa: E402
 OUTPUT = RESULTS / "sharper_clustering.json"
 BUDGETS = [("clustered", {"clusters": 25}), ("i-clustered", {"clusters": 25, "topk": 32})]
 BUDGETS += [("clustered", {"clusters": 100}), ("i-clustered", {"clusters": 100, "topk": 32})]
-# Each clustering choice changed alone from the defaults (thresholds "random", 63 bits, 10 iterations): the first
-# variant is the default itself. Fewer bits hash cheaper and coarser; iterations are Lloyd steps of the Hamming K-means.
+# Each clustering choice changed alone from the baseline (thresholds "random", 63 bits, 10 iterations, no Euclidean
+# steps, top-k keys by the centroid; the defaults before this recipe, and the committed rows' settings): the first
+# variant is the baseline itself. Fewer bits hash cheaper and coarser; iterations are Lloyd steps of the Hamming
+# K-means; refine adds Lloyd steps on the queries themselves; topk_by is improved clustering's only (clustered
+# attention has no top-k keys).
+BASELINE: dict[str, Any] = {"refine": 0}  # where the baseline differs from today's defaults
 VARIANTS: list[dict[str, Any]] = [
     {},
     {"thresholds": "mean"},
@@ -55,19 +63,49 @@ VARIANTS: list[dict[str, Any]] = [
     {"bits": 16},
     {"iterations": 5},
     {"iterations": 20},
+    {"refine": 1},
+    {"refine": 3},
+    {"topk_by": "spread"},
 ]
-KNOBS = ("thresholds", "bits", "iterations")  # what the variants change
+KNOBS = ("thresholds", "bits", "iterations", "refine", "topk_by")  # what the variants change
 
 
-def configs(seed: int = 0) -> list:
-    return [approx.get_method(m).make_config(**o, **v, seed=seed) for m, o in BUDGETS for v in VARIANTS]
+def _label(variant: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant.items()) or "baseline"
+
+
+def chosen_variants(labels: list[str] | None) -> list[dict[str, Any]]:
+    """The variants named by ``labels`` (``baseline``, ``refine=1``...; every one when None), or an error listing them."""
+    if labels is None:
+        return VARIANTS
+    known = {_label(v): v for v in VARIANTS}
+    unknown = [x for x in labels if x not in known]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; the variants are: {', '.join(known)}")
+    return [known[x] for x in labels]
+
+
+def configs(seed: int = 0, variants: list[dict[str, Any]] | None = None) -> list:
+    """Every budget under every variant that its method has (topk_by: improved clustering only), each variant's
+    other choices at the baseline."""
+    out = []
+    for method, options in BUDGETS:
+        fields = approx.get_method(method).config_class().to_dict()
+        base = {k: v for k, v in BASELINE.items() if k in fields}
+        for v in VARIANTS if variants is None else variants:
+            if all(k in fields for k in v):
+                out.append(approx.get_method(method).make_config(**options, **{**base, **v}, seed=seed))
+    return out
 
 
 def variant_label(config: dict[str, Any]) -> str:
-    """``default``, or the clustering choices a config changes from the defaults (``bits=31``)."""
-    defaults = approx.get_method(config["name"]).config_class().to_dict()
-    changed = [f"{k}={config[k]}" for k in KNOBS if k in config and config[k] != defaults[k]]
-    return ", ".join(changed) or "default"
+    """``baseline``, or the clustering choices a config (a result's record) changes from the baseline (``bits=31``);
+    a record written before an option existed means what it meant then (``refine=0``)."""
+    config_class = approx.get_method(config["name"]).config_class
+    base = {**config_class().to_dict(), **BASELINE}
+    recorded = config_class.recorded_options({k: v for k, v in config.items() if k != "name"})
+    changed = [f"{k}={recorded[k]}" for k in KNOBS if k in recorded and recorded[k] != base[k]]
+    return ", ".join(changed) or "baseline"
 
 
 def output_errors(args) -> list[dict[str, Any]]:
@@ -86,7 +124,7 @@ def output_errors(args) -> list[dict[str, Any]]:
             model(**inputs)
     rows = []
     for seed in range(args.seeds):
-        for config in configs(seed):
+        for config in configs(seed, args.chosen):
             per_layer: dict[int, list[float]] = {}
             for index, q, k, v, key_mask, scale, exact in captured:
                 layer = approx.ApproxAttention(config.method, config, head_dim=q.shape[-1], layer_index=index)
@@ -118,7 +156,7 @@ def task_metrics(args) -> dict[str, Any]:
             base, task, train, settings, root=args.checkpoints, progress=not args.quiet, **data
         )
         results = evaluate_checkpoints(
-            task, [(str(folder), split)], configs(0), limit=limit, batch_size=args.batch_size,
+            task, [(str(folder), split)], configs(0, args.chosen), limit=limit, batch_size=args.batch_size,
             progress=not args.quiet, **data,
         )  # fmt: skip
         out[task] = {"checkpoint": checkpoint_summary(folder, record, reused), "split": split, "results": results}
@@ -142,7 +180,53 @@ def run(args) -> dict[str, Any]:
         "tasks": tasks,
         "wall_seconds": {"errors": t_err.seconds, "tasks": t_tasks.seconds},
         "provenance": provenance(seed=0),
+        "runs": [
+            {
+                "variants": [_label(v) for v in args.chosen],
+                "wall_seconds": {"errors": t_err.seconds, "tasks": t_tasks.seconds},
+                "provenance": provenance(seed=0),
+            }
+        ],  # fmt: skip
     }
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s rows added to ``old`` (a row of the same config and seed replaced), refused when the two were not
+    measured the same way (protocol, checkpoints, evaluation splits); each run's variants and provenance kept in
+    ``runs``."""
+    for what, a, b in [
+        ("protocol", old["protocol"], new["protocol"]),
+        ("tasks", sorted(old["tasks"]), sorted(new["tasks"])),
+        *[(f"{t} checkpoint", old["tasks"][t]["checkpoint"].get("folder"), new["tasks"][t]["checkpoint"].get("folder"))
+          for t in new["tasks"] if t in old["tasks"]],
+        *[(f"{t} split", old["tasks"][t]["split"], new["tasks"][t]["split"]) for t in new["tasks"] if t in old["tasks"]],
+    ]:  # fmt: skip
+        if a != b:
+            raise SystemExit(
+                f"cannot --update: the {what} differs ({a!r} in the file, {b!r} now); run without --update"
+            )
+    out = dict(old)
+
+    def key(row: dict[str, Any]) -> str:
+        config = row.get("config") or row["method"]
+        return json.dumps(
+            [config["name"], config["clusters"], config.get("topk"), variant_label(config), row.get("seed")]
+        )
+
+    def combined(rows_old: list, rows_new: list) -> list:
+        fresh = {key(r): r for r in rows_new}
+        kept = [fresh.pop(key(r), r) for r in rows_old]
+        return kept + list(fresh.values())
+
+    out["errors"] = combined(old["errors"], new["errors"])
+    out["tasks"] = {
+        t: {**old["tasks"][t], "results": combined(old["tasks"][t]["results"], new["tasks"][t]["results"])}
+        for t in old["tasks"]
+    }
+    labels = list(dict.fromkeys(variant_label(r["config"]) for r in old["errors"]))  # what the first run measured
+    first = {"variants": labels, "wall_seconds": old["wall_seconds"], "provenance": old["provenance"]}
+    out["runs"] = old.get("runs", [first]) + new["runs"]
+    return out
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -165,7 +249,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def _rows(res: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     """(method, clusters, variant label) -> mean and sd of the output error over seeds, and the task metrics; in the
-    run's order (from the JSON, not from this module's BUDGETS and VARIANTS)."""
+    order of this module's BUDGETS and VARIANTS (rows of others last, in the JSON's order)."""
     metric = {"squad": "f1", "mrpc": "accuracy"}
 
     def key(config):
@@ -181,32 +265,53 @@ def _rows(res: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
             task: next(x["metrics"][metric[task]] for x in r["results"] if key(x["method"]) == k)
             for task, r in res["tasks"].items()
         }
-    return out
+    budgets = [(m, o["clusters"]) for m, o in BUDGETS]
+    labels = [_label(v) for v in VARIANTS]
+
+    def order(item):
+        (method, clusters, label), _ = item
+        where = (method, clusters)
+        return (budgets.index(where) if where in budgets else len(budgets), labels.index(label) if label in labels
+                else len(labels))  # fmt: skip
+
+    return dict(sorted(out.items(), key=order))
 
 
 def verdicts(res: dict[str, Any]) -> list[str]:
     """The rule set beforehand: a variant becomes the default only if it lowers the output error of every setting and
-    lowers no task metric of any."""
+    lowers no task metric of any, against the baseline. Where several variants of one knob win (``refine=1`` and ``refine=3``), the same
+    rule decides between them: a dearer one replaces a cheaper winner only if it wins on both against it."""
     rows = _rows(res)
-    labels = list(dict.fromkeys(label for _, _, label in rows if label != "default"))
-    out = []
+    labels = list(dict.fromkeys(label for _, _, label in rows if label != "baseline"))
+    out, winners = [], []
     for label in labels:
-        pairs = [(rows[(m, c, "default")], row) for (m, c, lab), row in rows.items() if lab == label]
-        lower = sum(v["error"] < d["error"] for d, v in pairs)
-        worse = [
-            (t, v["metrics"][t] - d["metrics"][t])
-            for d, v in pairs
-            for t in v["metrics"]
-            if v["metrics"][t] < d["metrics"][t]
-        ]
-        moves = [v["metrics"][t] - d["metrics"][t] for d, v in pairs for t in v["metrics"]]
-        wins = lower == len(pairs) and not worse
-        out.append(
-            f"- `{label}`: lower output error in {lower} of {len(pairs)} settings; task metrics move "
-            f"{min(moves):+.2f} to {max(moves):+.2f}, lower in {len(worse)} of {len(moves)}: "
-            + ("**wins on both**" if wins else "not adopted")
-        )
+        line, wins = _compare(rows, "baseline", label)
+        out.append(f"- `{label}`: {line}: " + ("**wins on both**" if wins else "not adopted"))
+        if wins:
+            winners.append(label)
+    for i, cheap in enumerate(winners):  # variants in VARIANTS order: cheaper first within a knob
+        for dear in winners[i + 1 :]:
+            if cheap.split("=")[0] == dear.split("=")[0]:
+                line, wins = _compare(rows, cheap, dear)
+                verdict = f"**`{dear}` wins on both**" if wins else f"`{dear}` does not win on both: `{cheap}` stays"
+                out.append(f"- `{dear}` against `{cheap}`: {line}: {verdict}")
     return out
+
+
+def _compare(rows: dict[tuple, dict[str, Any]], base: str, label: str) -> tuple[str, bool]:
+    """How variant ``label`` fares against variant ``base`` in every setting that has both: the sentence and whether
+    it wins on both (lower output error everywhere, no task metric lower)."""
+    pairs = [(rows[(m, c, base)], row) for (m, c, lab), row in rows.items() if lab == label and (m, c, base) in rows]
+    if not pairs:  # e.g. --variants without the baseline, and without --update
+        return f"no `{base}` row to compare with (run the baseline too, or add to its file with --update)", False
+    lower = sum(v["error"] < d["error"] for d, v in pairs)
+    moves = [v["metrics"][t] - d["metrics"][t] for d, v in pairs for t in v["metrics"]]
+    worse = sum(x < 0 for x in moves)
+    line = (
+        f"lower output error in {lower} of {len(pairs)} settings; task metrics move {min(moves):+.2f} to "
+        f"{max(moves):+.2f}, lower in {worse} of {len(moves)}"
+    )
+    return line, lower == len(pairs) and not worse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=OUTPUT)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", action="store_true", help="print the table of --output, run nothing")
+    p.add_argument("--variants", nargs="+", metavar="LABEL", help="run only these variants (baseline, refine=1, ...)")
+    p.add_argument("--update", action="store_true", help="add the rows to --output's (same protocol) instead of "
+                   "replacing it")  # fmt: skip
     args = p.parse_args(argv)
+    args.chosen = chosen_variants(args.variants)
     if args.report:
         if not args.output.is_file():
             print(f"no {args.output}: run the recipe first", file=sys.stderr)
@@ -236,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.update and not args.output.is_file():
+        print(f"no {args.output} to --update: run without it first", file=sys.stderr)
+        return 2
     res = run(args)
+    if args.update:
+        res = merge(json.loads(args.output.read_text()), res)
     write_json(args.output, res)
     print(markdown(res))
     print(f"\nwrote {args.output}")

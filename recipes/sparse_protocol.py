@@ -233,7 +233,7 @@ def figure(record: dict[str, Any], path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """monarch_protocol.py's options (the same reader and data), with this recipe's outputs and ``--methods``."""
-    p = monarch_protocol.build_parser()
+    p = monarch_protocol.common_parser()
     p.description = __doc__
     p.set_defaults(output=OUTPUT, figure=FIGURE)
     p.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))

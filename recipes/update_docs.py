@@ -186,9 +186,15 @@ def sharper_clustering_block(path: str = SHARPER) -> str:
     from sharper_clustering import markdown
 
     res = json.loads((ROOT / path).read_text())
+    runs = res.get("runs") or [{"variants": "every variant", "provenance": res["provenance"]}]
+    made = "; ".join(
+        f"{', '.join(r['variants']) if isinstance(r['variants'], list) else r['variants']}: "
+        f"{_provenance_line(r['provenance'])}"
+        for r in runs
+    )
     return (
-        f"Protocol: {res['protocol']} (`python recipes/sharper_clustering.py`; {_provenance_line(res['provenance'])})."
-        "\n\n" + markdown(res) + "\n"
+        f"Protocol: {res['protocol']} (`python recipes/sharper_clustering.py`, {len(runs)} run(s) in one file; "
+        f"{made}).\n\n" + markdown(res) + "\n"
     )
 
 
@@ -320,22 +326,30 @@ def monarch_protocol_block(path: str = MONARCH_PROTOCOL) -> str:
 
 
 AUTOTUNE = "recipes/results/autotune_pareto.json"
+AUTOTUNE_REFINE = "recipes/results/autotune_pareto_squad_refine.json"
+AUTOTUNE_REFINE_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks squad --clustering default --threads 1 --output "
+    f"{AUTOTUNE_REFINE} --figure recipes/results/figures/autotune_pareto_squad_refine.png --tuned-dir runs/autotune_refine"
+)
 
 
-def autotune_block(path: str = AUTOTUNE) -> str:
+def autotune_block(
+    path: str = AUTOTUNE,
+    command: str = "python recipes/autotune_pareto.py --threads 2",
+    figure: str = "autotune_pareto.png",
+) -> str:
     """recipes/autotune_pareto.py: per task, the tuned models, the uniform settings they dominate, the SQuAD
     targets, and the figure."""
     if not (ROOT / path).is_file():
-        return "*No result file yet: run `python recipes/autotune_pareto.py`.*\n"
+        return f"*No result file yet: run `{command}`.*\n"
     sys.path.insert(0, str(ROOT / "recipes"))
     from autotune_pareto import markdown
 
     record = json.loads((ROOT / path).read_text())
     return (
-        f"`python recipes/autotune_pareto.py --threads 2` ({record['profile']} profile; "
-        f"{_provenance_line(record['provenance'])}).\n\n"
+        f"`{command}` ({record['profile']} profile; {_provenance_line(record['provenance'])}).\n\n"
         + markdown(record)
-        + "\n![Tuned models against uniform settings](figures/recipes/figures/autotune_pareto.png)\n"
+        + f"\n![Tuned models against uniform settings](figures/recipes/figures/{figure})\n"
     )
 
 
@@ -560,7 +574,12 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
         DOCS / "results.md": results,
         DOCS / "long-inputs.md": {"minilm-mlm": minilm_mlm_table(), "long-inputs": long_inputs_block()},
-        DOCS / "autotune.md": {"autotune-pareto": autotune_block()},
+        DOCS / "autotune.md": {
+            "autotune-pareto": autotune_block(),
+            "autotune-pareto-refine": autotune_block(
+                AUTOTUNE_REFINE, AUTOTUNE_REFINE_COMMAND, "autotune_pareto_squad_refine.png"
+            ),
+        },
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),
             "flex-vs-gather": flex_vs_gather_block(),

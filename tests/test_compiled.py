@@ -33,8 +33,8 @@ C = 8  # one number of clusters everywhere: it is part of the compiled graph
 
 @pytest.mark.parametrize("distinct", [None, 5])
 def test_compiled_clustering_equals_the_eager_kmeans(distinct):
-    """The compiled hash + sync-free K-means + centroids give the eager CPU path's clusters (incremental votes, a
-    fixed-point stop), padding and fewer distinct codes than clusters included."""
+    """The compiled hash + sync-free K-means + Euclidean step + centroids give the eager CPU path's clusters
+    (incremental votes, a fixed-point stop), padding and fewer distinct codes than clusters included."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, N, D, generator=g, dtype=torch.float64) * 3
     q[:, :, : N // 3] = q[:, :, :1]  # many equal queries
@@ -44,7 +44,7 @@ def test_compiled_clustering_equals_the_eager_kmeans(distinct):
     config = clustered_mod.ClusteredConfig(clusters=C, seed=1)
     state = get_method("clustered").init_state(config, head_dim=D, seed=1)
     eager = clustered_mod.cluster_queries(q, mask, config, state)
-    args = (q, mask, state["planes"], state["offsets"], state["salt"], config.clusters, config.iterations)
+    args = (q, mask, state["planes"], state["offsets"], state["salt"], C, config.iterations, config.refine)
     try:
         assign, qc = _compiled.call(clustered_mod._clusters, *args, method="clustered")
     except RuntimeError as err:
@@ -132,3 +132,25 @@ def test_compiled_engine_gradients_equal_the_eager_ones(method):
         grads[engine] = [t.grad for t in x]
     for name, a, b in zip("qkv", grads["compiled"], grads["eager"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"d{name}")
+
+
+def test_the_clustering_graph_does_not_depend_on_the_length():
+    """``_clusters`` (hash, sync-free K-means, one Euclidean step, centroids) traced with dynamic shapes is one graph
+    for every length: a Python loop over blocks of queries would fix the length in it and recompile per length
+    (dynamo's tracing only, no inductor: seconds). The clusters equal the eager code's."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    config = clustered_mod.ClusteredConfig(clusters=C, seed=1)
+    assert config.refine >= 1
+    state = get_method("clustered").init_state(config, head_dim=D, seed=1)
+    traced = torch.compile(clustered_mod._clusters, backend=counter, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for n in (40, 56, 72, 90):
+        q = torch.randn(2, 3, n, D, generator=g)
+        mask = padded_mask(n, n - 7)
+        args = (q, mask, state["planes"], state["offsets"], state["salt"], C, config.iterations, config.refine)
+        assign, _ = traced(*args)
+        real = mask[:, None, :].expand_as(assign)
+        assert torch.equal(assign[real], clustered_mod.cluster_queries(q, mask, config, state)[real])
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for 4 lengths"

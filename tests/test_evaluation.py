@@ -197,6 +197,38 @@ def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
     assert "stride 16" in full["protocol"]
 
 
+def test_the_cost_counts_each_inputs_global_question(fixture_dir, checkpoints):
+    """window with the question global on SQuAD: the result's pair count is, over every patched layer call, head and
+    batch row, the pairs of the window's definition among the row's real tokens with that row's question (of its
+    own length) and CLS global, counted here from the masks each call saw."""
+    from approx.attention import _context
+
+    path = checkpoints("question-answering")
+    seen = []
+
+    def record(layer, q, k, v, key_mask, scale, out):
+        mask = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if key_mask is None else key_mask.clone()
+        seen.append((q.shape[1], mask, _context.question_mask().clone()))
+
+    spec = "window:window=2,block=4,question_global=true"
+    with approx.integration.attention_probe(record):
+        (r,) = _run(path, "squad", [spec], fixture_dir, max_length=48, batch_size=4)
+    pairs, question_lengths = 0, set()
+    for heads, mask, question in seen:
+        n = mask.shape[1]
+        diff = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        glob = question | (torch.arange(n) < 1)
+        allowed = (diff.abs() <= 2) | glob[:, None, :] | glob[:, :, None]  # (B, N, N)
+        pairs += heads * int((allowed & mask[:, None, :] & mask[:, :, None]).sum())
+        question_lengths |= set(question.sum(-1).tolist())
+    assert len(question_lengths) > 1 and any(not bool(m.all()) for _, m, _ in seen)  # what the test is about
+    cost = r["fidelity"]["cost"]
+    assert cost["qk_pairs"] == pairs
+    assert cost["matmul_macs"] == pairs * 2 * (32 // 4)  # head dim 8: Q K^T and A V
+    # the graph statistics (the pattern's own dense mask) count the same pairs
+    assert 1 - r["fidelity"]["graph"]["sparsity"] == pytest.approx(cost["qk_pairs_vs_full"], rel=1e-12)
+
+
 def test_squad_best_span_over_windows_by_hand():
     """Post-processing on hand-made logits: the best valid span over all windows of a question wins."""
     from approx.harness.tasks import Feature

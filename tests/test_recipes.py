@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from evalfixtures import write_checkpoint
 
 import approx
@@ -315,9 +316,127 @@ def test_monarch_protocol_recipe_smoke(base_model, fixture_dir, tmp_path):
         assert ca["matmul_vs_softmax_model"] == pytest.approx(ca["matmul_vs_softmax"])
     assert fig.is_file() and "| all | clustered |" in recipe.best_table(record)
     assert recipe.main([*argv, "--report"]) == 0
+    # --methods with --update: a question-global window joins the table, favor is run again and replaced
+    recipe.METHODS["window"] = [{"window": 2, "block": 8, "question_global": True}]
+    assert recipe.main([*argv, "--methods", "window", "favor", "--update"]) == 0
+    merged = json.loads(out.read_text())
+    assert len(merged["results"]) == 2 * 4 and [x["added"] for x in merged["runs"]] == [
+        ["clustered:clusters=2", "clustered:clusters=4", "favor:features=8"],
+        ["window:window=2,question_global=True,block=8"],
+    ]
+    assert merged["runs"][1]["replaced"] == ["favor:features=8"]
+    kept = [r for r in merged["results"] if r["method"]["name"] == "clustered"]
+    assert kept == [r for r in record["results"] if r["method"]["name"] == "clustered"]
+    window = [r for r in merged["results"] if r["method"]["name"] == "window"]
+    assert {r["layer_set"] for r in window} == {"all", "outer thirds"}
+    assert all(r["nominal_matmul_vs_softmax_model"] is None for r in window)  # the question is data
+    assert {b["method"] for b in merged["best"]} == {"clustered", "favor", "window"}
+    assert "; 2 runs: (clustered, favor) " in recipe.markdown(merged)
+    with pytest.raises(SystemExit, match="questions"):  # other questions: refused before evaluating
+        recipe.main([*argv, "--questions", "2", "--methods", "window", "--update"])
+    assert json.loads(out.read_text()) == merged
 
 
-def test_monarch_protocol_counts_the_papers_points():
+def _fake_result(layer_set, name, f1, ratio, **options):
+    return {
+        "layer_set": layer_set, "method": {"name": name, **options}, "metrics": {"f1": f1},
+        "reference_metrics": {"f1": 70.0}, "fidelity": {"cost": {"matmul_vs_softmax_model": ratio}},
+        "task": "squad", "task_version": 1, "split": "dev/1", "max_length": 384, "examples": 400, "model": "m",
+    }  # fmt: skip
+
+
+def _fake_record(results, commit):
+    return {
+        "recipe": "recipes/monarch_protocol.py", "profile": "cpu", "device": "cpu", "protocol": "p",
+        "layer_sets": {"all": [0, 1, 2], "outer thirds": [0, 2]},
+        "checkpoints": [{"folder": "runs/checkpoints/x", "settings": {"epochs": 1}, "reused_from_cache": commit > "a"}],
+        "results": results, "best": [], "wall_seconds": {"evaluate": 60.0}, "provenance": {"git_commit": commit},
+    }  # fmt: skip
+
+
+def test_monarch_protocol_update_replaces_keeps_and_refuses():
+    """--update on hand-made records: the same layer set and method config is replaced, every other result kept (the
+    other layer set, another budget, another method), runs keep both provenances, the best points are recomputed;
+    another checkpoint, protocol or question count is refused, naming the difference."""
+    recipe = _recipe("monarch_protocol")
+    old = _fake_record(
+        [
+            _fake_result("all", "window", 40.0, 0.3, window=16, question_global=True),
+            _fake_result("all", "window", 50.0, 0.6, window=64, question_global=True),
+            _fake_result("outer thirds", "window", 55.0, 0.5, window=16, question_global=True),
+            _fake_result("all", "nystrom", 30.0, 0.4, landmarks=16),
+        ],
+        "a",
+    )
+    old["best"] = recipe.best_points(old["results"])
+    new = _fake_record(
+        [
+            _fake_result("all", "window", 45.0, 0.35, window=16, question_global=True),  # replaces the first
+            _fake_result("all", "lsh", 35.0, 0.45, cluster_size=32, rounds=2),  # new
+        ],
+        "b",
+    )
+    merged = recipe.merge(old, new)
+    got = [(r["layer_set"], r["method"]["name"], r["metrics"]["f1"]) for r in merged["results"]]
+    assert got == [
+        ("all", "nystrom", 30.0),  # in METHODS' order, layer set by layer set
+        ("all", "window", 50.0),
+        ("all", "window", 45.0),
+        ("all", "lsh", 35.0),
+        ("outer thirds", "window", 55.0),
+    ]
+    assert [r["provenance"]["git_commit"] for r in merged["runs"]] == ["a", "b"]
+    assert merged["runs"][1] == {
+        "added": ["lsh:cluster_size=32,rounds=2"], "replaced": ["window:window=16,question_global=True"],
+        "wall_seconds": {"evaluate": 60.0}, "provenance": {"git_commit": "b"},
+    }  # fmt: skip
+    assert merged["wall_seconds"]["evaluate"] == 120.0 and merged["provenance"]["git_commit"] == "b"
+    best = {(b["layer_set"], b["method"]): b["at_most_0.5"] for b in merged["best"]}
+    assert best[("all", "window")]["f1"] == 45.0 and best[("all", "lsh")]["f1"] == 35.0
+    assert best[("outer thirds", "window")]["f1"] == 55.0
+    again = recipe.merge(merged, new)  # a third run: the runs list grows, nothing else changes
+    assert len(again["runs"]) == 3 and again["results"] == merged["results"]
+    for change, word in (
+        ({"checkpoints": [{"folder": "runs/checkpoints/y", "settings": {"epochs": 1}}]}, "checkpoints"),
+        ({"protocol": "q"}, "protocol"),
+        ({"results": [{**new["results"][0], "examples": 100}]}, "examples"),
+    ):
+        with pytest.raises(SystemExit, match=word):
+            recipe.merge(old, {**new, **change})
+
+
+def test_monarch_protocol_sparse_settings_build_and_span_the_axis():
+    """The sparse patterns of the recipe build and patch a model, and on SQuAD-like inputs (96 to 384 real tokens, a
+    question of 9 to 20) each method's settings cost from about a fifth of softmax's matmuls to less than all of them,
+    cheap to dear in the order listed."""
+    from conftest import tiny_model
+
+    recipe = _recipe("monarch_protocol")
+    sparse = ["window", "bigbird", "sparse-transformer", "lsh"]
+    lengths, questions = torch.tensor([96, 160, 250, 384]), torch.tensor([9, 12, 15, 20])
+    mask = torch.arange(384)[None] < lengths[:, None]
+    question = torch.arange(384)[None] < questions[:, None]
+    full = approx.get_method("full")
+    softmax = sum(c.matmul_macs for c in full.costs(full.config_class(), b=4, n=384, key_mask=mask, d=64, dv=64))
+    model = tiny_model("bert", "question-answering", num_hidden_layers=3)
+    ids = torch.randint(5, 90, (1, 40))
+    types = (torch.arange(40) >= 12).long()[None]
+    for name in sparse:
+        assert recipe.METHODS[name], name
+        ratios = []
+        for config in recipe.configs([name]):
+            assert config.method == name
+            layers = recipe.patched(model, config, recipe.layer_sets(3)["outer thirds"])
+            assert sorted(layers) == [0, 2]
+            with approx.tokens(question_mask=question):
+                costs = approx.get_method(name).costs(config, b=4, n=384, key_mask=mask, d=64, dv=64)
+            ratios.append(sum(c.matmul_macs for c in costs) / softmax)
+            approx.patch(model, name, **config.to_dict())
+            with torch.no_grad():
+                assert torch.isfinite(model(input_ids=ids, token_type_ids=types).start_logits).all()
+            approx.unpatch(model)
+        assert ratios == sorted(ratios) and 0.1 < ratios[0] < 0.35 and ratios[-1] < 1, (name, ratios)
+
     """At the paper's 384 tokens on RoBERTa-base (12 layers, head dim 64, the outer eight replaced), the matmul
     count of blocks of 128 and 96 gives the two ratios the MonarchAttention paper reports, 0.67x and 0.59x."""
     recipe = _recipe("monarch_protocol")
@@ -382,8 +501,8 @@ def test_sharper_clustering_recipe_smoke(base_model, fixture_dir, tmp_path):
     record = json.loads(out.read_text())
     assert len(record["errors"]) == 2 * 3  # seeds x variants
     by = {(r["seed"], recipe.variant_label(r["config"])): r["mean"] for r in record["errors"]}
-    assert set(by) == {(s, v) for s in (0, 1) for v in ("default", "thresholds=mean", "bits=16")}
-    assert len({by[(0, v)] for v in ("default", "thresholds=mean", "bits=16")}) == 3
+    assert set(by) == {(s, v) for s in (0, 1) for v in ("baseline", "thresholds=mean", "bits=16")}
+    assert len({by[(0, v)] for v in ("baseline", "thresholds=mean", "bits=16")}) == 3
     assert set(record["tasks"]) == {"squad", "mrpc"}
     assert all(len(t["results"]) == 3 for t in record["tasks"].values())
     table = recipe.markdown(record)

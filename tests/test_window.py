@@ -7,8 +7,8 @@ from reference import naive_attention
 
 import approx
 from approx import ApproxAttention
-from approx.attention import _context
-from approx.attention.window import NO_QUESTION, WindowConfig, cost, window_pairs
+from approx.attention import _blocksparse, _context
+from approx.attention.window import NO_QUESTION, WindowConfig, cost, pattern, window_pairs
 
 B, H, D = 2, 3, 16
 
@@ -18,14 +18,20 @@ def qkv(n, seed=0):
     return tuple(torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for _ in range(3))
 
 
-def reference(q, k, v, key_mask, *, window, dilation=1, glob=None):
-    """softmax over {j : |i - j| <= window * dilation, dilation | (i - j)} plus the global rows and columns, float64."""
-    n, s = q.shape[2], k.shape[2]
+def allowed_pairs(key_mask, n, s, *, window, dilation=1, glob=None):
+    """(B, N, S) bool: {j : |i - j| <= window * dilation, dilation | (i - j)} plus the global rows and columns, real
+    keys only, from the definition."""
     diff = torch.arange(n)[:, None] - torch.arange(s)[None, :]
-    allowed = ((diff.abs() <= window * dilation) & (diff % dilation == 0))[None].expand(B, n, s)
+    allowed = ((diff.abs() <= window * dilation) & (diff % dilation == 0))[None].expand(key_mask.shape[0], n, s)
     if glob is not None:
         allowed = allowed | glob[:, None, :s] | glob[:, :n, None]
-    allowed = allowed & key_mask[:, None, :]
+    return allowed & key_mask[:, None, :]
+
+
+def reference(q, k, v, key_mask, *, window, dilation=1, glob=None):
+    """softmax over :func:`allowed_pairs`, float64."""
+    n, s = q.shape[2], k.shape[2]
+    allowed = allowed_pairs(key_mask, n, s, window=window, dilation=dilation, glob=glob)
     scores = (q @ k.transpose(-1, -2)) * D**-0.5
     return scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
 
@@ -130,6 +136,46 @@ def test_pair_count_matches_the_mask(n, s, w, dil):
     assert c.qk_pairs == window_pairs(n, s, w, dil) and c.matmul_macs == c.qk_pairs * 128
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 3, "question_global": True},
+        {"window": 2, "dilation": 3, "global_tokens": 2, "question_global": True},
+        {"window": 40, "global_tokens": 0, "question_global": True},  # windows reaching past the row
+        {"window": 4, "global_tokens": 3},  # no question: the first tokens only
+        {"window": 3, "question_global": True, "exact_below": 30},  # the shortest row falls back to exact
+    ],
+)
+def test_cost_per_row_counts_its_global_question(options):
+    """What the harness's probe counts (``Method.costs`` in the forward's context) is, per batch row, the number of
+    pairs of the pattern's definition among the row's real tokens: questions of different lengths (one row without
+    any, one scattered) and padding; the cost model without the data counts the first ``global_tokens`` only."""
+    n, lengths, questions = 50, [50, 41, 23, 37, 30], [12, 5, 0, 9, 0]
+    mask = torch.arange(n)[None] < torch.tensor(lengths)[:, None]
+    question = torch.arange(n)[None] < torch.tensor(questions)[:, None]
+    question[4, [4, 9, 10, 22]] = True  # a mask given by hand (approx.tokens) need not be a prefix
+    config = WindowConfig(block=8, **options)
+    method = approx.get_method("window")
+    with approx.tokens(question_mask=question):
+        costs = method.costs(config, b=len(lengths), n=n, key_mask=mask, d=16, dv=8)
+    glob = (torch.arange(n) < config.global_tokens).expand(len(lengths), n)
+    glob = glob | question if config.question_global else glob
+    allowed = allowed_pairs(mask, n, n, window=config.window, dilation=config.dilation, glob=glob)
+    for row, (m, c) in enumerate(zip(lengths, costs, strict=True)):
+        want = m * m if m < config.exact_below else int(allowed[row, :m].sum())
+        assert (c.qk_pairs, c.matmul_macs, c.flops) == (want, want * 24, 2 * want * 24), row
+        if not config.question_global:
+            assert c == cost(config, n=m, s=m, d=16, dv=8)
+    # the pattern the method runs covers those very pairs
+    with approx.tokens(question_mask=question):
+        pat = pattern(config, b=len(lengths), n=n, s=n, device="cpu")
+    dense, _ = _blocksparse.dense_mask(pat, b=len(lengths), h=1, n=n, s=n, key_mask=mask, device="cpu")
+    assert torch.equal(dense[:, 0] & mask[:, :, None], allowed & mask[:, :, None])
+    if config.question_global:
+        with pytest.raises(RuntimeError, match="question"):
+            method.costs(config, b=len(lengths), n=n, key_mask=mask, d=16, dv=8)
+
+
 def test_exact_when_the_window_covers_everything():
     q, k, v = qkv(90)
     mask = mask_of(90, 70)
@@ -164,3 +210,31 @@ def test_graph_stats_count_exact_rows_as_full():
     row0 = sum(min(59, i + 2) - max(1, i - 2) + 1 for i in range(1, 60)) + 59 + 60
     assert torch.equal(stats["predicted"], torch.full((H,), float(row0 + 40 * 40), dtype=torch.float64))
     assert torch.equal(stats["valid"], torch.full((H,), float(60 * 60 + 40 * 40), dtype=torch.float64))
+
+
+def test_autotune_counts_the_question_as_the_harness_does():
+    """autotune's search path costs a question-global window from the check inputs' own questions (found as a patched
+    forward finds them: before the first SEP): the path point with every layer on the window costs what the harness's
+    probe measures when that point is verified, in both conventions."""
+    from conftest import tiny_model
+
+    from approx.harness.autotune import Search
+
+    model = tiny_model("bert", num_hidden_layers=2)
+    model.config.sep_token_id = 3
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for length, question in ((40, 9), (31, 4), (52, 13), (25, 6), (44, 2), (36, 11)):
+        ids = torch.randint(5, 99, (length,), generator=g)
+        ids[question] = ids[-1] = 3
+        rows.append(ids.tolist())
+    label = "window:window=2,block=4,question_global=true"
+    search = Search(model, rows[:2], check_data=rows[2:], methods=[label], batch_size=3, progress=False)
+    for convention in ("flops", "matmul"):
+        path, points = search._path(convention)
+        every = next(j for j, a in enumerate(path) if all(c == 1 for c in a))
+        with torch.inference_mode():
+            search._verify(path[every])
+        probe = search.measured[tuple(path[every])][1]
+        mine, full = {"flops": (0, 2), "matmul": (4, 5)}[convention]
+        assert points[every]["cost"] == pytest.approx(probe.cost[mine] / probe.cost[full], rel=1e-12)

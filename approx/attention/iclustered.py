@@ -9,7 +9,13 @@ section 3.3. On top of the clusters and centroid attention A^c of clustered atte
 4. V_i = sum_{l in T_j} A^u_il V_l + (V^c_j - sum_{l in T_j} A^c_jl V_l).
 
 With k at least the number of real keys this is exact attention, and its rows are never further (L1) from
-the exact rows than the clustered ones (the paper's Proposition 2). Cost per batch item and head:
+the exact rows than the clustered ones (the paper's Proposition 2).
+
+``topk_by="spread"`` (not in the paper; measured in ``recipes/sharper_clustering.py``) chooses T_j by the members'
+expected weight instead of the centroid's: a member q = Q^c_j + e with e ~ N(0, diag(sigma_j^2)) (sigma_j^2 the
+per-dimension variance of cluster j's real queries) has E[exp(s q . k)] = exp(s Q^c_j . k + s^2/2 sum_m sigma_jm^2
+k_m^2), so keys are ranked by log A^c_jl + s^2/2 (sigma_j^2 . k_l^2), one more (C, S) product. Steps 2-4 are
+unchanged (m_j is still the centroid's mass on T_j), and so are the exact limits. Cost per batch item and head:
 clustered attention plus O(N k max(d, dv)).
 
 Attention dropout (training) acts on the centroid attention A^c off the top-k keys (the remainder term, one
@@ -28,9 +34,11 @@ from ..config import option
 from ..registry import Cost, ExactLimit, register
 from . import _compiled
 from ._common import block_rows, block_size, softmax_
-from .clustered import ClusteredConfig, centroid_attention, exact_for, gather_clusters, run
+from .clustered import ClusteredConfig, centroid_attention, centroids, exact_for, gather_clusters, run
 from .clustered import cost as clustered_cost
 from .clustered import init_state as clustered_init_state
+
+TOPK_BY = ("centroid", "spread")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +48,17 @@ class IClusteredConfig(ClusteredConfig):
     method = "i-clustered"
 
     topk: int = option(32, "keys k per cluster whose scores are recomputed exactly for each query (reference 32)")
+    topk_by: str = option(
+        "centroid",
+        "how each cluster's k keys are chosen: 'centroid' (the k largest weights of the centroid's attention A^c, "
+        "the paper) or 'spread' (A^c corrected by the spread of the cluster's queries: the members' expected weight "
+        "under a diagonal Gaussian, one more C x S product)",
+    )
 
     def check(self) -> None:
         super().check()
         self.require(self.topk >= 1, "topk", "need at least one key per cluster")
+        self.require(self.topk_by in TOPK_BY, "topk_by", f"one of {', '.join(map(repr, TOPK_BY))}")
 
 
 def cost(config: IClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
@@ -51,21 +66,44 @@ def cost(config: IClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     if exact_for(config, n):
         return base
     k = min(config.topk, s)
+    # spread: the members' variances (N d, not a matrix product) and their product with the squared keys (C S d)
+    product = 0 if config.topk_by == "centroid" else config.clusters * s * d
+    variances = 0 if config.topk_by == "centroid" else 2 * n * d
     return Cost(
-        flops=base.flops + 2 * n * k * (d + dv),
+        flops=base.flops + 2 * n * k * (d + dv) + variances + 2 * product,
         qk_pairs=base.qk_pairs + n * k,
-        matmul_macs=base.matmul_macs + n * k * (d + dv),
+        matmul_macs=base.matmul_macs + n * k * (d + dv) + product,
     )
 
 
-def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int):
-    """Indices (B, H, C, k) of each cluster's top-k real keys, their A^c weights, and which are real."""
+def cluster_spread(q: torch.Tensor, assign: torch.Tensor, query_mask: torch.Tensor | None, qc: torch.Tensor):
+    """Per-dimension variance of each cluster's real queries around its centroid ``qc``: (B, H, C, d)."""
+    return (centroids(q.square(), assign, query_mask, qc.shape[2])[0] - qc.square()).clamp_min_(0.0)
+
+
+def _key_ranks(ac: torch.Tensor, k: torch.Tensor, spread: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """What ``topk_by="spread"`` ranks keys by: log A^c + s^2/2 (sigma^2 . k^2), (B, H, C, S); None for "centroid"
+    (A^c itself). A weight that underflowed to 0 counts as the smallest normal number (plus its spread term), so its
+    rank stays finite and a real key still ranks above a padded one (:func:`_top_keys` puts those at -inf)."""
+    if spread is None:
+        return None
+    tiny = torch.finfo(ac.dtype).tiny
+    return ac.clamp_min(tiny).log().add_(spread @ k.square().transpose(-1, -2), alpha=0.5 * scale * scale)
+
+
+def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int, rank: torch.Tensor | None = None):
+    """Indices (B, H, C, k) of each cluster's top-k real keys, their A^c weights, and which are real. Keys are
+    ranked by ``rank`` (finite; :func:`_key_ranks`) when given, else by A^c."""
     k = min(topk, ac.shape[-1])
     if key_mask is None:
-        weight, index = ac.topk(k, dim=-1)
-        return index, weight, None
+        if rank is None:
+            weight, index = ac.topk(k, dim=-1)
+            return index, weight, None
+        index = rank.topk(k, dim=-1).indices
+        return index, ac.gather(-1, index), None
     real = key_mask[:, None, None, :]  # (B, 1, 1, S)
-    index = ac.masked_fill(~real, -1.0).topk(k, dim=-1).indices  # real keys first, even at weight 0
+    by, below = (ac, -1.0) if rank is None else (rank, float("-inf"))
+    index = by.masked_fill(~real, below).topk(k, dim=-1).indices  # real keys first, even at weight 0
     real_top = real.expand_as(ac).gather(-1, index)  # only False when k exceeds the real keys
     return index, ac.gather(-1, index), real_top
 
@@ -74,26 +112,31 @@ def _top_keys(ac: torch.Tensor, key_mask: torch.Tensor | None, topk: int):
 _CENTROID_BYTES = 16 * 2**20
 
 
-def _centroid_summary(qc, k, v, key_mask, topk: int, scale: float, dropout: float = 0.0, *, chunked: bool = True):
+def _centroid_summary(
+    qc, k, v, key_mask, topk: int, scale: float, dropout: float = 0.0, *, chunked: bool = True, spread=None
+):
     """What improved clustered attention needs of A^c (B, H, C, S): the top-k keys of every cluster (indices,
     weights, which are real: see :func:`_top_keys`), A^c V (B, H, C, dv) and the top-k weights that A^c V
     used (B, H, C, k): with ``dropout``, A^c V and those come from A^c after attention dropout.
 
     A^c is computed for a few (batch row, head) series at a time, at most ``_CENTROID_BYTES`` of it, instead
     of one (B, H, C, S) tensor (78 MB at N = 16384, C = 100): a lower peak memory at the same speed. Not
-    ``chunked`` (compiled code: one graph, no loop): every series at once.
+    ``chunked`` (compiled code: one graph, no loop): every series at once. ``spread`` (B, H, C, d): the clusters'
+    variances, to rank keys with (``topk_by="spread"``).
     """
     batch, heads, clusters, d = qc.shape
     s, bh = k.shape[2], batch * heads
     q3, k3, v3 = qc.reshape(bh, 1, clusters, d), k.reshape(bh, 1, s, d), v.reshape(bh, 1, s, v.shape[-1])
     m2 = None if key_mask is None else key_mask[:, None, :].expand(batch, heads, s).reshape(bh, s)
+    sp = None if spread is None else spread.reshape(bh, 1, clusters, d)
     per = max(1, _CENTROID_BYTES // (clusters * s * qc.element_size())) if chunked else bh  # series per chunk
     parts = []
     for start in range(0, bh, per):
         rows = slice(start, start + per)
         mask = None if m2 is None else m2[rows]
         ac = centroid_attention(q3[rows], k3[rows], mask, scale)  # (b, 1, C, S)
-        index, weight, real_top = _top_keys(ac, mask, topk)
+        rank = None if sp is None else _key_ranks(ac, k3[rows], sp[rows], scale)
+        index, weight, real_top = _top_keys(ac, mask, topk, rank)
         if dropout > 0.0:
             ac = F.dropout(ac, dropout)
             parts.append((index, weight, real_top, ac @ v3[rows], ac.gather(-1, index)))
@@ -133,7 +176,7 @@ _CHUNK_ROWS = 8192
 _CHUNK_ROWS_GPU = 1 << 20
 
 
-def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, *, chunked: bool = True):
+def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, *, chunked: bool = True, spread=None):
     """Improved clustered output (B, H, N, dv) from the clusters and their centroids.
 
     Queries are sorted by cluster into blocks that share their cluster's top-k keys, so the recomputed
@@ -147,7 +190,7 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, 
     dv, clusters = v.shape[-1], qc.shape[2]
     bh = batch * heads
     # (B, H, C, k) top keys and their A^c weights, A^c V and the weights it used (after dropout)
-    summary = _centroid_summary(qc, k, v, key_mask, topk, scale, dropout, chunked=chunked)
+    summary = _centroid_summary(qc, k, v, key_mask, topk, scale, dropout, chunked=chunked, spread=spread)
     index, weight, real_top, cv, cv_weight = summary
     mass = weight.sum(-1)  # (B, H, C)
     kt, vt = _gather_keys(k, index), _gather_keys(v, index)  # (B, H, C, k, d), (B, H, C, k, dv)
@@ -186,7 +229,8 @@ def iclustered_weights(q, k, *, key_mask, query_mask, scale, config, state) -> t
 
     def finish(q, k, v, key_mask, assign, qc):
         ac = centroid_attention(qc, k, key_mask, scale)
-        index, weight, real_top = _top_keys(ac, key_mask, config.topk)
+        rank = _key_ranks(ac, k, _spread(config, q, assign, query_mask, qc), scale)
+        index, weight, real_top = _top_keys(ac, key_mask, config.topk, rank)
         au = _recomputed(q, _gather_keys(k, index), assign, weight.sum(-1), real_top, scale)
         return gather_clusters(ac, assign).scatter(-1, gather_clusters(index, assign), au)
 
@@ -219,14 +263,20 @@ def iclustered_attention(
     """Improved clustered attention: clustered attention plus exact scores on each cluster's top-k keys."""
 
     def finish(q, k, v, key_mask, assign, qc):
+        spread = _spread(config, q, assign, query_mask, qc)
         if config.engine == "compiled" and dropout <= 0.0:  # attention dropout: the eager code applies it
-            args = (q, k, v, key_mask, assign, qc, config.topk, scale)
+            args = (q, k, v, key_mask, assign, qc, config.topk, scale, spread)
             return _compiled.call(_improved_static, *args, method=config.method)
-        return _improved(q, k, v, key_mask, assign, qc, config.topk, scale, dropout)
+        return _improved(q, k, v, key_mask, assign, qc, config.topk, scale, dropout, spread=spread)
 
     return run(q, k, v, key_mask, query_mask, scale, config, state, finish, dropout=dropout)
 
 
-def _improved_static(q, k, v, key_mask, assign, qc, topk: int, scale: float) -> torch.Tensor:
+def _improved_static(q, k, v, key_mask, assign, qc, topk: int, scale: float, spread=None) -> torch.Tensor:
     """:func:`_improved` without chunks or data-dependent shapes (the function ``engine="compiled"`` compiles)."""
-    return _improved(q, k, v, key_mask, assign, qc, topk, scale, chunked=False)
+    return _improved(q, k, v, key_mask, assign, qc, topk, scale, chunked=False, spread=spread)
+
+
+def _spread(config: IClusteredConfig, q, assign, query_mask, qc) -> torch.Tensor | None:
+    """The clusters' variances when ``topk_by="spread"`` ranks the keys with them, else None."""
+    return cluster_spread(q, assign, query_mask, qc) if config.topk_by == "spread" else None

@@ -15,7 +15,8 @@ Runs on the block-sparse kernel (:mod:`._blocksparse`): query blocks of ``block`
 their window touches, the element mask keeps the exact window; global keys are a shared strip and global queries
 dense rows. Positions are those of the padded sequence (padding at the end leaves the real tokens' pairs
 unchanged). With ``window >= N - 1`` (and dilation 1) every pair is in: exact attention, computed by the same
-code (the exact-limit test).
+code (the exact-limit test). The cost is the pattern's pairs among each input's real tokens; the question's length
+is data, so :func:`batch_cost` counts each input with its own global tokens (the harness uses it).
 """
 
 from __future__ import annotations
@@ -79,15 +80,50 @@ def window_pairs(n: int, s: int, window: int, dilation: int) -> int:
     return total
 
 
+def _pair_cost(pairs: int, d: int, dv: int) -> Cost:
+    return Cost(flops=2 * pairs * (d + dv), qk_pairs=pairs, matmul_macs=pairs * (d + dv))
+
+
 def cost(config: WindowConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    """The window's pairs plus the global tokens' rows and columns (taken once), for ``global_tokens`` globals
-    (a question adds its length: data dependent)."""
+    """The window's pairs plus the first ``global_tokens`` positions' rows and columns (taken once). A question made
+    global (``question_global``) adds its rows and columns, whose length is data: :func:`batch_cost` counts them
+    (the harness uses it); this count without the data leaves them out."""
     if _fallback.exact_for_length(n, exact_below=config.exact_below):
-        return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
+        return _pair_cost(n * s, d, dv)
     g = min(config.global_tokens, n, s)
     local = window_pairs(n - g, s - g, config.window, config.dilation)  # pairs between non-global tokens
-    pairs = min(n * s, local + g * s + (n - g) * g)
-    return Cost(flops=2 * pairs * (d + dv), qk_pairs=pairs, matmul_macs=pairs * (d + dv))
+    return _pair_cost(min(n * s, local + g * s + (n - g) * g), d, dv)
+
+
+def covered_pairs(m: int, globals_: torch.Tensor, window: int, dilation: int) -> int:
+    """Pairs among ``m`` real tokens (positions 0..m-1) that the pattern covers, each once: the window's, and every
+    row and column of the global positions ``globals_`` (1-D, distinct, below m). Window pairs with a global end are
+    those of the globals' rows and columns (as many: the window is symmetric), less the pairs of two globals."""
+    reach, g = window * dilation, int(globals_.numel())
+    t = globals_.long()
+    # each global's window row: offsets u in [-window, window] with 0 <= t + dilation * u < m
+    rows = (torch.clamp((m - 1 - t) // dilation, max=window) - torch.clamp(-(t // dilation), min=-window) + 1).sum()
+    diff = t[:, None] - t[None, :]
+    both = ((diff.abs() <= reach) & (diff.remainder(dilation) == 0)).sum()  # window pairs of two globals
+    return window_pairs(m, m, window, dilation) + 2 * g * m - g * g - (2 * int(rows) - int(both))
+
+
+def batch_cost(config: WindowConfig, *, b: int, n: int, key_mask: torch.Tensor | None, d: int, dv: int) -> list[Cost]:
+    """Per batch row (real tokens first, padding at the end): the pairs among its real tokens that the pattern covers,
+    with its own global positions, the first ``global_tokens`` and with ``question_global`` the question's tokens
+    that the forward's context holds (:func:`global_positions`; call it where that context is set, as the harness's
+    probe is). A row below ``exact_below`` costs full attention."""
+    lengths = [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
+    glob = global_positions(config, b, n, "cpu")
+    costs = []
+    for row, m in enumerate(lengths):
+        if _fallback.exact_for_length(m, exact_below=config.exact_below):
+            pairs = m * m
+        else:
+            at = torch.zeros(0, dtype=torch.long) if glob is None else glob[row, :m].nonzero()[:, 0]
+            pairs = covered_pairs(m, at, config.window, config.dilation)
+        costs.append(_pair_cost(pairs, d, dv))
+    return costs
 
 
 def global_positions(config: WindowConfig, b: int, n: int, device) -> torch.Tensor | None:
@@ -163,6 +199,7 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     "window",
     WindowConfig,
     cost=cost,
+    batch_cost=batch_cost,
     weights=weights,
     stats=graph_stats,
     test_options={"window": 5, "block": 8},

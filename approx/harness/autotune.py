@@ -25,7 +25,8 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    along the path, so where it does not, a cheaper point beyond the bracket may meet the target too. With
    ``budget`` alone: the first point within the budget (the lowest estimated loss), measured. The fidelity reported
    is the measured one, never the additive estimate. Costs on the path, the budget and the report are the cost
-   models at the check inputs' real lengths (what the verification runs).
+   models at the check inputs' real lengths (what the verification runs), and their data where a cost depends on it
+   (window's global question tokens, found as a patched forward finds them).
 
 Heads are not tuned separately: no registered method takes per-head settings yet. The random state of each
 candidate (hash planes, random blocks) is drawn from ``seed`` and the layer index, as :func:`approx.patch`
@@ -50,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import integration
+from ..attention import _context
 from ..config import MethodConfig
 from ..integration import (
     attach,
@@ -238,11 +241,13 @@ class _Calibration:
         self.device = next(model.parameters()).device
         self.refs = []
         self.lengths: list[int] = []  # real tokens of every input, for the cost models
+        self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per batch: (attention mask, question)
         for inputs in batches:
             if "input_ids" not in inputs or "attention_mask" not in inputs:
                 raise ValueError(f"a calibration batch needs input_ids and attention_mask; got {sorted(inputs)}")
             inputs = {k: v.to(self.device) for k, v in inputs.items()}
             self.lengths += [int(n) for n in inputs["attention_mask"].sum(-1).tolist()]
+            self.masks.append((inputs["attention_mask"].bool().cpu(), _question(model, inputs)))
             out = model(**inputs, output_hidden_states=True)
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
@@ -366,12 +371,33 @@ def _share(value: float | None, full: float | None) -> float | None:
     return value / full if value is not None and full and math.isfinite(value) else None
 
 
-def _cost(layer: ApproxAttention, lengths: list[int], convention: str) -> float:
-    """A layer's attention cost per head over inputs of these real lengths, from its method's cost model (as the
-    harness's probe counts it); infinite for a method that does not count this convention."""
+def _question(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The question positions a patched forward of ``inputs`` sees (the integration's forward pre-hook, run alone:
+    the positions before the first SEP), for the cost models that count them; None when it finds none."""
+    integration._set_question(model, (), inputs)
+    try:
+        question = _context.question_mask()
+        return None if question is None else question.cpu()
+    finally:
+        integration._reset_question(model, (), None)
+
+
+def _cost(layer: ApproxAttention, calibration: _Calibration, convention: str) -> float:
+    """A layer's attention cost per head over the calibration's inputs, from its method's cost model at their real
+    lengths (as the harness's probe counts it; with the batches' data for a method whose cost depends on it);
+    infinite for a method that does not count this convention."""
+    method, d = layer.method, layer.head_dim
+    if method.batch_cost is None:  # the lengths are all it needs
+        rows = [(method.cost(layer.config, n=n, s=n, d=d, dv=d), times)
+                for n, times in collections.Counter(calibration.lengths).items()]  # fmt: skip
+    else:
+        rows = []
+        for mask, question in calibration.masks:
+            with _context.tokens(question_mask=question):
+                b, n = mask.shape
+                rows += [(c, 1) for c in method.costs(layer.config, b=b, n=n, key_mask=mask, d=d, dv=d)]
     total = 0.0
-    for n, times in collections.Counter(lengths).items():
-        c = layer.method.cost(layer.config, n=n, s=n, d=layer.head_dim, dv=layer.head_dim)
+    for c, times in rows:
         value = c.flops if convention == "flops" else c.matmul_macs
         if value is None:
             return math.inf
@@ -471,9 +497,9 @@ class Search:
         # the verification measures and the tuning reports (the table above: at the fit inputs' lengths)
         for convention in COSTS:
             for i in range(n_layers):
-                self.costs[convention][i][0] = _cost(self.full[i], self.check.lengths, convention)
+                self.costs[convention][i][0] = _cost(self.full[i], self.check, convention)
                 for c in range(1, len(labels) + 1):
-                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], self.check.lengths, convention)
+                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], self.check, convention)
         self.fit_inputs, self.fit_forwards = fit.inputs, fit.forwards
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}

@@ -15,12 +15,13 @@ The ``fidelity`` dict, per method:
   between the mean-pooled (over real tokens) last hidden states;
 * ``attention_relative_error``: per attention layer, ||O - O_exact|| / ||O_exact|| over real queries, where
   O_exact is exact attention on the *same* queries, keys and values (``mean`` over layers);
-* ``cost``: attention FLOPs and query-key pairs from the method's cost model at the real lengths, and their
-  ratio to full attention's, over the patched layers; and the literature's convention (the MonarchAttention
-  paper's axis): ``matmul_macs``, the multiply-accumulates of the attention matrix products, its ratio to
-  softmax's over the patched layers (``matmul_vs_softmax``) and over *every* attention layer of the model,
-  unpatched ones counted as softmax (``matmul_vs_softmax_model``: the x axis of that paper's figures, where
-  some layers stay exact); ``layers``: the indices of the patched layers and the number of attention layers;
+* ``cost``: attention FLOPs and query-key pairs from the method's cost model at each input's real length (and
+  its data, where the cost depends on it: window's global question tokens, ``Method.costs``), and their ratio to
+  full attention's, over the patched layers; and the literature's convention (the MonarchAttention paper's axis):
+  ``matmul_macs``, the multiply-accumulates of the attention matrix products, its ratio to softmax's over the
+  patched layers (``matmul_vs_softmax``) and over *every* attention layer of the model, unpatched ones counted as
+  softmax (``matmul_vs_softmax_model``: the x axis of that paper's figures, where some layers stay exact);
+  ``layers``: the indices of the patched layers and the number of attention layers;
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
 * ``seconds``, ``reference_seconds`` (whole-model forward time over all batches, the probe's own time taken
@@ -80,11 +81,12 @@ class AttentionProbe:
         self.err_num[i] = self.err_num.get(i, 0.0) + float(diff.sum())
         self.err_den[i] = self.err_den.get(i, 0.0) + float(ref.sum())
         heads, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
-        lengths = [k.shape[-2]] * q.shape[0] if key_mask is None else key_mask.sum(-1).tolist()
-        full_config = self._full.config_class()
-        for n in lengths:
-            c = layer.method.cost(layer.config, n=n, s=n, d=d, dv=dv)
-            f = self._full.cost(full_config, n=n, s=n, d=d, dv=dv)
+        b, n = q.shape[0], k.shape[-2]
+        # per row at its real length; a method whose cost depends on the data (window's global question) reads it
+        # from the forward's context, set while this runs
+        mine = layer.method.costs(layer.config, b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        full = self._full.costs(self._full.config_class(), b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        for c, f in zip(mine, full, strict=True):
             for j, value in enumerate((c.flops, c.qk_pairs, f.flops, f.qk_pairs, c.matmul_macs, f.matmul_macs)):
                 if value is None or self.cost[j] is None:  # a method that does not count matmuls (yet): none
                     self.cost[j] = None

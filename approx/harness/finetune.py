@@ -404,7 +404,7 @@ def finetune(
     setup = None if method is None else as_setup(method, cfg.seed)
     if setup is not None and setup.method == PER_LAYER:
         fitted = [x["layer"] for x in setup.options["layers"] if get_method(x["method"]).requires_fit(
-            get_method(x["method"]).make_config(**x["config"]))]  # fmt: skip
+            get_method(x["method"]).config_class.from_record(x["config"]))]  # fmt: skip
         if fitted:
             raise ValueError(
                 f"{method}: layers {fitted} hold fitted state, which fine-tuning from a per-layer folder would draw "

@@ -136,7 +136,10 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
         return _layers_setup(entries, tuned=False)
     if is_saved_setting(method):  # a folder written by approx.save / `approx fit`
         meta = read_settings(method)
-        return _layers_setup(meta["layers"], tuned="tuning" in meta)
+        entries = [  # options the folder predates: as it was saved
+            {**x, "config": get_method(x["method"]).config_class.recorded_options(x["config"])} for x in meta["layers"]
+        ]
+        return _layers_setup(entries, tuned="tuning" in meta)
     if isinstance(method, MethodConfig):
         setup = Setup.from_config(method)
     elif isinstance(method, Setup):
@@ -161,8 +164,9 @@ def _layers_setup(entries: list[dict[str, Any]], *, tuned: bool) -> Setup:
 
 
 def short_label(method: dict[str, Any]) -> str:
-    """``name:opt=value`` from a result's ``"method"`` entry, with only the options that differ from the
-    method's defaults."""
+    """``name:opt=value`` from a result's ``"method"`` entry (a full record: every option the method had when it was
+    written), with only the options that differ from the method's defaults; an option the record predates counts at
+    its ``absent`` value (``i-clustered:refine=0`` for a result from before ``refine``)."""
     name = method["name"]
     if name == PER_LAYER and "layers" not in method:  # a per-layer result that names itself (e.g. merged halves)
         return f"{PER_LAYER}[{method.get('label', '')}]"
@@ -176,6 +180,8 @@ def short_label(method: dict[str, Any]) -> str:
                 runs.append(([x["layer"]], label))
         spans = (f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r, _ in runs)
         return f"{PER_LAYER}[" + "; ".join(f"{s} {label}" for s, (_, label) in zip(spans, runs, strict=True)) + "]"
-    defaults = get_method(name).config_class().to_dict()
-    opts = ",".join(f"{k}={v}" for k, v in method.items() if k != "name" and defaults.get(k) != v)
+    config_class = get_method(name).config_class
+    defaults = config_class().to_dict()
+    recorded = config_class.recorded_options({k: v for k, v in method.items() if k != "name"})  # as it was run
+    opts = ",".join(f"{k}={v}" for k, v in recorded.items() if defaults.get(k) != v)
     return f"{name}:{opts}" if opts else name
