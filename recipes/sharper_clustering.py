@@ -225,7 +225,10 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     }
     labels = list(dict.fromkeys(variant_label(r["config"]) for r in old["errors"]))  # what the first run measured
     first = {"variants": labels, "wall_seconds": old["wall_seconds"], "provenance": old["provenance"]}
-    out["runs"] = old.get("runs", [first]) + new["runs"]
+    added = {label for run in new["runs"] for label in run["variants"]}
+    # an earlier run whose every variant was measured again is no longer behind any row
+    kept = [run for run in old.get("runs", [first]) if not set(run["variants"]) <= added]
+    out["runs"] = kept + new["runs"]
     return out
 
 

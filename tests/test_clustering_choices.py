@@ -257,6 +257,11 @@ def test_sharper_recipe_update_adds_replaces_and_refuses():
     assert rows[("i-clustered", 25, "topk_by=spread")]["metrics"]["mrpc"] == 71.0
     assert list(rows)[:3] == [("clustered", 25, label) for label in ("baseline", "bits=31", "refine=1")]
     assert [r["variants"] for r in merged["runs"]][1:] == [["bits=31", "refine=1", "topk_by=spread"]]
+    again = recipe.merge(merged, _record(recipe, [{"refine": 1}, {"topk_by": "spread"}, {"bits": 31}], 0.3, 72.0))
+    assert [r["variants"] for r in again["runs"]] == [
+        ["baseline", "bits=31"],
+        ["refine=1", "topk_by=spread", "bits=31"],
+    ]
     for changed in ({"protocol": "other"}, {"folder": "runs/checkpoints/y"}):
         other = _record(recipe, [{"refine": 1}], 0.4, 71.0, **changed)
         with pytest.raises(SystemExit, match="cannot --update"):
