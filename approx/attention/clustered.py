@@ -151,6 +151,13 @@ def refine_clusters(
     never count in a centroid; their index is whatever is nearest (their rows are discarded). ``chunked`` (eager
     code): the products a block of queries at a time; not (compiled code: no loop over the length, which would fix
     it in the graph): every query at once."""
+    if steps == 0:
+        return assign
+    with torch.no_grad():  # indices only: no gradient flows through a choice of cluster
+        return _lloyd_steps(q.detach(), assign, query_mask, clusters, steps, chunked)
+
+
+def _lloyd_steps(q, assign, query_mask, clusters: int, steps: int, chunked: bool) -> torch.Tensor:
     batch, heads, n, d = q.shape
     q3 = q.reshape(batch * heads, n, d)
     for _ in range(steps):
