@@ -447,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         for task in args.tasks:
             for kept in record["tasks"].values():  # tasks of an earlier run keep that run's provenance
                 kept.setdefault("provenance", record.get("provenance"))
+            made = provenance(seed=args.seed)  # the code as the task starts (not after a commit made meanwhile)
             t = run_task(task, args)
-            t["provenance"] = provenance(seed=args.seed)
+            t["provenance"] = made
             t["dominance"] = dominance(t)
             if task == "squad":
                 t["targets"] = squad_targets(t)
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile=args.profile,
                 candidates=[short_label({"name": c.method, **c.to_dict()}) for c in CANDIDATES],
                 target_fractions=list(FRACTIONS),
-                provenance=provenance(seed=args.seed),
+                provenance=made,
             )
             write_json(args.output, record)  # after every task: an interrupted run keeps what it measured
             print(markdown({"tasks": {task: t}}), flush=True)
