@@ -169,6 +169,8 @@ def settings_for(task: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
     """Fine-tune (or reuse) the task's checkpoint(s), evaluate every method, return the result record."""
+    # the code as the run starts (not after a commit made meanwhile)
+    made = provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None)
     common = dict(data_dir=args.data_dir, source=args.source, progress=not args.quiet)
     eval_options = dict(batch_size=args.batch_size, seed=args.seed, device=args.device, **common)
     limit = args.limit if args.limit is not None else (TASKS[task].get("eval_limit") if args.profile == "cpu" else None)
@@ -207,7 +209,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "finetune_this_run": t_ft.seconds,
             "evaluate": t_ev.seconds,
         },
-        "provenance": provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None),
+        "provenance": made,
     }
 
 

@@ -126,6 +126,7 @@ def patched(model, config, layers: list[int]) -> dict[int, Any]:
 
 
 def run(args) -> dict[str, Any]:
+    made = provenance(seed=0)  # the code as the run starts (not after a commit made meanwhile)
     settings = {**base_settings("squad", args.profile), **READER[args.profile]}
     if args.max_steps is not None:  # smoke runs
         settings.update(max_steps=args.max_steps, limit=args.train_limit)
@@ -184,7 +185,7 @@ def run(args) -> dict[str, Any]:
         "results": results,
         "best": best_points(results),
         "wall_seconds": {"finetune_this_run": t_ft.seconds, "evaluate": t_eval.seconds},
-        "provenance": provenance(seed=0),
+        "provenance": made,
     }
     if old is None:
         return record

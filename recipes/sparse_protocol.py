@@ -63,6 +63,7 @@ WINDOW_TARGET = 0.98  # window with the question global: within 2 % of full F1
 
 
 def run(args) -> dict[str, Any]:
+    made = provenance(seed=0)  # the code as the run starts (not after a commit made meanwhile)
     settings = {**base_settings("squad", args.profile), **READER[args.profile]}
     if args.max_steps is not None:  # smoke runs
         settings.update(max_steps=args.max_steps, limit=args.train_limit)
@@ -98,7 +99,7 @@ def run(args) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "results": results,
         "wall_seconds": {"evaluate": t_eval.seconds},
-        "provenance": provenance(seed=0),
+        "provenance": made,
     }
 
 
