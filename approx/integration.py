@@ -41,6 +41,7 @@ __all__ = [
     "load",
     "load_method_state",
     "patch",
+    "question_positions",
     "redraw",
     "RedrawSchedule",
     "restore",
@@ -139,19 +140,25 @@ def _attention_forward(
 _QUESTION_TOKENS = threading.local()  # per thread: the context tokens of the forwards in progress (a stack)
 
 
-def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a patched model: the question's positions of this batch (every token before the
-    first SEP, from ``input_ids`` and ``config.sep_token_id`` or from ``token_type_ids``), for the methods that
-    make the question global (``window`` with ``question_global``); see ``approx.attention._context``."""
-    input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-    token_types = kwargs.get("token_type_ids")
+def question_positions(
+    model: nn.Module, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The question's positions in a batch for ``model`` (every token before the first SEP, from ``input_ids`` and
+    ``config.sep_token_id`` or from ``token_type_ids``), as a patched forward finds them; else what the caller set
+    with ``approx.tokens(question_mask=...)``; None when neither has one. See ``approx.attention._context``."""
     config = getattr(model, "config", None)
     sep = getattr(config, "sep_token_id", None)
     if sep is None:  # RoBERTa-style configs name their separator </s> only as eos
         sep = getattr(config, "eos_token_id", None)
-    question = _context.question_of(input_ids, token_types, sep)
-    if question is None:  # nothing found here: keep what the caller set with approx.tokens(...), if anything
-        question = _context.question_mask()
+    question = _context.question_of(input_ids, token_type_ids, sep)
+    return _context.question_mask() if question is None else question
+
+
+def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a patched model: :func:`question_positions` of this batch, for the methods that make the
+    question global (``window`` with ``question_global``)."""
+    input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    question = question_positions(model, input_ids, kwargs.get("token_type_ids"))
     stack = getattr(_QUESTION_TOKENS, "stack", None)
     if stack is None:
         stack = _QUESTION_TOKENS.stack = []

@@ -36,7 +36,6 @@ Linformer ``fitted``) are refused as candidates: fit them and evaluate the folde
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -51,7 +50,6 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .. import integration
 from ..attention import _context
 from ..config import MethodConfig
 from ..integration import (
@@ -61,6 +59,7 @@ from ..integration import (
     is_patched,
     patch,
     patched_layers,
+    question_positions,
     set_tuning,
     unpatch,
 )
@@ -240,14 +239,13 @@ class _Calibration:
         self.model, self.target = model, target
         self.device = next(model.parameters()).device
         self.refs = []
-        self.lengths: list[int] = []  # real tokens of every input, for the cost models
         self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per batch: (attention mask, question)
         for inputs in batches:
             if "input_ids" not in inputs or "attention_mask" not in inputs:
                 raise ValueError(f"a calibration batch needs input_ids and attention_mask; got {sorted(inputs)}")
             inputs = {k: v.to(self.device) for k, v in inputs.items()}
-            self.lengths += [int(n) for n in inputs["attention_mask"].sum(-1).tolist()]
-            self.masks.append((inputs["attention_mask"].bool().cpu(), _question(model, inputs)))
+            question = question_positions(model, inputs["input_ids"], inputs.get("token_type_ids"))
+            self.masks.append((inputs["attention_mask"].bool().cpu(), None if question is None else question.cpu()))
             out = model(**inputs, output_hidden_states=True)
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
@@ -371,37 +369,20 @@ def _share(value: float | None, full: float | None) -> float | None:
     return value / full if value is not None and full and math.isfinite(value) else None
 
 
-def _question(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The question positions a patched forward of ``inputs`` sees (the integration's forward pre-hook, run alone:
-    the positions before the first SEP), for the cost models that count them; None when it finds none."""
-    integration._set_question(model, (), inputs)
-    try:
-        question = _context.question_mask()
-        return None if question is None else question.cpu()
-    finally:
-        integration._reset_question(model, (), None)
-
-
 def _cost(layer: ApproxAttention, calibration: _Calibration, convention: str) -> float:
     """A layer's attention cost per head over the calibration's inputs, from its method's cost model at their real
     lengths (as the harness's probe counts it; with the batches' data for a method whose cost depends on it);
     infinite for a method that does not count this convention."""
-    method, d = layer.method, layer.head_dim
-    if method.batch_cost is None:  # the lengths are all it needs
-        rows = [(method.cost(layer.config, n=n, s=n, d=d, dv=d), times)
-                for n, times in collections.Counter(calibration.lengths).items()]  # fmt: skip
-    else:
-        rows = []
-        for mask, question in calibration.masks:
-            with _context.tokens(question_mask=question):
-                b, n = mask.shape
-                rows += [(c, 1) for c in method.costs(layer.config, b=b, n=n, key_mask=mask, d=d, dv=d)]
     total = 0.0
-    for c, times in rows:
-        value = c.flops if convention == "flops" else c.matmul_macs
-        if value is None:
-            return math.inf
-        total += times * value
+    for mask, question in calibration.masks:
+        with _context.tokens(question_mask=question):
+            costs = layer.method.costs(layer.config, b=mask.shape[0], n=mask.shape[1], key_mask=mask,
+                                       d=layer.head_dim, dv=layer.head_dim)  # fmt: skip
+        for c in costs:
+            value = c.flops if convention == "flops" else c.matmul_macs
+            if value is None:
+                return math.inf
+            total += value
     return total
 
 
