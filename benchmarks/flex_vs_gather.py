@@ -1,4 +1,4 @@
-"""FlexAttention against approx's block-sparse kernel, on the same pattern and inputs (issue #17's choice).
+"""FlexAttention against approx's block-sparse kernels, on the same pattern and inputs (issue #17's choice).
 
 Usage::
 
@@ -7,12 +7,13 @@ Usage::
     python benchmarks/flex_vs_gather.py --device cuda                     # a GPU, when one is lent
 
 The pattern is the ``window`` method's (one-sided window 256, the CLS token global; ``--window``,
-``--global-tokens``), run three ways: ``gather`` (``approx.ApproxAttention("window", kernel="gather")``: key blocks
-gathered per query block, plain torch), ``approx-flex`` (the same layer with ``kernel="flex"``: approx's generic
+``--global-tokens``), run four ways: ``band`` (``kernel="band"``: the banded kernel, every query block's keys a
+strided view of one buffer, plain torch), ``gather`` (``approx.ApproxAttention("window", kernel="gather")``: key
+blocks gathered per query block, plain torch), ``approx-flex`` (the same layer with ``kernel="flex"``: approx's generic
 translation of a pattern to FlexAttention, table look-ups in its ``mask_mod``) and ``flex`` (raw
 ``torch.nn.attention.flex_attention`` compiled, on the same block lists with a hand-written ``mask_mod``:
 ``|i - j| <= w`` or a global token). Inputs (1, 12, N, 64) float32, no padding, forward. Times interleave SDPA,
-the three in one process (one warm-up each, ``--repeats`` timed calls, median); flex's first call (its
+the four in one process (one warm-up each, ``--repeats`` timed calls, median); flex's first call (its
 compilation) is timed apart. The outputs are compared (max absolute difference). Whether flex has a backward pass
 on the device is tried and recorded. Results: stdout (markdown) and ``--output`` (JSON, with provenance).
 """
@@ -107,7 +108,7 @@ def flex_backward(flex, config: WindowConfig, device: str) -> str:
 
 
 def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: WindowConfig) -> dict:
-    """One length: SDPA, approx's two kernels and raw flex interleaved (medians), flex's first call, the outputs'
+    """One length: SDPA, approx's three kernels and raw flex interleaved (medians), flex's first call, the outputs'
     largest difference."""
     g = torch.Generator(device="cpu").manual_seed(args.seed)
     q, k, v = (torch.randn(1, 12, n, 64, generator=g).to(args.device) for _ in range(3))
@@ -116,6 +117,7 @@ def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: Window
         compile_s = timed(lambda: layers["flex"](q, k, v), args.device)  # approx's first: see _flex.py
         fns = {
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+            "band": lambda: layers["band"](q, k, v),
             "gather": lambda: layers["gather"](q, k, v),
             "approx-flex": lambda: layers["flex"](q, k, v),
             "flex": lambda: flex(q, k, v, block_mask=mask),
@@ -127,14 +129,15 @@ def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: Window
             for c, f in fns.items():
                 times[c].append(timed(f, args.device))
         ref = layers["gather"](q, k, v)
-        diff = max(float((ref - o).abs().max()) for o in (layers["flex"](q, k, v), flex(q, k, v, block_mask=mask)))
+        others = (layers["band"](q, k, v), layers["flex"](q, k, v), flex(q, k, v, block_mask=mask))
+        diff = max(float((ref - o).abs().max()) for o in others)
     med = {c: statistics.median(t) for c, t in times.items()}
     print(f"[time] N={n}: " + ", ".join(f"{c} {m * 1e3:.0f} ms" for c, m in med.items()), file=sys.stderr)
     return {
         "n": n,
         "median_s": med,
         "times_s": times,
-        "ratio_to_sdpa": {c: med["sdpa"] / med[c] for c in ("gather", "approx-flex", "flex")},
+        "ratio_to_sdpa": {c: med["sdpa"] / med[c] for c in ("band", "gather", "approx-flex", "flex")},
         "flex_over_gather": med["gather"] / med["approx-flex"],
         "flex_first_call_s": compile_s,
         "max_abs_diff": diff,
@@ -149,7 +152,7 @@ def main(argv=None) -> None:
     config = WindowConfig(window=args.window, global_tokens=args.global_tokens, block=args.block)
     layers = {
         kernel: ApproxAttention("window", dataclasses.replace(config, kernel=kernel), head_dim=64).to(args.device)
-        for kernel in ("gather", "flex")
+        for kernel in ("band", "gather", "flex")
     }
     # the raw flex calls compile per length too: the same raised recompile limit as approx's own calls
     with torch._dynamo.config.patch(recompile_limit=_flex.MAX_SHAPES):
@@ -173,19 +176,19 @@ def main(argv=None) -> None:
 
 def markdown(result: dict) -> str:
     lines = [
-        f"FlexAttention vs approx's gather kernel, window pattern {result['pattern']['window']} one-sided, "
+        f"approx's band and gather kernels vs FlexAttention, window pattern {result['pattern']['window']} one-sided, "
         f"block {result['pattern']['block']}, {result['provenance']['torch_threads']} threads, "
         f"{result['provenance']['device']}; flex backward: {result['flex_backward']}",
         "",
-        "| N | SDPA ms | gather ms | approx on flex ms | raw flex ms | gather vs SDPA | approx on flex vs SDPA | "
-        "raw flex vs SDPA | flex vs gather | flex first call s | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | SDPA ms | band ms | gather ms | approx on flex ms | raw flex ms | band vs SDPA | gather vs SDPA | "
+        "approx on flex vs SDPA | raw flex vs SDPA | flex vs gather | flex first call s | max diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         m, x = r["median_s"], r["ratio_to_sdpa"]
         lines.append(
-            f"| {r['n']} | {m['sdpa'] * 1e3:.0f} | {m['gather'] * 1e3:.0f} | {m['approx-flex'] * 1e3:.0f} | "
-            f"{m['flex'] * 1e3:.0f} | {x['gather']:.2f}× | {x['approx-flex']:.2f}× | {x['flex']:.2f}× | "
+            f"| {r['n']} | {m['sdpa'] * 1e3:.0f} | {m['band'] * 1e3:.0f} | {m['gather'] * 1e3:.0f} | "
+            f"{m['approx-flex'] * 1e3:.0f} | {m['flex'] * 1e3:.0f} | {x['band']:.2f}× | {x['gather']:.2f}× | {x['approx-flex']:.2f}× | {x['flex']:.2f}× | "
             f"{r['flex_over_gather']:.2f}× | {r['flex_first_call_s']:.1f} | {r['max_abs_diff']:.1e} |"
         )
     return "\n".join(lines)

@@ -49,10 +49,20 @@ __all__ = ["Pattern", "attend", "combine", "dense_mask", "dense_weights", "range
 
 # the kernels that run a pattern (the sparse-pattern methods' ``kernel`` option): see :func:`attend`
 KERNELS = ("auto", "gather", "flex")
+BAND = "band"  # the banded kernel, for contiguous-window patterns only (:mod:`._band`)
 
 
-def kernel_option() -> Any:
-    """The ``kernel`` option of every sparse-pattern method's config (check it with :func:`check_kernel`)."""
+def kernel_option(*, band: bool = False) -> Any:
+    """The ``kernel`` option of a sparse-pattern method's config (check it with :func:`check_kernel`); ``band``: the
+    method's pattern is a contiguous band (``window``), which the banded kernel (:mod:`._band`) runs."""
+    if band:
+        return option(
+            "auto",
+            "'band': approx's banded kernel (strided views of K and V, no gathered copy; inference only, no "
+            "dilation); 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: "
+            "inference only, float32/16); 'auto': on the CPU band where it can run the call, on a GPU flex on long "
+            "inputs, else gather (same output to rounding)",
+        )
     return option(
         "auto",
         "'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: inference only, "
@@ -60,8 +70,9 @@ def kernel_option() -> Any:
     )
 
 
-def check_kernel(config) -> None:
-    config.require(config.kernel in KERNELS, "kernel", f"choose one of {', '.join(KERNELS)}")
+def check_kernel(config, *, band: bool = False) -> None:
+    kernels = KERNELS + ((BAND,) if band else ())
+    config.require(config.kernel in kernels, "kernel", f"choose one of {', '.join(kernels)}")
 
 
 # Largest score tensor of one chunk of query blocks, in elements (B * H * c * block * keys).
@@ -93,6 +104,9 @@ class Pattern:
     # plain(i, j): elementwise, True where j is a shared key or i a global query, when that depends on the positions
     # only (FlexAttention then computes it instead of looking the tables up); None: look-ups
     plain: PairFn | None = None
+    # the pattern is the contiguous band |i - j| <= band (plus shared keys and global queries) in original order,
+    # and ``allow`` says just that: the banded kernel (:mod:`._band`) can run it; None: it is not
+    band: int | None = None
 
 
 def _batch_index(b: int, device) -> torch.Tensor:
@@ -169,8 +183,16 @@ def attend(
     (-inf for a query with no allowed key, whose output is 0).
 
     ``kernel``: ``"gather"`` (this module's plain-torch kernel), ``"flex"`` (compiled FlexAttention on the same
-    pattern: :mod:`._flex`; an error when it cannot run the call) or ``"auto"`` (flex where it can run the call and
-    the sequence is long enough to repay it, see ``_flex.usable``; else gather)."""
+    pattern: :mod:`._flex`; an error when it cannot run the call), ``"band"`` (the banded kernel, :mod:`._band`, for
+    a ``pattern.band``; an error when it cannot run the call) or ``"auto"`` (on the CPU the banded kernel where it
+    can run the call; else flex where it can and the sequence is long enough to repay it, see ``_flex.worth_it``;
+    else gather)."""
+    if kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and pattern.band is not None):
+        why = _band_unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
+        if why is None:
+            return _attend_band(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
+        if kernel == BAND:
+            raise RuntimeError(f"kernel='band' cannot run this call: {why}")
     if kernel != "gather":
         from . import _flex
 
@@ -247,8 +269,44 @@ def attend(
             lse[:, :, rows] = lse_c.reshape(b, h, c * blk)
     out, lse = _unsort(out, lse, pattern.q_order, n)
     if pattern.global_queries is not None and bool(pattern.global_queries.any()):
-        out, lse = _global_rows(q * scale, k, v, key_mask, pattern.global_queries, out, lse, dropout)
+        out, lse = _global_rows(q, scale, k, v, key_mask, pattern.global_queries, out, lse, dropout)
     return (out, lse) if with_lse else out.to(out_dtype)  # to combine: in the compute dtype
+
+
+def _attend_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
+    """The banded kernel (:mod:`._band`) on a window pattern, and the global queries' dense rows written over it."""
+    from . import _band
+
+    out_dtype = v.dtype
+    out = _band.attend(
+        q,
+        k,
+        v,
+        reach=pattern.band,
+        block=pattern.block,
+        key_mask=key_mask,
+        shared_keys=pattern.shared_keys,
+        scale=scale,
+    )
+    if pattern.global_queries is not None and bool(pattern.global_queries.any()):
+        dt = out.dtype
+        v = zero_padded_values(v.to(dt), key_mask)
+        out, _ = _global_rows(
+            q.to(dt), scale, k.to(dt), v, key_mask, pattern.global_queries, out, None, 0.0, inplace=True
+        )
+    return out.to(out_dtype)
+
+
+def _band_unusable(q, k, v, pattern: Pattern, *, dropout: float, with_lse: bool) -> str | None:
+    """Why the banded kernel (:mod:`._band`) cannot run this call (None: it can)."""
+    from . import _band
+
+    if pattern.band is None:
+        return "the pattern is not a contiguous band (window with dilation 1)"
+    if with_lse:
+        return "it returns no log-sum-exp"
+    g = 0 if pattern.shared_keys is None else int(pattern.shared_keys.sum(-1).max())
+    return _band.unusable(q, k, v, reach=pattern.band, block=pattern.block, shared=g, dropout=dropout)
 
 
 def _unsort(out, lse, order, n):
@@ -260,24 +318,27 @@ def _unsort(out, lse, order, n):
     return out, None if lse is None else lse.gather(2, inv)
 
 
-def _global_rows(qs, k, v, key_mask, global_queries, out, lse, dropout):
+def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *, inplace=False):
     """Replace the rows of global queries by dense attention to every real key: each batch row's global queries
-    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query)."""
+    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query). ``inplace``: ``out``
+    is the caller's own (no gradient), written in place."""
     pos, real = token_rows(global_queries)  # (B, G)
-    b, h, _, d = qs.shape
+    b, h, _, d = q.shape
     s = k.shape[2]
-    ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=qs.device) if key_mask is None else key_mask[:, None, None, :]
-    out, lse = out.clone(), None if lse is None else lse.clone()
+    ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, None, :]
+    if not inplace:
+        out, lse = out.clone(), None if lse is None else lse.clone()
     step = max(1, _CHUNK_ELEMENTS // max(1, b * h * s))
     for g0 in range(0, pos.shape[1], step):
         idx = pos[:, g0 : g0 + step]  # (B, g)
-        qg = qs.gather(2, idx[:, None, :, None].expand(b, h, -1, d))  # (B, H, g, d)
+        qg = q.gather(2, idx[:, None, :, None].expand(b, h, -1, d)) * scale  # (B, H, g, d)
         p, lse_g = _normalise(qg @ k.transpose(-1, -2), ok.expand(b, h, idx.shape[1], s), lse is not None)
         if dropout > 0.0:
             p = F.dropout(p, dropout)
         keep = real[:, None, g0 : g0 + step, None]  # (B, 1, g, 1): padding entries of the left-aligned list
         rows = idx[:, None, :, None].expand(b, h, -1, out.shape[-1])
-        out = out.scatter(2, rows, torch.where(keep, p @ v, out.gather(2, rows)))
+        new = torch.where(keep, p @ v, out.gather(2, rows))
+        out = out.scatter_(2, rows, new) if inplace else out.scatter(2, rows, new)
         if lse is not None:
             lse = lse.scatter(
                 2,

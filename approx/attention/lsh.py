@@ -13,10 +13,11 @@ bucket. A pretrained encoder has separate Q and K, so (SMYRF) both are first map
 are sorted *separately* by the same random hash of F(q) and G(k), both sorted lists are cut into clusters of
 ``cluster_size`` c consecutive entries (balanced: every cluster but the last holds exactly c real tokens), and
 the t-th query cluster attends the t-th key cluster (a block-diagonal pattern in the sorted orders). ``rounds``
-independent hashes are combined exactly: each round's softmax over its pairs, with the score of a pair found in
-n of the rounds lowered by log n (Reformer's de-duplication), is merged with the others through their
-log-sum-exp normalisers, O = sum_r exp(L_r - L) O_r, L = logsumexp_r L_r. The result is exactly the softmax over
-the *union* of the rounds' pairs with the plain scores (each pair counted once): the dense ``weights()``.
+independent hashes are combined exactly: each round's softmax over its pairs, a pair found in several rounds
+counted in the first of them only (Reformer instead lowers its score by log n in each of its n rounds: the same
+sum), is merged with the others through their log-sum-exp normalisers, O = sum_r exp(L_r - L) O_r,
+L = logsumexp_r L_r. The result is exactly the softmax over the *union* of the rounds' pairs with the plain scores
+(each pair counted once): the dense ``weights()``.
 
 Choices made here:
 
@@ -45,9 +46,10 @@ Choices made here:
   (every pair is found in every round, lowered by log rounds, and the combination restores it); so is any row
   with at most c real tokens. ``exact_below`` (default 0) is the generic fallback to exact attention.
 
-Runs on the block-sparse kernel (:mod:`._blocksparse`), one :class:`~._blocksparse.Pattern` per round (q_order /
-k_order the sorted positions, kv_blocks one key block per query block, the de-duplication as the pattern's
-``bias``), merged with :func:`~._blocksparse.combine`. Cost: rounds * N * c pairs plus the hashing.
+Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gathered into their sorted orders,
+each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
+masked; the rounds merged with :func:`~._blocksparse.combine`. ``weights()`` and the graph statistics build the
+union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _blocksparse, _fallback
 from ._blocksparse import Pattern
-from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask, zero_padded_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,20 +182,97 @@ def pair_counts(hashed: Hashed, i: torch.Tensor, j: torch.Tensor) -> torch.Tenso
     return (_at(hashed.target, i) == _at(hashed.k_cluster, j)).sum(0)
 
 
-def round_patterns(hashed: Hashed, dtype: torch.dtype) -> list[Pattern]:
-    """One pattern per round; with several rounds, a pair found in n of them has its score lowered by log n."""
-    rounds = hashed.q_order.shape[0]
-    bias = None
-    if rounds > 1:
-        log_n = torch.arange(rounds + 1, device=hashed.kv.device, dtype=dtype).clamp(min=1).log()
+# Largest score chunk of one round, in elements (blocks * c * c): bounds the memory of a round (smaller chunks were
+# measured no faster on the CPU)
+_CHUNK_ELEMENTS = 1 << 22
 
-        def bias(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            return -log_n[pair_counts(hashed, i, j)]
 
-    return [
-        Pattern(hashed.block, hashed.kv, q_order=hashed.q_order[r], k_order=hashed.k_order[r], bias=bias, flex=False)
-        for r in range(rounds)
-    ]
+def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """The rounds merged, on LSH's own kernel: (B, H, N, dv) in v's dtype.
+
+    Per round, queries, keys and values are gathered into their sorted orders (rows of one flat table), and query
+    cluster t meets its key cluster as one batched product, (B H Tq, c, c) scores in chunks: no per-pair look-up. A
+    pair found in several rounds is counted in the first round that finds it and masked in the later ones (each pair
+    once, as Reformer's lowering of its score by log n does), so the merged result is the softmax over the union of
+    the rounds' pairs; each round keeps its log-sum-exp and the rounds are merged through them
+    (:func:`~._blocksparse.combine`). Gradients flow through every step but the hashing."""
+    from ._blocksparse import combine
+
+    dt, out_dtype = compute_dtype(q.dtype), v.dtype
+    b, h, n, d = q.shape
+    s, dv, blk = k.shape[2], v.shape[-1], hashed.block
+    tq, tk = -(-n // blk), -(-s // blk)
+    bh, dev = b * h, q.device
+    key_mask = safe_key_mask(key_mask)
+    qf, kf = q.to(dt).reshape(bh * n, d), k.to(dt).reshape(bh * s, d)
+    vf = zero_padded_values(v.to(dt), key_mask).reshape(bh * s, dv)
+    q_base = (torch.arange(bh, device=dev) * n)[:, None]  # row of (batch, head) 0 in the flat tables
+    k_base = (torch.arange(bh, device=dev) * s)[:, None]
+    kv = hashed.kv.view(b, 1, tq).expand(b, h, tq).reshape(bh, tq)  # each query cluster's key cluster
+    blocks = None  # key blocks in the (B H Tk) list of sorted key blocks, when not block t for query block t
+    if not (tq <= tk and bool((kv == torch.arange(tq, device=dev)).all())):
+        blocks = (kv + (torch.arange(bh, device=dev) * tk)[:, None]).reshape(-1)
+    real = None if key_mask is None else key_mask[:, None, :].expand(b, h, s).reshape(bh, s)
+
+    def sorted_slots(order: torch.Tensor, length: int, slots: int) -> torch.Tensor:
+        """(R?, B, H, L) order -> (B H, slots) original positions per sorted slot; slots past the end repeat the
+        last position (their queries are dropped, their keys masked)."""
+        pos = order.reshape(bh, length)
+        return torch.nn.functional.pad(pos, (0, slots - length), mode="replicate") if slots > length else pos
+
+    def key_side(x: torch.Tensor) -> torch.Tensor:
+        """(B H, Tk c, ...) per sorted key slot -> (B H Tq, c, ...): every query block's key block."""
+        x = x.reshape(bh * tk, blk, *x.shape[2:])
+        return x[: bh * tq] if blocks is None else x.index_select(0, blocks)
+
+    per = max(1, _CHUNK_ELEMENTS // (blk * blk))
+    outs, lses = [], []
+    neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
+    for r in range(hashed.q_order.shape[0]):
+        qpos = sorted_slots(hashed.q_order[r], n, tq * blk)  # (B H, Tq c)
+        kpos = sorted_slots(hashed.k_order[r], s, tk * blk)
+        qs = qf.index_select(0, (qpos + q_base).reshape(-1)).view(bh * tq, blk, d)
+        krows = (kpos + k_base).reshape(-1)
+        ks, vs = (
+            key_side(kf.index_select(0, krows).view(bh, -1, d)),
+            key_side(vf.index_select(0, krows).view(bh, -1, dv)),
+        )
+        # keys a query block may not use: past the end, padding, or found with it in an earlier round
+        bad = (torch.arange(tk * blk, device=dev) >= s).expand(bh, -1)
+        if real is not None:
+            bad = bad | ~real.gather(1, kpos)
+        bad = key_side(bad)[:, None, :]  # (B H Tq, 1, c)
+        masked = r > 0 or bool(bad.any())
+        earlier = [
+            (
+                hashed.target[e].reshape(bh, n).gather(1, qpos).view(bh * tq, blk, 1),
+                key_side(hashed.k_cluster[e].reshape(bh, s).gather(1, kpos))[:, None, :],
+            )
+            for e in range(r)
+        ]
+        o_r, lse_r = [], []
+        for c0 in range(0, bh * tq, per):
+            c1 = min(bh * tq, c0 + per)
+            sc = torch.baddbmm(qs.new_empty(()), qs[c0:c1], ks[c0:c1].transpose(1, 2), beta=0.0, alpha=scale)
+            if masked:
+                mask = bad[c0:c1]
+                for target, cluster in earlier:
+                    mask = mask | (target[c0:c1] == cluster[c0:c1])
+                sc = sc.masked_fill_(mask, neg)
+            top = sc.detach().amax(-1, keepdim=True)
+            top = top.masked_fill(torch.isinf(top), 0.0)  # a row with no pair: exp(-inf) = 0 below
+            e = sc.sub_(top).exp_()
+            z = e.sum(-1, keepdim=True)
+            if dropout > 0.0:
+                e = torch.nn.functional.dropout(e, dropout)
+            o_r.append(torch.bmm(e, vs[c0:c1]) / z.clamp(min=torch.finfo(dt).tiny))  # no pair: 0, not 0 / 0
+            lse_r.append((top + z.log())[..., 0])  # -inf for a row with no pair
+        o = (o_r[0] if len(o_r) == 1 else torch.cat(o_r)).view(bh, tq * blk, dv)[:, :n]
+        lse = (lse_r[0] if len(lse_r) == 1 else torch.cat(lse_r)).view(bh, tq * blk)[:, :n]
+        back = (hashed.q_order[r].reshape(bh, n) + q_base).reshape(-1)  # sorted slot -> original row
+        outs.append(o.new_empty(bh * n, dv).index_copy_(0, back, o.reshape(-1, dv)).view(b, h, n, dv))
+        lses.append(lse.new_empty(bh * n).index_copy_(0, back, lse.reshape(-1)).view(b, h, n))
+    return (outs[0] if len(outs) == 1 else combine(outs, lses)).to(out_dtype)
 
 
 def union_pattern(hashed: Hashed, *, n: int, s: int) -> Pattern:
@@ -260,19 +339,8 @@ def lsh_attention(
     b, _, n, _ = q.shape
 
     def approximate() -> torch.Tensor:
-        dt = compute_dtype(q.dtype)
         hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
-        patterns = round_patterns(hashed, dt)
-        if len(patterns) == 1:
-            return _blocksparse.attend(q, k, v, patterns[0], key_mask=key_mask, scale=scale, dropout=dropout)
-        outs, lses = [], []
-        for pat in patterns:  # outputs in the compute dtype, merged, then cast once
-            o, lse = _blocksparse.attend(
-                q, k, v.to(dt), pat, key_mask=key_mask, scale=scale, dropout=dropout, with_lse=True
-            )
-            outs.append(o)
-            lses.append(lse)
-        return _blocksparse.combine(outs, lses).to(v.dtype)
+        return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout)
 
     return _fallback.with_fallback(
         approximate,

@@ -60,7 +60,7 @@ class WindowConfig(MethodConfig):
     )
     block: int = option(64, "rows per query block of the kernel (speed only: the output does not depend on it)")
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
-    kernel: str = _blocksparse.kernel_option()
+    kernel: str = _blocksparse.kernel_option(band=True)
 
     def check(self) -> None:
         self.require(self.window >= 0, "window", "a one-sided width: 0 (only i = j) or more")
@@ -68,7 +68,8 @@ class WindowConfig(MethodConfig):
         self.require(self.global_tokens >= 0, "global_tokens", "cannot be negative")
         self.require(self.block >= 1, "block", "at least one row per block")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
-        _blocksparse.check_kernel(self)
+        _blocksparse.check_kernel(self, band=True)
+        self.require(self.kernel != "band" or self.dilation == 1, "kernel", "'band' runs contiguous windows only")
 
 
 def window_pairs(n: int, s: int, window: int, dilation: int) -> int:
@@ -166,6 +167,7 @@ def pattern(config: WindowConfig, *, b: int, n: int, s: int, device) -> Pattern:
         global_queries=glob,
         kv_full=full[None, None],
         allow_implies_blocks=dil == 1,  # the listed blocks are all those within reach
+        band=reach if dil == 1 else None,
         # the first global_tokens positions, when they are the only global ones (no question)
         plain=None
         if config.question_global

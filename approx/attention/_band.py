@@ -1,0 +1,218 @@
+"""Attention over a contiguous band of keys (plain torch, inference): the CPU fast path of ``window``.
+
+Query i attends the keys j with ``|i - j| <= reach``, plus a few *shared* keys every query attends (global tokens).
+The keys of a block of ``block`` queries lie in one contiguous slice of ``block + 2 P`` keys (P: the reach rounded up
+to whole blocks), so every block's keys and values are **views** of one zero-padded buffer holding a head's K and V
+(``Tensor.unfold`` with step ``block``, overlapping windows; the buffer is reused from head to head): one batched
+matrix product per chunk of blocks and no gathered copy of the keys per block, which is what makes the generic
+gather kernel (:mod:`._blocksparse`) slow. Per chunk:
+
+1. ``S = Q_blocks @ K_windows^T`` into a reused buffer (blocks, block, block + 2P);
+2. the band's edges: only the first ``P - reach + block - 1`` and the last ``P - reach + block - 1`` columns hold
+   pairs outside the band (the middle columns are within reach of every row of the block), so two thin strips get a
+   ``-inf`` bias, not the whole matrix; windows touching padding, a sequence end or a shared key (counted once, in
+   its own column) get a key bias too (found beforehand, usually a few blocks per row);
+3. the shared keys' scores go into columns of each row that the band masks (every row of a block of two or more
+   has at least ``block - 1`` of them), so one fused softmax over the row normalises band and shared keys
+   together; their weights are read back from those columns and the columns zeroed before ``P @ V_windows``,
+   and the shared values are added as one small product.
+
+Work is O(N (block + 2P) d), memory O(N d) plus one chunk. Queries with no allowed key get 0 (as the gather kernel).
+Global *queries* (dense rows) are the caller's: :func:`._blocksparse.attend` replaces those rows afterwards. A float64
+softmax written from the window's definition agrees with it to rounding (tests/test_band.py). Measured on the CPU
+against SDPA, FlexAttention and the gather kernel on the docs' Speed page.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ._common import compute_dtype, zero_padded_values
+
+__all__ = ["attend", "unusable"]
+
+# Largest score chunk, in elements (blocks * block * width): a few MiB, so the strips, softmax and product that
+# follow the score product find it in cache
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _geometry(reach: int, block: int) -> tuple[int, int, int, int]:
+    """(P, width, left, right): the padding on each side, the keys per block, and the band's masked strips: columns
+    [0, left) and [right, width) hold pairs outside the band for some row; [left, right) none."""
+    pad = -(-reach // block) * block
+    width = block + 2 * pad
+    return pad, width, min(width, pad - reach + block - 1), max(0, pad + reach + 1)
+
+
+def masked_columns(reach: int, block: int) -> int:
+    """How many columns the band masks in every row of a block (the room for shared keys)."""
+    pad, width, _, _ = _geometry(reach, block)
+    return width - (2 * reach + 1)
+
+
+def unusable(q, k, v, *, reach: int, block: int, shared: int, dropout: float) -> str | None:
+    """Why the band kernel cannot run this call (None: it can)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return "it is inference only (no gradient)"
+    if dropout > 0.0:
+        return "it applies no dropout"
+    if q.shape[2] != k.shape[2]:
+        return "it needs as many queries as keys"
+    if block < 2:
+        return "it needs blocks of two rows or more"
+    if shared > masked_columns(reach, block):
+        return f"{shared} shared keys do not fit the {masked_columns(reach, block)} masked columns of a row"
+    return None
+
+
+def _slots(reach: int, block: int, g: int, device) -> torch.Tensor:
+    """(block, g): for row r of a block, g columns that the band masks (left of the band first)."""
+    pad, width, _, _ = _geometry(reach, block)
+    cols = torch.arange(width, device=device)
+    r = torch.arange(block, device=device)[:, None]
+    outside = (cols - pad - r).abs() > reach  # (block, width)
+    order = torch.where(outside, cols, cols + width).argsort(dim=-1, stable=True)
+    return order[:, :g]
+
+
+def _span(flags: torch.Tensor) -> list[tuple[int, int]]:
+    """The blocks flagged in ``flags`` (Tq,) bool as at most two ranges [lo, hi): those of the start and of the end
+    of the sequence (where the sequence ends and shared keys are), or one range around all of them."""
+    at = flags.nonzero()[:, 0].tolist()
+    if not at:
+        return []
+    gaps = [i for i in range(1, len(at)) if at[i] != at[i - 1] + 1]
+    if len(gaps) == 1:  # two runs
+        return [(at[0], at[gaps[0] - 1] + 1), (at[gaps[0]], at[-1] + 1)]
+    return [(at[0], at[-1] + 1)]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    reach: int,
+    block: int,
+    key_mask: torch.Tensor | None,
+    shared_keys: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax attention of q (B, H, N, d) to the keys within ``reach`` of each query and to the ``shared_keys``
+    (B, N) bool (or None), among the real keys (``key_mask`` (B, N), None: all): (B, H, N, dv) in the compute dtype
+    (float32 for half inputs), a view of a (B, N, H, dv) tensor (the layout the attention layer returns). Call
+    :func:`unusable` first.
+
+    One batch row and one head at a time (several heads side by side when the sequence is short): their keys and
+    values are copied into one zero-padded buffer that every head reuses (hot in cache, no large allocation), the
+    queries are read and the output written in place (any strides with a unit last stride)."""
+    from ._blocksparse import token_rows  # the shared keys, left-aligned (as the gather kernel takes them)
+
+    dt = compute_dtype(q.dtype)
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    dev = q.device
+    v = zero_padded_values(v, key_mask)
+    pad, width, left, right = _geometry(reach, block)
+    tq = math.ceil(n / block)
+    npad = tq * block
+
+    # which keys a window may use: real, inside the sequence, not shared (shared keys have their own column)
+    real = torch.ones(b, n, dtype=torch.bool, device=dev) if key_mask is None else key_mask.to(torch.bool)
+    usable = real if shared_keys is None else real & ~shared_keys[:, :n]
+    key_ok = torch.zeros(b, 2 * pad + npad, dtype=torch.bool, device=dev)
+    key_ok[:, pad : pad + n] = usable
+    windows = key_ok.unfold(1, width, block)  # (B, Tq, width)
+    neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
+    zero = torch.zeros((), dtype=dt, device=dev)
+    key_bias = torch.where(windows, zero, neg)  # (B, Tq, width)
+    rows_idx = torch.arange(block, device=dev)[:, None]
+    cols = torch.arange(width, device=dev)
+    band_bias = torch.where((cols - pad - rows_idx).abs() > reach, neg, zero)  # (block, width)
+
+    g, shared = 0, None
+    real_shared = torch.zeros(b, n, dtype=torch.bool, device=dev)
+    if shared_keys is not None:
+        real_shared = shared_keys[:, :n] & real
+        if bool(real_shared.any()):
+            pos, ok = token_rows(real_shared)  # (B, G)
+            g = pos.shape[1]
+            flat = (_slots(reach, block, g, dev) + rows_idx * width).reshape(-1)  # in a (block * width) row
+            shared = pos, torch.where(ok, zero, neg)[:, None, :], flat  # bias (B, 1, G)
+    # queries with no allowed key (a window of padding only, and no shared key in their row): output 0
+    csum = torch.nn.functional.pad(usable.to(torch.int32).cumsum(-1), (1, 0))  # (B, N + 1)
+    i = torch.arange(npad, device=dev)
+    lo, hi = (i - reach).clamp(0, n), (i + reach + 1).clamp(0, n)
+    empty = (((csum[:, hi] - csum[:, lo]) == 0) & ~real_shared.any(-1, keepdim=True)).view(b, tq, block)
+    # the range of blocks of each batch row that need more than the band's strips: a key bias, rows to zero
+    spans = [_span(row) for row in ~windows.all(-1)]
+    zeros = [_span(row) for row in empty.any(-1)]
+
+    out = torch.empty(b, n, h, dv, dtype=dt, device=dev)
+    per = max(1, _CHUNK_ELEMENTS // (block * width))  # windows per chunk
+    group = max(1, min(h, per // tq))  # heads side by side in the buffers (short sequences: several)
+    kbuf = torch.zeros(2 * pad + group * npad, d, dtype=dt, device=dev)
+    vbuf = torch.zeros(2 * pad + group * npad, dv, dtype=dt, device=dev)
+    qbuf = None if npad == n else torch.zeros(group, npad, d, dtype=dt, device=dev)
+    rows = min(per, group * tq)
+    sbuf = torch.empty(rows, block, width, dtype=dt, device=dev)
+    obuf = torch.empty(rows, block, dv, dtype=dt, device=dev)  # contiguous: MKL's batched product
+    for bi, h0 in itertools.product(range(b), range(0, h, group)):
+        nh = min(group, h - h0)
+        heads = slice(h0, h0 + nh)
+        used = 2 * pad + nh * npad
+        kbuf[pad : pad + nh * npad].view(nh, npad, d)[:, :n] = k[bi, heads]
+        vbuf[pad : pad + nh * npad].view(nh, npad, dv)[:, :n] = v[bi, heads]
+        ku = kbuf[:used].unfold(0, width, block)  # (nh Tq, d, width): views, no copy
+        vu = vbuf[:used].unfold(0, width, block).transpose(1, 2)  # (nh Tq, width, dv)
+        if qbuf is None:
+            qb = q[bi, heads].to(dt).reshape(nh * tq, block, d)
+        else:
+            qbuf[:nh, :n] = q[bi, heads]
+            qb = qbuf[:nh].view(nh * tq, block, d)
+        og = out[bi, :, heads].permute(1, 0, 2)  # (nh, N, dv), written in place
+        if shared is not None:
+            pos, sbias, flat = shared
+            sk = k[bi, heads][:, pos[bi]].to(dt)  # (nh, G, d)
+            sv = v[bi, heads][:, pos[bi]].to(dt)
+        # chunks: whole heads (short sequences) or a range of one head's blocks
+        step_h, step_t = (max(1, per // tq), tq) if group > 1 else (1, per)
+        for a, t0 in itertools.product(range(0, nh, step_h), range(0, tq, step_t)):
+            z, t1 = min(nh, a + step_h), min(tq, t0 + step_t)
+            c, w0 = (z - a) * (t1 - t0), a * tq + t0
+            s = torch.baddbmm(sbuf[:c], qb[w0 : w0 + c], ku[w0 : w0 + c], beta=0.0, alpha=scale, out=sbuf[:c])
+            if left >= right:  # narrow windows: the band bias everywhere
+                s += band_bias
+            else:
+                s[..., :left] += band_bias[:, :left]
+                s[..., right:] += band_bias[:, right:]
+            s4 = s.view(z - a, t1 - t0, block, width)
+            for lo, hi in spans[bi]:
+                lo, hi = max(lo, t0), min(hi, t1)
+                if lo < hi:
+                    s4[:, lo - t0 : hi - t0] += key_bias[bi, lo:hi, None, :]
+            if shared is not None:
+                # scores of the shared keys, into columns that the band masks in each row
+                sc = torch.baddbmm(
+                    sbias[bi], qb[w0 : w0 + c].reshape(z - a, -1, d), sk[a:z].transpose(1, 2), alpha=scale
+                )
+                s.view(c, -1).index_copy_(1, flat, sc.view(c, -1))
+            p = torch.softmax(s, -1, out=s)
+            for lo, hi in zeros[bi]:  # rows without a key: 0 (the softmax of -inf alone is NaN)
+                lo, hi = max(lo, t0), min(hi, t1)
+                if lo < hi:
+                    p.view(z - a, t1 - t0, block, width)[:, lo - t0 : hi - t0].masked_fill_(
+                        empty[bi, lo:hi, :, None], 0.0
+                    )
+            if shared is not None:
+                ps = p.view(c, -1).index_select(1, flat).view(z - a, -1, g)  # the shared keys' weights
+                p.view(c, -1).index_fill_(1, flat, 0.0)
+                o = torch.baddbmm(torch.bmm(ps, sv[a:z]).view(c, block, dv), p, vu[w0 : w0 + c], out=obuf[:c])
+            else:
+                o = torch.bmm(p, vu[w0 : w0 + c], out=obuf[:c])
+            r0, r1 = t0 * block, min(n, t1 * block)
+            og[a:z, r0:r1] = o.view(z - a, (t1 - t0) * block, dv)[:, : r1 - r0]
+    return out.transpose(1, 2)
