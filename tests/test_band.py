@@ -51,6 +51,7 @@ def lengths_mask(n, real):
         (101, 60, {"window": 13, "block": 8, "global_tokens": 3}),  # n and reach off the block grid
         (70, 9, {"window": 4, "block": 4}),  # a short row: queries whose window holds padding only
         (50, 50, {"window": 60, "block": 16}),  # reach beyond the sequence: exact attention
+        (37, 30, {"window": 1000, "block": 8}),  # far beyond: the reach is cut to the sequence
         (40, 33, {"window": 0, "block": 8}),  # the diagonal alone (plus CLS)
         (64, 64, {"window": 7, "block": 2}),  # the smallest block with room for CLS
     ],
@@ -92,6 +93,25 @@ def test_questions_differ_per_row():
         out = layer(q, k, v, mask)
     ref = reference(q, k, v, mask, window=5, glob=question | (torch.arange(n) < 1))
     torch.testing.assert_close(out[:, :, :66], ref[:, :, :66], rtol=1e-12, atol=1e-12)
+
+
+def test_shared_keys_anywhere_and_padded():
+    """The kernel alone (no global rows): shared keys in the middle of a row too (several runs of windows that need
+    a key bias), a shared key that is padding (never attended), a value width unlike the key width."""
+    n = 77
+    q, k, _ = qkv(n, seed=7)
+    v = torch.randn(B, H, n, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    mask = lengths_mask(n, 60)
+    shared = torch.zeros(B, n, dtype=torch.bool)
+    shared[0, [0, 33, 34, 70]] = True
+    shared[1, [5, 40, 66]] = True  # 66 is padding in row 1
+    out = _band.attend(q, k, v, reach=4, block=8, key_mask=mask, shared_keys=shared, scale=D**-0.5)
+    diff = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    allowed = ((diff.abs() <= 4)[None] | shared[:, None, :]) & mask[:, None, :]
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5
+    ref = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(out[:, :, :60], ref[:, :, :60], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
 
 
 def test_chunks_across_and_within_heads(monkeypatch):

@@ -63,8 +63,9 @@ def unusable(q, k, v, *, reach: int, block: int, shared: int, dropout: float) ->
         return "it needs as many queries as keys"
     if block < 2:
         return "it needs blocks of two rows or more"
-    if shared > masked_columns(reach, block):
-        return f"{shared} shared keys do not fit the {masked_columns(reach, block)} masked columns of a row"
+    room = masked_columns(min(reach, max(q.shape[2] - 1, 0)), block)
+    if shared > room:
+        return f"{shared} shared keys do not fit the {room} masked columns of a row"
     return None
 
 
@@ -115,6 +116,7 @@ def attend(
     b, h, n, d = q.shape
     dv = v.shape[-1]
     dev = q.device
+    reach = min(reach, max(n - 1, 0))  # no pair is farther apart: the same pattern, narrower windows
     v = zero_padded_values(v, key_mask)
     pad, width, left, right = _geometry(reach, block)
     tq = math.ceil(n / block)

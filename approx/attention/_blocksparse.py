@@ -60,8 +60,8 @@ def kernel_option(*, band: bool = False) -> Any:
             "auto",
             "'band': approx's banded kernel (strided views of K and V, no gathered copy; inference only, no "
             "dilation); 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: "
-            "inference only, float32/16); 'auto': on the CPU band where it can run the call, on a GPU flex on long "
-            "inputs, else gather (same output to rounding)",
+            "inference only, float32/16); 'auto': band on the CPU where it can run the call, else flex on long inputs "
+            "where it can, else gather (same output to rounding)",
         )
     return option(
         "auto",

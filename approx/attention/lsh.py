@@ -43,7 +43,7 @@ Choices made here:
   transformers' default of 1 hash leaves most of the attention mass out (on the synthetic inputs above, N = 512,
   c = 64: 31 % / 53 % / 76 % covered with 1 / 2 / 4 rounds). 4 x 64 = 256 keys per query.
 * ``c >= N`` puts every real key in one cluster: exact attention through the same code, with any ``rounds``
-  (every pair is found in every round, lowered by log rounds, and the combination restores it); so is any row
+  (every pair is found in the first round and masked in the later ones, which are then empty); so is any row
   with at most c real tokens. ``exact_below`` (default 0) is the generic fallback to exact attention.
 
 Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gathered into their sorted orders,
@@ -195,7 +195,8 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
     pair found in several rounds is counted in the first round that finds it and masked in the later ones (each pair
     once, as Reformer's lowering of its score by log n does), so the merged result is the softmax over the union of
     the rounds' pairs; each round keeps its log-sum-exp and the rounds are merged through them
-    (:func:`~._blocksparse.combine`). Gradients flow through every step but the hashing."""
+    (:func:`~._blocksparse.combine`). Gradients flow through every step but the hashing. Attention dropout drops each
+    pair once, in the round that counts it (Reformer draws a mask per round: the same expectation)."""
     from ._blocksparse import combine
 
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
@@ -210,7 +211,7 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
     k_base = (torch.arange(bh, device=dev) * s)[:, None]
     kv = hashed.kv.view(b, 1, tq).expand(b, h, tq).reshape(bh, tq)  # each query cluster's key cluster
     blocks = None  # key blocks in the (B H Tk) list of sorted key blocks, when not block t for query block t
-    if not (tq <= tk and bool((kv == torch.arange(tq, device=dev)).all())):
+    if not (tq == tk and bool((kv == torch.arange(tq, device=dev)).all())):
         blocks = (kv + (torch.arange(bh, device=dev) * tk)[:, None]).reshape(-1)
     real = None if key_mask is None else key_mask[:, None, :].expand(b, h, s).reshape(bh, s)
 
@@ -223,7 +224,7 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
     def key_side(x: torch.Tensor) -> torch.Tensor:
         """(B H, Tk c, ...) per sorted key slot -> (B H Tq, c, ...): every query block's key block."""
         x = x.reshape(bh * tk, blk, *x.shape[2:])
-        return x[: bh * tq] if blocks is None else x.index_select(0, blocks)
+        return x if blocks is None else x.index_select(0, blocks)
 
     per = max(1, _CHUNK_ELEMENTS // (blk * blk))
     outs, lses = [], []
