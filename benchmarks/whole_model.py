@@ -48,6 +48,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "clustered": {"clusters": 100},
     "i-clustered": {"clusters": 100, "topk": 32},
     "favor": {},
+    # the sparse patterns at the attention-op benchmark's sparse settings (--methods window lsh)
+    "window": {"window": 256},
+    "lsh": {"cluster_size": 128, "rounds": 4},
 }
 FALLBACK = {"clustered": 2048, "i-clustered": 4096, "favor": 2048}
 NOOP = "approx_benchmark_noop"

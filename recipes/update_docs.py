@@ -42,7 +42,11 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cuda.json",
     "benchmarks/results/attention_op_cuda_bf16.json",
 ]
-WHOLE_MODEL = ["benchmarks/results/whole_model_cpu.json", "benchmarks/results/whole_model_cuda.json"]
+WHOLE_MODEL = [
+    "benchmarks/results/whole_model_cpu.json",
+    "benchmarks/results/whole_model_cpu_sparse_patterns.json",
+    "benchmarks/results/whole_model_cuda.json",
+]
 HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
     "recipes/results/minilm_wikitext2_harness.json",
