@@ -229,6 +229,23 @@ def test_the_cost_counts_each_inputs_global_question(fixture_dir, checkpoints):
     assert 1 - r["fidelity"]["graph"]["sparsity"] == pytest.approx(cost["qk_pairs_vs_full"], rel=1e-12)
 
 
+def test_graph_statistics_stop_at_a_length_and_say_so(fixture_dir, checkpoints, monkeypatch):
+    """Above GRAPH_MAX_KEYS keys the O(N^2) gold graph is not built: the result has no ``graph`` but counts the
+    layer calls it left out, with the reason; a method without a graph is never counted."""
+    from approx.harness import fidelity
+
+    path = checkpoints("question-answering")
+    monkeypatch.setattr(fidelity, "GRAPH_MAX_KEYS", 16)  # every call of the 48-token inputs is longer
+    window, favor = _run(path, "squad", ["window:window=2,block=4", "favor"], fixture_dir, max_length=48, batch_size=4)
+    assert "graph" not in window["fidelity"]
+    skipped = window["fidelity"]["graph_not_measured"]
+    assert skipped["layer_calls"] > 0 and "16 keys" in skipped["why"]
+    assert "graph_not_measured" not in favor["fidelity"]
+    monkeypatch.setattr(fidelity, "GRAPH_MAX_KEYS", 48)
+    (window,) = _run(path, "squad", ["window:window=2,block=4"], fixture_dir, max_length=48, batch_size=4)
+    assert "graph" in window["fidelity"] and "graph_not_measured" not in window["fidelity"]
+
+
 def test_squad_best_span_over_windows_by_hand():
     """Post-processing on hand-made logits: the best valid span over all windows of a question wins."""
     from approx.harness.tasks import Feature
