@@ -2,6 +2,7 @@
 config dataclasses: invalid values are refused by name, valid ones give finite outputs that padding does not
 change. Bounded in time (``max_examples``, ``deadline``): a few seconds."""
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -13,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import approx
 from approx import ApproxAttention, get_method, methods
 
 METHODS = methods()
@@ -88,10 +90,15 @@ def test_random_options_are_refused_by_name_or_give_finite_padding_free_outputs(
     q, k, v = (size * torch.randn(batch, heads, n + extra, d, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.arange(n + extra)[None, :] < torch.tensor(real)[:, None]  # (B, n + extra)
     lyr = ApproxAttention(method, config, head_dim=d)
+    # a method that reads the question (window's question_global) gets one: a random prefix of each row's tokens
+    asks = getattr(config, "question_global", False)
+    question = torch.arange(n + extra)[None, :] < torch.tensor([data.draw(st.integers(0, r)) for r in real])[:, None]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fallbacks announced by the methods are not the point here
-        short = lyr(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask[:, :n])
-        long = lyr(q, k, v, mask)
+        with approx.tokens(question_mask=question[:, :n]) if asks else contextlib.nullcontext():
+            short = lyr(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask[:, :n])
+        with approx.tokens(question_mask=question) if asks else contextlib.nullcontext():
+            long = lyr(q, k, v, mask)
     assert torch.isfinite(short).all() and torch.isfinite(long).all()
     atol = _padding_tolerance(config)
     for row, count in enumerate(real):
