@@ -145,11 +145,20 @@ def _flex_layer(method, kernel, **options):
     return approx.ApproxAttention(method, spec.config_class(kernel=kernel, **options), head_dim=D)
 
 
-@pytest.mark.parametrize("method,options", FLEX_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(FLEX_CASES)])
-def test_flex_on_gpu_equals_float64_dense_weights(method, options):
+# the window's banded kernel (kernel="band", plain torch) on the same inputs and oracle
+KERNEL_CASES = [(m, "flex", o) for m, o in FLEX_CASES] + [
+    ("window", "band", {"window": 100, "global_tokens": 2}),
+    ("window", "band", {"window": 37, "block": 32}),
+]
+
+
+@pytest.mark.parametrize(
+    "method,kernel,options", KERNEL_CASES, ids=[f"{m}-{kn}-{i}" for i, (m, kn, _) in enumerate(KERNEL_CASES)]
+)
+def test_kernels_on_gpu_equal_float64_dense_weights(method, kernel, options):
     q, k, v = make_qkv(FLEX_N, dtype=torch.float64, sharp=1.0)
     mask = padded_mask(FLEX_N, FLEX_REAL)
-    lyr = _flex_layer(method, "flex", **options)
+    lyr = _flex_layer(method, kernel, **options)
     expected = lyr.weights(q, k, mask) @ v.masked_fill(~mask[:, None, :, None], 0)
     real = mask[:, None, :, None]
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -214,22 +223,3 @@ def test_compiled_engine_on_gpu_equals_the_cpu_eager_code(method):
     real = mask[:, None, :].expand(out.shape[:3])
     same = ((out - expected).abs().amax(-1) <= 1e-9 * expected.abs().amax()) | ~real
     assert same.float().mean() >= 0.99, same.float().mean()
-
-
-@pytest.mark.parametrize("options", [{"window": 100, "global_tokens": 2}, {"window": 37, "block": 32}])
-def test_band_kernel_on_gpu_equals_float64_dense_weights(options):
-    """The window's banded kernel (kernel="band", plain torch) on CUDA, float32 and bfloat16, against the float64
-    dense weights on the CPU (a padded row, N not a multiple of the block)."""
-    q, k, v = make_qkv(FLEX_N, dtype=torch.float64, sharp=1.0)
-    mask = padded_mask(FLEX_N, FLEX_REAL)
-    lyr = _flex_layer("window", "band", **options)
-    expected = lyr.weights(q, k, mask) @ v.masked_fill(~mask[:, None, :, None], 0)
-    real = mask[:, None, :, None]
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        with torch.no_grad():
-            out = lyr.to(CUDA)(*cuda(q.to(dtype), k.to(dtype), v.to(dtype), mask))
-        assert out.dtype == dtype and out.device.type == "cuda"
-        out = out.double().cpu()
-        assert torch.isfinite(out).all()
-        err = ((out - expected).masked_fill(~real, 0).norm() / expected.masked_fill(~real, 0).norm()).item()
-        assert err <= tol, (options, dtype, err)

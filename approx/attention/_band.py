@@ -91,6 +91,51 @@ def _span(flags: torch.Tensor) -> list[tuple[int, int]]:
     return [(at[0], at[-1] + 1)]
 
 
+def _tables(q, key_mask, shared_keys, *, reach: int, block: int, dt):
+    """What every chunk of :func:`attend` reads: the key bias of each block's window (B, Tq, width), the band's bias
+    (block, width), the shared keys (left-aligned positions (B, G), their bias (B, 1, G) and their columns in a
+    (block * width) row) or None, the rows with no allowed key (B, Tq, block), and per batch row the ranges of
+    blocks that need the key bias (``spans``) or rows zeroed (``zeros``)."""
+    from ._blocksparse import token_rows  # the shared keys, left-aligned (as the gather kernel takes them)
+
+    b, _, n, _ = q.shape
+    dev = q.device
+    pad, width, _, _ = _geometry(reach, block)
+    tq = math.ceil(n / block)
+    npad = tq * block
+    # which keys a window may use: real, inside the sequence, not shared (shared keys have their own column)
+    real = torch.ones(b, n, dtype=torch.bool, device=dev) if key_mask is None else key_mask.to(torch.bool)
+    usable = real if shared_keys is None else real & ~shared_keys[:, :n]
+    key_ok = torch.zeros(b, 2 * pad + npad, dtype=torch.bool, device=dev)
+    key_ok[:, pad : pad + n] = usable
+    windows = key_ok.unfold(1, width, block)  # (B, Tq, width)
+    neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
+    zero = torch.zeros((), dtype=dt, device=dev)
+    key_bias = torch.where(windows, zero, neg)  # (B, Tq, width)
+    rows_idx = torch.arange(block, device=dev)[:, None]
+    cols = torch.arange(width, device=dev)
+    band_bias = torch.where((cols - pad - rows_idx).abs() > reach, neg, zero)  # (block, width)
+
+    shared = None
+    real_shared = torch.zeros(b, n, dtype=torch.bool, device=dev)
+    if shared_keys is not None:
+        real_shared = shared_keys[:, :n] & real
+        if bool(real_shared.any()):
+            pos, ok = token_rows(real_shared)  # (B, G)
+            flat = (_slots(reach, block, pos.shape[1], dev) + rows_idx * width).reshape(-1)  # in a (block * width) row
+            shared = pos, torch.where(ok, zero, neg)[:, None, :], flat  # bias (B, 1, G)
+    # queries with no allowed key (a window of padding only, and no shared key in their row): output 0
+    csum = torch.nn.functional.pad(usable.to(torch.int32).cumsum(-1), (1, 0))  # (B, N + 1)
+    i = torch.arange(npad, device=dev)
+    lo, hi = (i - reach).clamp(0, n), (i + reach + 1).clamp(0, n)
+    empty = (((csum[:, hi] - csum[:, lo]) == 0) & ~real_shared.any(-1, keepdim=True)).view(b, tq, block)
+    # the range of blocks of each batch row that need more than the band's strips: a key bias, rows to zero
+    spans = [_span(row) for row in ~windows.all(-1)]
+    zeros = [_span(row) for row in empty.any(-1)]
+
+    return key_bias, band_bias, shared, empty, spans, zeros
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -110,8 +155,6 @@ def attend(
     One batch row and one head at a time (several heads side by side when the sequence is short): their keys and
     values are copied into one zero-padded buffer that every head reuses (hot in cache, no large allocation), the
     queries are read and the output written in place (any strides with a unit last stride)."""
-    from ._blocksparse import token_rows  # the shared keys, left-aligned (as the gather kernel takes them)
-
     dt = compute_dtype(q.dtype)
     b, h, n, d = q.shape
     dv = v.shape[-1]
@@ -122,36 +165,9 @@ def attend(
     tq = math.ceil(n / block)
     npad = tq * block
 
-    # which keys a window may use: real, inside the sequence, not shared (shared keys have their own column)
-    real = torch.ones(b, n, dtype=torch.bool, device=dev) if key_mask is None else key_mask.to(torch.bool)
-    usable = real if shared_keys is None else real & ~shared_keys[:, :n]
-    key_ok = torch.zeros(b, 2 * pad + npad, dtype=torch.bool, device=dev)
-    key_ok[:, pad : pad + n] = usable
-    windows = key_ok.unfold(1, width, block)  # (B, Tq, width)
-    neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
-    zero = torch.zeros((), dtype=dt, device=dev)
-    key_bias = torch.where(windows, zero, neg)  # (B, Tq, width)
-    rows_idx = torch.arange(block, device=dev)[:, None]
-    cols = torch.arange(width, device=dev)
-    band_bias = torch.where((cols - pad - rows_idx).abs() > reach, neg, zero)  # (block, width)
-
-    g, shared = 0, None
-    real_shared = torch.zeros(b, n, dtype=torch.bool, device=dev)
-    if shared_keys is not None:
-        real_shared = shared_keys[:, :n] & real
-        if bool(real_shared.any()):
-            pos, ok = token_rows(real_shared)  # (B, G)
-            g = pos.shape[1]
-            flat = (_slots(reach, block, g, dev) + rows_idx * width).reshape(-1)  # in a (block * width) row
-            shared = pos, torch.where(ok, zero, neg)[:, None, :], flat  # bias (B, 1, G)
-    # queries with no allowed key (a window of padding only, and no shared key in their row): output 0
-    csum = torch.nn.functional.pad(usable.to(torch.int32).cumsum(-1), (1, 0))  # (B, N + 1)
-    i = torch.arange(npad, device=dev)
-    lo, hi = (i - reach).clamp(0, n), (i + reach + 1).clamp(0, n)
-    empty = (((csum[:, hi] - csum[:, lo]) == 0) & ~real_shared.any(-1, keepdim=True)).view(b, tq, block)
-    # the range of blocks of each batch row that need more than the band's strips: a key bias, rows to zero
-    spans = [_span(row) for row in ~windows.all(-1)]
-    zeros = [_span(row) for row in empty.any(-1)]
+    key_bias, band_bias, shared, empty, spans, zeros = _tables(
+        q, key_mask, shared_keys, reach=reach, block=block, dt=dt
+    )
 
     out = torch.empty(b, n, h, dv, dtype=dt, device=dev)
     per = max(1, _CHUNK_ELEMENTS // (block * width))  # windows per chunk
@@ -210,7 +226,7 @@ def attend(
                         empty[bi, lo:hi, :, None], 0.0
                     )
             if shared is not None:
-                ps = p.view(c, -1).index_select(1, flat).view(z - a, -1, g)  # the shared keys' weights
+                ps = p.view(c, -1).index_select(1, flat).view(z - a, -1, pos.shape[1])  # the shared keys' weights
                 p.view(c, -1).index_fill_(1, flat, 0.0)
                 o = torch.baddbmm(torch.bmm(ps, sv[a:z]).view(c, block, dv), p, vu[w0 : w0 + c], out=obuf[:c])
             else:
