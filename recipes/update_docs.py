@@ -18,6 +18,7 @@ Each block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` marker
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -359,6 +360,7 @@ def autotune_block(
 
 SPARSE_PROTOCOL = "recipes/results/sparse_protocol.json"
 FLEX_VS_GATHER = "benchmarks/results/flex_vs_gather_cpu.json"
+SPARSEFINDER_FLEX = "benchmarks/results/sparsefinder_flex_cpu.json"
 
 
 def sparse_protocol_block(path: str = SPARSE_PROTOCOL) -> str:
@@ -367,13 +369,13 @@ def sparse_protocol_block(path: str = SPARSE_PROTOCOL) -> str:
     return _protocol_block(path, "sparse_protocol", "sparse_protocol.png", "SQuAD F1 against the share of pairs")
 
 
-def flex_vs_gather_block(path: str = FLEX_VS_GATHER) -> str:
-    """benchmarks/flex_vs_gather.py: FlexAttention against the gather kernel on the window pattern."""
+def kernel_benchmark_block(script: str, path: str) -> str:
+    """A kernel comparison of ``benchmarks/`` (flex_vs_gather.py, sparsefinder_flex.py): its result file rendered
+    by the script's own ``markdown``, and the command that made it."""
     if not (ROOT / path).is_file():
-        return "*No result file yet: run `python benchmarks/flex_vs_gather.py`.*\n"
+        return f"*No result file yet: run `python benchmarks/{script}.py`.*\n"
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from flex_vs_gather import markdown
-
+    markdown = importlib.import_module(script).markdown
     record = json.loads((ROOT / path).read_text())
     return markdown(record) + f"\n\nCommand: `{record['command']}`.\n"
 
@@ -586,7 +588,8 @@ def blocks() -> dict[Path, dict[str, str]]:
         },
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),
-            "flex-vs-gather": flex_vs_gather_block(),
+            "flex-vs-gather": kernel_benchmark_block("flex_vs_gather", FLEX_VS_GATHER),
+            "sparsefinder-flex": kernel_benchmark_block("sparsefinder_flex", SPARSEFINDER_FLEX),
             "contention": contention_block(),
             "entmax-sort": entmax_sort_block(),
         },
