@@ -41,9 +41,18 @@ from typing import Any
 
 import torch
 
+from approx.attention.bigbird import BigBirdConfig
 from approx.attention.clustered import ClusteredConfig
+from approx.attention.efficient import EfficientConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
+from approx.attention.linear import LinearConfig
+from approx.attention.linformer import LinformerConfig
+from approx.attention.lsh import LshConfig
+from approx.attention.monarch import MonarchConfig
+from approx.attention.nystrom import NystromConfig
+from approx.attention.sparse_transformer import SparseTransformerConfig
+from approx.attention.taylor import TaylorConfig
 from approx.attention.window import WindowConfig
 from approx.harness.provenance import provenance
 from approx.harness.spec import short_label
@@ -63,6 +72,17 @@ METHODS = {
     "favor": [FavorConfig(features=f) for f in (64, 256)],
     # Longformer's window; on squad-doc with the question global (Longformer's QA choice, methods(task))
     "window": [WindowConfig(window=w) for w in (64, 128, 256)],
+    "bigbird": [BigBirdConfig(block=b) for b in (32, 64)],  # 3 random blocks, the first and last block global
+    # the strided pattern with every head on the union of both halves (zero-shot, split heads lose most of the
+    # reader's F1: see the docs' Results, sparse-pattern methods on SQuAD)
+    "sparse-transformer": [SparseTransformerConfig(stride=128, heads="union")],
+    "lsh": [LshConfig(cluster_size=c, rounds=4) for c in (64, 128)],
+    "linear": [LinearConfig()],
+    "efficient": [EfficientConfig()],
+    "taylor": [TaylorConfig()],
+    "linformer": [LinformerConfig(mode="mean", projections=p) for p in (64, 256)],
+    "nystrom": [NystromConfig(landmarks=m) for m in (64, 256)],
+    "monarch": [MonarchConfig()],  # blocks of about sqrt(N)
 }  # fmt: skip
 # not run here, and why (the recipe states it in its output)
 LEFT_OUT = {
@@ -96,12 +116,14 @@ FOLDS = {"cpu": CROSS_FIT[:1], "gpu": CROSS_FIT}
 SLIDING_BATCH = 8  # the 384-token windows of the sliding baseline are batched, as a user would
 
 
-def methods(task: str = "wikitext2") -> list[Any]:
-    """Every configuration of :data:`METHODS`; on squad-doc the window makes the question global."""
+def methods(task: str = "wikitext2", names: list[str] | None = None) -> list[Any]:
+    """Every configuration of :data:`METHODS` (of the methods ``names`` only, when given); on squad-doc the window
+    makes the question global."""
     qa = task.startswith("squad")
     return [
         dataclasses.replace(cfg, question_global=True) if qa and isinstance(cfg, WindowConfig) else cfg
-        for configs in METHODS.values()
+        for name, configs in METHODS.items()
+        if names is None or name in names
         for cfg in configs
     ]
 
@@ -150,7 +172,7 @@ def run_length(n: int, args, squad: list[tuple[str, str]] | None, mlm: str | Non
         questions = args.questions or profile["questions"][n]
         half = None if questions is None else max(1, questions // len(squad))
         for task, configs, batch in (
-            ("squad-doc", methods("squad-doc"), 1),
+            ("squad-doc", methods("squad-doc", args.methods), 1),
             ("squad-doc-sliding", ["full"], SLIDING_BATCH),
         ):
             results = evaluate_checkpoints(task, squad, configs, limit=half, max_length=n, batch_size=batch, **common)
@@ -160,7 +182,7 @@ def run_length(n: int, args, squad: list[tuple[str, str]] | None, mlm: str | Non
         import approx
 
         out += approx.evaluate(
-            mlm, "wikitext2", methods("wikitext2"), limit=windows, max_length=n, batch_size=1, **common
+            mlm, "wikitext2", methods("wikitext2", args.methods), limit=windows, max_length=n, batch_size=1, **common
         )
     return out
 
@@ -281,7 +303,8 @@ def figure(record: dict[str, Any], path: Path) -> None:
     tasks = [t for t in ("squad-doc", "wikitext2") if any(r["task"] == t for r in results)]
     lengths = sorted({r["max_length"] for r in results})
     fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(3.6 * len(lengths), 3.2 * len(tasks)), squeeze=False)
-    colours = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    palette = plt.get_cmap("tab20").colors  # one colour per method (more methods than the default cycle's ten)
+    colours = {m: palette[i % len(palette)] for i, m in enumerate(METHODS)}
     for i, task in enumerate(tasks):
         for j, n in enumerate(lengths):
             ax = axes[i][j]
@@ -292,6 +315,8 @@ def figure(record: dict[str, Any], path: Path) -> None:
             name = _score(mine[0])[0]
             for method in METHODS:
                 curve = [r for r in mine if r["method"]["name"] == method]
+                if not curve:
+                    continue
                 xs = [r["fidelity"]["seconds_per_example"] for r in curve]
                 ys = [_score(r)[1] for r in curve]
                 ax.plot(xs, ys, "o-", color=colours[method], label=method, ms=4)
@@ -309,9 +334,14 @@ def figure(record: dict[str, Any], path: Path) -> None:
             ax.set_ylabel(name + (" (lower is better)" if name == "bits_per_token" else ""), fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    legend = {}  # every curve once, under the panels (one panel's corner cannot hold a dozen methods)
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    rows = -(-len(legend) // 8)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(8, len(legend)), fontsize=7)
     fig.suptitle(f"Long inputs: quality against time ({record['profile']} profile, {record['device']})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.035 * rows * 2 / len(tasks), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -323,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=list(PROFILES), help="default: gpu when torch sees a CUDA device, else cpu")
     p.add_argument("--lengths", type=int, nargs="+", help="default: the profile's")
     p.add_argument("--tasks", nargs="+", choices=["squad-doc", "wikitext2"], default=["squad-doc", "wikitext2"])
+    p.add_argument(
+        "--methods", nargs="+", choices=list(METHODS),
+        help="run these methods only (default: every one); with --update the other methods' results are kept",
+    )  # fmt: skip
     p.add_argument("--questions", type=int, help="squad-doc questions per length (default: the profile's)")
     p.add_argument("--windows", type=int, help="wikitext2 test windows per length (default: the profile's)")
     p.add_argument("--device", help="default: cuda when available, else cpu")
@@ -337,10 +371,20 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--update", action="store_true",
-        help="keep the other tasks' results already in --results (run the tasks one after the other)",
+        help="keep the results already in --results that this run does not redo: the other tasks', and with "
+        "--methods the other methods' (run the tasks or methods one after the other)",
     )  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def redone(result: dict[str, Any], tasks: set[str], names: list[str] | None) -> bool:
+    """Whether this run makes ``result`` again (``--update`` keeps the others): its task is run, and without
+    ``--methods`` every method is, with it this method (the sliding baseline is exact attention, redone with its
+    task)."""
+    if result["task"] not in tasks:
+        return False
+    return names is None or result["task"] == "squad-doc-sliding" or result["method"]["name"] in names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,10 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = {"total": time.perf_counter() - start, "per_length": seconds}
     runs = [{"tasks": args.tasks, "lengths": list(lengths), "wall_seconds": wall,
              "provenance": provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None)}]  # fmt: skip
-    if args.update and args.results.is_file():  # the other tasks' results from an earlier run
+    if args.update and args.results.is_file():  # what an earlier run made that this one did not redo
         old = json.loads(args.results.read_text())
         mine = set(args.tasks) | ({"squad-doc-sliding"} if "squad-doc" in args.tasks else set())
-        results = [r for r in old["results"] + old.get("baselines", []) if r["task"] not in mine] + results
+        results = [r for r in old["results"] + old.get("baselines", []) if not redone(r, mine, args.methods)] + results
         checkpoints = {**{k: v for k, v in old.get("checkpoints", {}).items() if k not in checkpoints}, **checkpoints}
         runs = old.get("runs", []) + runs
         lengths = sorted({r["max_length"] for r in results})
@@ -392,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         "profile": args.profile,
         "device": args.device,
         "lengths": list(lengths),
-        "methods": {m: [c.to_dict() for c in cs] for m, cs in METHODS.items()},
+        "methods": {
+            m: [c.to_dict() for c in cs] for m, cs in METHODS.items() if any(r["method"]["name"] == m for r in results)
+        },
         "left_out": LEFT_OUT,
         "checkpoints": checkpoints,
         "results": results,

@@ -104,31 +104,65 @@ class _Run:
         return len(attention_modules(self.model))
 
 
-def _run_batches(run: _Run, batches, layers, labels: list[str], progress: bool) -> list[dict[str, Any]]:
+def _run_batches(
+    run: _Run, batches, layers, labels: list[str], progress: bool, warmup: bool = True
+) -> list[dict[str, Any]]:
     """Run the unpatched model and every method on this process's batches; one record per batch with the
     per-feature outputs and each method's fidelity sums. The progress bar counts inputs and names the
-    forward pass under way (full attention or a method), so long, slow batches still show movement."""
+    forward pass under way (full attention or a method), so long, slow batches still show movement.
+
+    ``warmup``: before anything is timed, the unpatched model and every method run once, untimed, on the first
+    batch (the longest: batches are sorted by length), so that one-time costs (FlexAttention's compilation for a
+    new shape, lazily built state, the allocator's first growth) are not counted as the method's time. Their peak
+    memory is kept: the first timed batch reports the larger of its own peak and the warm-up's, since a peak
+    reached once may not be reached again by a process that keeps memory it freed."""
     records = []
     bar = tqdm(total=sum(len(idx) for _, idx in batches), disable=not progress, desc=run.task.name, unit="input")
     with bar:
+        warm = _warm_up(run, batches[0][1], layers, labels, bar) if warmup and batches else None
         for b, idx in batches:
-            records.append(_run_batch(run, b, idx, layers, labels, bar))
+            records.append(_run_batch(run, b, idx, layers, labels, bar, warm))
+            warm = None
             bar.update(len(idx))
     return records
 
 
-def _run_batch(run: _Run, b: int, idx: list[int], layers, labels: list[str], bar) -> dict[str, Any]:
-    """The unpatched model and every method on one batch: its record (outputs and fidelity sums)."""
+def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar) -> list[float | None]:
+    """The untimed first pass of :func:`_run_batches`: every forward of a batch once; their peak MiB (full
+    attention first, then each method's)."""
+    inputs = _collate([run.features[i] for i in idx], run.pad_id, run.device)
+    tokens = inputs["input_ids"].shape[1]
+    bar.set_postfix_str(f"{tokens} tokens, warm-up: full attention", refresh=True)
+    peaks = [_forward(run.model, inputs, run.device)[1].mib]
+    for label, method_layers in zip(labels, layers, strict=True):
+        bar.set_postfix_str(f"{tokens} tokens, warm-up: {label}", refresh=True)
+        attach(run.model, method_layers)
+        try:
+            peaks.append(_forward(run.model, inputs, run.device)[1].mib)
+        finally:
+            unpatch(run.model)
+    return peaks
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _run_batch(run: _Run, b: int, idx: list[int], layers, labels: list[str], bar, warm=None) -> dict[str, Any]:
+    """The unpatched model and every method on one batch: its record (outputs and fidelity sums). ``warm``: the
+    warm-up's peaks on this batch (:func:`_warm_up`), counted in its peak memory."""
     task, mode = run.task, run.mode
     feats = [run.features[i] for i in idx]
     inputs = _collate(feats, run.pad_id, run.device)
     tokens = inputs["input_ids"].shape[1]
     bar.set_postfix_str(f"{tokens} tokens, full attention", refresh=True)
     ref_out, ref_mem = _forward(run.model, inputs, run.device)
+    warm = warm or [None] * (len(layers) + 1)
+    ref_peak = _larger(ref_mem.mib, warm[0])
     ref_outputs = task.outputs(ref_out, inputs, feats, mode)
     compact = [task.compact(o, f, mode) for o, f in zip(ref_outputs, feats, strict=True)]
     record = {"batch": b, "features": idx, "outputs": compact, "setups": []}
-    for label, method_layers in zip(labels, layers, strict=True):
+    for s, (label, method_layers) in enumerate(zip(labels, layers, strict=True)):
         bar.set_postfix_str(f"{tokens} tokens, {label}", refresh=True)
         attach(run.model, method_layers)
         probe = fid.AttentionProbe(total_layers=run.attention_layers)
@@ -145,9 +179,9 @@ def _run_batch(run: _Run, b: int, idx: list[int], layers, labels: list[str], bar
             probe,
             divergences=[task.divergence(r, o, mode) for r, o in zip(ref_outputs, outputs, strict=True)],
             seconds=mem.seconds,
-            peak=mem.mib,
+            peak=_larger(mem.mib, warm[s + 1]),
             reference_seconds=ref_mem.seconds,
-            reference_peak=ref_mem.mib,
+            reference_peak=ref_peak,
         )
         compact = [task.compact(o, f, mode) for o, f in zip(outputs, feats, strict=True)]
         record["setups"].append({"outputs": compact, "sums": sums})
@@ -319,6 +353,7 @@ def evaluate(
     device: str | torch.device | None = None,
     progress: bool = True,
     predictions: bool = False,
+    warmup: bool = True,
 ) -> list[dict[str, Any]]:
     """Evaluate ``task`` on ``model`` under each of ``methods`` and under full attention, on the same batches.
 
@@ -331,6 +366,10 @@ def evaluate(
     and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order) and
     the fidelity sums (``"fidelity_sums"``), to score the two halves of a cross-fitted split together
     (:mod:`approx.harness.crossfit`).
+
+    ``warmup``: full attention and every method first run once, untimed, on the first (longest) batch, so that
+    one-time costs (compilation for a new shape) are not timed as the method's; False times every pass from
+    cold (faster when only the metrics matter). Each result records it (``"warmup"``).
 
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
@@ -365,7 +404,7 @@ def evaluate(
         labels = [short_label({"name": s.method, **s.config()}) for s in setups]
         with torch.inference_mode():
             mine = batches[state.process_index :: state.num_processes]
-            records = _run_batches(run, mine, layers, labels, progress and state.is_main_process)
+            records = _run_batches(run, mine, layers, labels, progress and state.is_main_process, warmup)
     if state.num_processes > 1:
         records = gather_object(records)
     records.sort(key=lambda r: r["batch"])
@@ -381,7 +420,7 @@ def evaluate(
         data_source=run.source.describe(),
         **({"positions": run.positions} if run.positions else {}),
     )
-    settings = {"max_length": max_length, "batch_size": batch_size}
+    settings = {"max_length": max_length, "batch_size": batch_size, "warmup": warmup}
     return _results(run, setups, records, settings, prov, predictions)
 
 
