@@ -96,6 +96,20 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
+def interleaved(fns: dict, repeats: int, device: str, label: str) -> tuple[dict, dict]:
+    """One untimed call of every contender, then ``repeats`` rounds timing each in turn (so that a load change
+    hits them alike): the medians and every time, per contender; the medians printed to stderr."""
+    for f in fns.values():
+        f()
+    times = {c: [] for c in fns}
+    for _ in range(repeats):
+        for c, f in fns.items():
+            times[c].append(timed(f, device))
+    med = {c: statistics.median(t) for c, t in times.items()}
+    print(f"[time] {label}: " + ", ".join(f"{c} {m * 1e3:.0f} ms" for c, m in med.items()), file=sys.stderr)
+    return med, times
+
+
 def flex_backward(flex, config: WindowConfig, device: str) -> str:
     """'yes', or the error flex raises for a backward pass on this device."""
     n = 256
@@ -122,17 +136,10 @@ def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: Window
             "approx-flex": lambda: layers["flex"](q, k, v),
             "flex": lambda: flex(q, k, v, block_mask=mask),
         }
-        for f in fns.values():
-            f()
-        times = {c: [] for c in fns}
-        for _ in range(args.repeats):
-            for c, f in fns.items():
-                times[c].append(timed(f, args.device))
+        med, times = interleaved(fns, args.repeats, args.device, f"N={n}")
         ref = layers["gather"](q, k, v)
         others = (layers["band"](q, k, v), layers["flex"](q, k, v), flex(q, k, v, block_mask=mask))
         diff = max(float((ref - o).abs().max()) for o in others)
-    med = {c: statistics.median(t) for c, t in times.items()}
-    print(f"[time] N={n}: " + ", ".join(f"{c} {m * 1e3:.0f} ms" for c, m in med.items()), file=sys.stderr)
     return {
         "n": n,
         "median_s": med,

@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from approx.attention.sparsefinder import SparsefinderConfig
 from approx.harness.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flex_vs_gather import timed  # noqa: E402
+from flex_vs_gather import interleaved, timed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 D = 64
@@ -58,8 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "sparsefinder_flex_cpu.json")
-    return p.parse_args(argv)
+    p.add_argument("--output", type=Path, help="default: benchmarks/results/sparsefinder_flex_<device type>.json")
+    args = p.parse_args(argv)
+    if args.output is None:
+        args.output = ROOT / "benchmarks" / "results" / f"sparsefinder_flex_{torch.device(args.device).type}.json"
+    return args
 
 
 def config_at(n: int) -> SparsefinderConfig:
@@ -79,7 +81,7 @@ def fitted_layer(config: SparsefinderConfig, args: argparse.Namespace) -> Approx
     return layer
 
 
-def flex_sparsefinder(flex, q, k, v, layer: ApproxAttention, blk: int) -> torch.Tensor:
+def flex_sparsefinder(q, k, v, layer: ApproxAttention, blk: int) -> torch.Tensor:
     """The layer's graph (same projections and centroids) on FlexAttention: cluster-sorted slots, a segment mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -111,11 +113,11 @@ def flex_sparsefinder(flex, q, k, v, layer: ApproxAttention, blk: int) -> torch.
     mask = BlockMask.from_kv_blocks(
         *lists(visit & ~full), *lists(full), BLOCK_SIZE=blk, mask_mod=mask_mod, seq_lengths=(n, s)
     )
-    out = flex(qs, ks, vs, block_mask=mask, scale=D**-0.5)
+    out = _flex._call(qs, ks, vs, None, mask, D**-0.5, False, blk)  # approx's call: the GPU tile sizes it sets
     return torch.empty_like(out).scatter_(2, q_order[..., None].expand_as(out), out)
 
 
-def measure(n: int, args: argparse.Namespace, flex) -> dict:
+def measure(n: int, args: argparse.Namespace) -> dict:
     """One length: SDPA, the cluster-block kernel and flex interleaved (medians), flex's first call, the difference."""
     if n % args.block:
         raise SystemExit(f"--lengths: {n} is not a multiple of --block {args.block}")
@@ -123,21 +125,14 @@ def measure(n: int, args: argparse.Namespace, flex) -> dict:
     g = torch.Generator(device="cpu").manual_seed(args.seed)
     q, k, v = (torch.randn(1, 12, n, D, generator=g).to(args.device) for _ in range(3))
     with torch.inference_mode():
-        first_s = timed(lambda: flex_sparsefinder(flex, q, k, v, layer, args.block), args.device)
+        first_s = timed(lambda: flex_sparsefinder(q, k, v, layer, args.block), args.device)
         fns = {
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
             "cluster-block": lambda: layer(q, k, v, None),
-            "flex": lambda: flex_sparsefinder(flex, q, k, v, layer, args.block),
+            "flex": lambda: flex_sparsefinder(q, k, v, layer, args.block),
         }
-        for f in fns.values():
-            f()
-        times = {c: [] for c in fns}
-        for _ in range(args.repeats):
-            for c, f in fns.items():
-                times[c].append(timed(f, args.device))
-        diff = float((layer(q, k, v, None) - flex_sparsefinder(flex, q, k, v, layer, args.block)).abs().max())
-    med = {c: statistics.median(t) for c, t in times.items()}
-    print(f"[time] N={n}: " + ", ".join(f"{c} {m * 1e3:.0f} ms" for c, m in med.items()), file=sys.stderr)
+        med, times = interleaved(fns, args.repeats, args.device, f"N={n}")
+        diff = float((layer(q, k, v, None) - flex_sparsefinder(q, k, v, layer, args.block)).abs().max())
     return {
         "n": n,
         "clusters": layer.config.clusters,
@@ -154,10 +149,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    flex = _flex._flex_fn()  # the compiled flex_attention approx uses
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # before the run: is the machine quiet?
     with torch._dynamo.config.patch(recompile_limit=_flex.MAX_SHAPES):
-        rows = [measure(n, args, flex) for n in args.lengths]
+        rows = [measure(n, args) for n in args.lengths]
     result = {
         "benchmark": "sparsefinder_flex",
         "graph": {"method": "sparsefinder", **{k: v for k, v in config_at(1).to_dict().items() if k != "clusters"}},

@@ -389,9 +389,9 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
 
     r = json.loads((ROOT / path).read_text())
     runs = "; ".join(
-        f"{', '.join(run['tasks'])} at {', '.join(map(str, run['lengths']))} tokens: "
-        f"{run['wall_seconds']['total'] / 60:.0f} min ({_provenance_line(run['provenance'])}, "
-        f"{run['provenance']['torch_threads']} torch threads)"
+        f"`python {run['provenance'].get('command') or 'recipes/long_inputs.py'}`: {', '.join(run['tasks'])} at "
+        f"{', '.join(map(str, run['lengths']))} tokens, {run['wall_seconds']['total'] / 60:.0f} min "
+        f"({_provenance_line(run['provenance'])}, {run['provenance']['torch_threads']} torch threads)"
         for run in r["runs"]
     )
     checkpoints = r.get("checkpoints", {})
@@ -406,7 +406,7 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
         for task, per in examples.items()
     )
     return (
-        f"**{r['profile'].upper()} profile** on {r['device']}, lengths {lengths} (`python recipes/long_inputs.py`; "
+        f"**{r['profile'].upper()} profile** on {r['device']}, lengths {lengths} ({len(r['runs'])} run(s): "
         f"{runs}). Examples per length: {sizes}. SQuAD reader(s): {squad or '-'}; masked-LM checkpoint: "
         f"{checkpoints.get('masked_lm', {}).get('folder', '-')}. Not run: "
         + "; ".join(f"`{k}` ({v})" for k, v in r["left_out"].items())

@@ -476,6 +476,9 @@ def test_cli_eval_writes_the_contract_json(fixture_dir, checkpoints, tmp_path, c
     for key in ("git_commit", "libraries", "seed", "device", "wall_seconds", "peak_memory_mib"):
         assert key in r["provenance"]
     assert "| clustered:clusters=3" in capsys.readouterr().out
+    assert r["warmup"] is True  # the default
+    assert main([*argv, "--no-warmup"]) == 0
+    assert json.loads(out.read_text())["warmup"] is False
 
 
 def test_cli_eval_binds_options_to_the_method_they_follow(fixture_dir, checkpoints, tmp_path):
@@ -704,34 +707,58 @@ def test_a_method_without_a_matmul_count_still_evaluates(fixture_dir, checkpoint
     assert c["flops_vs_full"] > 0 and "matmul_macs" not in c
 
 
-def test_warm_up_keeps_one_time_costs_out_of_the_timing(fixture_dir, checkpoints, monkeypatch):
-    """A method whose first call is slow (as FlexAttention's compilation is): with the warm-up (the default) its
-    first pass runs untimed and its time is that of the later passes; without it the first call is timed. The
-    warm-up's forwards are one per method and one of full attention, on the first batch, and each result says
-    whether it ran."""
+def _counting_forward(monkeypatch, peaks=None):
+    """Replace the harness's timed forward by one that counts its calls and, with ``peaks`` (call number -> MiB),
+    reports those peaks instead of the measured ones."""
+    from types import SimpleNamespace
+
     from approx.harness import evaluation
 
-    path = checkpoints("sequence-classification")
-    first_call = {"pending": True}
-    calls = []
+    calls, real = [], evaluation._forward
 
-    def record(layer, q, k, v, key_mask, scale, out):
-        calls.append(layer is not None)
-        if layer is not None and first_call["pending"]:
-            first_call["pending"] = False
-            time.sleep(1.0)  # a one-time cost, paid by the first patched call only
+    def forward(model, inputs, device):
+        out, mem = real(model, inputs, device)
+        calls.append(len(calls))
+        mib = mem.mib if peaks is None else peaks(len(calls) - 1)
+        return out, SimpleNamespace(mib=mib, seconds=mem.seconds)
+
+    monkeypatch.setattr(evaluation, "_forward", forward)
+    return calls
+
+
+def test_warm_up_keeps_one_time_costs_out_of_the_timing(fixture_dir, checkpoints, monkeypatch):
+    """A method whose first call is slow (as FlexAttention's compilation is): with the warm-up (the default) its
+    first pass runs untimed, without it the first call is timed. The warm-up is one forward of full attention and
+    one per method, on the first batch, and each result says whether it ran."""
+    path = checkpoints("sequence-classification")
+    pending = [True]
+
+    def record(layer, q, k, v, key_mask, scale, out):  # called for the patched layers' attention only
+        if pending[0]:
+            pending[0] = False
+            time.sleep(1.0)  # a one-time cost, paid by the first patched call
 
     results = {}
     for warmup in (True, False):
-        first_call["pending"], calls[:] = True, []
-        forwards = []
-        real_forward = evaluation._forward
-        monkeypatch.setattr(evaluation, "_forward", lambda m, i, d: forwards.append(1) or real_forward(m, i, d))
+        pending[0] = True
+        calls = _counting_forward(monkeypatch)
         with approx.integration.attention_probe(record):
             (results[warmup],) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, warmup=warmup)
-        monkeypatch.setattr(evaluation, "_forward", real_forward)
         batches = -(-results[warmup]["features"] // 4)
-        assert len(forwards) == 2 * batches + (2 if warmup else 0)  # full attention and the method per batch
+        assert len(calls) == 2 * batches + (2 if warmup else 0)  # full attention and the method, per batch
         assert results[warmup]["warmup"] is warmup
-    assert results[False]["fidelity"]["seconds"] > 1.0  # the sleep was timed
-    assert results[True]["fidelity"]["seconds"] < 1.0  # it was not
+    cold, warm = results[False]["fidelity"]["seconds"], results[True]["fidelity"]["seconds"]
+    assert cold - warm > 0.9  # the sleep was timed without the warm-up, not with it
+
+
+def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
+    """The warm-up's peaks count in the first batch's: a peak reached once may not be reached again in a process
+    that keeps the memory it freed. Peaks reported by call: the warm-up's two forwards 1000 (full attention) and
+    1001 (the method), every later one 1 MiB."""
+    path = checkpoints("sequence-classification")
+    _counting_forward(monkeypatch, peaks=lambda call: {0: 1000.0, 1: 1001.0}.get(call, 1.0))
+    (r,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4)
+    assert r["fidelity"]["reference_peak_memory_mib"] == 1000.0
+    assert r["fidelity"]["peak_memory_mib"] == 1001.0
+    (r,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, warmup=False)  # calls go on: 1 MiB
+    assert r["fidelity"]["peak_memory_mib"] == r["fidelity"]["reference_peak_memory_mib"] == 1.0

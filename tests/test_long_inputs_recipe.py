@@ -104,3 +104,40 @@ def test_figure_and_table(recipe, tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 10_000
     table = recipe.markdown(record)
     assert "squad-doc-sliding | 1024" in table and table.count("\n") == 2 + len(record["best"])
+
+
+def test_update_keeps_what_the_run_does_not_redo(recipe):
+    """--update: a result is replaced only when this run makes it again (its task, its length, its method when
+    --methods names some); the sliding baseline is redone with squad-doc whatever the methods."""
+    lsh = result("squad-doc", 2048, "lsh", 1, 1, 1, 1)
+    base = result("squad-doc-sliding", 2048, "full", 1, 1, 1, 1)
+    tasks = {"squad-doc", "squad-doc-sliding"}
+    assert recipe.redone(lsh, tasks, [2048], None) and recipe.redone(lsh, tasks, [2048], ["lsh"])
+    assert not recipe.redone(lsh, tasks, [1024], ["lsh"])  # another length: kept
+    assert not recipe.redone(lsh, tasks, [2048], ["window"])  # another method: kept
+    assert not recipe.redone(lsh, {"wikitext2"}, [2048], None)  # another task: kept
+    assert recipe.redone(base, tasks, [2048], ["window"]) and not recipe.redone(base, tasks, [4096], ["window"])
+
+
+def test_methods_by_name_and_the_question(recipe):
+    """methods(task, names): the configurations of the named methods only; on squad-doc the window's question is
+    global, on WikiText-2 it is not; every method family of the issue is in METHODS."""
+    chosen = recipe.methods("squad-doc", ["window", "nystrom"])
+    assert {c.method for c in chosen} == {"window", "nystrom"}
+    assert all(c.question_global for c in chosen if c.method == "window")
+    assert not any(c.question_global for c in recipe.methods("wikitext2", ["window"]))
+    assert len(recipe.methods("wikitext2")) == sum(len(v) for v in recipe.METHODS.values())
+    import approx
+
+    families = {
+        "bigbird",
+        "sparse-transformer",
+        "lsh",
+        "linear",
+        "efficient",
+        "taylor",
+        "linformer",
+        "nystrom",
+        "monarch",
+    }
+    assert families <= set(recipe.METHODS) <= set(approx.methods())

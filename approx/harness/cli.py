@@ -183,6 +183,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         progress=not args.quiet,
+        warmup=not args.no_warmup,
     )
     if not PartialState().is_main_process:
         return 0
@@ -218,6 +219,12 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1... (default: the model's; under accelerate, the process's)")
     p.add_argument("--threads", type=int, help="torch CPU threads, at least 1 (default: torch's choice)")
     p.add_argument("--output", help="write the result JSON here (one object per method; a list for several)")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="time every pass from cold (default: full attention and each method first run once, untimed, on the "
+        "first batch, so compilation is not timed)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     method_option_args(p)
     p.set_defaults(func=_cmd_eval)

@@ -136,12 +136,19 @@ def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar) -> list[
     peaks = [_forward(run.model, inputs, run.device)[1].mib]
     for label, method_layers in zip(labels, layers, strict=True):
         bar.set_postfix_str(f"{tokens} tokens, warm-up: {label}", refresh=True)
-        attach(run.model, method_layers)
-        try:
-            peaks.append(_forward(run.model, inputs, run.device)[1].mib)
-        finally:
-            unpatch(run.model)
+        peaks.append(_method_forward(run, inputs, method_layers)[1].mib)
     return peaks
+
+
+def _method_forward(run: _Run, inputs, method_layers, probe=None):
+    """The model's forward with a method's layers attached (and detached again, whatever happens), under the
+    fidelity ``probe`` when one is given: (output, its :class:`PeakMemory`)."""
+    attach(run.model, method_layers)
+    try:
+        with attention_probe(probe) if probe is not None else contextlib.nullcontext():
+            return _forward(run.model, inputs, run.device)
+    finally:
+        unpatch(run.model)
 
 
 def _larger(a: float | None, b: float | None) -> float | None:
@@ -164,13 +171,8 @@ def _run_batch(run: _Run, b: int, idx: list[int], layers, labels: list[str], bar
     record = {"batch": b, "features": idx, "outputs": compact, "setups": []}
     for s, (label, method_layers) in enumerate(zip(labels, layers, strict=True)):
         bar.set_postfix_str(f"{tokens} tokens, {label}", refresh=True)
-        attach(run.model, method_layers)
         probe = fid.AttentionProbe(total_layers=run.attention_layers)
-        try:
-            with attention_probe(probe):
-                out, mem = _forward(run.model, inputs, run.device)
-        finally:
-            unpatch(run.model)
+        out, mem = _method_forward(run, inputs, method_layers, probe)
         outputs = task.outputs(out, inputs, feats, mode)
         sums = fid.batch_sums(
             ref_out.hidden_states,
