@@ -119,6 +119,20 @@ def test_update_keeps_what_the_run_does_not_redo(recipe):
     assert recipe.redone(base, tasks, [2048], ["window"]) and not recipe.redone(base, tasks, [4096], ["window"])
 
 
+def test_a_run_whose_results_were_all_redone_is_no_longer_listed(recipe):
+    """The runs kept beside merged results are those that made one of them (same command, same commit)."""
+
+    def made(command, commit):
+        r = result("wikitext2", 1024, "lsh", 1, 1, 1, 1)
+        r["provenance"] = {"command": command, "git_commit": commit}
+        return r
+
+    runs = [{"provenance": {"command": c, "git_commit": g}} for c, g in (("a", "1"), ("a", "2"), ("b", "2"))]
+    kept = recipe.made_by(runs, [made("a", "2"), made("b", "2"), made("b", "2")])
+    assert [(r["provenance"]["command"], r["provenance"]["git_commit"]) for r in kept] == [("a", "2"), ("b", "2")]
+    assert recipe.made_by(runs, []) == []
+
+
 def test_methods_by_name_and_the_question(recipe):
     """methods(task, names): the configurations of the named methods only; on squad-doc the window's question is
     global, on WikiText-2 it is not; every method family of the issue is in METHODS."""
