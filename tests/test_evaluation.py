@@ -751,6 +751,38 @@ def test_warm_up_keeps_one_time_costs_out_of_the_timing(fixture_dir, checkpoints
     assert cold - warm > 0.9  # the sleep was timed without the warm-up, not with it
 
 
+def test_a_pass_that_compiles_a_new_shape_is_timed_again(fixture_dir, checkpoints, monkeypatch):
+    """A method that compiles for every new input length (as FlexAttention does): the warm-up covers the first
+    batch's length; a later batch of another length compiles (torch.compile's counter moves, a slow call) inside
+    its timed pass, which is then run again and the second time kept, and counted. Without the warm-up nothing is
+    re-run: the compilations are timed, as asked."""
+    from torch._dynamo.utils import counters
+
+    path = checkpoints("sequence-classification")
+    seen: set[int] = set()
+
+    def record(layer, q, k, v, key_mask, scale, out):  # the patched layers' attention only
+        if q.shape[-2] not in seen:  # a new shape: "compiled", once
+            seen.add(q.shape[-2])
+            counters["stats"]["unique_graphs"] += 1
+            time.sleep(0.5)
+
+    results, calls = {}, {}
+    for warmup in (True, False):
+        seen.clear()
+        with monkeypatch.context() as patched, approx.integration.attention_probe(record):
+            calls[warmup] = _counting_forward(patched)
+            (results[warmup],) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, warmup=warmup)
+    lengths = len(seen)  # the distinct padded lengths of the batches
+    assert lengths >= 3, "the test needs batches of several lengths"
+    batches = -(-results[True]["features"] // 4)
+    warm, cold = results[True]["fidelity"], results[False]["fidelity"]
+    assert warm["retimed_batches"] == lengths - 1 and warm["reference_retimed_batches"] == 0
+    assert len(calls[True]) == 2 * batches + 2 + (lengths - 1)  # warm-up, full and method per batch, the re-runs
+    assert cold["retimed_batches"] == 0 and len(calls[False]) == 2 * batches
+    assert cold["seconds"] - warm["seconds"] > 0.5 * lengths - 0.2  # every "compilation" timed cold, none warm
+
+
 def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
     """The warm-up's peaks count in the first batch's: a peak reached once may not be reached again in a process
     that keeps the memory it freed. Peaks reported by call: the warm-up's two forwards 1000 (full attention) and

@@ -28,7 +28,9 @@ The ``fidelity`` dict, per method:
   out), ``speedup``; ``seconds_per_example`` and ``reference_seconds_per_example`` (divided by the examples
   scored: a SQuAD question read in several windows counts once); ``graph`` for methods that predict an
   attention graph (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``
-  (the largest batch's peak) and ``..._per_input`` (the largest batch peak divided by that batch's inputs).
+  (the largest batch's peak) and ``..._per_input`` (the largest batch peak divided by that batch's inputs);
+  ``retimed_batches`` and ``reference_retimed_batches``: batches whose pass ``torch.compile`` compiled for (a
+  shape the harness's warm-up did not cover) and that were therefore run and timed a second time.
 """
 
 from __future__ import annotations
@@ -139,11 +141,14 @@ def batch_sums(
     peak: float | None,
     reference_seconds: float,
     reference_peak: float | None,
+    retimed: int = 0,
+    reference_retimed: int = 0,
 ) -> dict[str, Any]:
     """One method's fidelity record of one batch (JSON-serialisable; combine records with :func:`add_sums`).
 
     ``ref_hidden`` / ``hidden``: the unpatched and patched models' hidden states (embeddings first), ``mask``
-    the (B, N) attention mask, ``divergences`` the task's per-input output divergences."""
+    the (B, N) attention mask, ``divergences`` the task's per-input output divergences; ``retimed`` /
+    ``reference_retimed``: 1 when the method's / the unpatched model's pass compiled and was timed again."""
     graph = {
         str(i): {name: torch.as_tensor(t).double().cpu().reshape(-1).tolist() for name, t in counts.items()}
         for i, counts in probe.graph.counts.items()
@@ -164,6 +169,8 @@ def batch_sums(
         "reference_peak_mib": reference_peak,
         "peak_mib_per_input": None if peak is None else peak / mask.shape[0],
         "reference_peak_mib_per_input": None if reference_peak is None else reference_peak / mask.shape[0],
+        "retimed_batches": retimed,
+        "reference_retimed_batches": reference_retimed,
     }
 
 
@@ -221,6 +228,8 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "reference_peak_mib": _extreme(max),
     "peak_mib_per_input": _extreme(max),
     "reference_peak_mib_per_input": _extreme(max),
+    "retimed_batches": _add_counts,
+    "reference_retimed_batches": _add_counts,
 }
 
 
@@ -309,4 +318,7 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
     fidelity["reference_peak_memory_mib"] = sums["reference_peak_mib"]
     fidelity["peak_memory_mib_per_input"] = sums.get("peak_mib_per_input")
     fidelity["reference_peak_memory_mib_per_input"] = sums.get("reference_peak_mib_per_input")
+    # batches whose pass compiled (a shape the warm-up did not cover) and was timed again: said, not hidden
+    fidelity["retimed_batches"] = sums.get("retimed_batches") or 0
+    fidelity["reference_retimed_batches"] = sums.get("reference_retimed_batches") or 0
     return fidelity
