@@ -114,6 +114,29 @@ def test_shared_keys_anywhere_and_padded():
     torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
 
 
+def test_non_finite_padding_never_reaches_a_real_row():
+    """inf and NaN in padded keys, values and shared keys (whatever a model leaves at padding): the real rows get
+    what they get with finite padding, as the gather kernel's masking gives."""
+    n = 50
+    q, k, v = qkv(n, seed=9)
+    mask = lengths_mask(n, 41)
+    shared = torch.zeros(B, n, dtype=torch.bool)
+    shared[:, [0, 45]] = True  # 45 is padding in row 1
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[1, :, 41:] = float("inf")
+    bad_k[1, 0, 44:] = float("nan")
+    bad_v[1, :, 41:] = float("nan")
+    options = {"reach": 5, "block": 8, "key_mask": mask, "shared_keys": shared, "scale": D**-0.5}
+    out = _band.attend(q, bad_k, bad_v, **options)
+    diff = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    allowed = ((diff.abs() <= 5)[None] | shared[:, None, :]) & mask[:, None, :]
+    scores = (q @ k.transpose(-1, -2)) * D**-0.5  # the finite keys: padding's values are never read
+    ref = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
+    assert torch.isfinite(out[:, :, :41]).all()
+    torch.testing.assert_close(out[:, :, :41], ref[:, :, :41], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
+
+
 def test_chunks_across_and_within_heads(monkeypatch):
     """Small chunks: several heads side by side in one chunk (short sequences), and one head's blocks over several
     chunks (long ones); the output is the same."""

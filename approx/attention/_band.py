@@ -161,6 +161,9 @@ def attend(
     dev = q.device
     reach = min(reach, max(n - 1, 0))  # no pair is farther apart: the same pattern, narrower windows
     v = zero_padded_values(v, key_mask)
+    # padded keys are zeroed too, in the buffer (an inf or NaN there would make the -inf bias NaN)
+    padded = None if key_mask is None else ~key_mask.to(torch.bool)[:, :, None]
+    with_padding = [False] * b if padded is None else padded.flatten(1).any(1).tolist()
     pad, width, left, right = _geometry(reach, block)
     tq = math.ceil(n / block)
     npad = tq * block
@@ -182,7 +185,10 @@ def attend(
         nh = min(group, h - h0)
         heads = slice(h0, h0 + nh)
         used = 2 * pad + nh * npad
-        kbuf[pad : pad + nh * npad].view(nh, npad, d)[:, :n] = k[bi, heads]
+        kb = kbuf[pad : pad + nh * npad].view(nh, npad, d)[:, :n]
+        kb.copy_(k[bi, heads])
+        if with_padding[bi]:
+            kb.masked_fill_(padded[bi], 0.0)
         vbuf[pad : pad + nh * npad].view(nh, npad, dv)[:, :n] = v[bi, heads]
         ku = kbuf[:used].unfold(0, width, block)  # (nh Tq, d, width): views, no copy
         vu = vbuf[:used].unfold(0, width, block).transpose(1, 2)  # (nh Tq, width, dv)
@@ -194,7 +200,7 @@ def attend(
         og = out[bi, :, heads].permute(1, 0, 2)  # (nh, N, dv), written in place
         if shared is not None:
             pos, sbias, flat = shared
-            sk = k[bi, heads][:, pos[bi]].to(dt)  # (nh, G, d)
+            sk = kb[:, pos[bi]]  # (nh, G, d)
             sv = v[bi, heads][:, pos[bi]].to(dt)
         # chunks: whole heads (short sequences) or a range of one head's blocks
         step_h, step_t = (max(1, per // tq), tq) if group > 1 else (1, per)
