@@ -133,6 +133,25 @@ def test_a_run_whose_results_were_all_redone_is_no_longer_listed(recipe):
     assert recipe.made_by(runs, []) == []
 
 
+def test_merged_runs_are_drawn_on_one_time_scale(recipe):
+    """Two runs timed exact attention at 1 s and 2 s per example: each run's times are scaled so that exact attention
+    takes the median (1.5 s); a method 2x faster than exact in its run sits at 0.75 s whichever run it came from,
+    and the sliding baseline goes with its squad-doc run."""
+
+    def made(r, run):
+        r["provenance"] = {"command": run, "git_commit": "c"}
+        return r
+
+    a = made(result("squad-doc", 1024, "lsh", 1, 1, 0.5, 1.0), "a")
+    b = made(result("squad-doc", 1024, "window", 1, 1, 1.0, 2.0), "b")
+    base = made(result("squad-doc-sliding", 1024, "full", 1, 1, 3.0, 3.0), "b")
+    scales = recipe.time_scales([a, b], [base])
+    for r in (a, b):
+        key = (r["task"], 1024, ("a" if r is a else "b", "c"))
+        assert r["fidelity"]["seconds_per_example"] * scales[key] == pytest.approx(0.75)
+    assert scales[("squad-doc-sliding", 1024, ("b", "c"))] == pytest.approx(0.75)
+
+
 def test_methods_by_name_and_the_question(recipe):
     """methods(task, names): the configurations of the named methods only; on squad-doc the window's question is
     global, on WikiText-2 it is not; every method family of the issue is in METHODS."""
