@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import math
 import statistics
 import sys
@@ -294,9 +295,12 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the figure
-def _run_of(result: dict[str, Any]) -> tuple:
-    prov = result.get("provenance", {})
-    return prov.get("command"), prov.get("git_commit")
+def _run_of(record: dict[str, Any]) -> tuple:
+    """Which run of the recipe made a result (or is this ``runs`` entry): its run id (the run's start time, in
+    every result it made), or for results written before run ids, its command and commit."""
+    prov = record.get("provenance", {})
+    run = record.get("run") or prov.get("run")
+    return ("run", run) if run else (prov.get("command"), prov.get("git_commit"))
 
 
 def time_scales(results: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> dict[tuple, float]:
@@ -421,10 +425,10 @@ def redone(result: dict[str, Any], tasks: set[str], lengths, names: list[str] | 
 
 
 def made_by(runs: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs that made at least one of ``results`` (same command at the same commit): a run whose every result
-    a later ``--update`` redid is no longer listed, nor counted in the wall time."""
-    made = {(r["provenance"].get("command"), r["provenance"].get("git_commit")) for r in results}
-    return [run for run in runs if (run["provenance"].get("command"), run["provenance"].get("git_commit")) in made]
+    """The runs that made at least one of ``results`` (:func:`_run_of`): a run whose every result a later
+    ``--update`` redid is no longer listed, nor counted in the wall time."""
+    made = {_run_of(r) for r in results}
+    return [run for run in runs if _run_of(run) in made]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         record = json.loads(args.results.read_text())
         record["best"] = best_points(record["results"])
         record["memory_exponent"] = memory_growth(record["results"])
-        record["runs"] = made_by(record["runs"], record["results"] + record.get("baselines", []))
+        record["runs"] = made_by(record.get("runs", []), record["results"] + record.get("baselines", []))
         record["wall_seconds"] = sum(r["wall_seconds"]["total"] for r in record["runs"])
         write_json(args.results, record)
         figure(record, args.figure)
@@ -448,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or ("cuda" if cuda else "cpu")
     lengths = args.lengths or PROFILES[args.profile]["lengths"]
     start = time.perf_counter()
+    run_id = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")  # stamped in every result it makes
     checkpoints: dict[str, Any] = {}
     squad = mlm = None
     if "squad-doc" in args.tasks:
@@ -462,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds[str(n)] = time.perf_counter() - t
         print(f"N = {n}: {seconds[str(n)]:.0f} s", flush=True)
     wall = {"total": time.perf_counter() - start, "per_length": seconds}
-    runs = [{"tasks": args.tasks, "lengths": list(lengths), "wall_seconds": wall,
+    for r in results:
+        r["provenance"]["run"] = run_id
+    runs = [{"run": run_id, "tasks": args.tasks, "lengths": list(lengths), "wall_seconds": wall,
              "provenance": provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None)}]  # fmt: skip
     if args.update and args.results.is_file():  # what an earlier run made that this one did not redo
         old = json.loads(args.results.read_text())

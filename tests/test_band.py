@@ -135,6 +135,18 @@ def test_non_finite_padding_never_reaches_a_real_row():
     assert torch.isfinite(out[:, :, :41]).all()
     torch.testing.assert_close(out[:, :, :41], ref[:, :, :41], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
+    # left padding: a row's unused shared-key slots are filled with its first position, here a padded (inf) key
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, :9] = False
+    shared = torch.zeros(B, n, dtype=torch.bool)
+    shared[:, [0, 20]] = True  # row 1: 0 is padding
+    bad_k = k.clone()
+    bad_k[1, :, :9] = float("inf")
+    out = _band.attend(q, bad_k, v, **{**options, "key_mask": mask, "shared_keys": shared})
+    allowed = ((diff.abs() <= 5)[None] | shared[:, None, :]) & mask[:, None, :]
+    ref = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1) @ v
+    assert torch.isfinite(out[1, :, 9:]).all()
+    torch.testing.assert_close(out[:, :, 9:], ref[:, :, 9:], rtol=1e-12, atol=1e-12)
 
 
 def test_chunks_across_and_within_heads(monkeypatch):

@@ -783,6 +783,52 @@ def test_a_pass_that_compiles_a_new_shape_is_timed_again(fixture_dir, checkpoint
     assert cold["seconds"] - warm["seconds"] > 0.5 * lengths - 0.2  # every "compilation" timed cold, none warm
 
 
+def test_a_retimed_pass_keeps_the_second_time_and_the_larger_peak(monkeypatch, caplog):
+    """The first call compiles (50 MiB, 9 s), the second does not (20 MiB, 1 s): the second call's output and time
+    are kept, with the larger peak. Without ``retime`` the first call is kept. A second call that compiles again
+    is kept too, and a warning says its time includes compilation."""
+    from types import SimpleNamespace
+
+    from approx.harness import evaluation
+
+    graphs = [0]
+    monkeypatch.setattr(evaluation, "_compiled_graphs", lambda: graphs[0])
+
+    def calls(compiling):
+        made = []
+
+        def forward():
+            made.append(len(made))
+            graphs[0] += compiling[len(made) - 1]
+            i = len(made) - 1
+            return f"out{i}", SimpleNamespace(mib=(50.0, 20.0)[i], seconds=(9.0, 1.0)[i])
+
+        return forward
+
+    (out, mem), retimed = evaluation._timed(calls([1, 0]), True)
+    assert (out, mem.seconds, mem.mib, retimed) == ("out1", 1.0, 50.0, 1)
+    (out, mem), retimed = evaluation._timed(calls([1, 0]), False)
+    assert (out, mem.seconds, mem.mib, retimed) == ("out0", 9.0, 50.0, 0)
+    (out, mem), retimed = evaluation._timed(calls([0, 0]), True)
+    assert (out, retimed) == ("out0", 0)
+    with caplog.at_level("WARNING", logger="approx.harness.evaluation"):
+        (out, mem), retimed = evaluation._timed(calls([1, 1]), True)
+    assert (out, retimed) == ("out1", 1) and "includes compilation" in caplog.text
+
+
+def test_the_compile_counter_counts_torch_compile_graphs():
+    """The counter the re-timing reads moves when torch.compile compiles a graph (a first call, a new shape)
+    and not when it reuses one."""
+    from approx.harness import evaluation
+
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    counts = [evaluation._compiled_graphs()]
+    for n in (3, 3, 5):
+        f(torch.ones(n))
+        counts.append(evaluation._compiled_graphs())
+    assert [b - a for a, b in zip(counts, counts[1:])] == [1, 0, 1]
+
+
 def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
     """The warm-up's peaks count in the first batch's: a peak reached once may not be reached again in a process
     that keeps the memory it freed. Peaks reported by call: the warm-up's two forwards 1000 (full attention) and

@@ -131,6 +131,11 @@ def test_a_run_whose_results_were_all_redone_is_no_longer_listed(recipe):
     kept = recipe.made_by(runs, [made("a", "2"), made("b", "2"), made("b", "2")])
     assert [(r["provenance"]["command"], r["provenance"]["git_commit"]) for r in kept] == [("a", "2"), ("b", "2")]
     assert recipe.made_by(runs, []) == []
+    # runs with ids (the run's start, in each of its results): the same command at the same commit twice
+    first, second = ({"run": t, "provenance": {"command": "a", "git_commit": "1"}} for t in ("t1", "t2"))
+    r = made("a", "1")
+    r["provenance"]["run"] = "t2"
+    assert recipe.made_by([first, second], [r]) == [second]
 
 
 def test_merged_runs_are_drawn_on_one_time_scale(recipe):
