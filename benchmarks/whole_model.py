@@ -30,6 +30,7 @@ import argparse
 import copy
 import datetime as dt
 import json
+import math
 import os
 import statistics
 import sys
@@ -71,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="MiniLM-L6's architecture with random weights (no wheel needed; timing only)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the tokens and of the extra positions")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also each contender's CPU allocation peak per N (one untimed call under torch.profiler), beside "
+        "the unpatched model with eager attention (quadratic: the reference the other curves are read against)",
+    )
+    p.add_argument("--memory-only", action="store_true", help="--memory without the timed calls")
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
     )
@@ -166,7 +174,73 @@ def time_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[int
     return times
 
 
+def memory_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[int, dict[str, float | None]]:
+    """Per N and contender, the most MiB torch's CPU allocator held at once during one forward (after one call
+    that warms it up), above what it held before: ``approx.harness.memory.allocation_peak`` (on CUDA the
+    allocator's own peak). The unpatched model with eager attention is measured too, as ``eager``."""
+    from approx.harness.memory import PeakMemory, allocation_peak
+
+    def peak(m, ids):
+        if args.device.startswith("cuda"):
+            with PeakMemory(args.device) as mem:
+                m(input_ids=ids)
+            return mem.mib
+        return allocation_peak(m, input_ids=ids)[1]
+
+    eager = copy.deepcopy(models["sdpa"])
+    eager.set_attn_implementation("eager")
+    contenders = {**models, "eager": eager}
+    vocab = eager.config.vocab_size
+    peaks: dict[int, dict[str, float | None]] = {}
+    for n in args.lengths:
+        g = torch.Generator().manual_seed(args.seed + n)
+        ids = torch.randint(1000, vocab, (1, n), generator=g).to(args.device)
+        peaks[n] = {}
+        with torch.inference_mode():
+            for c, m in contenders.items():
+                m(input_ids=ids)
+                peaks[n][c] = peak(m, ids)
+        print(f"[memory] N={n}: " + ", ".join(f"{c} {v:.0f} MiB" for c, v in peaks[n].items() if v is not None),
+              file=sys.stderr, flush=True)  # fmt: skip
+    return peaks
+
+
+def growth(peaks: dict[int, dict[str, float | None]], contender: str) -> float | None:
+    """The exponent b of peak ~ N^b: least squares over the lengths measured (log-log)."""
+    points = [(math.log(n), math.log(p[contender])) for n, p in peaks.items() if p.get(contender)]
+    if len(points) < 2:
+        return None
+    mx, my = (sum(v) / len(points) for v in zip(*points, strict=True))
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+# the largest exponent read as "linear in N": a fixed part (embeddings, the input) flattens the curve, never steepens it
+LINEAR = 1.2
+
+
+def memory_report(res: dict[str, Any]) -> list[str]:
+    peaks = {int(n): p for n, p in res["memory_mib"].items()}
+    names = list(next(iter(peaks.values())))
+    lines = ["## MiniLM-L6 forward, batch 1: CPU allocation peak (MiB above what was held before the call)", ""]
+    lines.append("| N | " + " | ".join(names) + " |")
+    lines.append("|" + "---|" * (len(names) + 1))
+    for n, p in sorted(peaks.items()):
+        lines.append(f"| {n} | " + " | ".join("-" if p[c] is None else f"{p[c]:.0f}" for c in names) + " |")
+    b = {c: growth(peaks, c) for c in names}
+    lines += ["", "Peak ~ N^b: " + ", ".join(f"{c} {v:.2f}" for c, v in b.items() if v is not None) + "."]
+    over = [c for c, v in b.items() if c != "eager" and (v is None or v > LINEAR)]
+    lines += ["", "## Target (issue 16)", ""]
+    lines.append(
+        f"- peak memory linear in N (b <= {LINEAR}) for every contender except eager attention: "
+        + ("met" if not over else "not met (" + ", ".join(over) + ")")
+        + f"; eager b = {b.get('eager') or float('nan'):.2f}"
+    )
+    return lines
+
+
 def report(res: dict[str, Any]) -> str:
+    if not res.get("times_s"):
+        return "\n".join(memory_report(res))
     names = list(res["contenders"])
     lines = ["| N | " + " | ".join(f"{c} ms" + ("" if c == "sdpa" else " (x sdpa)") for c in names) + " |"]
     lines.append("|" + "---|" * (len(names) + 1))
@@ -190,6 +264,8 @@ def report(res: dict[str, Any]) -> str:
             f"- i-clustered (C=100) at N=4096 >= 3x faster than sdpa: {'met' if r >= 3 else 'not met'} "
             f"({r:.2f}x; no-attention ceiling {ceiling:.2f}x)"
         )
+    if res.get("memory_mib"):
+        out += ["", *memory_report(res)]
     return "\n".join(out)
 
 
@@ -199,19 +275,23 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for c in res["contenders"]:
-        ns = [n for n in res["lengths"] if c in res["times_s"][n]]
-        style = "k--" if c == "no-attention" else "o-"
-        ax.plot(ns, [statistics.median(res["times_s"][n][c]) * 1e3 for n in ns], style, label=c)
-    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="median forward time (ms)")
-    ax.set_title(
-        f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}, {res.get('dtype', 'float32')}"
-    )
-    ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
-    ax.minorticks_off()
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = [("times_s", "median forward time (ms)")] if res.get("times_s") else []
+    panels += [("memory_mib", "CPU allocation peak (MiB)")] if res.get("memory_mib") else []
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        data = {int(n): v for n, v in res[key].items()}
+        for c in next(iter(data.values())):
+            ns = [n for n in res["lengths"] if data[n].get(c)]
+            ys = [statistics.median(data[n][c]) * 1e3 if key == "times_s" else data[n][c] for n in ns]
+            ax.plot(ns, ys, "k--" if c in ("no-attention", "eager") else "o-", label=c)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=label)
+        ax.set_title(
+            f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}, {res.get('dtype', 'float32')}"
+        )
+        ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
+        ax.minorticks_off()
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -237,8 +317,11 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "threads": args.threads,
         "contenders": {c: (None if s is None else {"method": s[0], **s[1]}) for c, s in contenders(args).items()},
-        "times_s": time_all(args, models),
+        "times_s": {} if args.memory_only else time_all(args, models),
     }
+    if args.memory or args.memory_only:
+        res["memory_mib"] = memory_all(args, models)
+        res["memory_measure"] = "CPU allocator: most bytes held at once during one call (torch.profiler memory events)"
     res["provenance"]["loadavg_after"] = os.getloadavg()
     res["provenance"]["wall_s"] = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
     print(report(res))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PeakMemory"]
+__all__ = ["PeakMemory", "allocation_peak"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -68,3 +68,31 @@ class PeakMemory:
         peak = _status_kib("VmHWM")
         if self._ok and peak is not None and self._before is not None:
             self.mib = max(peak - self._before, 0) / 1024
+
+
+def allocation_peak(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), peak MiB)``: the most bytes that torch's CPU allocator had handed out and not yet
+    taken back at any moment of the call, above what it held when the call began (the CPU counterpart of CUDA's
+    ``max_memory_allocated``, which a peak-RSS delta is not: the C allocator keeps freed memory and reuses it).
+
+    Read from ``torch.profiler``'s memory events (every allocation and free with its size, in order), so the call
+    runs under the profiler: slower, never to be timed. Allocations made on other threads than the caller's
+    (intra-op worker scratch) are not seen. The peak is None when the profiler reports no memory event."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn(*args, **kwargs)
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:  # pragma: no cover - a torch without the raw results
+        return out, None
+    changes = sorted(
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
+    if not changes:
+        return out, None
+    held = peak = 0
+    for _, nbytes in changes:
+        held += nbytes
+        peak = max(peak, held)
+    return out, peak / 2**20
