@@ -278,12 +278,15 @@ def plot(res: dict[str, Any], path: Path) -> None:
     panels = [("times_s", "median forward time (ms)")] if res.get("times_s") else []
     panels += [("memory_mib", "CPU allocation peak (MiB)")] if res.get("memory_mib") else []
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    palette = plt.get_cmap("tab20").colors  # more contenders than the default cycle's ten colours
+    palette = palette[::2] + palette[1::2]
     for ax, (key, label) in zip(axes[0], panels, strict=True):
         data = {int(n): v for n, v in res[key].items()}
-        for c in next(iter(data.values())):
+        for i, c in enumerate(next(iter(data.values()))):
             ns = [n for n in res["lengths"] if data[n].get(c)]
             ys = [statistics.median(data[n][c]) * 1e3 if key == "times_s" else data[n][c] for n in ns]
-            ax.plot(ns, ys, "k--" if c in ("no-attention", "eager") else "o-", label=c)
+            style = {"no-attention": "k--", "eager": "k:"}.get(c, "o-")
+            ax.plot(ns, ys, style, label=c, **({} if c in ("no-attention", "eager") else {"color": palette[i % 20]}))
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=label)
         ax.set_title(
             f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}, {res.get('dtype', 'float32')}"

@@ -47,6 +47,7 @@ WHOLE_MODEL = [
     "benchmarks/results/whole_model_cpu.json",
     "benchmarks/results/whole_model_cpu_sparse_patterns.json",
     "benchmarks/results/whole_model_cuda.json",
+    "benchmarks/results/whole_model_cpu_memory.json",
 ]
 HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
@@ -203,8 +204,27 @@ def sharper_clustering_block(path: str = SHARPER) -> str:
     )
 
 
+def whole_model_memory_block(res: dict, path: str) -> str:
+    """A memory-only whole-model run (``--memory-only``): the table and exponents the script prints."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from whole_model import memory_report
+
+    return (
+        f"**Whole model, memory**, MiniLM-L6 with positions extended, batch 1, {_hardware(res)}, one untimed call "
+        f"per contender and N after a warm one, every layer patched with the attention-op settings "
+        f"(`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}). "
+        f"{res['memory_measure']}; *eager* is the unpatched model with eager attention.\n\n"
+        + "\n".join(
+            line.replace("## ", "*", 1) + "*" if line.startswith("## ") else line for line in memory_report(res)
+        )
+        + "\n"
+    )
+
+
 def whole_model_block(path: str) -> str:
     res = json.loads((ROOT / path).read_text())
+    if not res.get("times_s"):
+        return whole_model_memory_block(res, path)
     names = [c for c in res["contenders"] if c != "sdpa"]
     rows = ["| N | sdpa ms | " + " | ".join(f"{c} ms (× sdpa)" for c in names) + " |"]
     rows.append("|" + " --- |" * (2 + len(names)))

@@ -39,3 +39,31 @@ def test_allocation_peak_grows_with_the_attention_matrix():
     for n in (256, 512):
         assert 2 * scores[n] <= peaks["eager", n] <= 2 * scores[n] + 1  # scores and their softmax, then the output
     assert peaks["sdpa", 512] < 4 * h * 512 * d * 4 / 2**20 + 1  # a few (H, N, d) tensors, no (N, N) one
+
+
+def test_whole_model_memory_benchmark(tmp_path):
+    """benchmarks/whole_model.py --memory-only on MiniLM's architecture (random weights): every contender's
+    allocation peak per N, eager attention's growing faster than the others' (its N x N scores), the report's
+    exponents and target line, and the JSON."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "whole_model.py"
+    spec = importlib.util.spec_from_file_location("whole_model_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["whole_model_bench"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "wm.json"
+    argv = ["--memory-only", "--random-weights", "--no-fallback", "--lengths", "256", "512", "1024"]
+    bench.main([*argv, "--methods", "linear", "--threads", "1", "--output", str(out)])
+    res = json.loads(out.read_text())
+    peaks = {int(n): p for n, p in res["memory_mib"].items()}
+    assert set(peaks[256]) == {"sdpa", "linear", "no-attention", "eager"}
+    assert all(p > 0 for by in peaks.values() for p in by.values())
+    b = {c: bench.growth(peaks, c) for c in peaks[256]}
+    assert b["eager"] > b["sdpa"] + 0.4 and b["eager"] > b["linear"] + 0.4
+    assert 0.8 < b["linear"] < 1.2
+    text = "\n".join(bench.memory_report(res))
+    assert "Target (issue 16)" in text and "eager b =" in text
