@@ -435,7 +435,12 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
         "the unpatched model (sdpa) on the same inputs; *kept* is F1 / exact F1, or exact / method bits per token:\n\n"
         + markdown(r)
         + f"\n\nPeak memory per input grows as N^b with b = {memory or '-'} (least squares over the lengths run; "
-        "peak-RSS deltas on CPU).\n\n![Task metric against seconds per example at each length](figures/recipes/"
+        + (
+            "the CPU allocator's peaks, measured untimed: `approx.evaluate(allocations=True)`"
+            if r.get("memory_measure") == "allocations"
+            else "peak-RSS deltas on CPU, which read 0 where the allocator reused memory"
+        )
+        + ").\n\n![Task metric against seconds per example at each length](figures/recipes/"
         "figures/long_inputs.png)\n"
     )
 

@@ -829,6 +829,31 @@ def test_the_compile_counter_counts_torch_compile_graphs():
     assert [b - a for a, b in zip(counts, counts[1:])] == [1, 0, 1]
 
 
+def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints):
+    """allocations=True: the CPU allocator's peak of full attention and of the method on the longest batch, per
+    input. A method whose attention layers each allocate 64 MiB (the previous layer's freed only after the next is
+    allocated, the last held) holds at least 128 MiB more than full attention at some moment of its pass: the
+    peak-RSS delta need not see it (the allocator may reuse memory), the allocation peak does."""
+    path = checkpoints("sequence-classification")
+    held = [None]
+
+    def record(layer, q, k, v, key_mask, scale, out):  # the patched layers' attention only
+        block = torch.empty(64 * 2**20, dtype=torch.uint8)
+        held[0] = block  # the previous block freed after this one is allocated
+
+    with approx.integration.attention_probe(record):
+        (r,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, allocations=True)
+    f = r["fidelity"]
+    inputs = min(4, r["features"])  # the longest batch's
+    extra = (f["allocated_peak_mib_per_input"] - f["reference_allocated_peak_mib_per_input"]) * inputs
+    assert 128 - 8 < extra < 128 + 16  # the method's own tensors differ a little from full attention's
+    assert r["allocations"] is True
+    (plain,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4)
+    assert plain["fidelity"]["allocated_peak_mib_per_input"] is None and plain["allocations"] is False
+    with pytest.raises(ValueError, match="warmup=True and a CPU"):
+        _run(path, "rte", ["window:window=2"], fixture_dir, allocations=True, warmup=False)
+
+
 def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
     """The warm-up's peaks count in the first batch's: a peak reached once may not be reached again in a process
     that keeps the memory it freed. Peaks reported by call: the warm-up's two forwards 1000 (full attention) and

@@ -93,6 +93,24 @@ def test_memory_exponent(recipe):
     assert math.isfinite(slopes["favor:features=64"])
 
 
+def test_memory_exponent_from_allocations_when_every_result_has_them(recipe):
+    """The allocator's peaks (evaluate(allocations=True)) are fitted instead of the peak-RSS deltas when every
+    squad-doc result has them; one result without them: the deltas, for all."""
+    results = [
+        result("squad-doc", n, "favor", 1, 1, 1, 1, mib=0.0 + (n == 4096), exact_mib=1.0, features=64)
+        for n in (1024, 2048, 4096)
+    ]
+    for r in results:
+        n = r["max_length"]
+        r["fidelity"].update(allocated_peak_mib_per_input=2.0 * n, reference_allocated_peak_mib_per_input=1e-3 * n * n)
+    assert recipe.memory_measure(results) == "allocations"
+    slopes = recipe.memory_growth(results)
+    assert slopes["favor:features=64"] == pytest.approx(1.0) and slopes["exact (sdpa)"] == pytest.approx(2.0)
+    results[0]["fidelity"]["allocated_peak_mib_per_input"] = None
+    assert recipe.memory_measure(results) == "peak"
+    assert recipe.memory_growth(results)["exact (sdpa)"] == pytest.approx(0.0)  # the deltas: 1 MiB throughout
+
+
 def test_figure_and_table(recipe, tmp_path):
     results = [
         result("squad-doc", n, "clustered", 70.0, 80.0, 1.0, 2.0, clusters=c) for n in (1024, 2048) for c in (25, 100)

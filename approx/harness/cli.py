@@ -184,6 +184,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.quiet,
         warmup=not args.no_warmup,
+        allocations=args.allocations,
     )
     if not PartialState().is_main_process:
         return 0
@@ -224,6 +225,12 @@ def _add_eval_parser(sub) -> None:
         action="store_true",
         help="time every pass from cold (default: full attention and each method first run once, untimed, on the "
         "first batch, so compilation is not timed)",
+    )
+    p.add_argument(
+        "--allocations",
+        action="store_true",
+        help="CPU: also the allocator's peak of full attention and each method on the longest batch, measured "
+        "untimed under torch's profiler (fidelity.allocated_peak_mib_per_input); peak-RSS deltas miss reused memory",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     method_option_args(p)

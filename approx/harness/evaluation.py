@@ -51,7 +51,7 @@ from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
 from ..saved import is_saved_setting
 from . import fidelity as fid
-from .memory import PeakMemory
+from .memory import PeakMemory, allocation_peak
 from .spec import PER_LAYER, Setup, as_setup, short_label
 from .tasks import Feature, Task, get_task
 
@@ -106,7 +106,7 @@ class _Run:
 
 
 def _run_batches(
-    run: _Run, batches, layers, labels: list[str], progress: bool, warmup: bool = True
+    run: _Run, batches, layers, labels: list[str], progress: bool, warmup: bool = True, allocations: bool = False
 ) -> list[dict[str, Any]]:
     """Run the unpatched model and every method on this process's batches; one record per batch with the
     per-feature outputs and each method's fidelity sums. The progress bar counts inputs and names the
@@ -118,21 +118,26 @@ def _run_batches(
     memory is kept: the first timed batch reports the larger of its own peak and the warm-up's, since a peak
     reached once may not be reached again by a process that keeps memory it freed. The warm-up covers the first
     batch's shape; a later pass during which ``torch.compile`` compiled again (another length) is run a second
-    time and that time kept (:func:`_timed`; counted in ``fidelity.retimed_batches``)."""
+    time and that time kept (:func:`_timed`; counted in ``fidelity.retimed_batches``). ``allocations``: the
+    warm-up also measures each forward's CPU allocator peak on that batch (:func:`_warm_up`)."""
     records = []
     bar = tqdm(total=sum(len(idx) for _, idx in batches), disable=not progress, desc=run.task.name, unit="input")
     with bar:
-        warm = _warm_up(run, batches[0][1], layers, labels, bar) if warmup and batches else None
+        warm, allocated = (
+            _warm_up(run, batches[0][1], layers, labels, bar, allocations) if warmup and batches else (None, None)
+        )
         for b, idx in batches:
-            records.append(_run_batch(run, b, idx, layers, labels, bar, warm, retime=warmup))
-            warm = None
+            records.append(_run_batch(run, b, idx, layers, labels, bar, warm, retime=warmup, allocated=allocated))
+            warm = allocated = None
             bar.update(len(idx))
     return records
 
 
-def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar) -> list[float | None]:
+def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar, allocations: bool = False):
     """The untimed first pass of :func:`_run_batches`: every forward of a batch once; their peak MiB (full
-    attention first, then each method's)."""
+    attention first, then each method's), and with ``allocations`` the CPU allocator's peak of each forward,
+    measured in one more untimed call under the profiler (:func:`~approx.harness.memory.allocation_peak`;
+    else None)."""
     inputs = _collate([run.features[i] for i in idx], run.pad_id, run.device)
     tokens = inputs["input_ids"].shape[1]
     bar.set_postfix_str(f"{tokens} tokens, warm-up: full attention", refresh=True)
@@ -140,7 +145,14 @@ def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar) -> list[
     for label, method_layers in zip(labels, layers, strict=True):
         bar.set_postfix_str(f"{tokens} tokens, warm-up: {label}", refresh=True)
         peaks.append(_method_forward(run, inputs, method_layers)[1].mib)
-    return peaks
+    if not allocations:
+        return peaks, None
+    bar.set_postfix_str(f"{tokens} tokens, allocations: full attention", refresh=True)
+    allocated = [allocation_peak(_forward, run.model, inputs, run.device)[1]]
+    for label, method_layers in zip(labels, layers, strict=True):
+        bar.set_postfix_str(f"{tokens} tokens, allocations: {label}", refresh=True)
+        allocated.append(allocation_peak(_method_forward, run, inputs, method_layers)[1])
+    return peaks, allocated
 
 
 def _method_forward(run: _Run, inputs, method_layers, probe=None):
@@ -188,11 +200,21 @@ def _timed(forward, retime: bool):
 
 
 def _run_batch(
-    run: _Run, b: int, idx: list[int], layers, labels: list[str], bar, warm=None, retime: bool = False
+    run: _Run,
+    b: int,
+    idx: list[int],
+    layers,
+    labels: list[str],
+    bar,
+    warm=None,
+    retime: bool = False,
+    allocated=None,
 ) -> dict[str, Any]:
     """The unpatched model and every method on one batch: its record (outputs and fidelity sums). ``warm``: the
     warm-up's peaks on this batch (:func:`_warm_up`), counted in its peak memory; ``retime``: a pass that
-    compiled is run and timed again (:func:`_timed`)."""
+    compiled is run and timed again (:func:`_timed`); ``allocated``: the warm-up's allocator peaks on this batch
+    (full attention first), or None."""
+    allocated = allocated or [None] * (len(layers) + 1)
     task, mode = run.task, run.mode
     feats = [run.features[i] for i in idx]
     inputs = _collate(feats, run.pad_id, run.device)
@@ -225,6 +247,8 @@ def _run_batch(
             reference_peak=ref_peak,
             retimed=retimed,
             reference_retimed=ref_retimed,
+            allocated=allocated[s + 1],
+            reference_allocated=allocated[0],
         )
         compact = [task.compact(o, f, mode) for o, f in zip(outputs, feats, strict=True)]
         record["setups"].append({"outputs": compact, "sums": sums})
@@ -397,6 +421,7 @@ def evaluate(
     progress: bool = True,
     predictions: bool = False,
     warmup: bool = True,
+    allocations: bool = False,
 ) -> list[dict[str, Any]]:
     """Evaluate ``task`` on ``model`` under each of ``methods`` and under full attention, on the same batches.
 
@@ -413,6 +438,12 @@ def evaluate(
     ``warmup``: full attention and every method first run once, untimed, on the first (longest) batch, so that
     one-time costs (compilation for a new shape) are not timed as the method's; False times every pass from
     cold (faster when only the metrics matter). Each result records it (``"warmup"``).
+
+    ``allocations`` (CPU only, with the warm-up): full attention and every method run once more on that longest
+    batch, untimed, under torch's profiler, whose memory events give the CPU allocator's peak
+    (``fidelity.allocated_peak_mib_per_input`` and ``reference_allocated_peak_mib_per_input``): what the
+    forward pass holds at once, where the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator
+    reuses memory it kept. On CUDA ``peak_memory_mib`` already is the allocator's peak.
 
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
@@ -441,13 +472,18 @@ def evaluate(
             model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
             max_length=max_length, device=device, state=state, progress=progress, stack=stack,
         )  # fmt: skip
+        if allocations and (not warmup or run.device.type != "cpu"):
+            raise ValueError(
+                "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
+                f"device (got warmup={warmup}, device {run.device}; on CUDA peak_memory_mib is the allocator's peak)"
+            )
         layers = _method_layers(run.model, setups, methods, run.device)
         order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
         batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
         labels = [short_label({"name": s.method, **s.config()}) for s in setups]
         with torch.inference_mode():
             mine = batches[state.process_index :: state.num_processes]
-            records = _run_batches(run, mine, layers, labels, progress and state.is_main_process, warmup)
+            records = _run_batches(run, mine, layers, labels, progress and state.is_main_process, warmup, allocations)
     if state.num_processes > 1:
         records = gather_object(records)
     records.sort(key=lambda r: r["batch"])
@@ -463,7 +499,7 @@ def evaluate(
         data_source=run.source.describe(),
         **({"positions": run.positions} if run.positions else {}),
     )
-    settings = {"max_length": max_length, "batch_size": batch_size, "warmup": warmup}
+    settings = {"max_length": max_length, "batch_size": batch_size, "warmup": warmup, "allocations": allocations}
     return _results(run, setups, records, settings, prov, predictions)
 
 

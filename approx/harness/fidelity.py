@@ -30,7 +30,9 @@ The ``fidelity`` dict, per method:
   attention graph (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``
   (the largest batch's peak) and ``..._per_input`` (the largest batch peak divided by that batch's inputs);
   ``retimed_batches`` and ``reference_retimed_batches``: batches whose pass ``torch.compile`` compiled for (a
-  shape the harness's warm-up did not cover) and that were therefore run and timed a second time.
+  shape the harness's warm-up did not cover) and that were therefore run and timed a second time;
+  ``allocated_peak_mib_per_input`` and its reference twin: the CPU allocator's peak on the longest batch divided
+  by its inputs, when ``evaluate(allocations=True)`` measured it (else None).
 """
 
 from __future__ import annotations
@@ -143,12 +145,15 @@ def batch_sums(
     reference_peak: float | None,
     retimed: int = 0,
     reference_retimed: int = 0,
+    allocated: float | None = None,
+    reference_allocated: float | None = None,
 ) -> dict[str, Any]:
     """One method's fidelity record of one batch (JSON-serialisable; combine records with :func:`add_sums`).
 
     ``ref_hidden`` / ``hidden``: the unpatched and patched models' hidden states (embeddings first), ``mask``
     the (B, N) attention mask, ``divergences`` the task's per-input output divergences; ``retimed`` /
-    ``reference_retimed``: 1 when the method's / the unpatched model's pass compiled and was timed again."""
+    ``reference_retimed``: 1 when the method's / the unpatched model's pass compiled and was timed again;
+    ``allocated`` / ``reference_allocated``: the CPU allocator's peak MiB on this batch, when measured."""
     graph = {
         str(i): {name: torch.as_tensor(t).double().cpu().reshape(-1).tolist() for name, t in counts.items()}
         for i, counts in probe.graph.counts.items()
@@ -171,6 +176,10 @@ def batch_sums(
         "reference_peak_mib_per_input": None if reference_peak is None else reference_peak / mask.shape[0],
         "retimed_batches": retimed,
         "reference_retimed_batches": reference_retimed,
+        "allocated_peak_mib_per_input": None if allocated is None else allocated / mask.shape[0],
+        "reference_allocated_peak_mib_per_input": None
+        if reference_allocated is None
+        else reference_allocated / mask.shape[0],
     }
 
 
@@ -230,6 +239,8 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "reference_peak_mib_per_input": _extreme(max),
     "retimed_batches": _add_counts,
     "reference_retimed_batches": _add_counts,
+    "allocated_peak_mib_per_input": _extreme(max),
+    "reference_allocated_peak_mib_per_input": _extreme(max),
 }
 
 
@@ -321,4 +332,7 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
     # batches whose pass compiled (a shape the warm-up did not cover) and was timed again: said, not hidden
     fidelity["retimed_batches"] = sums.get("retimed_batches") or 0
     fidelity["reference_retimed_batches"] = sums.get("reference_retimed_batches") or 0
+    # the CPU allocator's peak per input, measured untimed in the warm-up (evaluate(allocations=True)), or None
+    fidelity["allocated_peak_mib_per_input"] = sums.get("allocated_peak_mib_per_input")
+    fidelity["reference_allocated_peak_mib_per_input"] = sums.get("reference_allocated_peak_mib_per_input")
     return fidelity

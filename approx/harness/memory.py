@@ -77,7 +77,9 @@ def allocation_peak(fn, *args, **kwargs):
 
     Read from ``torch.profiler``'s memory events (every allocation and free with its size, in order), so the call
     runs under the profiler: slower, never to be timed. Allocations made on other threads than the caller's
-    (intra-op worker scratch) are not seen. The peak is None when the profiler reports no memory event."""
+    (intra-op worker scratch) are not seen, nor are frees of memory allocated before the call (torch warns of
+    them), which therefore counts as still held: an upper bound then. The peak is None when the profiler reports
+    no memory event."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
