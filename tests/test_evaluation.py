@@ -831,15 +831,17 @@ def test_the_compile_counter_counts_torch_compile_graphs():
 
 def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints):
     """allocations=True: the CPU allocator's peak of full attention and of the method on the longest batch, per
-    input. A method whose attention layers each allocate 64 MiB (the previous layer's freed only after the next is
-    allocated, the last held) holds at least 128 MiB more than full attention at some moment of its pass: the
+    input. A method whose two attention layers each allocate 64 MiB, both held until the last layer, holds 128 MiB
+    more than full attention at some moment of its pass: the
     peak-RSS delta need not see it (the allocator may reuse memory), the allocation peak does."""
     path = checkpoints("sequence-classification")
-    held = [None]
+    held = []
+    layers = 2  # the fixture's attention layers, every one patched
 
     def record(layer, q, k, v, key_mask, scale, out):  # the patched layers' attention only
-        block = torch.empty(64 * 2**20, dtype=torch.uint8)
-        held[0] = block  # the previous block freed after this one is allocated
+        held.append(torch.empty(64 * 2**20, dtype=torch.uint8))
+        if len(held) == layers:  # the pass's last layer: both blocks freed before the pass ends
+            held.clear()
 
     with approx.integration.attention_probe(record):
         (r,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, allocations=True)

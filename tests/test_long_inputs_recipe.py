@@ -106,9 +106,31 @@ def test_memory_exponent_from_allocations_when_every_result_has_them(recipe):
     assert recipe.memory_measure(results) == "allocations"
     slopes = recipe.memory_growth(results)
     assert slopes["favor:features=64"] == pytest.approx(1.0) and slopes["exact (sdpa)"] == pytest.approx(2.0)
+    results[1]["fidelity"]["reference_allocated_peak_mib_per_input"] = None  # exact attention's missing once
+    assert recipe.memory_measure(results) == "peak"
+    results[1]["fidelity"]["reference_allocated_peak_mib_per_input"] = 1e-3 * 2048**2
     results[0]["fidelity"]["allocated_peak_mib_per_input"] = None
     assert recipe.memory_measure(results) == "peak"
     assert recipe.memory_growth(results)["exact (sdpa)"] == pytest.approx(0.0)  # the deltas: 1 MiB throughout
+
+
+def test_only_squad_doc_pays_for_the_allocation_pass(recipe, monkeypatch):
+    """On the CPU the squad-doc evaluation measures allocations (the memory fit reads it); its sliding baseline and
+    wikitext2 do not (an untimed profiled pass each, for a figure nobody reads). On a GPU none does."""
+    import argparse
+
+    import approx
+
+    calls = []
+    monkeypatch.setattr(recipe, "evaluate_checkpoints", lambda task, *a, **kw: calls.append((task, kw)) or [])
+    monkeypatch.setattr(approx, "evaluate", lambda path, task, *a, **kw: calls.append((task, kw)) or [])
+    for device in ("cpu", "cuda"):
+        calls.clear()
+        args = argparse.Namespace(profile="cpu", questions=2, windows=1, methods=None, data_dir=None, quiet=True,
+                                  seed=0, device=device)  # fmt: skip
+        recipe.run_length(1024, args, [("squad", "validation")], "mlm")
+        asked = {task: kw.get("allocations", False) for task, kw in calls}
+        assert asked == {"squad-doc": device == "cpu", "squad-doc-sliding": False, "wikitext2": False}
 
 
 def test_figure_and_table(recipe, tmp_path):

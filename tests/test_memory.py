@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from approx.harness.memory import allocation_peak
@@ -23,6 +24,32 @@ def test_allocation_peak_follows_what_is_held_at_once():
     out, peak = allocation_peak(work)
     assert out == 24 * mib and peak == 24.0
     del before
+
+
+def test_freeing_memory_from_before_the_call_lowers_nothing():
+    """Blocks allocated before the call (even at an address an earlier profiled call used for a larger block) and
+    freed in it do not offset what the call allocates: 10 MiB allocated, 10 MiB peak."""
+    mib = 2**20
+    allocation_peak(lambda: torch.empty(24 * mib, dtype=torch.uint8))  # a profiled block, freed outside
+    holder = [torch.empty(2 * mib, dtype=torch.uint8)]  # allocated outside any profiler
+
+    def work():
+        holder.clear()  # frees the 2 MiB from before the call
+        return torch.empty(10 * mib, dtype=torch.uint8)
+
+    assert allocation_peak(work)[1] == 10.0
+
+
+def test_inside_another_profiler_the_call_runs_unmeasured():
+    """A profiler already running (a user profiling an evaluation) keeps its session: the call runs, its peak is
+    None, a warning says why, and the outer profile still records the call's allocations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as outer:
+        with pytest.warns(RuntimeWarning, match="already running"):
+            out, peak = allocation_peak(lambda: torch.empty(2**20, dtype=torch.uint8).numel())
+    assert out == 2**20 and peak is None
+    assert any(e.cpu_memory_usage > 0 for e in outer.events())
 
 
 def test_allocation_peak_grows_with_the_attention_matrix():

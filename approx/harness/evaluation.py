@@ -443,7 +443,8 @@ def evaluate(
     batch, untimed, under torch's profiler, whose memory events give the CPU allocator's peak
     (``fidelity.allocated_peak_mib_per_input`` and ``reference_allocated_peak_mib_per_input``): what the
     forward pass holds at once, where the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator
-    reuses memory it kept. On CUDA ``peak_memory_mib`` already is the allocator's peak.
+    reuses memory it kept. On CUDA ``peak_memory_mib`` already is the allocator's peak. Under several processes
+    each measures the first (longest) batch of its own share and the largest figure per input is kept.
 
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in

@@ -10,6 +10,7 @@ Elsewhere the figure is None.
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,31 +71,57 @@ class PeakMemory:
             self.mib = max(peak - self._before, 0) / 1024
 
 
-def allocation_peak(fn, *args, **kwargs):
-    """``(fn(*args, **kwargs), peak MiB)``: the most bytes that torch's CPU allocator had handed out and not yet
-    taken back at any moment of the call, above what it held when the call began (the CPU counterpart of CUDA's
-    ``max_memory_allocated``, which a peak-RSS delta is not: the C allocator keeps freed memory and reuses it).
+def _allocations(prof) -> list[tuple[int, int, int]]:
+    """(time, address, bytes) of every CPU allocation (bytes > 0) and free (< 0) the profiler recorded, in time
+    order (a stable sort: the recorded order where times tie)."""
 
-    Read from ``torch.profiler``'s memory events (every allocation and free with its size, in order), so the call
-    runs under the profiler: slower, never to be timed. Allocations made on other threads than the caller's
-    (intra-op worker scratch) are not seen, nor are frees of memory allocated before the call (torch warns of
-    them), which therefore counts as still held: an upper bound then. The peak is None when the profiler reports
-    no memory event."""
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    events = []
+    for node in walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if "Allocation" in str(node.tag) and str(node.extra_fields.device) == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    return sorted(events, key=lambda e: e[0])
+
+
+def allocation_peak(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), peak MiB)``: the most bytes that torch's CPU allocator had handed out during the call
+    and not yet taken back, at any moment of it (the CPU counterpart of CUDA's ``max_memory_allocated``, which a
+    peak-RSS delta is not: the C allocator keeps freed memory and reuses it).
+
+    Read from ``torch.profiler``'s allocation events (every allocation and free with its address and size, in
+    order), so the call runs under the profiler: slower, never to be timed. Only blocks allocated during the call
+    count: freeing memory allocated before it lowers nothing (the figure stays an upper bound of the growth above
+    the start). Allocations made on other threads than the caller's (intra-op worker scratch) are not seen. The
+    peak is None when a profiler is already running (the call runs unmeasured rather than end that session: a
+    warning says so) or when this torch records no allocation events."""
+    if torch._C._autograd._profiler_enabled():
+        warnings.warn(
+            "allocation_peak: a torch profiler is already running; the call runs without an allocation peak",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return fn(*args, **kwargs), None
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args, **kwargs)
     try:
-        events = prof.profiler.kineto_results.events()
-    except AttributeError:  # pragma: no cover - a torch without the raw results
+        events = _allocations(prof)
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without these profiler results
         return out, None
-    changes = sorted(
-        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"
-    )
-    if not changes:
+    if not events:
         return out, None
+    live: dict[int, int] = {}  # address -> bytes, the blocks allocated in the call and not yet freed
     held = peak = 0
-    for _, nbytes in changes:
-        held += nbytes
-        peak = max(peak, held)
+    for _, ptr, nbytes in events:
+        if nbytes > 0:
+            live[ptr] = nbytes
+            held += nbytes
+            peak = max(peak, held)
+        elif ptr in live:
+            held -= live.pop(ptr)
     return out, peak / 2**20
