@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from approx.harness.memory import allocation_peak
+from approx.harness.memory import _without_profiler_notices, allocation_peak
 
 
 def test_allocation_peak_follows_what_is_held_at_once():
@@ -94,3 +96,15 @@ def test_whole_model_memory_benchmark(tmp_path):
     assert 0.8 < b["linear"] < 1.2
     text = "\n".join(bench.memory_report(res))
     assert "Target (issue 16)" in text and "eager b =" in text
+
+
+def test_the_profilers_notices_stay_off_standard_error(capfd):
+    """torch's profiler library writes a ``USDT:`` line at every start and stop on descriptor 2, which would break
+    the harness's progress bars: allocation_peak leaves them out, and keeps every other line written there."""
+    allocation_peak(lambda: torch.empty(2**20, dtype=torch.uint8))
+    assert "USDT" not in capfd.readouterr().err
+    with _without_profiler_notices():
+        os.write(2, b"USDT:2026-01-01 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real error\n")
+    err = capfd.readouterr().err
+    assert err == "a real error\n"

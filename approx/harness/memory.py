@@ -9,6 +9,10 @@ Elsewhere the figure is None.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -87,6 +91,31 @@ def _allocations(prof) -> list[tuple[int, int, int]]:
     return sorted(events, key=lambda e: e[0])
 
 
+@contextlib.contextmanager
+def _without_profiler_notices():
+    """Standard error (file descriptor 2, where torch's C++ profiler library writes) held in a temporary file for
+    the block, then written back without the library's ``USDT:`` notices (``profiler_start`` and
+    ``profiler_stop``, two lines per profiled call that would break every progress bar). Anything else it or the
+    block wrote comes through; where descriptor 2 cannot be redirected the block runs as it is."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no descriptor 2 (a detached process): nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 def allocation_peak(fn, *args, **kwargs):
     """``(fn(*args, **kwargs), peak MiB)``: the most bytes that torch's CPU allocator had handed out during the call
     and not yet taken back, at any moment of it (the CPU counterpart of CUDA's ``max_memory_allocated``, which a
@@ -97,7 +126,8 @@ def allocation_peak(fn, *args, **kwargs):
     count: freeing memory allocated before it lowers nothing (the figure stays an upper bound of the growth above
     the start). Allocations made on other threads than the caller's (intra-op worker scratch) are not seen. The
     peak is None when a profiler is already running (the call runs unmeasured rather than end that session: a
-    warning says so) or when this torch records no allocation events."""
+    warning says so) or when this torch records no allocation events. The profiler library's start and stop
+    notices on standard error are left out (:func:`_without_profiler_notices`)."""
     if torch._C._autograd._profiler_enabled():
         warnings.warn(
             "allocation_peak: a torch profiler is already running; the call runs without an allocation peak",
@@ -107,8 +137,14 @@ def allocation_peak(fn, *args, **kwargs):
         return fn(*args, **kwargs), None
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _without_profiler_notices():  # the profiler's own start and stop notices only: fn writes as usual
+        prof.start()
+    try:
         out = fn(*args, **kwargs)
+    finally:
+        with _without_profiler_notices():
+            prof.stop()
     try:
         events = _allocations(prof)
     except (AttributeError, RuntimeError):  # pragma: no cover - a torch without these profiler results
