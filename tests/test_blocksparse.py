@@ -110,6 +110,40 @@ def test_combining_disjoint_patterns_is_the_union():
     )
 
 
+def _dense_part(q, k, v, allowed):
+    """The float64 softmax over ``allowed`` pairs and its log-sum-exp (-inf for a row with none), from the
+    definition."""
+    scores = ((q @ k.transpose(-1, -2)) * D**-0.5).masked_fill(~allowed, float("-inf"))
+    return masked_softmax(q, k, v, allowed), torch.logsumexp(scores, -1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_running_merge_is_the_softmax_over_the_union(grad):
+    """merge, one part after another (as LSH merges its rounds), against a float64 softmax over the union of three
+    disjoint pair sets, with rows found in one part only and a row found in none (0); with gradients (the
+    out-of-place path) the gradient of q matches the union softmax's too."""
+    n = 12
+    q, k, v = qkv(n, 5)
+    q.requires_grad_(grad)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    parts = [(j - i) % 3 == r for r in range(3)]
+    parts[1] = parts[1] & (i < 6)  # rows 6.. have pairs in two parts only
+    parts = [p & (i != 4) for p in parts]  # row 4: no pair anywhere
+    with torch.set_grad_enabled(grad):
+        out, lse = _dense_part(q, k, v, parts[0].expand(B, H, n, n))
+        for p in parts[1:]:
+            out, lse = _blocksparse.merge(out, lse, *_dense_part(q, k, v, p.expand(B, H, n, n)))
+        union = (parts[0] | parts[1] | parts[2]).expand(B, H, n, n)
+        want = masked_softmax(q, k, v, union)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert out[:, :, 4].abs().max() == 0
+    if grad:
+        g = torch.randn_like(want)
+        (got,) = torch.autograd.grad((out * g).sum(), q)
+        (ref,) = torch.autograd.grad((want * g).sum(), q)
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
 def test_flex_says_why_it_cannot_run():
     q, k, v = qkv(64, dtype=torch.float32)
     p = Pattern(8, torch.zeros(1, 1, 8, 1, dtype=torch.long))

@@ -350,11 +350,26 @@ def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *,
 
 def combine(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """Outputs of several patterns over disjoint (or de-duplicated) pairs merged into one softmax:
-    O = sum_r exp(L_r - L) O_r with L = logsumexp_r L_r (a query with no pair anywhere gets 0)."""
-    stacked = torch.stack(lses)  # (R, B, H, N)
-    total = torch.logsumexp(stacked, 0)
-    w = torch.exp(stacked - total.masked_fill(torch.isinf(total), 0.0)).nan_to_num(0.0)
-    return sum(w_r[..., None].to(o.dtype) * o for w_r, o in zip(w, outs, strict=True))
+    O = sum_r exp(L_r - L) O_r with L = logsumexp_r L_r (a query with no pair anywhere gets 0), one
+    :func:`merge` after the other (without gradients to track, into ``outs[0]``)."""
+    out, lse = outs[0], lses[0]
+    for o, o_lse in zip(outs[1:], lses[1:], strict=True):
+        out, lse = merge(out, lse, o, o_lse)
+    return out
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor):
+    """Two softmax outputs over disjoint pairs, (..., N, dv) with their log-sum-exps (..., N), merged into the
+    softmax over both: ``(exp(L1 - L) O1 + exp(L2 - L) O2, L)`` with ``L = logaddexp(L1, L2)``; a query with no
+    pair in either gets 0. A running merge holds two outputs where :func:`combine` over a list holds them all
+    (LSH merges each round as it ends). Without gradients to track, ``out`` is overwritten with the result."""
+    total = torch.logaddexp(lse, other_lse)
+    finite = total.masked_fill(torch.isinf(total), 0.0)  # no pair anywhere: both weights exp(-inf) = 0
+    w, w_other = torch.exp(lse - finite)[..., None], torch.exp(other_lse - finite)[..., None]
+    w, w_other = w.to(out.dtype), w_other.to(other.dtype)
+    if torch.is_grad_enabled() and (out.requires_grad or other.requires_grad or w.requires_grad):
+        return out * w + other * w_other, total
+    return out.mul_(w).addcmul_(other, w_other), total
 
 
 # ------------------------------------------------------------------------------------------ dense paths

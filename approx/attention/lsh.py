@@ -48,8 +48,8 @@ Choices made here:
 
 Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gathered into their sorted orders,
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
-masked; the rounds merged with :func:`~._blocksparse.combine`. ``weights()`` and the graph statistics build the
-union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
+masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. ``weights()`` and the graph
+statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
 """
 
 from __future__ import annotations
@@ -194,10 +194,10 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
     cluster t meets its key cluster as one batched product, (B H Tq, c, c) scores in chunks: no per-pair look-up. A
     pair found in several rounds is counted in the first round that finds it and masked in the later ones (each pair
     once, as Reformer's lowering of its score by log n does), so the merged result is the softmax over the union of
-    the rounds' pairs; each round keeps its log-sum-exp and the rounds are merged through them
-    (:func:`~._blocksparse.combine`). Gradients flow through every step but the hashing. Attention dropout drops each
+    the rounds' pairs; each round keeps its log-sum-exp and is merged into the rounds before it as it ends
+    (:func:`~._blocksparse.merge`). Gradients flow through every step but the hashing. Attention dropout drops each
     pair once, in the round that counts it (Reformer draws a mask per round: the same expectation)."""
-    from ._blocksparse import combine
+    from ._blocksparse import merge
 
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
     b, h, n, d = q.shape
@@ -227,7 +227,7 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
         return x if blocks is None else x.index_select(0, blocks)
 
     per = max(1, _CHUNK_ELEMENTS // (blk * blk))
-    outs, lses = [], []
+    out = out_lse = None  # the rounds so far, merged (one output held, not one per round)
     neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
     for r in range(hashed.q_order.shape[0]):
         qpos = sorted_slots(hashed.q_order[r], n, tq * blk)  # (B H, Tq c)
@@ -271,9 +271,10 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
         o = (o_r[0] if len(o_r) == 1 else torch.cat(o_r)).view(bh, tq * blk, dv)[:, :n]
         lse = (lse_r[0] if len(lse_r) == 1 else torch.cat(lse_r)).view(bh, tq * blk)[:, :n]
         back = (hashed.q_order[r].reshape(bh, n) + q_base).reshape(-1)  # sorted slot -> original row
-        outs.append(o.new_empty(bh * n, dv).index_copy_(0, back, o.reshape(-1, dv)).view(b, h, n, dv))
-        lses.append(lse.new_empty(bh * n).index_copy_(0, back, lse.reshape(-1)).view(b, h, n))
-    return (outs[0] if len(outs) == 1 else combine(outs, lses)).to(out_dtype)
+        o = o.new_empty(bh * n, dv).index_copy_(0, back, o.reshape(-1, dv)).view(b, h, n, dv)
+        lse = lse.new_empty(bh * n).index_copy_(0, back, lse.reshape(-1)).view(b, h, n)
+        out, out_lse = (o, lse) if out is None else merge(out, out_lse, o, lse)
+    return out.to(out_dtype)
 
 
 def union_pattern(hashed: Hashed, *, n: int, s: int) -> Pattern:
