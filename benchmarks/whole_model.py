@@ -234,7 +234,7 @@ def memory_report(res: dict[str, Any]) -> list[str]:
     floor = peaks[big].get("no-attention")
     if floor:  # a method at the model-without-attention's peak: the rest of the model, not attention, sets it
         methods = [c for c in names if c not in ("sdpa", "no-attention", "eager")]
-        level = [c for c in methods if (peaks[big][c] or 0) <= 1.05 * floor]
+        level = [c for c in methods if peaks[big][c] is not None and peaks[big][c] <= 1.05 * floor]
         lines.append(
             f"\nAt N={big}, {len(level)} of {len(methods)} methods peak within 5% of no-attention's {floor:.0f} MiB "
             "(the rest of the model sets their peak; their exponent is the model's): " + ", ".join(level) + "."

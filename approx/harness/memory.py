@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -98,22 +99,32 @@ def _without_profiler_notices():
     ``profiler_stop``, two lines per profiled call that would break every progress bar). Anything else it or the
     block wrote comes through; where descriptor 2 cannot be redirected the block runs as it is."""
     try:
-        sys.stderr.flush()
+        if sys.stderr is not None:  # None under pythonw and some daemons
+            sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError):  # no descriptor 2 (a detached process): nothing to filter
+        saved = None
+    if saved is None:
         yield
         return
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            kept = [line for line in held.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
-            if kept:
-                os.write(2, b"".join(kept))
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+                held.seek(0)
+                kept = b"".join(line for line in held.read().splitlines(keepends=True) if not line.startswith(b"USDT:"))
+                while kept:  # os.write may write part of it
+                    kept = kept[os.write(2, kept) :]
+    finally:
+        os.close(saved)
+
+
+# one profiled call at a time in this process: torch's profiler is one session per process, and a second
+# thread's start or stop would end the first's (and descriptor 2's redirection must not nest)
+_PROFILING = threading.RLock()
 
 
 def allocation_peak(fn, *args, **kwargs):
@@ -125,8 +136,10 @@ def allocation_peak(fn, *args, **kwargs):
     order), so the call runs under the profiler: slower, never to be timed. Only blocks allocated during the call
     count: freeing memory allocated before it lowers nothing (the figure stays an upper bound of the growth above
     the start). Allocations made on other threads than the caller's (intra-op worker scratch) are not seen. The
-    peak is None when a profiler is already running (the call runs unmeasured rather than end that session: a
-    warning says so) or when this torch records no allocation events. The profiler library's start and stop
+    peak is None when a profiler is already running on the calling thread (the call runs unmeasured rather than
+    end that session: a warning says so) or when this torch records no allocation events. Calls from several
+    threads run one at a time; a profiler that the user started on *another* thread is not detected (torch
+    reports only the calling thread's), and the call would end its session: do not mix the two. The profiler library's start and stop
     notices on standard error are left out (:func:`_without_profiler_notices`)."""
     if torch._C._autograd._profiler_enabled():
         warnings.warn(
@@ -137,14 +150,15 @@ def allocation_peak(fn, *args, **kwargs):
         return fn(*args, **kwargs), None
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _without_profiler_notices():  # the profiler's own start and stop notices only: fn writes as usual
-        prof.start()
-    try:
-        out = fn(*args, **kwargs)
-    finally:
-        with _without_profiler_notices():
-            prof.stop()
+    with _PROFILING:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _without_profiler_notices():  # the profiler's own start and stop notices only: fn writes as usual
+            prof.start()
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            with _without_profiler_notices():
+                prof.stop()
     try:
         events = _allocations(prof)
     except (AttributeError, RuntimeError):  # pragma: no cover - a torch without these profiler results
