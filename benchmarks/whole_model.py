@@ -219,11 +219,18 @@ def growth(peaks: dict[int, dict[str, float | None]], contender: str) -> float |
 LINEAR = 1.2
 
 
+def _allocator(res: dict[str, Any]) -> str:
+    """Whose allocator the memory figures read: CUDA's or the CPU's."""
+    return "CUDA" if str(res.get("device", "cpu")).startswith("cuda") else "CPU"
+
+
 def memory_report(res: dict[str, Any]) -> list[str]:
     peaks = {int(n): p for n, p in res["memory_mib"].items()}
     names = list(next(iter(peaks.values())))
-    where = "CUDA" if str(res.get("device", "cpu")).startswith("cuda") else "CPU"
-    lines = [f"## MiniLM-L6 forward, batch 1: {where} allocation peak (MiB above what was held before the call)", ""]
+    lines = [
+        f"## MiniLM-L6 forward, batch 1: {_allocator(res)} allocation peak (MiB above what was held before the call)",
+        "",
+    ]
     lines.append("| N | " + " | ".join(names) + " |")
     lines.append("|" + "---|" * (len(names) + 1))
     for n, p in sorted(peaks.items()):
@@ -287,8 +294,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("times_s", "median forward time (ms)")] if res.get("times_s") else []
-    where = "CUDA" if str(res.get("device", "cpu")).startswith("cuda") else "CPU"
-    panels += [("memory_mib", f"{where} allocation peak (MiB)")] if res.get("memory_mib") else []
+    panels += [("memory_mib", f"{_allocator(res)} allocation peak (MiB)")] if res.get("memory_mib") else []
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
     palette = plt.get_cmap("tab20").colors  # more contenders than the default cycle's ten colours
     palette = palette[::2] + palette[1::2]

@@ -98,6 +98,15 @@ def test_whole_model_memory_benchmark(tmp_path):
     assert 0.8 < b["linear"] < 1.2
     text = "\n".join(bench.memory_report(res))
     assert "Target (issue 16)" in text and "eager b =" in text
+    # the methods at the model-without-attention's peak are named; one not measured is not counted among them
+    at_floor = 1.0 * peaks[1024]["no-attention"]
+    made_up = {
+        **res,
+        "memory_mib": {n: {**p, "favor": None, "lsh": 3 * p["sdpa"]} for n, p in res["memory_mib"].items()},
+    }
+    made_up["memory_mib"]["1024"]["linear"] = at_floor
+    text = "\n".join(bench.memory_report(made_up))
+    assert "At N=1024, 1 of 3 methods peak within 5% of no-attention's" in text and text.count(": linear.") == 1
 
 
 def test_the_profilers_notices_stay_off_standard_error(capfd):

@@ -49,7 +49,8 @@ Choices made here:
 Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gathered into their sorted orders,
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
 masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. ``weights()`` and the graph
-statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
+statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs
+plus the hashing.
 """
 
 from __future__ import annotations

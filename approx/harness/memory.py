@@ -139,8 +139,8 @@ def allocation_peak(fn, *args, **kwargs):
     peak is None when a profiler is already running on the calling thread (the call runs unmeasured rather than
     end that session: a warning says so) or when this torch records no allocation events. Calls from several
     threads run one at a time; a profiler that the user started on *another* thread is not detected (torch
-    reports only the calling thread's), and the call would end its session: do not mix the two. The profiler library's start and stop
-    notices on standard error are left out (:func:`_without_profiler_notices`)."""
+    reports only the calling thread's), and the call would end its session: do not mix the two. The profiler
+    library's start and stop notices on standard error are left out (:func:`_without_profiler_notices`)."""
     if torch._C._autograd._profiler_enabled():
         warnings.warn(
             "allocation_peak: a torch profiler is already running; the call runs without an allocation peak",
