@@ -25,13 +25,15 @@ for ``window`` the question's own tokens are global rows and columns, counted pe
 Writes ``recipes/results/monarch_protocol.json`` (the harness's results, each with its ``layer_set``) and
 ``recipes/results/figures/monarch_protocol.png``. With ``--update`` the new results replace those of the same layer
 set and method config in the existing JSON and the others are kept; it refuses when the checkpoint, the questions or
-the protocol differ, and ``runs`` lists what each run added, with its provenance.
+the protocol differ (a reader fine-tuned again from the same settings, data and seed, at the same path, merges), and
+``runs`` lists what each run added, with its provenance and the readers it found.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,8 +68,9 @@ FIGURE = RESULTS / "figures" / "monarch_protocol.png"
 # block, the landmarks) is exact at softmax's cost. The same ratio at a padded 384 tokens, the paper's count, is
 # recorded beside it (``nominal_matmul_vs_softmax_model``).
 METHODS: dict[str, list[dict[str, Any]]] = {
-    # blocks of 96 and 128: the paper's 0.59x and 0.67x points if every input had 384 tokens (outer thirds)
-    "monarch": [{"block_size": b} for b in (24, 48, 96, 128)],
+    # blocks of 96 and 128: the paper's 0.59x and 0.67x points if every input had 384 tokens (outer thirds); then
+    # blocks of about sqrt(real length) per input (the default) with one to three rounds of alternating maximisation
+    "monarch": [*({"block_size": b} for b in (24, 48, 96, 128)), *({"steps": t} for t in (1, 2, 3))],
     "nystrom": [{"landmarks": m} for m in (16, 32, 64, 128)],
     "linformer": [{"projections": k} for k in (32, 64, 128)],
     "linear": [{}],
@@ -203,8 +206,29 @@ _SAME_RUN = ("recipe", "profile", "protocol", "layer_sets")
 _SAME_RESULT = ("task", "task_version", "split", "max_length", "examples", "model")
 
 
-def _checkpoint_key(checkpoints: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in c.items() if k != "reused_from_cache"} for c in checkpoints]
+# a checkpoint's fields that say how long it took or whether it was cached, not what it is
+_CHECKPOINT_IGNORED = ("reused_from_cache", "finetune_wall_seconds")
+# its losses: a fine-tuning re-run from the same settings, data and seed (a fresh checkout has no cached reader) sums
+# in another order on another machine or thread count, so its losses may differ in the last digits, not more
+_LOSS_TOLERANCE = 1e-4
+
+
+def _same_checkpoints(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
+    """Whether two runs read the same readers: the same folders, base model, split, examples and settings, and
+    losses equal within :data:`_LOSS_TOLERANCE` (relative; a NaN or infinite loss equals none), whatever their wall
+    time or cache state."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new, strict=True):
+        fields = set(a) | set(b)
+        for k in fields - set(_CHECKPOINT_IGNORED):
+            x, y = a.get(k), b.get(k)
+            if k.endswith("_loss") and isinstance(x, float) and isinstance(y, float):
+                if not math.isclose(x, y, rel_tol=_LOSS_TOLERANCE, abs_tol=0.0):
+                    return False
+            elif x != y:
+                return False
+    return True
 
 
 def _result_key(r: dict[str, Any]) -> tuple[str, str]:
@@ -221,10 +245,10 @@ def _result_key(r: dict[str, Any]) -> tuple[str, str]:
 
 def check_mergeable(old: dict[str, Any], new: dict[str, Any]) -> None:
     """``SystemExit`` naming every difference that keeps ``new``'s results out of ``old``'s table: the recipe,
-    profile, protocol (questions, layers), layer sets, checkpoints and, where both have results, what each result
-    was measured on (task version, split, length, questions, model)."""
+    profile, protocol (questions, layers), layer sets, checkpoints (:func:`_same_checkpoints`) and, where both have
+    results, what each result was measured on (task version, split, length, questions, model)."""
     problems = [f"{k}: {old.get(k)!r} here, {new.get(k)!r} in this run" for k in _SAME_RUN if old.get(k) != new.get(k)]
-    if _checkpoint_key(old.get("checkpoints", [])) != _checkpoint_key(new.get("checkpoints", [])):
+    if not _same_checkpoints(old.get("checkpoints", []), new.get("checkpoints", [])):
         problems.append(f"checkpoints: {old.get('checkpoints')} here, {new.get('checkpoints')} in this run")
     seen = {tuple(r.get(k) for k in _SAME_RESULT) for r in old.get("results", [])}
     for r in new.get("results", []):
@@ -240,7 +264,10 @@ def check_mergeable(old: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 def _run_entry(record: dict[str, Any], **what: list[str]) -> dict[str, Any]:
-    return {**what, "wall_seconds": record["wall_seconds"], "provenance": record["provenance"]}
+    """A run of ``runs``: what it added or replaced, its time, its provenance and the readers as it found them (a
+    reader fine-tuned again gives its own losses and wall time)."""
+    return {**what, "wall_seconds": record["wall_seconds"], "provenance": record["provenance"],
+            "checkpoints": record.get("checkpoints")}  # fmt: skip
 
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -389,7 +389,7 @@ def test_monarch_protocol_update_replaces_keeps_and_refuses():
     assert [r["provenance"]["git_commit"] for r in merged["runs"]] == ["a", "b"]
     assert merged["runs"][1] == {
         "added": ["lsh:cluster_size=32,rounds=2"], "replaced": ["window:window=16,question_global=True"],
-        "wall_seconds": {"evaluate": 60.0}, "provenance": {"git_commit": "b"},
+        "wall_seconds": {"evaluate": 60.0}, "provenance": {"git_commit": "b"}, "checkpoints": new["checkpoints"],
     }  # fmt: skip
     assert merged["wall_seconds"]["evaluate"] == 120.0 and merged["provenance"]["git_commit"] == "b"
     best = {(b["layer_set"], b["method"]): b["at_most_0.5"] for b in merged["best"]}
@@ -397,13 +397,26 @@ def test_monarch_protocol_update_replaces_keeps_and_refuses():
     assert best[("outer thirds", "window")]["f1"] == 55.0
     again = recipe.merge(merged, new)  # a third run: the runs list grows, nothing else changes
     assert len(again["runs"]) == 3 and again["results"] == merged["results"]
+    # the same reader fine-tuned again (a fresh checkout has none cached): its own wall time, losses equal but for
+    # the last digits of a float sum in another order; it merges, and the run records the reader it found
+    ckpt = {**new["checkpoints"][0], "last_loss": 2.920107364654541, "finetune_wall_seconds": 4167.0}
+    retrained = {**ckpt, "last_loss": 2.920105218887329, "finetune_wall_seconds": 1730.4}
+    base = recipe.merge({**old, "checkpoints": [ckpt]}, {**new, "checkpoints": [ckpt]})
+    again = recipe.merge(base, {**new, "checkpoints": [retrained]})
+    assert again["runs"][-1]["checkpoints"] == [retrained] and again["checkpoints"] == [ckpt]
     for change, word in (
         ({"checkpoints": [{"folder": "runs/checkpoints/y", "settings": {"epochs": 1}}]}, "checkpoints"),
+        ({"checkpoints": [{**ckpt, "last_loss": 2.95}]}, "checkpoints"),  # another reader: 1 % off
+        ({"checkpoints": [{**ckpt, "last_loss": ckpt["last_loss"] * (1 + 2e-4)}]}, "checkpoints"),  # just outside
+        ({"checkpoints": [{**ckpt, "last_loss": float("nan")}]}, "checkpoints"),  # a diverged run equals nothing
+        ({"checkpoints": [{**ckpt, "settings": {"epochs": 2}}]}, "checkpoints"),
+        ({"checkpoints": [{**ckpt, "seed": 1}]}, "checkpoints"),  # a field only one side has
+        ({"checkpoints": [{k: v for k, v in ckpt.items() if k != "last_loss"}]}, "checkpoints"),
         ({"protocol": "q"}, "protocol"),
         ({"results": [{**new["results"][0], "examples": 100}]}, "examples"),
     ):
         with pytest.raises(SystemExit, match=word):
-            recipe.merge(old, {**new, **change})
+            recipe.merge({**old, "checkpoints": [ckpt]}, {**new, "checkpoints": [ckpt], **change})
 
 
 def test_monarch_protocol_sparse_settings_build_and_span_the_axis():
