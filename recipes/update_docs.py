@@ -405,7 +405,7 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
     memory exponents and the quality-time figure."""
     if not (ROOT / path).is_file():
         return "*No result file yet: run `python recipes/long_inputs.py`.*\n"
-    from long_inputs import markdown
+    from long_inputs import markdown, memory_target
 
     r = json.loads((ROOT / path).read_text())
     runs = "; ".join(
@@ -440,7 +440,8 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
             if r.get("memory_measure") == "allocations"
             else "peak-RSS deltas on CPU, which read 0 where the allocator reused memory"
         )
-        + ").\n\n![Task metric against seconds per example at each length](figures/recipes/"
+        + f").\n\n- {memory_target(r)}"
+        + "\n\n![Task metric against seconds per example at each length](figures/recipes/"
         "figures/long_inputs.png)\n"
     )
 

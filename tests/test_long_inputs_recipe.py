@@ -114,6 +114,25 @@ def test_memory_exponent_from_allocations_when_every_result_has_them(recipe):
     assert recipe.memory_growth(results)["exact (sdpa)"] == pytest.approx(0.0)  # the deltas: 1 MiB throughout
 
 
+def test_memory_target_judged_on_allocator_peaks_only(recipe):
+    """Met when every exponent (exact attention's too) is at most LINEAR; NOT met naming the ones above it; not
+    judged on peak-RSS deltas or without exponents."""
+    results = [
+        result("squad-doc", n, "favor", 1, 1, 1, 1, mib=0.0, exact_mib=0.0, features=64) for n in (1024, 2048, 4096)
+    ]
+    for r in results:
+        n = r["max_length"]
+        r["fidelity"].update(allocated_peak_mib_per_input=2.0 * n, reference_allocated_peak_mib_per_input=0.5 * n)
+    record = {"memory_exponent": recipe.memory_growth(results), "memory_measure": recipe.memory_measure(results)}
+    assert recipe.memory_target(record).endswith("met (b = 1.00 to 1.00)")
+    for r in results:  # exact attention's peak quadratic: it is held to the target too (only eager is exempt)
+        r["fidelity"]["reference_allocated_peak_mib_per_input"] = 1e-3 * r["max_length"] ** 2
+    record = {"memory_exponent": recipe.memory_growth(results), "memory_measure": recipe.memory_measure(results)}
+    assert recipe.memory_target(record).endswith("NOT met (`exact (sdpa)` 2.00)")
+    assert "not judged" in recipe.memory_target({**record, "memory_measure": "peak"})
+    assert "not judged" in recipe.memory_target({"memory_exponent": {}, "memory_measure": "allocations"})
+
+
 def test_only_squad_doc_pays_for_the_allocation_pass(recipe, monkeypatch):
     """On the CPU the squad-doc evaluation measures allocations (the memory fit reads it); its sliding baseline and
     wikitext2 do not (an untimed profiled pass each, for a figure nobody reads). On a GPU none does."""
