@@ -433,6 +433,14 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _curve(method: dict[str, Any]) -> str:
+    """The line of the figure a result is drawn on: its method's, except that MonarchAttention's fixed blocks and its
+    rounds at the default block (about sqrt(N) per input) are two lines (one line through both would zigzag)."""
+    if method["name"] == "monarch":
+        return "monarch (fixed blocks)" if method.get("block_size") else "monarch (default block; 1-3 rounds)"
+    return method["name"]
+
+
 def figure(record: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -441,20 +449,20 @@ def figure(record: dict[str, Any], path: Path) -> None:
 
     sets = list(record["layer_sets"])
     fig, axes = plt.subplots(1, len(sets), figsize=(5.4 * len(sets), 5.0), squeeze=False, sharey=True)
-    names = list(dict.fromkeys(r["method"]["name"] for r in record["results"]))
-    style = {}  # per method: colour, line style and marker; colours counted within each family
+    curves = {_curve(r["method"]): r["method"]["name"] for r in record["results"]}  # line -> its method
+    style = {}  # per line: colour, line style and marker; colours counted within each family
     palette, used = plt.rcParams["axes.prop_cycle"].by_key()["color"], {}
-    for method in names:
+    for line, method in curves.items():
         family = next((f for f, (_, _, members) in FAMILIES.items() if method in members), "kernel and low-rank")
         ls, marker, _ = FAMILIES.get(family, ("-", "o", ()))
         used[family] = used.get(family, -1) + 1
-        style[method] = {"color": palette[used[family] % len(palette)], "ls": ls, "marker": marker}
+        style[line] = {"color": palette[used[family] % len(palette)], "ls": ls, "marker": marker}
     for ax, name in zip(axes[0], sets, strict=True):
         mine = [r for r in record["results"] if r["layer_set"] == name]
-        for method in names:
-            curve = sorted((r for r in mine if r["method"]["name"] == method), key=_ratio)
-            ax.plot([_ratio(r) for r in curve], [r["metrics"]["f1"] for r in curve], ms=4, lw=1.2, label=method,
-                    **style[method])  # fmt: skip
+        for line in curves:
+            curve = sorted((r for r in mine if _curve(r["method"]) == line), key=_ratio)
+            ax.plot([_ratio(r) for r in curve], [r["metrics"]["f1"] for r in curve], ms=4, lw=1.2, label=line,
+                    **style[line])  # fmt: skip
         ax.plot([1.0], [mine[0]["reference_metrics"]["f1"]], "k*", ms=12, label="softmax (full)")
         for b in BUDGETS:
             ax.axvline(b, color="grey", lw=0.6, ls=":")

@@ -438,6 +438,8 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
         + (
             "the CPU allocator's peaks, measured untimed: `approx.evaluate(allocations=True)`"
             if r.get("memory_measure") == "allocations"
+            else "the CUDA allocator's peaks"
+            if str(r.get("device", "")).startswith("cuda")
             else "peak-RSS deltas on CPU, which read 0 where the allocator reused memory"
         )
         + f").\n\n- {memory_target(r)}"

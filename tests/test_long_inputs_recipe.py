@@ -131,6 +131,10 @@ def test_memory_target_judged_on_allocator_peaks_only(recipe):
     assert recipe.memory_target(record).endswith("NOT met (`exact (sdpa)` 2.00)")
     assert "not judged" in recipe.memory_target({**record, "memory_measure": "peak"})
     assert "not judged" in recipe.memory_target({"memory_exponent": {}, "memory_measure": "allocations"})
+    # on CUDA the plain peaks are the allocator's: judged
+    assert "NOT met" in recipe.memory_target({**record, "memory_measure": "peak", "device": "cuda"})
+    nan = {"memory_exponent": {"exact (sdpa)": 1.0, "favor": float("nan")}, "memory_measure": "allocations"}
+    assert "NOT met (`favor` nan)" in recipe.memory_target(nan)
 
 
 def test_only_squad_doc_pays_for_the_allocation_pass(recipe, monkeypatch):
