@@ -208,8 +208,8 @@ _SAME_RESULT = ("task", "task_version", "split", "max_length", "examples", "mode
 
 # a checkpoint's fields that say how long it took or whether it was cached, not what it is
 _CHECKPOINT_IGNORED = ("reused_from_cache", "finetune_wall_seconds")
-# its losses: a fine-tuning re-run from the same settings, data and seed (a fresh checkout has no cached reader) sums
-# in another order on another machine or thread count, so its losses may differ in the last digits, not more
+# its losses: a fine-tuning re-run from the same settings, data and seed (a fresh checkout has no cached reader) is not
+# bit-identical (float sums; here 2.920107 and 2.920105 on one machine), so its losses may differ in the last digits
 _LOSS_TOLERANCE = 1e-4
 
 
