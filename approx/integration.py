@@ -561,6 +561,33 @@ _HEADS = {
 }
 
 
+# config keys of the dropout on attention probabilities: BERT, RoBERTa, ELECTRA, XLM-R, CamemBERT and ALBERT name it
+# the first way, DistilBERT the second
+ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout")
+
+
+def attention_dropout_key(config: Any) -> str:
+    """The name of ``config``'s attention-probability dropout (one of :data:`ATTENTION_DROPOUT_KEYS`); ValueError
+    naming what is looked for when it has none."""
+    for key in ATTENTION_DROPOUT_KEYS:
+        if isinstance(getattr(config, key, None), (int, float)):
+            return key
+    raise ValueError(
+        f"{type(config).__name__} has no attention dropout setting (looked for {', '.join(ATTENTION_DROPOUT_KEYS)}); "
+        f"its attention dropout cannot be overridden"
+    )
+
+
+def own_attention_dropout(name_or_path: str | os.PathLike) -> tuple[str, float]:
+    """(config key, value) of the attention-probability dropout a checkpoint's config sets (see
+    :func:`attention_dropout_key`): what a load with ``**{key: p}`` overrides, and what a saved copy should keep."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    key = attention_dropout_key(config)
+    return key, getattr(config, key)
+
+
 def attention_shape(model: nn.Module) -> tuple[int, int, int]:
     """(attention layers, heads, head dimension) of a supported model."""
     modules = attention_modules(model)

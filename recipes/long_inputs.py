@@ -115,6 +115,20 @@ TARGETS = {  # the issue's targets on squad-doc: (length, F1 kept, whole-model s
 # On CPU one fold only (the model fine-tuned on dev/0 reads dev/1's questions, whose articles it never saw): the
 # second fine-tuning would cost as much again for questions the CPU profile does not read.
 READER = {"cpu": {"limit": None}, "gpu": {}}
+# ``--reader squad-doc`` (gpu profile only): that reader fine-tuned again on squad-doc's own windows of its training half
+# at 4096 tokens (one window per question, placed by the task's seeded rule and labelled with the answer's span;
+# positions extended first), as Longformer fine-tuned its readers at their full length: the reader above, read in one
+# pass at 4096 tokens, answers nothing even with exact attention. Attention dropout is off while training so that
+# exact attention keeps SDPA's fused kernels. Not run yet (no GPU was lent when it was written). On the CPU it is
+# refused: on 2 cores a 4096-token example takes about 6 s forward and backward (34-43 s with attention dropout), and
+# 36 steps of 4 windows at learning rate 3e-5 left the loss at 5.5-9 (a uniform guess is ln 4096 = 8.3); at 1024
+# tokens, 64 steps of 8 windows moved exact attention's F1 on 64 dev/1 questions from 19.8 to 21.9 (at 2048: 2.3 to
+# 14.7; at 4096, 32 questions: 0 to 5.1).
+LONG_READER = {
+    "gpu": {"epochs": 3.0, "learning_rate": 3e-5, "batch_size": 8, "max_length": 4096, "attention_dropout": 0.0,
+            "warmup": 0.1, "seed": 0},
+}  # fmt: skip
+READERS = ("squad", "squad-doc")
 FOLDS = {"cpu": CROSS_FIT[:1], "gpu": CROSS_FIT}
 SLIDING_BATCH = 8  # the 384-token windows of the sliding baseline are batched, as a user would
 
@@ -132,18 +146,37 @@ def methods(task: str = "wikitext2", names: list[str] | None = None) -> list[Any
 
 
 def squad_checkpoints(
-    profile: str, progress: bool, data_dir: str | None = None
+    profile: str, progress: bool, data_dir: str | None = None, reader: str = "squad"
 ) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
-    """The clustered table's SQuAD checkpoints (fine-tuned now when not cached): (folder, split it scores)."""
+    """The SQuAD readers (fine-tuned now when not cached): (folder, split it scores). ``reader`` "squad": the
+    clustered table's checkpoints; "squad-doc": those fine-tuned again on squad-doc windows (:data:`LONG_READER`)."""
+    if reader not in READERS:
+        raise ValueError(f"unknown reader {reader!r}; choose one of {', '.join(READERS)}")
+    if reader == "squad-doc" and profile not in LONG_READER:
+        raise ValueError(
+            f"the squad-doc reader is fine-tuned at 4096 tokens, which the {profile} profile cannot afford (see "
+            f"LONG_READER); run it with --profile {', '.join(LONG_READER)}"
+        )
     settings = {**base_settings("squad", profile), **READER[profile]}
     pairs, records = [], []
     for train_split, eval_split in FOLDS[profile]:
         folder, record, reused = ensure_checkpoint(
             default_model(), "squad", train_split, settings, data_dir=data_dir, progress=progress
         )
+        entry = {"folder": folder.name, "task": "squad", "train_split": train_split, "reused": reused,
+                 "settings": record.get("settings"), "wall_seconds": record.get("provenance", {}).get("wall_seconds")}  # fmt: skip
+        if reader == "squad-doc":
+            base = folder
+            folder, record, reused = ensure_checkpoint(
+                str(base), "squad-doc", train_split, LONG_READER[profile], data_dir=data_dir, progress=progress
+            )
+            losses = record.get("losses") or [None]
+            entry = {"folder": folder.name, "task": "squad-doc", "trained_from": entry, "train_split": train_split,
+                     "reused": reused, "settings": record.get("settings"), "examples": record.get("examples"),
+                     "first_loss": losses[0], "last_loss": losses[-1],
+                     "wall_seconds": record.get("provenance", {}).get("wall_seconds")}  # fmt: skip
         pairs.append((str(folder), eval_split))
-        records.append({"folder": folder.name, "train_split": train_split, "reused": reused,
-                        "settings": record.get("settings"), "wall_seconds": record.get("provenance", {}).get("wall_seconds")})  # fmt: skip
+        records.append(entry)
     return pairs, records
 
 
@@ -438,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods", nargs="+", choices=list(METHODS),
         help="run these methods only (default: every one); with --update the other methods' results are kept",
     )  # fmt: skip
+    p.add_argument(
+        "--reader", choices=READERS, default="squad",
+        help="squad-doc's reader: 'squad', the clustered table's (fine-tuned at 384 tokens), or 'squad-doc', that "
+        "one fine-tuned again on squad-doc windows at 4096 tokens (LONG_READER, gpu profile only; made first when "
+        "not cached)",
+    )  # fmt: skip
     p.add_argument("--questions", type=int, help="squad-doc questions per length (default: the profile's)")
     p.add_argument("--windows", type=int, help="wikitext2 test windows per length (default: the profile's)")
     p.add_argument("--device", help="default: cuda when available, else cpu")
@@ -503,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints: dict[str, Any] = {}
     squad = mlm = None
     if "squad-doc" in args.tasks:
-        squad, checkpoints["squad"] = squad_checkpoints(args.profile, not args.quiet, args.data_dir)
+        squad, checkpoints["squad"] = squad_checkpoints(args.profile, not args.quiet, args.data_dir, args.reader)
     if "wikitext2" in args.tasks:
         mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet, args.data_dir)
     results: list[dict[str, Any]] = []
@@ -518,8 +557,15 @@ def main(argv: list[str] | None = None) -> int:
         r["provenance"]["run"] = run_id
     runs = [{"run": run_id, "tasks": args.tasks, "lengths": list(lengths), "wall_seconds": wall,
              "provenance": made}]  # fmt: skip
+    reader = args.reader if "squad-doc" in args.tasks else None
     if args.update and args.results.is_file():  # what an earlier run made that this one did not redo
         old = json.loads(args.results.read_text())
+        reader = reader or old.get("reader", "squad")
+        if "squad-doc" in args.tasks and old.get("reader", "squad") != args.reader:
+            raise SystemExit(
+                f"{args.results} holds squad-doc results of the {old.get('reader', 'squad')!r} reader, this run reads "
+                f"with {args.reader!r}: write them to another --results file"
+            )
         mine = set(args.tasks) | ({"squad-doc-sliding"} if "squad-doc" in args.tasks else set())
         kept = [r for r in old["results"] + old.get("baselines", []) if not redone(r, mine, lengths, args.methods)]
         cold = sorted({short_label(r["method"]) for r in kept if not r.get("warmup")})
@@ -535,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "recipe": "recipes/long_inputs.py",
         "profile": args.profile,
         "device": args.device,
+        "reader": reader,  # squad-doc's reader (None: no squad-doc result)
         "lengths": list(lengths),
         "methods": {
             m: [c.to_dict() for c in cs] for m, cs in METHODS.items() if any(r["method"]["name"] == m for r in results)

@@ -332,6 +332,11 @@ def minilm_mlm_table(path: str = MINILM_MLM) -> str:
 
 
 LONG_INPUTS = "recipes/results/long_inputs.json"
+LONG_INPUTS_DOC_READER = "recipes/results/long_inputs_doc_reader.json"
+DOC_READER_OPTIONS = (
+    " --profile gpu --reader squad-doc --tasks squad-doc --results recipes/results/long_inputs_doc_reader.json "
+    "--figure recipes/results/figures/long_inputs_doc_reader.png"
+)
 MONARCH_PROTOCOL = "recipes/results/monarch_protocol.json"
 
 
@@ -400,11 +405,24 @@ def kernel_benchmark_block(script: str, path: str) -> str:
     return markdown(record) + f"\n\nCommand: `{record['command']}`.\n"
 
 
-def long_inputs_block(path: str = LONG_INPUTS) -> str:
+def _reader(entry: dict) -> str:
+    """A SQuAD reader of the long-inputs record: its folder, and what it was fine-tuned from when it was."""
+    base = entry.get("trained_from")
+    if base is None:
+        return entry["folder"]
+    settings = entry.get("settings") or {}
+    return (
+        f"{entry['folder']} ({base['folder']} fine-tuned again on {entry.get('examples')} squad-doc windows of "
+        f"{entry['train_split']} at {settings.get('max_length')} tokens, {settings.get('steps')} steps, loss "
+        f"{entry['first_loss']:.2f} to {entry['last_loss']:.2f})"
+    )
+
+
+def long_inputs_block(path: str = LONG_INPUTS, figure: str = "long_inputs.png", how: str = "") -> str:
     """recipes/long_inputs.py: how it was run, the best point per method and length against the targets, the
-    memory exponents and the quality-time figure."""
+    memory exponents and the quality-time figure. ``how``: the options that write ``path``."""
     if not (ROOT / path).is_file():
-        return "*No result file yet: run `python recipes/long_inputs.py`.*\n"
+        return f"*No result file yet: run `python recipes/long_inputs.py{how}`.*\n"
     from long_inputs import markdown, memory_target
 
     r = json.loads((ROOT / path).read_text())
@@ -415,7 +433,7 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
         for run in r["runs"]
     )
     checkpoints = r.get("checkpoints", {})
-    squad = ", ".join(c["folder"] for c in checkpoints.get("squad", []))
+    squad = ", ".join(map(_reader, checkpoints.get("squad", [])))
     lengths = ", ".join(map(str, r["lengths"]))
     memory = ", ".join(f"`{k}` {v:.2f}" for k, v in sorted(r.get("memory_exponent", {}).items()))
     examples = {}
@@ -443,8 +461,7 @@ def long_inputs_block(path: str = LONG_INPUTS) -> str:
             else "peak-RSS deltas on CPU, which read 0 where the allocator reused memory"
         )
         + f").\n\n- {memory_target(r)}"
-        + "\n\n![Task metric against seconds per example at each length](figures/recipes/"
-        "figures/long_inputs.png)\n"
+        + f"\n\n![Task metric against seconds per example at each length](figures/recipes/figures/{figure})\n"
     )
 
 
@@ -607,7 +624,13 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "evaluation.md": {"tasks-table": tasks},
         DOCS / "finetuning.md": {"finetune-settings": settings_table(FinetuneConfig), "fit-settings": fit_settings()},
         DOCS / "results.md": results,
-        DOCS / "long-inputs.md": {"minilm-mlm": minilm_mlm_table(), "long-inputs": long_inputs_block()},
+        DOCS / "long-inputs.md": {
+            "minilm-mlm": minilm_mlm_table(),
+            "long-inputs": long_inputs_block(),
+            "long-inputs-doc-reader": long_inputs_block(
+                LONG_INPUTS_DOC_READER, "long_inputs_doc_reader.png", DOC_READER_OPTIONS
+            ),
+        },
         DOCS / "autotune.md": {
             "autotune-pareto": autotune_block(),
             "autotune-pareto-refine": autotune_block(

@@ -95,6 +95,60 @@ def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_
     assert any(not torch.equal(saved[n], drawn[n]) for n in saved)  # redrawn during training, and kept
 
 
+def test_attention_dropout_is_overridden_while_training_and_the_checkpoint_keeps_its_own(
+    base_model, fixture_dir, tmp_path
+):
+    """attention_dropout=0: every attention module and the config say 0 at every training step, the record says
+    so, and the saved config keeps the model's own value; without it the model trains with its own."""
+    from transformers import AutoConfig
+
+    from approx.integration import attention_modules
+
+    own = AutoConfig.from_pretrained(base_model).attention_probs_dropout_prob
+    assert own > 0  # else the override could not be told from the model's own value
+    seen = []
+
+    def look(step, model):
+        seen.append((model.config.attention_probs_dropout_prob, {m.dropout.p for m in attention_modules(model)}))
+
+    rec = _run(base_model, fixture_dir, tmp_path / "d", max_steps=2, attention_dropout=0.0, callback=look)
+    assert seen == [(0.0, {0.0})] * 2
+    assert rec["settings"]["attention_dropout"] == 0.0
+    assert AutoConfig.from_pretrained(tmp_path / "d").attention_probs_dropout_prob == own
+    seen.clear()
+    rec = _run(base_model, fixture_dir, tmp_path / "e", max_steps=1, callback=look)
+    assert seen == [(own, {own})] and rec["settings"]["attention_dropout"] is None
+    with pytest.raises(ValueError, match="attention_dropout"):
+        _run(base_model, fixture_dir, tmp_path / "f", max_steps=1, attention_dropout=1.0)
+
+
+def test_attention_dropout_key_by_family():
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+
+    from approx.integration import attention_dropout_key
+
+    for family, key in [("bert", "attention_probs_dropout_prob"), ("roberta", "attention_probs_dropout_prob"),
+                        ("albert", "attention_probs_dropout_prob"), ("distilbert", "attention_dropout")]:  # fmt: skip
+        assert attention_dropout_key(tiny_config(family)) == key, family
+    with pytest.raises(ValueError, match="attention_probs_dropout_prob, attention_dropout"):
+        attention_dropout_key(SimpleNamespace(hidden_dropout_prob=0.1))
+
+
+def test_squad_doc_fine_tunes_a_reader_on_its_windows(fixture_dir, tmp_path):
+    """squad-doc trains on one window per question (the evaluation's), its record states the rule, and the saved
+    reader is evaluated on the other half."""
+    base = str(write_checkpoint(tmp_path / "qa", "question-answering"))
+    rec = _run(base, fixture_dir, tmp_path / "doc", task="squad-doc", max_steps=3, max_length=256,
+               eval_split="dev/1", attention_dropout=0.0)  # fmt: skip
+    examples, _ = get_task("squad-doc").load("dev/0", source="local", data_dir=str(fixture_dir))
+    assert rec["task"] == "squad-doc" and rec["features"] == len(examples) and len(rec["losses"]) == 3
+    assert "256-token window of the whole article" in rec["train_protocol"]
+    (ev,) = rec["evaluation"]
+    assert ev["task"] == "squad-doc" and ev["split"] == "dev/1" and "f1" in ev["reference_metrics"]
+
+
 def test_cross_fit_halves_are_disjoint_and_cover_the_split(fixture_dir):
     for task in ("rte", "squad"):
         every, _ = get_task(task).load("dev", source="local", data_dir=str(fixture_dir))

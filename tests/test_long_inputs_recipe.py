@@ -242,3 +242,48 @@ def test_methods_by_name_and_the_question(recipe):
         "monarch",
     }
     assert families <= set(recipe.METHODS) <= set(approx.methods())
+
+
+def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, monkeypatch, tmp_path):
+    """--reader squad-doc (gpu profile): each fold's squad reader is fine-tuned again on squad-doc windows of the same
+    training half with LONG_READER's settings, and that second checkpoint reads the other half; the record names
+    both. The cpu profile refuses it before fine-tuning anything."""
+    calls = []
+
+    def ensure(base, task, train_split, settings, **kw):
+        calls.append((Path(base).name, task, train_split, settings))
+        record = {"settings": {**settings, "steps": 3}, "losses": [5.0, 2.0], "examples": 7}
+        return tmp_path / f"{task}-{train_split.replace('/', '')}", record, False
+
+    monkeypatch.setattr(recipe, "ensure_checkpoint", ensure)
+    pairs, records = recipe.squad_checkpoints("gpu", False, None, "squad-doc")
+    long = recipe.LONG_READER["gpu"]
+    assert [c[1:3] for c in calls[::2]] == [("squad", "dev/0"), ("squad", "dev/1")]
+    assert calls[1::2] == [("squad-dev0", "squad-doc", "dev/0", long), ("squad-dev1", "squad-doc", "dev/1", long)]
+    assert pairs == [(str(tmp_path / "squad-doc-dev0"), "dev/1"), (str(tmp_path / "squad-doc-dev1"), "dev/0")]
+    assert [e["trained_from"]["folder"] for e in records] == ["squad-dev0", "squad-dev1"]
+    assert {(e["task"], e["first_loss"], e["last_loss"], e["examples"]) for e in records} == {
+        ("squad-doc", 5.0, 2.0, 7)
+    }
+    calls.clear()
+    assert recipe.squad_checkpoints("cpu", False, None)[0] == [(str(tmp_path / "squad-dev0"), "dev/1")]
+    assert [c[1] for c in calls] == ["squad"]
+    calls.clear()
+    with pytest.raises(ValueError, match="cpu profile cannot afford.*--profile gpu"):
+        recipe.squad_checkpoints("cpu", False, None, "squad-doc")
+    with pytest.raises(ValueError, match="squad, squad-doc"):
+        recipe.squad_checkpoints("gpu", False, None, "long")
+    assert calls == []
+
+
+def test_update_refuses_to_merge_another_readers_results(recipe, monkeypatch, tmp_path):
+    import json
+
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"reader": "squad", "results": [], "runs": []}))
+    monkeypatch.setattr(recipe, "squad_checkpoints", lambda *a: ([], []))
+    monkeypatch.setattr(recipe, "run_length", lambda *a: [])
+    argv = ["--tasks", "squad-doc", "--lengths", "1024", "--results", str(results), "--update", "--quiet"]
+    argv += ["--profile", "gpu", "--device", "cpu"]
+    with pytest.raises(SystemExit, match="'squad' reader, this run reads with 'squad-doc'"):
+        recipe.main([*argv, "--reader", "squad-doc", "--figure", str(tmp_path / "f.png")])

@@ -253,8 +253,46 @@ def test_refusals(synthetic):
 
     with pytest.raises(ValueError, match="fast tokenizer"):
         SLIDING.features(examples, Slow(), max_length=512, mode="fine-tuned")
-    with pytest.raises(ValueError, match="evaluation-only.*'squad'"):
-        DOC.train_features(examples, tok, max_length=512)
+    with pytest.raises(ValueError, match="squad-doc-sliding cannot be fine-tuned.*'squad-doc'"):
+        SLIDING.train_features(examples, tok, max_length=512)
+
+
+def test_training_windows_are_the_evaluation_windows_labelled_with_the_answer(synthetic):
+    """Every question gets the window it is evaluated on (same tokens), labelled with the first gold answer's
+    token span: the article's characters under that span are the answer; [CLS] (0, 0) exactly when the window
+    does not hold all of the answer (one more question, on a paragraph eight times longer than its window with the
+    answer in its last eighth, has its answer cut off)."""
+    from transformers import AutoTokenizer
+
+    examples, _ = DOC.load(source="local", data_dir=str(synthetic[0]))
+    tok = AutoTokenizer.from_pretrained(synthetic[1])
+    ex = examples[0]
+    text = ex["context"][ex["paragraph_start"] : ex["paragraph_end"]]
+    long = " ".join([text] * 8)
+    at = ex["answer_start"] - ex["paragraph_start"] + 7 * (len(text) + 1)
+    assert long[at : at + len(ex["answers"][0])] == ex["answers"][0]
+    examples.append({**ex, "id": "cut", "title": "long", "context": long, "paragraph_start": 0,
+                     "paragraph_end": len(long), "answer_start": at})  # fmt: skip
+    longest = max(len(tok(ex["question"], add_special_tokens=False)["input_ids"]) for ex in examples)
+    cut = 0
+    for n in (longest + 3 + 64, 512):
+        train = DOC.train_features(examples, tok, max_length=n)
+        evaluation = DOC.features(examples, tok, max_length=n, mode="fine-tuned")
+        assert [(f.example, f.input_ids) for f in train] == [(f.example, f.input_ids) for f in evaluation]
+        assert sorted(f.example for f in train) == list(range(len(examples)))
+        for f in train:
+            ex, labels = examples[f.example], f.extra["labels"]
+            s, e = labels["start_positions"], labels["end_positions"]
+            lo, hi = ex["answer_start"], ex["answer_start"] + len(ex["answers"][0])
+            first, last = window_chars(f)
+            if first <= lo and hi <= last:
+                offsets = f.extra["offsets"]
+                assert 0 < s <= e and ex["context"][offsets[s][0] : offsets[e][1]].strip() == ex["answers"][0].strip()
+            else:
+                cut += 1
+                assert (s, e) == (0, 0)
+    assert cut >= 1  # the long paragraph's question at the shorter length at least
+    assert "one pass" in DOC.train_protocol(512) and "20240516" in DOC.train_protocol(512)
 
 
 def test_describe_and_protocol_state_the_rule():

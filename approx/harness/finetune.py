@@ -46,6 +46,7 @@ from ..integration import (
     checkpoint_heads,
     load_method_state,
     load_pretrained,
+    own_attention_dropout,
     patch,
     patched_layers,
     save,
@@ -85,6 +86,12 @@ class FinetuneConfig(MethodConfig):
     mixed_precision: str = option("no", "accelerate mixed precision: no, fp16 or bf16")
     redraw_every: int | None = option(None, "redraw the method's random state every N steps (default: never)")
     checkpoint_every: int | None = option(None, "also save training state every N steps (default: every epoch)")
+    attention_dropout: float | None = option(
+        None,
+        "dropout on the attention probabilities while training (default: the model's own); 0 lets exact attention "
+        "keep its fused SDPA kernels in training (about 6x faster per step at 4096 tokens on a CPU); the saved "
+        "config keeps the model's own value",
+    )
 
     def check(self) -> None:
         self.require(self.epochs > 0, "epochs", "must be positive")
@@ -97,6 +104,8 @@ class FinetuneConfig(MethodConfig):
         self.require(self.mixed_precision in MIXED_PRECISION, "mixed_precision", f"one of {', '.join(MIXED_PRECISION)}")
         for name in ("redraw_every", "checkpoint_every"):
             self.require(getattr(self, name) is None or getattr(self, name) >= 1, name, "must be at least 1")
+        p = self.attention_dropout
+        self.require(p is None or 0 <= p < 1, "attention_dropout", "a probability, 0 <= p < 1")
 
 
 def _batch(features: list[Feature], pad_id: int) -> dict[str, torch.Tensor]:
@@ -184,6 +193,7 @@ class _Training:
     total: int
     head: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the learned positions were extended to max_length
+    dropout_key: tuple[str, float] | None = None  # (config key, the model's own value) when training overrides it
     step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
 
@@ -196,7 +206,11 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
     head_name = next(iter(task.modes))
-    net, tokenizer = load_pretrained(model, task=head_name, progress=progress, **task.head_options())
+    overrides, dropout_key = {}, None
+    if cfg.attention_dropout is not None:  # the model is built with it: every family's modules read their config
+        dropout_key = own_attention_dropout(model)
+        overrides[dropout_key[0]] = cfg.attention_dropout
+    net, tokenizer = load_pretrained(model, task=head_name, progress=progress, **task.head_options(), **overrides)
     head = _head(net, model, head_name)
     if setup is not None and setup.method == PER_LAYER:  # a saved per-layer model (approx.autotune): layer by layer
         for entry in setup.options["layers"]:
@@ -224,7 +238,7 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     net, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
     return _Training(
         accelerator, net, optimizer, loader, scheduler, sampler, collate, tokenizer, setup, cfg, state_dir,
-        len(features), steps_per_epoch, total, head, positions,
+        len(features), steps_per_epoch, total, head, positions, dropout_key,
     )  # fmt: skip
 
 
@@ -323,6 +337,7 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
             "max_length": cfg.max_length,
             "mixed_precision": cfg.mixed_precision,
             "redraw_every": cfg.redraw_every,
+            "attention_dropout": cfg.attention_dropout,
         },
         "losses": tr.losses,
     }
@@ -332,6 +347,8 @@ def _save_model(tr: _Training, output_dir: Path) -> torch.nn.Module:
     """Write the model as it stands to ``output_dir``: a Hugging Face checkpoint with its tokenizer, plus the
     method's settings and state when patched (:func:`approx.save`), which ``approx eval --model`` reads."""
     net = tr.accelerator.unwrap_model(tr.net)
+    if tr.dropout_key is not None:  # a training-time override: the checkpoint keeps the model's own value
+        setattr(net.config, *tr.dropout_key)
     if tr.accelerator.is_main_process:
         if tr.setup is not None:
             save(net, output_dir)

@@ -37,7 +37,8 @@ Protocol (version 1):
   token offsets; official v1.1 normalisation, EM and F1 best over the gold answers. Fidelity: agreement on
   the predicted text; KL of the start and end distributions over each input's tokens.
 
-Evaluation only: fine-tune on ``squad`` (the same questions with their paragraphs).
+Training (``squad-doc`` only): the same windows, labelled with the first gold answer's token span
+(:meth:`SquadDoc.train_features`), to fine-tune a reader at N tokens on one cross-fitting half.
 """
 
 from __future__ import annotations
@@ -226,9 +227,23 @@ class SquadDoc(Squad):
         return [window]
 
     def train_features(self, examples, tokenizer, *, max_length):
-        raise ValueError(
-            f"{self.name} is evaluation-only: fine-tune on 'squad' (the same questions with their paragraphs) "
-            f"and evaluate that checkpoint here"
+        """The evaluation inputs (one N-token window per question, placed by the same seeded rule), each labelled
+        with the token span of the first gold answer, or ``[CLS]`` when the window cuts it off (as ``squad``):
+        a reader fine-tuned on ``squad`` at 384 tokens learns here to read N tokens in one pass, as Longformer's
+        readers were fine-tuned at their full length. Train on one cross-fitting half (``dev/0``) and evaluate
+        on the other: the halves split by article, so no window read in evaluation was seen in training."""
+        if self.read_length is not None:
+            raise ValueError(
+                f"{self.name} cannot be fine-tuned: its {self.read_length}-token reads of a long window mostly hold "
+                f"no answer; fine-tune 'squad' (384-token windows of the paragraph) or 'squad-doc' (the window in "
+                f"one pass)"
+            )
+        return super().train_features(examples, tokenizer, max_length=max_length)
+
+    def train_protocol(self, max_length):
+        return (
+            f"{self._window_rule(max_length)}; read in one pass; labels: the first gold answer's token span "
+            f"([CLS] when the window cuts it off)"
         )
 
     def compact(self, output, feature, mode):
