@@ -108,7 +108,7 @@ def test_engine_option_is_checked_and_a_failed_compilation_says_what_to_do(monke
         raise ValueError("no C++ compiler")
 
     monkeypatch.setattr(_compiled, "_COMPILE_ERRORS", (ValueError,))
-    monkeypatch.setitem(_compiled._COMPILED, clustered_mod._clusters, broken)
+    monkeypatch.setitem(_compiled._COMPILED, (clustered_mod._clusters, True), broken)
     layer = ApproxAttention("clustered", get_method("clustered").make_config(engine="compiled"), head_dim=D)
     with pytest.raises(RuntimeError, match="engine='eager'"):
         layer(*make_qkv(N), None)

@@ -201,6 +201,50 @@ def test_rounds_split_into_chunks(monkeypatch):
     torch.testing.assert_close(real_rows(lyr(q, k, v, mask), mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
 
 
+# ------------------------------------------------------------------------------------------- compiled engine
+
+
+def compiled(fn):
+    """``fn()``, skipped (saying why) where torch.compile cannot compile (no C++ compiler)."""
+    try:
+        return fn()
+    except RuntimeError as err:
+        if "could not compile" in str(err):
+            pytest.skip(f"torch.compile cannot compile here: {err}")
+        raise
+
+
+@pytest.mark.parametrize("rounds, c", [(1, 8), (4, 5)])
+def test_compiled_engine_matches_the_definition(rounds, c):
+    """engine="compiled" (each round's mask and softmax fused by torch.compile, 32 query blocks per call): the loop
+    reference, padded row included; with c = 5, 2 x 3 x 12 = 72 blocks make two full calls and one filled up."""
+    q, k, v = inputs(n=60)
+    mask = padded_mask(60, 43)
+    lyr = lsh(cluster_size=c, rounds=rounds, engine="compiled")
+    ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], c)
+    out = compiled(lambda: lyr(q, k, v, mask))
+    torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+
+
+def test_compiled_engine_exact_limit_and_gradients():
+    """One cluster holding every key (3 rounds: the later ones find only pairs already counted, all masked) is exact
+    attention while the compiled code runs; its gradients are the eager engine's (float64)."""
+    q, k, v = inputs()
+    mask = padded_mask(120, 90)
+    out = compiled(lambda: lsh(cluster_size=120, rounds=3, engine="compiled")(q, k, v, mask))
+    assert real_rows(out - naive_attention(q, k, v, mask), mask).abs().max() <= 1e-9
+    grads = {}
+    for engine in ("eager", "compiled"):
+        x = [t.clone().requires_grad_() for t in inputs(n=60)]
+        out = compiled(lambda: lsh(cluster_size=8, rounds=3, engine=engine)(*x, padded_mask(60, 43)))  # noqa: B023
+        (real_rows(out, padded_mask(60, 43)) * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+        grads[engine] = [t.grad for t in x]
+    for name, a, b in zip("qkv", grads["compiled"], grads["eager"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"d{name}")
+    with pytest.raises(ValueError, match="'eager', 'compiled'"):
+        LshConfig(engine="fast")
+
+
 # ------------------------------------------------------------------------------------------- recall (stats)
 
 

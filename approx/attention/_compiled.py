@@ -34,13 +34,15 @@ __all__ = ["ENGINES", "call", "check_engine", "engine_option"]
 
 ENGINES = ("eager", "compiled")
 MAX_COMPILATIONS = 64
-_COMPILED: dict[Callable, Callable] = {}
+_COMPILED: dict[tuple[Callable, bool], Callable] = {}
 
 
-def engine_option() -> Any:
+def engine_option(meaning: str | None = None) -> Any:
+    """The ``engine`` option ("eager" by default); ``meaning``: what the choice means for this method."""
     return option(
         "eager",
-        "'eager': plain PyTorch, operator by operator (the measured fastest on the CPU); 'compiled': the same "
+        meaning
+        or "'eager': plain PyTorch, operator by operator (the measured fastest on the CPU); 'compiled': the same "
         "functions without host synchronisation through torch.compile, a few fused kernels (for GPUs; slower on "
         "the CPU: see the docs' Speed page; i-clustered's recomputation stays eager under attention dropout)",
     )
@@ -71,11 +73,13 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 _COMPILE_ERRORS = compile_errors()
 
 
-def call(fn: Callable, *args: Any, method: str) -> Any:
-    """``fn(*args)`` through ``torch.compile`` (dynamic shapes, compiled once per function and kept)."""
-    compiled = _COMPILED.get(fn)
+def call(fn: Callable, *args: Any, method: str, dynamic: bool = True) -> Any:
+    """``fn(*args)`` through ``torch.compile`` (dynamic shapes, compiled once per function and kept). ``dynamic``
+    False: compiled for each new shape (inductor's CPU loops over static shapes are vectorised, over dynamic ones
+    they can be slower than eager code): for a caller that keeps to a few shapes."""
+    compiled = _COMPILED.get((fn, dynamic))
     if compiled is None:
-        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        compiled = _COMPILED[(fn, dynamic)] = torch.compile(fn, dynamic=dynamic)
     try:
         # dynamo's default of 8 compilations per function (integer options, dtypes, masks) would silently run the
         # uncompiled function past it

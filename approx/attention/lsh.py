@@ -50,7 +50,8 @@ Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gath
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
 masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. ``weights()`` and the graph
 statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs
-plus the hashing.
+plus the hashing. ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through
+torch.compile, 32 query blocks per call over one static shape (faster on the CPU too; the docs' Speed page).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _blocksparse, _fallback
+from . import _blocksparse, _compiled, _fallback
 from ._blocksparse import Pattern
 from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask, zero_padded_values
 
@@ -78,8 +79,14 @@ class LshConfig(MethodConfig):
     rounds: int = option(4, "independent hashing rounds, merged exactly with duplicate pairs counted once")
     seed: int = option(0, "seed of the random hash directions (one per round, shared by the heads)")
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
+    engine: str = _compiled.engine_option(
+        "'eager': plain PyTorch, operator by operator; 'compiled': each round's masking, softmax and sums fused by "
+        "torch.compile around the two batched products (faster on the CPU too, see the docs' Speed page; the first "
+        "call compiles, tens of seconds; attention dropout stays eager)"
+    )
 
     def check(self) -> None:
+        _compiled.check_engine(self)
         self.require(self.cluster_size >= 1, "cluster_size", "at least one token per cluster")
         self.require(self.rounds >= 1, "rounds", "at least one hashing round")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
@@ -186,9 +193,38 @@ def pair_counts(hashed: Hashed, i: torch.Tensor, j: torch.Tensor) -> torch.Tenso
 # Largest score chunk of one round, in elements (blocks * c * c): bounds the memory of a round (smaller chunks were
 # measured no faster on the CPU)
 _CHUNK_ELEMENTS = 1 << 22
+# engine="compiled": query blocks per compiled call (the last one filled up), so that one static shape, compiled once,
+# serves every length (inductor's CPU loops over dynamic shapes ran slower than the eager code); 32 to 64 blocks of
+# 128 x 128 ran fastest per block on 2 CPU cores
+COMPILED_BLOCKS = 32
 
 
-def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: float = 0.0) -> torch.Tensor:
+def _fill(t: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """``t`` filled up with zeros along ``dim`` to ``size``."""
+    shape = list(t.shape)
+    shape[dim] = size - shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def round_blocks(qs, ks, vs, bad, targets, clusters, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query blocks against their key blocks in one round: the softmax over the pairs left, (output (X, c, dv),
+    log-sum-exp (X, c)); a row without a pair gives 0 and -inf. Masked: keys flagged ``bad`` (X, 1, c) (past the
+    end, padding) and the pairs an earlier round found (query target ``targets`` (E, X, c, 1) equal to key cluster
+    ``clusters`` (E, X, 1, c) in some earlier round; E = 1 with a target of -1 for none). Plain torch, nothing
+    depending on the data's values: ``engine="compiled"`` fuses the mask, maximum, exponentials and sums into one
+    loop around the two products."""
+    sc = torch.bmm(qs, ks.transpose(1, 2)) * scale
+    sc = sc.masked_fill(bad | (targets == clusters).any(0), float("-inf"))
+    top = sc.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a row with no pair: exp(-inf) = 0 below
+    e = (sc - top).exp()
+    z = e.sum(-1, keepdim=True)
+    return torch.bmm(e, vs) / z.clamp(min=torch.finfo(z.dtype).tiny), (top + z.log())[..., 0]
+
+
+def attend_rounds(
+    q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: float = 0.0, engine: str = "eager"
+) -> torch.Tensor:
     """The rounds merged, on LSH's own kernel: (B, H, N, dv) in v's dtype.
 
     Per round, queries, keys and values are gathered into their sorted orders (rows of one flat table), and query
@@ -197,7 +233,8 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
     once, as Reformer's lowering of its score by log n does), so the merged result is the softmax over the union of
     the rounds' pairs; each round keeps its log-sum-exp and is merged into the rounds before it as it ends
     (:func:`~._blocksparse.merge`). Gradients flow through every step but the hashing. Attention dropout drops each
-    pair once, in the round that counts it (Reformer draws a mask per round: the same expectation)."""
+    pair once, in the round that counts it (Reformer draws a mask per round: the same expectation).
+    ``engine="compiled"``: each chunk through :func:`round_blocks` compiled (eager under attention dropout)."""
     from ._blocksparse import merge
 
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
@@ -228,9 +265,10 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
         return x if blocks is None else x.index_select(0, blocks)
 
     per = max(1, _CHUNK_ELEMENTS // (blk * blk))
+    rounds = hashed.q_order.shape[0]
     out = out_lse = None  # the rounds so far, merged (one output held, not one per round)
     neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
-    for r in range(hashed.q_order.shape[0]):
+    for r in range(rounds):
         qpos = sorted_slots(hashed.q_order[r], n, tq * blk)  # (B H, Tq c)
         kpos = sorted_slots(hashed.k_order[r], s, tk * blk)
         qs = qf.index_select(0, (qpos + q_base).reshape(-1)).view(bh * tq, blk, d)
@@ -253,7 +291,21 @@ def attend_rounds(q, k, v, hashed: Hashed, *, key_mask, scale: float, dropout: f
             for e in range(r)
         ]
         o_r, lse_r = [], []
-        for c0 in range(0, bh * tq, per):
+        if engine == "compiled" and dropout == 0.0:  # every call one shape: one compilation serves every length
+            x = bh * tq
+            targets = qpos.new_full((max(1, rounds - 1), x, blk, 1), -1, dtype=torch.int32)  # -1: no earlier round
+            clusters = qpos.new_zeros((max(1, rounds - 1), x, 1, blk), dtype=torch.int32)
+            for e, (target, cluster) in enumerate(earlier):
+                targets[e], clusters[e] = target, cluster
+            for c0 in range(0, x, COMPILED_BLOCKS):
+                c1, cut = c0 + COMPILED_BLOCKS, min(x, c0 + COMPILED_BLOCKS) - c0
+                chunk = [t[c0:c1] for t in (qs, ks, vs, bad)] + [t[:, c0:c1] for t in (targets, clusters)]
+                if cut < COMPILED_BLOCKS:  # the last call filled up with blocks of zeros, their rows dropped
+                    chunk = [_fill(t, COMPILED_BLOCKS, dim=1 if i > 3 else 0) for i, t in enumerate(chunk)]
+                o, lse = _compiled.call(round_blocks, *chunk, scale, method="lsh", dynamic=False)
+                o_r.append(o[:cut])
+                lse_r.append(lse[:cut])
+        for c0 in range(0, bh * tq, per) if not o_r else ():
             c1 = min(bh * tq, c0 + per)
             sc = torch.baddbmm(qs.new_empty(()), qs[c0:c1], ks[c0:c1].transpose(1, 2), beta=0.0, alpha=scale)
             if masked:
@@ -343,7 +395,7 @@ def lsh_attention(
 
     def approximate() -> torch.Tensor:
         hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
-        return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout)
+        return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout, engine=config.engine)
 
     return _fallback.with_fallback(
         approximate,
