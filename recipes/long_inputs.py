@@ -65,6 +65,9 @@ from clustered_table import base_settings, default_model  # noqa: E402
 
 OUTPUT = RESULTS / "long_inputs.json"
 FIGURE = RESULTS / "figures" / "long_inputs.png"
+# --reader squad-doc writes its own files by default: the two readers' results are never mixed
+DOC_READER_OUTPUT = RESULTS / "long_inputs_doc_reader.json"
+DOC_READER_FIGURE = RESULTS / "figures" / "long_inputs_doc_reader.png"
 
 # every method at a few budgets, cheapest first: one curve each on the figure
 # (the clustering methods pinned to the paper's clustering, refine=0, as the committed rows were measured)
@@ -483,8 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
-    p.add_argument("--results", type=Path, default=OUTPUT, help=f"default: {OUTPUT.relative_to(RESULTS.parent.parent)}")
-    p.add_argument("--figure", type=Path, default=FIGURE)
+    p.add_argument(
+        "--results", type=Path,
+        help=f"default: recipes/results/{OUTPUT.name} ({DOC_READER_OUTPUT.name} with --reader squad-doc)",
+    )  # fmt: skip
+    p.add_argument(
+        "--figure", type=Path, help=f"default: {FIGURE.name} ({DOC_READER_FIGURE.name} with --reader squad-doc)"
+    )
     p.add_argument(
         "--report", action="store_true",
         help="run nothing: recompute the best points of --results, print them and redraw the figure",
@@ -518,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     args = build_parser().parse_args(argv)
+    doc_reader = args.reader == "squad-doc"
+    args.results = args.results or (DOC_READER_OUTPUT if doc_reader else OUTPUT)
+    args.figure = args.figure or (DOC_READER_FIGURE if doc_reader else FIGURE)
     if args.report:  # the derived parts (best points, memory exponents) recomputed from the results, written back
         record = json.loads(args.results.read_text())
         record["best"] = best_points(record["results"])
@@ -529,6 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         figure(record, args.figure)
         print(markdown(record))
         return 0
+    if args.update and "squad-doc" in args.tasks and args.results.is_file():  # refused before any work
+        held = json.loads(args.results.read_text()).get("reader") or "squad"
+        if held != args.reader:
+            raise SystemExit(
+                f"{args.results} holds squad-doc results of the {held!r} reader, this run reads with "
+                f"{args.reader!r}: write them to another --results file"
+            )
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
@@ -561,11 +579,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.update and args.results.is_file():  # what an earlier run made that this one did not redo
         old = json.loads(args.results.read_text())
         reader = reader or old.get("reader", "squad")
-        if "squad-doc" in args.tasks and old.get("reader", "squad") != args.reader:
-            raise SystemExit(
-                f"{args.results} holds squad-doc results of the {old.get('reader', 'squad')!r} reader, this run reads "
-                f"with {args.reader!r}: write them to another --results file"
-            )
         mine = set(args.tasks) | ({"squad-doc-sliding"} if "squad-doc" in args.tasks else set())
         kept = [r for r in old["results"] + old.get("baselines", []) if not redone(r, mine, lengths, args.methods)]
         cold = sorted({short_label(r["method"]) for r in kept if not r.get("warmup")})

@@ -334,10 +334,7 @@ def minilm_mlm_table(path: str = MINILM_MLM) -> str:
 
 LONG_INPUTS = "recipes/results/long_inputs.json"
 LONG_INPUTS_DOC_READER = "recipes/results/long_inputs_doc_reader.json"
-DOC_READER_OPTIONS = (
-    " --profile gpu --reader squad-doc --tasks squad-doc --results recipes/results/long_inputs_doc_reader.json "
-    "--figure recipes/results/figures/long_inputs_doc_reader.png"
-)
+DOC_READER_OPTIONS = " --profile gpu --reader squad-doc --tasks squad-doc"
 MONARCH_PROTOCOL = "recipes/results/monarch_protocol.json"
 
 
@@ -412,10 +409,10 @@ def _reader(entry: dict) -> str:
     if base is None:
         return entry["folder"]
     settings = entry.get("settings") or {}
+    losses = "" if entry.get("last_loss") is None else f", loss {entry['first_loss']:.2f} to {entry['last_loss']:.2f}"
     return (
         f"{entry['folder']} ({base['folder']} fine-tuned again on {entry.get('examples')} squad-doc windows of "
-        f"{entry['train_split']} at {settings.get('max_length')} tokens, {settings.get('steps')} steps, loss "
-        f"{entry['first_loss']:.2f} to {entry['last_loss']:.2f})"
+        f"{entry['train_split']} at {settings.get('max_length')} tokens, {settings.get('steps')} steps{losses})"
     )
 
 

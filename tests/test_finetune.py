@@ -120,6 +120,14 @@ def test_attention_dropout_is_overridden_while_training_and_the_checkpoint_keeps
     assert seen == [(own, {own})] and rec["settings"]["attention_dropout"] is None
     with pytest.raises(ValueError, match="attention_dropout"):
         _run(base_model, fixture_dir, tmp_path / "f", max_steps=1, attention_dropout=1.0)
+    # a resume keeps the setting the run started with, or is refused
+    _run(base_model, fixture_dir, tmp_path / "g", max_steps=3, stop_after=1, attention_dropout=0.0)
+    with pytest.raises(ValueError, match="started with attention_dropout=0.0.*resume with the same setting"):
+        _run(base_model, fixture_dir, tmp_path / "g", max_steps=3, resume=True)
+    seen.clear()
+    _run(base_model, fixture_dir, tmp_path / "g", max_steps=3, resume=True, attention_dropout=0.0, callback=look)
+    assert seen == [(0.0, {0.0})] * 2
+    assert AutoConfig.from_pretrained(tmp_path / "g").attention_probs_dropout_prob == own
 
 
 def test_attention_dropout_key_by_family():

@@ -279,11 +279,22 @@ def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, 
 def test_update_refuses_to_merge_another_readers_results(recipe, monkeypatch, tmp_path):
     import json
 
+    """Refused before any fine-tuning or evaluation; --reader squad-doc writes its own files by default."""
+
+    def never(*args):
+        raise AssertionError("worked before refusing")
+
     results = tmp_path / "r.json"
     results.write_text(json.dumps({"reader": "squad", "results": [], "runs": []}))
-    monkeypatch.setattr(recipe, "squad_checkpoints", lambda *a: ([], []))
-    monkeypatch.setattr(recipe, "run_length", lambda *a: [])
-    argv = ["--tasks", "squad-doc", "--lengths", "1024", "--results", str(results), "--update", "--quiet"]
-    argv += ["--profile", "gpu", "--device", "cpu"]
+    monkeypatch.setattr(recipe, "squad_checkpoints", never)
+    monkeypatch.setattr(recipe, "run_length", never)
+    argv = ["--tasks", "squad-doc", "--lengths", "1024", "--update", "--quiet", "--profile", "gpu", "--device", "cpu"]
     with pytest.raises(SystemExit, match="'squad' reader, this run reads with 'squad-doc'"):
-        recipe.main([*argv, "--reader", "squad-doc", "--figure", str(tmp_path / "f.png")])
+        recipe.main([*argv, "--reader", "squad-doc", "--results", str(results)])
+    monkeypatch.setattr(recipe, "DOC_READER_OUTPUT", results)  # the default file of --reader squad-doc
+    with pytest.raises(SystemExit, match=f"{results} holds"):
+        recipe.main([*argv, "--reader", "squad-doc"])
+    results.write_text(json.dumps({"reader": "squad-doc", "results": [], "runs": []}))
+    monkeypatch.setattr(recipe, "OUTPUT", results)
+    with pytest.raises(SystemExit, match="'squad-doc' reader, this run reads with 'squad'"):
+        recipe.main(argv)

@@ -214,8 +214,25 @@ def compiled(fn):
         raise
 
 
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """The number of compiled round_blocks calls made (so a test fails when the eager code ran instead)."""
+    from approx.attention import _compiled
+    from approx.attention import lsh as lsh_module
+
+    calls, real = [], _compiled.call
+
+    def counting(fn, *args, **kw):
+        if fn is lsh_module.round_blocks:
+            calls.append(kw.get("dynamic"))
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(_compiled, "call", counting)
+    return calls
+
+
 @pytest.mark.parametrize("rounds, c", [(1, 8), (4, 5)])
-def test_compiled_engine_matches_the_definition(rounds, c):
+def test_compiled_engine_matches_the_definition(rounds, c, compiled_calls):
     """engine="compiled" (each round's mask and softmax fused by torch.compile, 32 query blocks per call): the loop
     reference, padded row included; with c = 5, 2 x 3 x 12 = 72 blocks make two full calls and one filled up."""
     q, k, v = inputs(n=60)
@@ -224,6 +241,29 @@ def test_compiled_engine_matches_the_definition(rounds, c):
     ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], c)
     out = compiled(lambda: lyr(q, k, v, mask))
     torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+    assert compiled_calls == [False] * rounds * -(-2 * 3 * -(-60 // c) // 32)  # static shapes, every round
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_engine_gives_the_eager_output_in_low_precision_and_cross_attention(dtype, compiled_calls):
+    """float32 and bfloat16 (computed in float32), self-attention and cross-attention (more queries than keys: query
+    clusters past the keys' attend the last key cluster, through the key-block look-up): the eager engine's output;
+    rows shorter than a cluster stay eager (no compiled call)."""
+    q, k, v = inputs(n=60, dtype=dtype)
+    for keys in (60, 37):
+        mask = padded_mask(keys, keys - 9)
+        eager = lsh(cluster_size=8, rounds=3)(q, k[:, :, :keys], v[:, :, :keys], mask)
+        out = compiled(
+            lambda: lsh(cluster_size=8, rounds=3, engine="compiled")(q, k[:, :, :keys], v[:, :, :keys], mask)
+        )  # noqa: B023
+        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0, "atol": 0}
+        torch.testing.assert_close(out, eager, **tol)
+    assert compiled_calls
+    compiled_calls.clear()
+    short = [t[:, :, :6] for t in (q, k, v)]
+    eager = lsh(cluster_size=8, rounds=3)(*short, None)
+    torch.testing.assert_close(lsh(cluster_size=8, rounds=3, engine="compiled")(*short, None), eager, rtol=0, atol=0)
+    assert compiled_calls == []
 
 
 def test_compiled_engine_exact_limit_and_gradients():

@@ -13,12 +13,14 @@ path stops at a fixed point and compares queries with the centroids that moved o
 recomputed rows is computed, the empty ones too. Tests check that both engines give the same clusters and
 outputs.
 
-Measured on the CPU (``benchmarks/attention_op.py``; docs' Speed page) the compiled path is *slower* than the eager
-one at every length measured (1.5x at N = 1024, 3-4x from 4096), because the eager path's incremental iterations
-skip most of the work the fixed ones do. So ``engine="eager"`` is the default; ``"compiled"`` is there for GPUs,
-where launches and host synchronisations dominate, and is not measured on one yet. Shapes are dynamic: one
-compilation (tens of seconds on the CPU, then cached on disk by inductor) serves every length. A compilation that
-fails (no C++ compiler, say) raises an error that says so: the caller asked for it.
+Measured on the CPU (``benchmarks/attention_op.py``; docs' Speed page) the compiled clustering is *slower* than the
+eager one at every length measured (1.5x at N = 1024, 3-4x from 4096), because the eager path's incremental
+iterations skip most of the work the fixed ones do. So ``engine="eager"`` is the default; ``"compiled"`` is there for
+GPUs, where launches and host synchronisations dominate, and is not measured on one yet. Its shapes are dynamic:
+one compilation (tens of seconds on the CPU, then cached on disk by inductor) serves every length. LSH's compiled
+round (``lsh.round_blocks``) is the other use: static shapes (``call(..., dynamic=False)``), made the same at every
+length by the caller, because inductor's CPU loops over dynamic shapes ran slower than the eager code there. A
+compilation that fails (no C++ compiler, say) raises an error that says so: the caller asked for it.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ _COMPILE_ERRORS = compile_errors()
 
 
 def call(fn: Callable, *args: Any, method: str, dynamic: bool = True) -> Any:
-    """``fn(*args)`` through ``torch.compile`` (dynamic shapes, compiled once per function and kept). ``dynamic``
-    False: compiled for each new shape (inductor's CPU loops over static shapes are vectorised, over dynamic ones
+    """``fn(*args)`` through ``torch.compile``, compiled once per function and kept: with dynamic shapes by default;
+    ``dynamic`` False: compiled for each new shape (inductor's CPU loops over static shapes are vectorised, over dynamic ones
     they can be slower than eager code): for a caller that keeps to a few shapes."""
     compiled = _COMPILED.get((fn, dynamic))
     if compiled is None:

@@ -51,7 +51,8 @@ each query cluster against its key cluster as one batched product (B, H, N / c, 
 masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. ``weights()`` and the graph
 statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs
 plus the hashing. ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through
-torch.compile, 32 query blocks per call over one static shape (faster on the CPU too; the docs' Speed page).
+torch.compile, 32 query blocks per call over one static shape (faster on the CPU up to 8192 tokens; the docs' Speed
+page); rows shorter than a cluster, whose block is as long as they are, stay eager.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class LshConfig(MethodConfig):
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     engine: str = _compiled.engine_option(
         "'eager': plain PyTorch, operator by operator; 'compiled': each round's masking, softmax and sums fused by "
-        "torch.compile around the two batched products (faster on the CPU too, see the docs' Speed page; the first "
-        "call compiles, tens of seconds; attention dropout stays eager)"
+        "torch.compile around the two batched products (faster on the CPU too up to 8192 tokens, see the docs' "
+        "Speed page; the first call compiles, seconds; attention dropout and inputs shorter than a cluster stay "
+        "eager)"
     )
 
     def check(self) -> None:
@@ -215,7 +217,7 @@ def round_blocks(qs, ks, vs, bad, targets, clusters, scale: float) -> tuple[torc
     loop around the two products."""
     sc = torch.bmm(qs, ks.transpose(1, 2)) * scale
     sc = sc.masked_fill(bad | (targets == clusters).any(0), float("-inf"))
-    top = sc.amax(-1, keepdim=True)
+    top = sc.detach().amax(-1, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # a row with no pair: exp(-inf) = 0 below
     e = (sc - top).exp()
     z = e.sum(-1, keepdim=True)
@@ -395,7 +397,9 @@ def lsh_attention(
 
     def approximate() -> torch.Tensor:
         hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
-        return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout, engine=config.engine)
+        # rows shorter than a cluster make the block as long as they are: a shape per length, not worth compiling
+        engine = config.engine if hashed.block == config.cluster_size else "eager"
+        return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout, engine=engine)
 
     return _fallback.with_fallback(
         approximate,

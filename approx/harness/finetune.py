@@ -257,6 +257,13 @@ def _extend_for_training(net, tokenizer, max_length: int, features: list[Feature
 def _resume(tr: _Training) -> None:
     tr.accelerator.load_state(str(tr.state_dir))
     saved = json.loads((tr.state_dir / PROGRESS_FILE).read_text())
+    if saved.get("attention_dropout") != tr.config.attention_dropout:  # the rest would train with another dropout
+        started = saved.get("attention_dropout")
+        raise ValueError(
+            f"the run in {tr.state_dir} started with attention_dropout={started} ("
+            + ("the model's own" if started is None else f"--attention-dropout {started}")
+            + f"), this resume asks for {tr.config.attention_dropout}: resume with the same setting"
+        )
     tr.step, tr.losses = saved["step"], saved["losses"]
     if tr.setup is not None and saved.get("method_state"):
         load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
@@ -266,7 +273,8 @@ def _checkpoint(tr: _Training) -> None:
     tr.accelerator.save_state(str(tr.state_dir))
     if tr.accelerator.is_main_process:
         save_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
-        record = {"step": tr.step, "losses": tr.losses, "method_state": tr.setup is not None}
+        record = {"step": tr.step, "losses": tr.losses, "method_state": tr.setup is not None,
+                  "attention_dropout": tr.config.attention_dropout}  # fmt: skip
         (tr.state_dir / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
 
 
