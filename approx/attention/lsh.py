@@ -208,6 +208,28 @@ def _fill(t: torch.Tensor, size: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+def _compiled_round(qs, ks, vs, bad, earlier, rounds: int, scale: float) -> tuple[list, list]:
+    """One round's blocks through the compiled :func:`round_blocks`, :data:`COMPILED_BLOCKS` at a time (the last call
+    filled up with blocks of zeros, their rows dropped): every call has one shape, so one compilation serves every
+    length. ``earlier``: the earlier rounds' (query target, key cluster) pairs. Returns the outputs and
+    log-sum-exps of the calls, in order."""
+    x, blk = qs.shape[:2]
+    targets = bad.new_full((max(1, rounds - 1), x, blk, 1), -1, dtype=torch.int32)  # -1: no earlier round
+    clusters = bad.new_zeros((max(1, rounds - 1), x, 1, blk), dtype=torch.int32)
+    for e, (target, cluster) in enumerate(earlier):
+        targets[e], clusters[e] = target, cluster
+    outs, lses = [], []
+    for c0 in range(0, x, COMPILED_BLOCKS):
+        c1, cut = c0 + COMPILED_BLOCKS, min(x, c0 + COMPILED_BLOCKS) - c0
+        chunk = [t[c0:c1] for t in (qs, ks, vs, bad)] + [t[:, c0:c1] for t in (targets, clusters)]
+        if cut < COMPILED_BLOCKS:
+            chunk = [_fill(t, COMPILED_BLOCKS, dim=1 if i > 3 else 0) for i, t in enumerate(chunk)]
+        o, lse = _compiled.call(round_blocks, *chunk, scale, method="lsh", dynamic=False)
+        outs.append(o[:cut])
+        lses.append(lse[:cut])
+    return outs, lses
+
+
 def round_blocks(qs, ks, vs, bad, targets, clusters, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Query blocks against their key blocks in one round: the softmax over the pairs left, (output (X, c, dv),
     log-sum-exp (X, c)); a row without a pair gives 0 and -inf. Masked: keys flagged ``bad`` (X, 1, c) (past the
@@ -292,22 +314,9 @@ def attend_rounds(
             )
             for e in range(r)
         ]
-        o_r, lse_r = [], []
-        if engine == "compiled" and dropout == 0.0:  # every call one shape: one compilation serves every length
-            x = bh * tq
-            targets = qpos.new_full((max(1, rounds - 1), x, blk, 1), -1, dtype=torch.int32)  # -1: no earlier round
-            clusters = qpos.new_zeros((max(1, rounds - 1), x, 1, blk), dtype=torch.int32)
-            for e, (target, cluster) in enumerate(earlier):
-                targets[e], clusters[e] = target, cluster
-            for c0 in range(0, x, COMPILED_BLOCKS):
-                c1, cut = c0 + COMPILED_BLOCKS, min(x, c0 + COMPILED_BLOCKS) - c0
-                chunk = [t[c0:c1] for t in (qs, ks, vs, bad)] + [t[:, c0:c1] for t in (targets, clusters)]
-                if cut < COMPILED_BLOCKS:  # the last call filled up with blocks of zeros, their rows dropped
-                    chunk = [_fill(t, COMPILED_BLOCKS, dim=1 if i > 3 else 0) for i, t in enumerate(chunk)]
-                o, lse = _compiled.call(round_blocks, *chunk, scale, method="lsh", dynamic=False)
-                o_r.append(o[:cut])
-                lse_r.append(lse[:cut])
-        for c0 in range(0, bh * tq, per) if not o_r else ():
+        compiled = engine == "compiled" and dropout == 0.0
+        o_r, lse_r = _compiled_round(qs, ks, vs, bad, earlier, rounds, scale) if compiled else ([], [])
+        for c0 in () if compiled else range(0, bh * tq, per):
             c1 = min(bh * tq, c0 + per)
             sc = torch.baddbmm(qs.new_empty(()), qs[c0:c1], ks[c0:c1].transpose(1, 2), beta=0.0, alpha=scale)
             if masked:
