@@ -8,7 +8,7 @@ import torch
 import approx
 from approx import ApproxAttention
 from approx.attention import _band
-from approx.attention.bigbird import BigBirdConfig
+from approx.attention.sparse_transformer import SparseTransformerConfig
 from approx.attention.window import WindowConfig
 
 B, H, D = 2, 3, 16
@@ -214,7 +214,7 @@ def test_band_declines_with_a_reason():
     with pytest.raises(ValueError, match="contiguous windows only"):
         WindowConfig(kernel="band", dilation=2)
     with pytest.raises(ValueError, match="kernel"):
-        BigBirdConfig(kernel="band")  # not a band: the kernel is window's only
+        SparseTransformerConfig(kernel="band")  # neither a band nor neighbouring blocks (bigbird's block-band kernel)
     layer = ApproxAttention("window", WindowConfig(window=3, block=8, kernel="band"), head_dim=D)
     q.requires_grad_()
     with pytest.raises(RuntimeError, match="kernel='band' cannot run this call: it is inference only"):

@@ -28,6 +28,8 @@ the per-query log-sum-exp too, so that several patterns (LSH rounds) combine exa
 FlexAttention (``torch.nn.attention.flex_attention``, :mod:`._flex`) runs the same patterns, faster on long inputs
 (the docs' Speed page has the measurement); on the CPU it has no backward pass, no float64 and no log-sum-exp, and it
 compiles per shape, so ``kernel="auto"`` uses it for long inference calls only and this plain kernel for the rest.
+On the CPU, inference on a contiguous band (``window``) runs the banded kernel (:mod:`._band`) and on neighbouring
+blocks plus listed ones (``bigbird``) the block-band kernel (:mod:`._blockband`), both faster there.
 A pattern lists each key block of a query block at most once (the dense and flex paths de-duplicate, this one
 would count a repeated block twice).
 """
@@ -52,16 +54,16 @@ KERNELS = ("auto", "gather", "flex")
 BAND = "band"  # the banded kernel, for contiguous-window patterns only (:mod:`._band`)
 
 
-def kernel_option(*, band: bool = False) -> Any:
-    """The ``kernel`` option of a sparse-pattern method's config (check it with :func:`check_kernel`); ``band``: the
-    method's pattern is a contiguous band (``window``), which the banded kernel (:mod:`._band`) runs."""
+def kernel_option(*, band: str | None = None) -> Any:
+    """The ``kernel`` option of a sparse-pattern method's config (check it with :func:`check_kernel`); ``band``: what
+    the banded kernel does for the method (its pattern is a contiguous band, ``window``, run by :mod:`._band`, or
+    neighbouring blocks, ``bigbird``, run by :mod:`._blockband`), None: it has none."""
     if band:
         return option(
             "auto",
-            "'band': approx's banded kernel (strided views of K and V, no gathered copy; inference only, no "
-            "dilation); 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: "
-            "inference only, float32/16); 'auto': band on the CPU where it can run the call, else flex on long inputs "
-            "where it can, else gather (same output to rounding)",
+            f"'band': {band}; 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the "
+            "CPU: inference only, float32/16); 'auto': band on the CPU where it can run the call, else flex on long "
+            "inputs where it can, else gather (same output to rounding)",
         )
     return option(
         "auto",
@@ -107,6 +109,10 @@ class Pattern:
     # the pattern is the contiguous band |i - j| <= band (plus shared keys and global queries) in original order,
     # and ``allow`` says just that: the banded kernel (:mod:`._band`) can run it; None: it is not
     band: int | None = None
+    # the first 2 * neighbours + 1 entries of every query block's ``kv_blocks`` are the key blocks t - neighbours, ...,
+    # t + neighbours (in the sorted order; ``kv_valid`` may drop some): the block-band kernel (:mod:`._blockband`)
+    # can run it, with the neighbours as views; None: they are not
+    neighbours: int | None = None
 
 
 def _batch_index(b: int, device) -> torch.Tensor:
@@ -187,8 +193,14 @@ def attend(
     a ``pattern.band``; an error when it cannot run the call) or ``"auto"`` (on the CPU the banded kernel where it
     can run the call; else flex where it can and the sequence is long enough to repay it, see ``_flex.worth_it``;
     else gather)."""
-    if kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and pattern.band is not None):
+    banded = pattern.band is not None or pattern.neighbours is not None
+    if kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and banded):
         why = _band_unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
+        if why is None and pattern.band is None:
+            from . import _blockband
+
+            out = _blockband.attend(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
+            return out.to(v.dtype)
         if why is None:
             return _attend_band(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
         if kernel == BAND:
@@ -301,8 +313,12 @@ def _band_unusable(q, k, v, pattern: Pattern, *, dropout: float, with_lse: bool)
     """Why the banded kernel (:mod:`._band`) cannot run this call (None: it can)."""
     from . import _band
 
+    if pattern.band is None and pattern.neighbours is not None:
+        from . import _blockband
+
+        return _blockband.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
     if pattern.band is None:
-        return "the pattern is not a contiguous band (window with dilation 1)"
+        return "the pattern is not a contiguous band (window with dilation 1) nor neighbouring blocks (bigbird)"
     if with_lse:
         return "it returns no log-sum-exp"
     g = 0 if pattern.shared_keys is None else int(pattern.shared_keys.sum(-1).max())

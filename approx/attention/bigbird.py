@@ -41,9 +41,11 @@ Choices made here (and why):
   ``at_most``). ``full_fallback=False`` turns that off, so the block pattern always runs (the exact limit:
   r >= nb - 2 random blocks cover every block). ``exact_below`` as for every method.
 * Self-attention only (N = S): query block t is paired with key block t.
-* Runs on the block-sparse kernel (:mod:`._blocksparse`): per query block the gathered key blocks are the
-  sliding and random ones, the global blocks are the kernel's shared keys and global query rows. Attention
-  dropout is applied to the weights (the kernel's).
+* Runs on the block-sparse kernels (:mod:`._blocksparse`): per query block the listed key blocks are the
+  sliding ones (first, ``neighbours=1``) and the random ones, the global blocks are the kernels' shared keys and
+  global query rows. On the CPU, inference runs on the block-band kernel (:mod:`._blockband`: the sliding blocks
+  as views, the random ones gathered a chunk at a time); training, dropout and the GPU on the gather kernel or
+  FlexAttention. Attention dropout is applied to the weights (the kernel's).
 
 Cost: the pairs of the pattern (global rows and columns once each), 2 (d + dv) flops per pair, and as many
 multiply-accumulates per pair in the literature's convention.
@@ -82,14 +84,17 @@ class BigBirdConfig(MethodConfig):
     )
     seed: int = option(0, "seed of the random blocks (state: kept with the model, changed by approx.redraw)")
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
-    kernel: str = _blocksparse.kernel_option()
+    kernel: str = _blocksparse.kernel_option(
+        band="approx's block-band kernel (the sliding blocks as strided views of K and V, the random blocks gathered "
+        "a chunk at a time; inference only)"
+    )
 
     def check(self) -> None:
         self.require(self.block >= 1, "block", "at least one token per block")
         self.require(self.random_blocks >= 0, "random_blocks", "0 (sliding and global blocks only) or more")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
-        _blocksparse.check_kernel(self)
+        _blocksparse.check_kernel(self, band=True)
 
     @property
     def at_most(self) -> int | None:
@@ -211,7 +216,7 @@ def pattern(config: BigBirdConfig, state, *, b: int, h: int, n: int, s: int, key
     kv = torch.cat([ids.expand(*rand.shape[:2], tq, 3), rand], -1)
     kv_ok = torch.cat([slide_ok.expand(*rand.shape[:2], tq, 3), rand_ok], -1)
     glob_q = glob if full_rows is None else glob | (real & full_rows[:, None])
-    return Pattern(blk, kv, kv_ok, q_order=order, k_order=order, shared_keys=glob, global_queries=glob_q)
+    return Pattern(blk, kv, kv_ok, q_order=order, k_order=order, shared_keys=glob, global_queries=glob_q, neighbours=1)
 
 
 def pattern_pairs(n: int, block: int, r: int) -> int:

@@ -60,7 +60,9 @@ class WindowConfig(MethodConfig):
     )
     block: int = option(64, "rows per query block of the kernel (speed only: the output does not depend on it)")
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
-    kernel: str = _blocksparse.kernel_option(band=True)
+    kernel: str = _blocksparse.kernel_option(
+        band="approx's banded kernel (strided views of K and V, no gathered copy; inference only, no dilation)"
+    )
 
     def check(self) -> None:
         self.require(self.window >= 0, "window", "a one-sided width: 0 (only i = j) or more")

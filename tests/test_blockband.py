@@ -1,0 +1,207 @@
+"""The block-band kernel (bigbird's CPU fast path, approx/attention/_blockband.py) against a float64 softmax written
+from BigBird's definition (tests/test_bigbird.py's reference mask) and against the gather kernel: partial blocks,
+padding at the end, spread through the row and poisoned, no random blocks, every block drawn, K and V viewed in place
+or copied, chunks, strided and half-precision inputs, and when it declines (gradients, dropout)."""
+
+import math
+
+import pytest
+import torch
+from test_bigbird import drawn, masked_attention, reference_mask
+
+from approx import ApproxAttention
+from approx.attention import _blockband, _blocksparse
+from approx.attention.bigbird import BigBirdConfig
+from approx.attention.sparse_transformer import SparseTransformerConfig
+
+B, H, D = 2, 3, 16
+
+
+def qkv(n, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+
+
+def layer(kernel="band", **options):
+    return ApproxAttention("bigbird", BigBirdConfig(kernel=kernel, full_fallback=False, **options), head_dim=D)
+
+
+def definition(lyr, q, k, v, mask, block, r):
+    rand = [drawn(lyr, math.ceil(int(m.sum()) / block), r) for m in mask]
+    return masked_attention(q.double(), k.double(), v.double(), reference_mask(mask, block, rand))
+
+
+def spread_mask(n, real, seed=0):
+    """(B, N): the first row all real, the second ``real`` tokens at random places (padding in between)."""
+    mask = torch.ones(B, n, dtype=torch.bool)
+    g = torch.Generator().manual_seed(seed)
+    mask[1, torch.randperm(n, generator=g)[: n - real]] = False
+    return mask
+
+
+def end_mask(n, real):
+    return torch.arange(n)[None, :] < torch.tensor([n, real])[:, None]
+
+
+@pytest.mark.parametrize(
+    "block,r,n,real,layout",
+    [
+        (4, 1, 60, 47, "end"),  # the last real block partial
+        (4, 2, 64, 64, "end"),  # whole blocks, no padding: K and V viewed in place
+        (5, 3, 73, 52, "spread"),  # padding between the real tokens: every row copied in its order
+        (8, 1, 50, 17, "end"),  # three blocks: no random block is left
+        (3, 0, 40, 40, "end"),  # no random blocks
+        (4, 20, 48, 41, "spread"),  # every eligible block drawn
+        (6, 2, 90, 90, "spread"),  # both rows without padding, n off the block grid
+    ],
+)
+def test_matches_the_definition(block, r, n, real, layout):
+    q, k, v = qkv(n)
+    mask = (end_mask if layout == "end" else spread_mask)(n, real)
+    lyr = layer(block=block, random_blocks=r)
+    ref = definition(lyr, q, k, v, mask, block, r)
+    with torch.no_grad():
+        out = lyr(q, k, v, mask)
+    real_q = mask[:, None, :, None]
+    torch.testing.assert_close(out.masked_fill(~real_q, 0), ref.masked_fill(~real_q, 0), rtol=1e-12, atol=1e-12)
+
+
+def test_both_row_layouts_run(monkeypatch):
+    """Whole blocks in order view K and V in place, the rest are copied: both paths run, and agree."""
+    paths = []
+    real_load = _blockband._load
+    monkeypatch.setattr(_blockband, "_load", lambda *a: paths.append("copy") or real_load(*a))
+    q, k, v = qkv(64)
+    lyr = layer(block=4, random_blocks=2)
+    with torch.no_grad():
+        lyr(q, k, v)
+    assert paths == []  # 16 whole blocks in order: nothing copied
+    mask = end_mask(64, 62)
+    with torch.no_grad():
+        out = lyr(q, k, v, mask)
+    assert "copy" in paths
+    ref = definition(lyr, q, k, v, mask, 4, 2)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[1, :, :62], ref[1, :, :62], rtol=1e-12, atol=1e-12)
+
+
+def test_poisoned_padding_never_reaches_a_real_row():
+    q, k, v = qkv(80, seed=3)
+    mask = spread_mask(80, 61, seed=3)
+    kp, vp = k.clone(), v.clone()
+    kp[1, :, ~mask[1]], vp[1, :, ~mask[1]] = float("inf"), float("nan")
+    lyr = layer(block=8, random_blocks=2)
+    with torch.no_grad():
+        out = lyr(q, kp, vp, mask)
+    real_q = mask[:, None, :, None].expand_as(out)
+    assert torch.isfinite(out[real_q]).all()
+    torch.testing.assert_close(
+        out.masked_fill(~real_q, 0),
+        definition(lyr, q, k, v, mask, 8, 2).masked_fill(~real_q, 0),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+
+
+def test_chunks_give_the_whole_answer(monkeypatch):
+    """Chunks of one query block, of three, and all at once: the same output (flags found per chunk)."""
+    q, k, v = qkv(130, seed=4)
+    mask = end_mask(130, 101)
+    lyr = layer(block=5, random_blocks=2)
+    outs = []
+    for elements in (1, 3 * 5 * 60, 1 << 20):
+        monkeypatch.setattr(_blockband, "_CHUNK_ELEMENTS", elements)
+        with torch.no_grad():
+            outs.append(lyr(q, k, v, mask)[:, :, :101])
+    ref = definition(lyr, q, k, v, mask, 5, 2)[:, :, :101]
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_strided_inputs_agree_with_the_gather_kernel():
+    """q, k, v as a model passes them (views of one (B, N, 3, H, d) projection), float32: the gather kernel's output."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B, 256, 3, H, D, generator=g)
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    mask = end_mask(256, 200)
+    with torch.no_grad():
+        band = layer(block=16, random_blocks=3)(q, k, v, mask)
+        gather = layer("gather", block=16, random_blocks=3)(q, k, v, mask)
+    torch.testing.assert_close(band[0], gather[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(band[1, :, :200], gather[1, :, :200], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_half_precision(dtype, tol):
+    q, k, v = qkv(96, seed=7, dtype=dtype)
+    mask = end_mask(96, 77)
+    lyr = layer(block=8, random_blocks=2)
+    with torch.no_grad():
+        out = lyr(q, k, v, mask)
+    assert out.dtype == dtype
+    ref = definition(lyr, q, k, v, mask, 8, 2)
+    torch.testing.assert_close(out[0].double(), ref[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(out[1, :, :77].double(), ref[1, :, :77], rtol=tol, atol=tol)
+
+
+def test_auto_takes_it_for_inference_only(monkeypatch):
+    """kernel='auto' on the CPU: the block-band kernel without gradients; with them the gather kernel, whose
+    gradients match the float64 definition's."""
+    calls = []
+    real_attend = _blockband.attend
+    monkeypatch.setattr(_blockband, "attend", lambda *a, **kw: calls.append(1) or real_attend(*a, **kw))
+    q, k, v = qkv(60, seed=8)
+    mask = end_mask(60, 47)
+    lyr = layer("auto", block=4, random_blocks=1)
+    with torch.no_grad():
+        lyr(q, k, v, mask)
+    assert calls == [1]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    full = torch.ones(B, 60, dtype=torch.bool)  # (the definition's padded rows are NaN, which backward spreads)
+    lyr(q, k, v, full).sum().backward()
+    assert calls == [1]
+    r = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    definition(lyr, *r, full, 4, 1).sum().backward()
+    for mine, theirs in zip((q, k, v), r, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_declines_with_a_reason():
+    q, k, v = qkv(60)
+    lyr = layer(block=4, random_blocks=1)
+    with pytest.raises(RuntimeError, match="kernel='band' cannot run this call: it is inference only"):
+        lyr(q.clone().requires_grad_(), k, v)
+    with pytest.raises(ValueError, match="kernel"):
+        SparseTransformerConfig(kernel="band")  # neither a band nor neighbouring blocks
+    pattern = _blocksparse.Pattern(4, torch.zeros(1, 1, 15, 3, dtype=torch.long), neighbours=1)
+    assert "dropout" in _blockband.unusable(q, k, v, pattern, dropout=0.1, with_lse=False)
+    assert "log-sum-exp" in _blockband.unusable(q, k, v, pattern, dropout=0.0, with_lse=True)
+    assert "as many queries as keys" in _blockband.unusable(
+        q, k[:, :, :50], v[:, :, :50], pattern, dropout=0.0, with_lse=False
+    )
+
+
+def test_a_handmade_pattern_as_the_gather_kernel_runs_it():
+    """Any pattern with neighbours, not only bigbird's: blocks dropped at random (some query blocks left with no key
+    at all, whose rows are 0), two listed blocks per query block and head, no shared keys, padding at the end."""
+    g = torch.Generator().manual_seed(9)
+    n, blk = 70, 5
+    tq = math.ceil(n / blk)
+    q, k, v = qkv(n, seed=9)
+    near = torch.arange(tq)[:, None] + torch.arange(-2, 3)  # neighbours = 2
+    listed = torch.randint(0, tq, (B, H, tq, 2), generator=g)
+    listed[..., 1] = (listed[..., 0] + 1 + torch.randint(0, tq - 1, (B, H, tq), generator=g)) % tq  # distinct
+    kv = torch.cat([near.expand(B, H, tq, 5), listed], -1)
+    ok = torch.rand(B, H, tq, 7, generator=g) < 0.6
+    ok[..., :5] &= (near >= 0) & (near < tq)
+    ok[:, :, 3] = False  # query block 3: no key at all
+    ok[..., 5:] &= ((listed[..., :, None] - near[:, None, :]).abs() > 0).all(-1)  # listed: not a neighbour
+    pattern = _blocksparse.Pattern(blk, kv, ok, neighbours=2)
+    mask = end_mask(n, 58)
+    outs = {
+        kernel: _blocksparse.attend(q, k, v, pattern, key_mask=mask, scale=D**-0.5, kernel=kernel)
+        for kernel in ("gather", "band")
+    }
+    assert outs["band"][:, :, 3 * blk : 4 * blk].abs().max() == 0
+    torch.testing.assert_close(outs["band"][0], outs["gather"][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outs["band"][1, :, :58], outs["gather"][1, :, :58], rtol=1e-12, atol=1e-12)
