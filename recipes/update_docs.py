@@ -40,6 +40,7 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cpu_kernel_lowrank.json",
     "benchmarks/results/attention_op_cpu_sparse_patterns.json",
     "benchmarks/results/attention_op_cpu_lsh_engines.json",
+    "benchmarks/results/attention_op_cpu_bigbird_kernels.json",
     "benchmarks/results/attention_op_cpu_backward.json",
     "benchmarks/results/attention_op_cuda.json",
     "benchmarks/results/attention_op_cuda_bf16.json",
