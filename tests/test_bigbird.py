@@ -69,10 +69,11 @@ def masked_attention(q, k, v, allowed):
         (3, 0, 40, 40),  # no random blocks
     ],
 )
-def test_matches_the_definition(block, r, n, real):
+@pytest.mark.parametrize("kernel", ["gather", "band"])  # training's kernel, and inference's on the CPU
+def test_matches_the_definition(block, r, n, real, kernel):
     q, k, v = qkv(n)
     mask = mask_of(n, real)
-    lyr = layer(block=block, random_blocks=r, full_fallback=False)
+    lyr = layer(block=block, random_blocks=r, full_fallback=False, kernel=kernel)
     rand = [drawn(lyr, math.ceil(int(m.sum()) / block), r) for m in mask]
     allowed = reference_mask(mask, block, rand)
     ref = masked_attention(q, k, v, allowed)

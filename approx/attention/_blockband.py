@@ -17,13 +17,15 @@ key blocks t - a, ..., t + a first and then R blocks of its own (BigBird's rando
 
 Query blocks made only of global queries are skipped: global queries' rows are dense attention to every real key
 (SDPA), written afterwards. Padded queries attend the shared keys only (0 without any), as in the gather kernel.
-Work O(N ((2a + 1 + R) block + G) d), memory O(N d) plus one chunk. Every buffer is allocated once per call: a fresh
-large tensor per chunk costs more than its product on the CPU (page faults). tests/test_blockband.py compares it with
-a float64 softmax from BigBird's definition and with the gather kernel; the docs' Speed page has the measurements.
+Work O(N ((2a + 1 + R) block + G) d), memory O(N d) plus one chunk. Every buffer is allocated once per batch row
+and reused by its heads and chunks: a fresh large tensor per chunk costs more than its product on the CPU (page
+faults). tests/test_blockband.py compares it with a float64 softmax from BigBird's definition and with the gather
+kernel; the docs' Speed page has the measurements.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -34,13 +36,15 @@ from ._common import compute_dtype
 __all__ = ["attend", "unusable"]
 
 # Largest score chunk, in elements (blocks * block * keys): 2 MiB in float32, so that the softmax and the products
-# that follow the score products find it in cache (BigBird at N = 4096 on 2 CPU cores, one-off timing: 2^19 and
-# 2^20 elements within noise of each other, 2^18 and 2^21 slower, 2^16 1.4x slower)
+# that follow the score products find it in cache. BigBird at N = 4096 on 2 CPU cores, one-off timings of the whole
+# call: 2^19 elements 72-76 ms, 2^20 73-80 ms (within noise of each other), 2^18 80 ms, 2^21 90 ms, 2^16 108 ms
 _CHUNK_ELEMENTS = 1 << 19
 
 
-def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool) -> str | None:
-    """Why this kernel cannot run this call (None: it can)."""
+def unusable(q, k, v, pattern, *, key_mask, dropout: float, with_lse: bool) -> str | None:
+    """Why this kernel cannot run this call (None: it can). Besides the pattern's ``neighbours``, it needs one order
+    per batch row (``q_order`` (B|1, 1, N), the same tensor as ``k_order``) that puts the row's real tokens first,
+    as BigBird's does, or none with padding at the end only (``key_mask`` (B, N) bool, safe_key_mask's)."""
     if pattern.neighbours is None:
         return "the pattern lists no neighbouring key blocks first (bigbird's patterns do)"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -55,6 +59,14 @@ def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool) -> str | None:
         return "it takes no element mask or score bias"
     if pattern.q_order is not pattern.k_order:
         return "it needs queries and keys in one order"
+    if pattern.q_order is not None and pattern.q_order.shape[1] != 1:
+        return "it needs one order per batch row, not one per head"
+    if key_mask is not None:  # real tokens first: the first L slots of each row's order hold its L real tokens
+        first = torch.arange(key_mask.shape[1], device=key_mask.device) < key_mask.sum(-1, keepdim=True)
+        if pattern.q_order is not None:
+            key_mask = key_mask.gather(1, pattern.q_order[:, 0].expand(key_mask.shape[0], -1))
+        if not bool((key_mask == first).all()):
+            return "it needs each row's real tokens first in the pattern's order (padding last)"
     return None
 
 
@@ -66,15 +78,6 @@ def _load(dst: torch.Tensor, src: torch.Tensor, order: torch.Tensor, prefix: boo
         torch.index_select(src, 0, order, out=dst)
     else:
         dst.copy_(src[order])
-
-
-def _row_order(pattern, bi: int, length: int, device) -> tuple[torch.Tensor, bool]:
-    """The positions of batch row ``bi``'s real tokens in the pattern's order (L,), and whether they are the first L
-    positions in order (no padding inside the row)."""
-    if pattern.q_order is None:
-        return torch.arange(length, device=device), True
-    order = pattern.q_order[bi if pattern.q_order.shape[0] > 1 else 0, 0, :length]
-    return order, bool((order == torch.arange(length, device=device)).all())
 
 
 def _head_keys(kh, vh, bufs, order, prefix: bool, *, block: int, neighbours: int, blocks: int):
@@ -105,43 +108,73 @@ def _in_chunk(blocks: list[int], t0: int, t1: int, device) -> torch.Tensor | Non
     return torch.tensor(inside, device=device) if inside else None
 
 
-def _row_tables(pattern, bi: int, order, length: int, *, valid, dt, device):
-    """What every head of batch row ``bi`` reads: the bias of each query block's neighbouring and listed keys,
-    which blocks need it, which have no key at all, the listed block ids, and the range of query blocks to run."""
+def _head(table, h: int):
+    """Head ``h`` of a per-head table (a tensor or a list), or its only entry when the heads share it."""
+    return table[h if len(table) > 1 else 0]
+
+
+@dataclasses.dataclass
+class _Row:
+    """What every head of one batch row reads. Per head (first dim H, or 1 when shared) and real query block t:
+    ``near_bias`` (Hb, T, (2a + 1) block) and ``listed_bias`` (Hb, T, R block), 0 or -inf on each of its keys, and
+    the blocks needing them (``near_flags``, ``listed_flags``: lists per head); ``empty``: per head, the blocks with no
+    key at all (none when there are shared keys); ``ids`` (Hb, T, R): the listed blocks; ``span``: the query blocks
+    to run, [lo, hi) (those with a query that is not global); ``shared``: the real shared keys' positions or None."""
+
+    near_bias: torch.Tensor
+    listed_bias: torch.Tensor
+    near_flags: list[list[int]]
+    listed_flags: list[list[int]]
+    empty: list[list[int]]
+    ids: torch.Tensor
+    span: tuple[int, int]
+    shared: torch.Tensor | None
+
+
+def _row_tables(pattern, bi: int, order, real, *, valid, dt, device) -> _Row:
+    """The :class:`_Row` of batch row ``bi``: ``order`` its real tokens' positions in the pattern's order (L,),
+    ``real`` (N,) bool, ``valid`` (B|1, H|1, Tq, K) which listed blocks count."""
     blk, a = pattern.block, pattern.neighbours
-    width = 2 * a + 1
-    tqb = -(-length // blk)
+    width, length = 2 * a + 1, order.shape[0]
+    blocks = -(-length // blk)
     neg = torch.tensor(float("-inf"), dtype=dt, device=device)
     zero = torch.zeros((), dtype=dt, device=device)
+    shared = None
+    if pattern.shared_keys is not None and bool((pattern.shared_keys[bi] & real).any()):
+        shared = (pattern.shared_keys[bi] & real).nonzero().squeeze(-1)
     # keys a block may use: real (slot < L) and not shared (the shared keys have their own columns)
-    free = torch.zeros(tqb * blk, dtype=torch.bool, device=device)
+    free = torch.zeros(blocks * blk, dtype=torch.bool, device=device)
     free[:length] = True
     if pattern.shared_keys is not None:
         free[:length] &= ~pattern.shared_keys[bi, order]
-    padded = F.pad(free, (a * blk, a * blk))
-    key_bias = torch.where(padded, zero, neg)  # (tqb + 2a) blk
-    sel = bi if valid.shape[0] > 1 else 0
-    ok = valid[sel, :, :tqb]  # (Hb, tqb, K)
-    win_bias = key_bias.unfold(0, width * blk, blk)[None] + torch.where(ok[..., :width], zero, neg).repeat_interleave(
+    key_bias = torch.where(F.pad(free, (a * blk, a * blk)), zero, neg)  # ((blocks + 2a) block,): a blocks each side
+    ok = valid[bi if valid.shape[0] > 1 else 0, :, :blocks]  # (Hb, T, K)
+    near_bias = key_bias.unfold(0, width * blk, blk)[None] + torch.where(ok[..., :width], zero, neg).repeat_interleave(
         blk, -1
-    )  # (Hb, tqb, width blk)
-    ids = pattern.kv_blocks[sel if pattern.kv_blocks.shape[0] > 1 else 0, :, :tqb, width:]
-    ok_listed = ok[..., width:] & (ids < tqb)
-    ids = ids.clamp(0, max(tqb - 1, 0))
-    listed_bias = (
-        key_bias[a * blk : a * blk + tqb * blk].view(tqb, blk)[ids] + torch.where(ok_listed, zero, neg)[..., None]
-    ).flatten(-2)  # (Hb, tqb, R blk)
-    win_flag, listed_flag = (win_bias == neg).any(-1), (listed_bias == neg).any(-1)
-    nothing = (win_bias == neg).all(-1) & (listed_bias == neg).all(-1)  # (Hb', tqb): no block key at all
+    )  # (Hb, T, width block)
+    ids = pattern.kv_blocks[bi if pattern.kv_blocks.shape[0] > 1 else 0, :, :blocks, width:]  # (Hb, T, R)
+    ok_listed = ok[..., width:] & (ids < blocks)
+    ids = ids.clamp(0, max(blocks - 1, 0))
+    block_bias = key_bias[a * blk : (a + blocks) * blk].view(blocks, blk)
+    listed_bias = (block_bias[ids] + torch.where(ok_listed, zero, neg)[..., None]).flatten(-2)  # (Hb, T, R block)
+    nothing = (near_bias == neg).all(-1) & (listed_bias == neg).all(-1)  # (Hb', T): no key in any block
     # query blocks to run: those with a query that is not global (global rows are dense, written afterwards)
-    need = torch.ones(tqb, dtype=torch.bool, device=device)
+    need = torch.ones(blocks, dtype=torch.bool, device=device)
     if pattern.global_queries is not None:
-        glob = torch.ones(tqb * blk, dtype=torch.bool, device=device)
+        glob = torch.ones(blocks * blk, dtype=torch.bool, device=device)
         glob[:length] = pattern.global_queries[bi, order]
-        need = ~glob.view(tqb, blk).all(-1)
+        need = ~glob.view(blocks, blk).all(-1)
     at = need.nonzero().squeeze(-1).tolist()
-    span = (at[0], at[-1] + 1) if at else (0, 0)
-    return win_bias, listed_bias, _flagged(win_flag), _flagged(listed_flag), nothing, ids, span
+    return _Row(
+        near_bias,
+        listed_bias,
+        _flagged((near_bias == neg).any(-1)),
+        _flagged((listed_bias == neg).any(-1)),
+        _flagged(nothing) if shared is None else [[] for _ in range(nothing.shape[0])],
+        ids,
+        (at[0], at[-1] + 1) if at else (0, 0),
+        shared,
+    )
 
 
 def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -151,107 +184,113 @@ def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float) -> 
     ``key_mask`` must be :func:`._common.safe_key_mask`'s (no row without a real key)."""
     dt = compute_dtype(q.dtype)
     b, h, n, d = q.shape
-    dv = v.shape[-1]
-    dev = q.device
+    dv, dev = v.shape[-1], q.device
     blk, a = pattern.block, pattern.neighbours
-    width = 2 * a + 1
-    tq = math.ceil(n / blk)
-    kvb = pattern.kv_blocks
-    listed = kvb.shape[-1] - width
-    valid = (kvb >= 0) & (kvb < tq)
+    valid = (pattern.kv_blocks >= 0) & (pattern.kv_blocks < math.ceil(n / blk))
     if pattern.kv_valid is not None:
         valid = valid & pattern.kv_valid
     real = torch.ones(b, n, dtype=torch.bool, device=dev) if key_mask is None else key_mask.to(torch.bool)
     lengths = real.sum(-1).tolist()
     out = torch.empty(b, n, h, dv, dtype=dt, device=dev)
-    for bi in range(b):
-        length = lengths[bi]
-        tqb = -(-length // blk)
-        order, prefix = _row_order(pattern, bi, length, dev)
-        win_bias, listed_bias, win_flags, listed_flags, nothing, ids, (lo, hi) = _row_tables(
-            pattern, bi, order, length, valid=valid.expand(-1, -1, tq, -1), dt=dt, device=dev
-        )
-        shared = None
-        if pattern.shared_keys is not None and bool((pattern.shared_keys[bi] & real[bi]).any()):
-            shared = (pattern.shared_keys[bi] & real[bi]).nonzero().squeeze(-1)
-        g = 0 if shared is None else shared.numel()
-        if length < n:  # padded queries: the shared keys only, as the gather kernel and the dense path give them
+    for bi, length in enumerate(lengths):
+        blocks = -(-length // blk)
+        if pattern.q_order is None:  # (padding at the end only: unusable checks it)
+            order, prefix = torch.arange(length, device=dev), True
+        else:
+            order = pattern.q_order[bi if pattern.q_order.shape[0] > 1 else 0, 0, :length]
+            prefix = bool((order == torch.arange(length, device=dev)).all())  # no padding inside the row
+        row = _row_tables(pattern, bi, order, real[bi], valid=valid, dt=dt, device=dev)
+        if length < n:  # padded queries: the shared keys only (what the gather kernel gives them for bigbird)
             pad = (~real[bi]).nonzero().squeeze(-1)
-            if g:
-                out[bi, pad] = _dense(q, k, v, bi, pad, shared, scale, dt)
-            else:
-                out[bi, pad] = 0.0
-        empty = _flagged(nothing) if g == 0 else [[] for _ in range(nothing.shape[0])]
-        # neighbours viewed in place: K, V in order, the right dtype, every window of the run inside the real blocks
-        # (whole blocks only: a partial block would read padding, which may hold anything)
+            out[bi, pad] = 0.0 if row.shared is None else _dense(q, k, v, bi, pad, row.shared, scale, dt)
+        (lo, hi), g = row.span, 0 if row.shared is None else row.shared.numel()
+        # K, V viewed in place: in order, in whole real blocks (a partial one would read padding, which may hold
+        # anything), in the compute dtype, and every window of the run inside them; else copied per head
         direct = prefix and k.dtype == v.dtype == dt and length % blk == 0 and lo >= a and (hi + a) * blk <= length
-        wk = width * blk
-        wl = listed * blk
-        per = max(1, _CHUNK_ELEMENTS // (blk * (wk + wl + g)))
-        rows = min(per, max(1, hi - lo))
-        scratch = _Scratch(rows, blk, (wk, wl, g), d, dv, listed, dtype=dt, device=dev)
-        kv_bufs = None
-        if not direct:
-            kv_bufs = tuple(torch.zeros((tqb + 2 * a) * blk, x.shape[-1], dtype=dt, device=dev) for x in (k, v))
-        qdirect = prefix and q.dtype == dt and hi * blk <= length
-        qbuf = None if qdirect else torch.zeros(tqb * blk, d, dtype=dt, device=dev)
+        kv_bufs = (
+            None
+            if direct
+            else tuple(torch.zeros((blocks + 2 * a) * blk, x.shape[-1], dtype=dt, device=dev) for x in (k, v))
+        )
+        q_direct = prefix and q.dtype == dt and hi * blk <= length
+        q_buf = None if q_direct else torch.zeros(blocks * blk, d, dtype=dt, device=dev)
+        widths = ((2 * a + 1) * blk, row.ids.shape[-1] * blk, g)  # keys per query: near, listed, shared
+        per = max(1, _CHUNK_ELEMENTS // (blk * sum(widths)))
+        scratch = _Scratch(min(per, max(1, hi - lo)), blk, widths, d, dv, dtype=dt, device=dev)
         for hh in range(h):
-            (ku, vu), (kblocks, vblocks), off = _head_keys(
-                k[bi, hh], v[bi, hh], kv_bufs, order, prefix, block=blk, neighbours=a, blocks=tqb
+            near, stack, off = _head_keys(
+                k[bi, hh], v[bi, hh], kv_bufs, order, prefix, block=blk, neighbours=a, blocks=blocks
             )
-            if qdirect:
-                qh = q[bi, hh]
+            if q_direct:
+                qh = q[bi, hh]  # (N, d)
             else:
-                _load(qbuf[:length], q[bi, hh], order, prefix)
-                qh = qbuf
-            shared_kv = (k[bi, hh, shared].to(dt), v[bi, hh, shared].to(dt)) if g else None
-            og = out[bi, :, hh]  # (N, dv), written in place
-            hw, hl = (hh if win_bias.shape[0] > 1 else 0), (hh if listed_bias.shape[0] > 1 else 0)
-            he = hh if nothing.shape[0] > 1 else 0
+                _load(q_buf[:length], q[bi, hh], order, prefix)
+                qh = q_buf
+            shared_kv = None if row.shared is None else (k[bi, hh, row.shared].to(dt), v[bi, hh, row.shared].to(dt))
+            rows_out = out[bi, :, hh]  # (N, dv), written in place
             for t0 in range(lo, hi, per):
                 t1 = min(hi, t0 + per)
-                c = t1 - t0
-                kr = vr = None
-                if listed:
-                    pick = ids[hh if ids.shape[0] > 1 else 0, t0:t1].reshape(-1)
-                    kr = torch.index_select(kblocks, 0, pick, out=scratch.kl[: c * listed]).view(c, wl, d)
-                    vr = torch.index_select(vblocks, 0, pick, out=scratch.vl[: c * listed]).view(c, wl, dv)
-                fixes = (
-                    (slice(0, wk), _in_chunk(win_flags[hw], t0, t1, dev), win_bias[hw]),
-                    (slice(wk, wk + wl), _in_chunk(listed_flags[hl], t0, t1, dev), listed_bias[hl]),
-                )
+                listed = _gather_listed(stack, _head(row.ids, hh)[t0:t1], scratch)
+                fixes = [
+                    (cols, at, bias[at + t0, None, :])
+                    for cols, flags, bias in (
+                        (slice(0, widths[0]), _head(row.near_flags, hh), _head(row.near_bias, hh)),
+                        (
+                            slice(widths[0], widths[0] + widths[1]),
+                            _head(row.listed_flags, hh),
+                            _head(row.listed_bias, hh),
+                        ),
+                    )
+                    if (at := _in_chunk(flags, t0, t1, dev)) is not None
+                ]
                 o = _chunk(
                     scratch,
-                    qh[t0 * blk : t1 * blk].view(c, blk, d),
-                    (ku[t0 + off : t1 + off], vu[t0 + off : t1 + off]),
-                    (kr, vr),
+                    qh[t0 * blk : t1 * blk].view(t1 - t0, blk, d),
+                    (near[0][t0 + off : t1 + off], near[1][t0 + off : t1 + off]),
+                    listed,
                     shared_kv,
                     scale=scale,
-                    fixes=[(cols, at, bias[at + t0, None, :]) for cols, at, bias in fixes if at is not None],
-                    empty=_in_chunk(empty[he], t0, t1, dev),
+                    fixes=fixes,
+                    empty=_in_chunk(_head(row.empty, hh), t0, t1, dev),
                 ).view(-1, dv)
                 r0, r1 = t0 * blk, min(length, t1 * blk)
                 if prefix:
-                    og[r0:r1] = o[: r1 - r0]
+                    rows_out[r0:r1] = o[: r1 - r0]
                 else:
-                    og.index_copy_(0, order[r0:r1], o[: r1 - r0])
+                    rows_out.index_copy_(0, order[r0:r1], o[: r1 - r0])
         if pattern.global_queries is not None:
-            _global_rows(q, k, v, bi, pattern.global_queries[bi] & real[bi], order, prefix, length, scale, out, dt)
+            glob = (pattern.global_queries[bi] & real[bi]).nonzero().squeeze(-1)
+            if glob.numel():  # dense rows to every real key
+                out[bi, glob] = _dense(q, k, v, bi, glob, slice(0, length) if prefix else order, scale, dt)
     return out.transpose(1, 2)
 
 
-class _Scratch:
-    """The buffers one batch row reuses from chunk to chunk: all scores side by side, each product's scores, the
-    listed blocks' keys and values, the output."""
+def _gather_listed(stack, ids: torch.Tensor, buf: _Scratch):
+    """The listed blocks ``ids`` (c, R) of c query blocks, gathered from the head's blocks ``stack`` into ``buf``:
+    keys (c, R block, d) and values (c, R block, dv), or (None, None) without listed blocks."""
+    c, r = ids.shape
+    if r == 0:
+        return None, None
+    kb, vb = stack
+    blk = kb.shape[1]
+    keys = torch.index_select(kb, 0, ids.reshape(-1), out=buf.kl[: c * r]).view(c, r * blk, -1)
+    values = torch.index_select(vb, 0, ids.reshape(-1), out=buf.vl[: c * r]).view(c, r * blk, -1)
+    return keys, values
 
-    def __init__(self, rows, blk, widths, d, dv, listed, *, dtype, device):
+
+class _Scratch:
+    """The buffers one batch row reuses from chunk to chunk (allocated once per row): all scores side by side, each
+    product's scores, the listed blocks' keys and values, the output. ``widths``: keys per query (near, listed,
+    shared)."""
+
+    def __init__(self, rows, blk, widths, d, dv, *, dtype, device):
         wk, wl, g = widths
         self.s = torch.empty(rows, blk, wk + wl + g, dtype=dtype, device=device)
         self.near = torch.empty(rows, blk, wk, dtype=dtype, device=device)
         self.listed = torch.empty(rows, blk, wl, dtype=dtype, device=device)
         self.shared = torch.empty(rows * blk, g, dtype=dtype, device=device)
-        self.kl = torch.empty(rows * listed, blk, d, dtype=dtype, device=device)
-        self.vl = torch.empty(rows * listed, blk, dv, dtype=dtype, device=device)
+        self.kl = torch.empty(rows * (wl // blk), blk, d, dtype=dtype, device=device)
+        self.vl = torch.empty(rows * (wl // blk), blk, dv, dtype=dtype, device=device)
         self.o = torch.empty(rows, blk, dv, dtype=dtype, device=device)
 
 
@@ -292,10 +331,3 @@ def _dense(q, k, v, bi, queries, keys, scale, dt) -> torch.Tensor:
         q[bi : bi + 1, :, queries].to(dt), k[bi : bi + 1, :, keys].to(dt), v[bi : bi + 1, :, keys].to(dt), scale=scale
     )
     return o[0].transpose(0, 1)
-
-
-def _global_rows(q, k, v, bi, glob, order, prefix, length, scale, out, dt):
-    """Rows of the global queries of batch row ``bi``: dense attention to every real key, into ``out``."""
-    pos = glob.nonzero().squeeze(-1)
-    if pos.numel():
-        out[bi, pos] = _dense(q, k, v, bi, pos, slice(0, length) if prefix else order, scale, dt)

@@ -51,7 +51,7 @@ __all__ = ["Pattern", "attend", "combine", "dense_mask", "dense_weights", "range
 
 # the kernels that run a pattern (the sparse-pattern methods' ``kernel`` option): see :func:`attend`
 KERNELS = ("auto", "gather", "flex")
-BAND = "band"  # the banded kernel, for contiguous-window patterns only (:mod:`._band`)
+BAND = "band"  # the banded kernels: contiguous windows (:mod:`._band`), neighbouring blocks (:mod:`._blockband`)
 
 
 def kernel_option(*, band: str | None = None) -> Any:
@@ -111,7 +111,8 @@ class Pattern:
     band: int | None = None
     # the first 2 * neighbours + 1 entries of every query block's ``kv_blocks`` are the key blocks t - neighbours, ...,
     # t + neighbours (in the sorted order; ``kv_valid`` may drop some): the block-band kernel (:mod:`._blockband`)
-    # can run it, with the neighbours as views; None: they are not
+    # can run it, with the neighbours as views, when the order is one per batch row (or none) and puts each row's
+    # real tokens first (``_blockband.unusable`` checks it); None: they are not
     neighbours: int | None = None
 
 
@@ -190,19 +191,15 @@ def attend(
 
     ``kernel``: ``"gather"`` (this module's plain-torch kernel), ``"flex"`` (compiled FlexAttention on the same
     pattern: :mod:`._flex`; an error when it cannot run the call), ``"band"`` (the banded kernel, :mod:`._band`, for
-    a ``pattern.band``; an error when it cannot run the call) or ``"auto"`` (on the CPU the banded kernel where it
-    can run the call; else flex where it can and the sequence is long enough to repay it, see ``_flex.worth_it``;
+    a ``pattern.band``, the block-band kernel, :mod:`._blockband`, for ``pattern.neighbours``; an error when it
+    cannot run the call) or ``"auto"`` (on the CPU the banded kernels where they can run the call; else flex where it can and the sequence is long enough to repay it, see ``_flex.worth_it``;
     else gather)."""
     banded = pattern.band is not None or pattern.neighbours is not None
     if kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and banded):
-        why = _band_unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
-        if why is None and pattern.band is None:
-            from . import _blockband
-
-            out = _blockband.attend(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
-            return out.to(v.dtype)
+        why = _band_unusable(q, k, v, pattern, key_mask=safe_key_mask(key_mask), dropout=dropout, with_lse=with_lse)
         if why is None:
-            return _attend_band(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
+            attend_band = _attend_band if pattern.band is not None else _attend_blockband
+            return attend_band(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
         if kernel == BAND:
             raise RuntimeError(f"kernel='band' cannot run this call: {why}")
     if kernel != "gather":
@@ -309,14 +306,22 @@ def _attend_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.
     return out.to(out_dtype)
 
 
-def _band_unusable(q, k, v, pattern: Pattern, *, dropout: float, with_lse: bool) -> str | None:
-    """Why the banded kernel (:mod:`._band`) cannot run this call (None: it can)."""
+def _attend_blockband(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
+    """The block-band kernel (:mod:`._blockband`) on a pattern with ``neighbours``, in v's dtype."""
+    from . import _blockband
+
+    return _blockband.attend(q, k, v, pattern, key_mask=key_mask, scale=scale).to(v.dtype)
+
+
+def _band_unusable(q, k, v, pattern: Pattern, *, key_mask, dropout: float, with_lse: bool) -> str | None:
+    """Why ``kernel="band"`` cannot run this call (None: it can): the banded kernel (:mod:`._band`) for a
+    ``pattern.band``, the block-band kernel (:mod:`._blockband`) for ``pattern.neighbours``."""
     from . import _band
 
     if pattern.band is None and pattern.neighbours is not None:
         from . import _blockband
 
-        return _blockband.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
+        return _blockband.unusable(q, k, v, pattern, key_mask=key_mask, dropout=dropout, with_lse=with_lse)
     if pattern.band is None:
         return "the pattern is not a contiguous band (window with dilation 1) nor neighbouring blocks (bigbird)"
     if with_lse:
