@@ -192,16 +192,13 @@ def attend(
     ``kernel``: ``"gather"`` (this module's plain-torch kernel), ``"flex"`` (compiled FlexAttention on the same
     pattern: :mod:`._flex`; an error when it cannot run the call), ``"band"`` (the banded kernel, :mod:`._band`, for
     a ``pattern.band``, the block-band kernel, :mod:`._blockband`, for ``pattern.neighbours``; an error when it
-    cannot run the call) or ``"auto"`` (on the CPU the banded kernels where they can run the call; else flex where it can and the sequence is long enough to repay it, see ``_flex.worth_it``;
-    else gather)."""
-    banded = pattern.band is not None or pattern.neighbours is not None
-    if kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and banded):
-        why = _band_unusable(q, k, v, pattern, key_mask=safe_key_mask(key_mask), dropout=dropout, with_lse=with_lse)
-        if why is None:
-            attend_band = _attend_band if pattern.band is not None else _attend_blockband
-            return attend_band(q, k, v, pattern, key_mask=safe_key_mask(key_mask), scale=scale)
-        if kernel == BAND:
-            raise RuntimeError(f"kernel='band' cannot run this call: {why}")
+    cannot run the call) or ``"auto"`` (on the CPU the banded kernels where they can run the call; else flex where
+    it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather)."""
+    banded = _try_band(
+        q, k, v, pattern, key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel
+    )
+    if banded is not None:
+        return banded
     if kernel != "gather":
         from . import _flex
 
@@ -280,6 +277,22 @@ def attend(
     if pattern.global_queries is not None and bool(pattern.global_queries.any()):
         out, lse = _global_rows(q, scale, k, v, key_mask, pattern.global_queries, out, lse, dropout)
     return (out, lse) if with_lse else out.to(out_dtype)  # to combine: in the compute dtype
+
+
+def _try_band(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, kernel) -> torch.Tensor | None:
+    """The banded kernels' output when ``kernel`` asks for them (``"band"``, or ``"auto"`` on the CPU for a band or
+    neighbouring blocks) and they can run the call; None to go on; an error for ``"band"`` when they cannot."""
+    banded = pattern.band is not None or pattern.neighbours is not None
+    if not (kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and banded)):
+        return None
+    key_mask = safe_key_mask(key_mask)
+    why = _band_unusable(q, k, v, pattern, key_mask=key_mask, dropout=dropout, with_lse=with_lse)
+    if why is None:
+        attend_band = _attend_band if pattern.band is not None else _attend_blockband
+        return attend_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
+    if kernel == BAND:
+        raise RuntimeError(f"kernel='band' cannot run this call: {why}")
+    return None
 
 
 def _attend_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
