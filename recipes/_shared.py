@@ -155,10 +155,19 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def wikitext_fidelity_main(configs: list[MethodConfig], output: Path, description: str, argv=None) -> list[dict]:
+def wikitext_fidelity_main(
+    configs: list[MethodConfig],
+    output: Path,
+    description: str,
+    argv=None,
+    *,
+    windows: int = 32,
+    length: int = 512,
+    batch_size: int = 4,
+) -> list[dict]:
     """Command line of a zero-shot WikiText-2 fidelity recipe on MiniLM-L6: ``approx.evaluate`` on the
     ``wikitext2`` task (fidelity mode: the bare encoder) under ``configs``; writes the list of results to
-    ``output`` and prints the table."""
+    ``output`` and prints the table. ``windows``, ``length``, ``batch_size``: the recipe's defaults."""
     import argparse
 
     import torch
@@ -167,9 +176,9 @@ def wikitext_fidelity_main(configs: list[MethodConfig], output: Path, descriptio
     from approx.harness.evaluation import markdown_report
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=32, help="WikiText-2 test windows (default 32)")
-    parser.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
-    parser.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
+    parser.add_argument("--windows", type=int, default=windows, help=f"WikiText-2 test windows (default {windows})")
+    parser.add_argument("--length", type=int, default=length, help=f"tokens per window (default {length})")
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"windows per batch (default {batch_size})")
     parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--output", type=Path, default=output)

@@ -80,30 +80,49 @@ def real_rows(x, mask):
     return x.masked_fill(~mask[:, None, :, None], 0.0)
 
 
+@pytest.fixture(params=["inference", "autograd"])
+def path(request, monkeypatch):
+    """Which of LSH's two eager paths a test runs: the inference one (``_lshrounds``: no gradient, reused buffers) or
+    the differentiable loop (inputs that require gradients; see :func:`run`). Checks afterwards that it ran."""
+    from approx.attention import _lshrounds
+
+    calls, real = [], _lshrounds.attend
+    monkeypatch.setattr(_lshrounds, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    yield request.param
+    assert bool(calls) == (request.param == "inference"), f"the {request.param} path did not run"
+
+
+def run(fn, path, q, k, v, *rest, **kw):
+    """``fn(q, k, v, ...)`` on ``path``: with q requiring gradients for the differentiable loop (output detached)."""
+    if path == "autograd":
+        q = q.clone().requires_grad_()
+    return fn(q, k, v, *rest, **kw).detach()
+
+
 # --------------------------------------------------------------------------------------------- definition
 
 
 @pytest.mark.parametrize("rounds, c", [(1, 8), (2, 8), (3, 16), (4, 5)])
-def test_matches_the_definition(rounds, c):
+def test_matches_the_definition(rounds, c, path):
     """Hashing, separate sorts, balanced clusters, de-duplicated rounds: against the loop reference, padded row
-    included (the pads take no cluster slot: the reference never sees them)."""
+    included (the pads take no cluster slot: the reference never sees them), on both eager paths."""
     q, k, v = inputs(n=60)
     mask = padded_mask(60, 43)
     lyr = lsh(cluster_size=c, rounds=rounds)
     ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], c)
-    out = lyr(q, k, v, mask)
+    out = run(lyr, path, q, k, v, mask)
     torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
     assert (real_rows(out - naive_attention(q, k, v, mask), mask)).abs().max() > 1e-3  # not exact attention
 
 
-def test_dense_weights_are_the_merged_rounds():
+def test_dense_weights_are_the_merged_rounds(path):
     """weights() (softmax over the union of the rounds' pairs) reproduces the output, and each row's support is
     the union: a de-duplication error (a pair weighted twice) would break the first, a wrong union the second."""
     q, k, v = inputs(n=60)
     mask = padded_mask(60, 43)
     lyr = lsh(cluster_size=6, rounds=3)
     w = lyr.weights(q, k, mask)
-    torch.testing.assert_close(lyr(q, k, v, mask), w @ real_rows(v, mask), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(run(lyr, path, q, k, v, mask), w @ real_rows(v, mask), rtol=1e-10, atol=1e-12)
     support = (w > 0).sum(-1)[real_rows(torch.ones(B, H, 60, 1), mask)[..., 0] > 0]
     assert support.min() >= 6 and support.max() <= 18 and support.float().mean() > 6  # c <= |union| <= rounds c
 
@@ -124,42 +143,43 @@ def test_clusters_are_balanced():
 
 @pytest.mark.parametrize("rounds", [1, 2, 4])
 @pytest.mark.parametrize("c", [120, 500])
-def test_one_cluster_is_exact(rounds, c):
-    """c >= N: every real key in one cluster, every pair found in every round (counted once, in the first): exact
-    attention, with a padded row."""
+def test_one_cluster_is_exact(rounds, c, path):
+    """c >= N: every real key in one cluster, every pair found in every round (counted once, in the first; the later
+    rounds' rows are empty, log-sum-exp -inf): exact attention, with a padded row, on both eager paths."""
     q, k, v = inputs()
     mask = padded_mask(120, 90)
-    out = lsh(cluster_size=c, rounds=rounds)(q, k, v, mask)
+    out = run(lsh(cluster_size=c, rounds=rounds), path, q, k, v, mask)
     assert real_rows(out - naive_attention(q, k, v, mask), mask).abs().max() <= 1e-9
 
 
 @pytest.mark.parametrize("rounds", [1, 3])
-def test_rows_no_longer_than_a_cluster_are_exact(rounds):
+def test_rows_no_longer_than_a_cluster_are_exact(rounds, path):
     """A row with at most c real tokens is exact (one cluster), the longer row of the same batch is not."""
     q, k, v = inputs()
     mask = padded_mask(120, 40)
-    err = real_rows(lsh(cluster_size=64, rounds=rounds)(q, k, v, mask) - naive_attention(q, k, v, mask), mask).abs()
+    out = run(lsh(cluster_size=64, rounds=rounds), path, q, k, v, mask)
+    err = real_rows(out - naive_attention(q, k, v, mask), mask).abs()
     assert err[1].max() <= 1e-9 and err[0].max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------ padding
 
 
-def test_padding_is_invisible_even_when_poisoned():
+def test_padding_is_invisible_even_when_poisoned(path):
     """Pads with huge queries and keys (which would set M^2 and win the sort if counted) change nothing."""
     q, k, v = inputs(n=100)
     lyr = lsh(cluster_size=8, rounds=3)
-    short = lyr(q[:1], k[:1], v[:1], None)
+    short = run(lyr, path, q[:1], k[:1], v[:1], None)
     pad = 37
     qp, kp, vp = (torch.cat([x[:1], 1e4 * torch.ones(1, H, pad, D, dtype=x.dtype)], 2) for x in (q, k, v))
     mask = torch.arange(100 + pad)[None] < 100
-    torch.testing.assert_close(lyr(qp, kp, vp, mask)[:, :, :100], short, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run(lyr, path, qp, kp, vp, mask)[:, :, :100], short, rtol=0, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------- cross attention
 
 
-def test_more_queries_than_keys_attend_the_last_key_cluster():
+def test_more_queries_than_keys_attend_the_last_key_cluster(path):
     """N > S (no query mask): the query clusters past the last key cluster attend it; every query gets a
     distribution over real keys and the output is its weights times v."""
     g = torch.Generator().manual_seed(3)
@@ -169,7 +189,7 @@ def test_more_queries_than_keys_attend_the_last_key_cluster():
     spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=2)
     state = spec.init_state(config, head_dim=D, seed=0)
     kw = dict(key_mask=key_mask, query_mask=None, scale=D**-0.5, config=config, state=state)
-    out = spec.attend(q, k, v, **kw)
+    out = run(spec.attend, path, q, k, v, **kw)
     w = spec.weights(q, k, **kw)
     torch.testing.assert_close(w.sum(-1), torch.ones(1, 2, 50, dtype=torch.float64))
     assert (w[..., 17:] == 0).all()
@@ -177,7 +197,7 @@ def test_more_queries_than_keys_attend_the_last_key_cluster():
 
 
 @pytest.mark.parametrize("n,s", [(8, 16), (12, 20), (20, 12)])
-def test_cross_attention_with_several_rows_and_heads(n, s):
+def test_cross_attention_with_several_rows_and_heads(n, s, path):
     """N != S with several batch rows and heads: each (row, head) attends its own keys, as the dense union of the
     rounds says (weights() builds it without the round kernel)."""
     g = torch.Generator().manual_seed(n + s)
@@ -186,19 +206,55 @@ def test_cross_attention_with_several_rows_and_heads(n, s):
     spec, config = get_method("lsh"), LshConfig(cluster_size=4, rounds=2)
     state = spec.init_state(config, head_dim=D, seed=0)
     kw = dict(key_mask=None, query_mask=None, scale=D**-0.5, config=config, state=state)
-    torch.testing.assert_close(spec.attend(q, k, v, **kw), spec.weights(q, k, **kw) @ v, rtol=1e-12, atol=1e-12)
+    out = run(spec.attend, path, q, k, v, **kw)
+    torch.testing.assert_close(out, spec.weights(q, k, **kw) @ v, rtol=1e-12, atol=1e-12)
 
 
-def test_rounds_split_into_chunks(monkeypatch):
-    """A round's clusters computed a few at a time give the same output as the loop reference."""
+def test_rounds_split_into_chunks(monkeypatch, path):
+    """A round's clusters computed a few at a time give the same output as the loop reference (2 x 3 x 8 = 48
+    clusters of 8: 16 chunks of three), on both eager paths."""
+    from approx.attention import _lshrounds
     from approx.attention import lsh as lsh_module
 
-    monkeypatch.setattr(lsh_module, "_CHUNK_ELEMENTS", 3 * 8 * 8)  # three clusters of 8 per chunk
+    for module in (lsh_module, _lshrounds):
+        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 3 * 8 * 8)  # three clusters of 8 per chunk
     q, k, v = inputs(n=60)
     mask = padded_mask(60, 43)
     lyr = lsh(cluster_size=8, rounds=3)
     ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], 8)
-    torch.testing.assert_close(real_rows(lyr(q, k, v, mask), mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+    out = run(lyr, path, q, k, v, mask)
+    torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_inference_path_gives_the_differentiable_output(dtype):
+    """Without gradients LSH runs ``_lshrounds`` (reused buffers, chunks merged as they end): in float32, float16 and
+    bfloat16 (computed in float32; the two may round a half-precision output differently), on strided inputs laid out as a model passes them, with padding, rows shorter
+    than a cluster, and more queries than keys (query clusters past the keys' attend the last key cluster), it gives
+    the differentiable loop's output and leaves its inputs as they were."""
+    from approx.attention import _lshrounds
+
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 70, 3, H, D, generator=g).to(dtype)  # (B, N, 3, H, d): q, k, v are strided views
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    before = qkv.clone()
+    spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=3)
+    state = spec.init_state(config, head_dim=D, seed=0)
+    for keys, real_last in ((70, 51), (70, 6), (37, 30)):
+        key_mask = torch.ones(2, keys, dtype=torch.bool)
+        key_mask[1, real_last:] = False
+        kw = dict(key_mask=key_mask, query_mask=None, scale=D**-0.5, config=config, state=state)
+        kk, vv = k[:, :, :keys], v[:, :, :keys]
+        with torch.no_grad():
+            assert _lshrounds.usable(q, kk, vv, dropout=0.0)
+            fast = spec.attend(q, kk, vv, **kw)
+        slow = run(spec.attend, "autograd", q, kk, vv, **kw)
+        # float32: the same sums in another order; half precision: at most a rounding apart (torch's defaults)
+        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+        torch.testing.assert_close(fast, slow, **tol)
+    assert torch.equal(qkv, before)
+    assert not _lshrounds.usable(q, k, v, dropout=0.1)
+    assert not _lshrounds.usable(q.clone().requires_grad_(), k, v, dropout=0.0)
 
 
 # ------------------------------------------------------------------------------------------- compiled engine

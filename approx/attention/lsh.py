@@ -48,7 +48,9 @@ Choices made here:
 
 Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gathered into their sorted orders,
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
-masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. ``weights()`` and the graph
+masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. Without gradients or dropout the
+eager engine runs :mod:`._lshrounds` instead: the same computation on buffers allocated once per call, each chunk of
+clusters merged into the output as it ends (faster on the CPU, the docs' Speed page). ``weights()`` and the graph
 statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs
 plus the hashing. ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through
 torch.compile, 32 query blocks per call over one static shape (faster on the CPU up to 8192 tokens; the docs' Speed
@@ -63,9 +65,9 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _blocksparse, _compiled, _fallback
+from . import _blocksparse, _compiled, _fallback, _lshrounds
 from ._blocksparse import Pattern
-from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask, zero_padded_values
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +194,10 @@ def pair_counts(hashed: Hashed, i: torch.Tensor, j: torch.Tensor) -> torch.Tenso
     return (_at(hashed.target, i) == _at(hashed.k_cluster, j)).sum(0)
 
 
-# Largest score chunk of one round, in elements (blocks * c * c): bounds the memory of a round (smaller chunks were
-# measured no faster on the CPU)
-_CHUNK_ELEMENTS = 1 << 22
+# Largest score chunk of one round, in elements (blocks * c * c), on the differentiable path: bounds the memory of a
+# round (2 MiB in float32; one-off timings of the whole call without gradients, before inference had its own path:
+# 2^19 2-7 % faster than 2^22 at N = 4096 and 16384)
+_CHUNK_ELEMENTS = 1 << 19
 # engine="compiled": query blocks per compiled call (the last one filled up), so that one static shape, compiled once,
 # serves every length (inductor's CPU loops over dynamic shapes ran slower than the eager code); 32 to 64 blocks of
 # 128 x 128 ran fastest per block on 2 CPU cores
@@ -261,21 +264,12 @@ def attend_rounds(
     ``engine="compiled"``: each chunk through :func:`round_blocks` compiled (eager under attention dropout)."""
     from ._blocksparse import merge
 
-    dt, out_dtype = compute_dtype(q.dtype), v.dtype
-    b, h, n, d = q.shape
-    s, dv, blk = k.shape[2], v.shape[-1], hashed.block
-    tq, tk = -(-n // blk), -(-s // blk)
-    bh, dev = b * h, q.device
-    key_mask = safe_key_mask(key_mask)
-    qf, kf = q.to(dt).reshape(bh * n, d), k.to(dt).reshape(bh * s, d)
-    vf = zero_padded_values(v.to(dt), key_mask).reshape(bh * s, dv)
-    q_base = (torch.arange(bh, device=dev) * n)[:, None]  # row of (batch, head) 0 in the flat tables
-    k_base = (torch.arange(bh, device=dev) * s)[:, None]
-    kv = hashed.kv.view(b, 1, tq).expand(b, h, tq).reshape(bh, tq)  # each query cluster's key cluster
-    blocks = None  # key blocks in the (B H Tk) list of sorted key blocks, when not block t for query block t
-    if not (tq == tk and bool((kv == torch.arange(tq, device=dev)).all())):
-        blocks = (kv + (torch.arange(bh, device=dev) * tk)[:, None]).reshape(-1)
-    real = None if key_mask is None else key_mask[:, None, :].expand(b, h, s).reshape(bh, s)
+    if engine == "eager" and _lshrounds.usable(q, k, v, dropout=dropout):
+        return _lshrounds.attend(q, k, v, hashed, key_mask=key_mask, scale=scale)
+    t = _lshrounds.tables(q, k, v, hashed, safe_key_mask(key_mask))  # the flat tables, shared with the inference path
+    b, h, n, s, blk, tq, tk, dt = t.b, t.h, t.n, t.s, t.blk, t.tq, t.tk, t.dt
+    qf, kf, vf, q_base, k_base, blocks, real = t.qf, t.kf, t.vf, t.q_base, t.k_base, t.blocks, t.real
+    d, dv, bh, dev, out_dtype = q.shape[-1], v.shape[-1], b * h, q.device, v.dtype
 
     def sorted_slots(order: torch.Tensor, length: int, slots: int) -> torch.Tensor:
         """(R?, B, H, L) order -> (B H, slots) original positions per sorted slot; slots past the end repeat the

@@ -1,0 +1,200 @@
+"""LSH's rounds in inference (no gradient, no dropout), on buffers allocated once per call: the eager fast path of
+``lsh`` (plain torch).
+
+The same computation as :func:`.lsh.attend_rounds` (which keeps every step differentiable): per round, queries,
+keys and values are gathered into the round's sorted order, each query cluster meets its key cluster in one batched
+(c x c) product, the pairs an earlier round found are masked, and the round's softmax is merged into the rounds
+before it through the log-sum-exps. What differs is where the numbers live:
+
+* the sorted queries, keys and values are gathered into three buffers reused by every round (``index_select(out=)``);
+* a round's scores are computed a chunk of clusters at a time into one reused (blocks, c, c) buffer (2 MiB in
+  float32, so that the masking, softmax and the product with the values that follow find it in cache), with the
+  softmax scale folded into the product (``baddbmm``) and the masks built in reused boolean buffers;
+* each chunk's output is merged into the running output right away: the rows it holds are read (their original
+  positions), merged and written back, so no per-round (B, H, N, dv) output is made, concatenated or scattered.
+  Query slots past the end of a row (the last cluster filled up) write to one spare row.
+
+A fresh large tensor per chunk or per round costs more than its arithmetic on the CPU (page faults): at N = 16384
+(4 rounds of 128, 2 CPU cores) the differentiable loop spent about 60 ms concatenating its chunks' outputs and
+65 ms scattering each round back. tests/test_lsh.py checks this path and the differentiable one against a loop
+reference from the papers' definition; the docs' Speed page has the measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._common import compute_dtype, safe_key_mask, zero_padded_values
+
+__all__ = ["Tables", "attend", "tables", "usable"]
+
+# Largest score chunk of a round, in elements (blocks * c * c): 2 MiB in float32. One-off timings of the whole call
+# (2 CPU cores, 512 keys per query as 4 x 128, 2 x 256 or 1 x 512): 2^19 elements 2-7 % faster than 2^22 at N = 4096
+# and 16384, 2^18 and 2^20 within noise of 2^19
+_CHUNK_ELEMENTS = 1 << 19
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float) -> bool:
+    """Whether this path can run the call: no attention dropout, and no gradient to track."""
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return dropout == 0.0 and not tracked
+
+
+@dataclasses.dataclass
+class Tables:
+    """A call's shapes and its queries, keys and values as flat row tables (both eager paths of LSH): ``qf``
+    (B H N, d), ``kf`` (B H S, d) and ``vf`` (B H S, dv, padded values zeroed) in the compute dtype ``dt``; ``q_base``,
+    ``k_base`` (B H, 1) the first row of each (batch, head); ``blocks`` (B H Tq) the key cluster each query cluster
+    meets in the (B H Tk) list, None when query cluster t meets key cluster t; ``real`` (B H, S) the real keys (None:
+    every key)."""
+
+    b: int
+    h: int
+    n: int
+    s: int
+    blk: int
+    tq: int
+    tk: int
+    dt: torch.dtype
+    qf: torch.Tensor
+    kf: torch.Tensor
+    vf: torch.Tensor
+    q_base: torch.Tensor
+    k_base: torch.Tensor
+    blocks: torch.Tensor | None
+    real: torch.Tensor | None
+
+
+def tables(q, k, v, hashed, key_mask) -> Tables:
+    """:class:`Tables` of a call; ``key_mask`` as :func:`~._common.safe_key_mask` returns it."""
+    dt = compute_dtype(q.dtype)
+    b, h, n, d = q.shape
+    s, dv, blk = k.shape[2], v.shape[-1], hashed.block
+    tq, tk = -(-n // blk), -(-s // blk)
+    bh, dev = b * h, q.device
+    qf, kf = q.to(dt).reshape(bh * n, d), k.to(dt).reshape(bh * s, d)
+    vf = zero_padded_values(v.to(dt), key_mask).reshape(bh * s, dv)
+    q_base = (torch.arange(bh, device=dev) * n)[:, None]
+    k_base = (torch.arange(bh, device=dev) * s)[:, None]
+    kv = hashed.kv.view(b, 1, tq).expand(b, h, tq).reshape(bh, tq)  # each query cluster's key cluster
+    blocks = None
+    if not (tq == tk and bool((kv == torch.arange(tq, device=dev)).all())):
+        blocks = (kv + (torch.arange(bh, device=dev) * tk)[:, None]).reshape(-1)
+    real = None if key_mask is None else key_mask[:, None, :].expand(b, h, s).reshape(bh, s)
+    return Tables(b, h, n, s, blk, tq, tk, dt, qf, kf, vf, q_base, k_base, blocks, real)
+
+
+class _Scratch:
+    """A chunk's reused buffers: scores (P, c, c), masks, the row maxima and sums, the output (P, c, dv), and the
+    running output's rows it merges with."""
+
+    def __init__(self, per: int, blk: int, dv: int, dt: torch.dtype, dev: torch.device) -> None:
+        self.scores = torch.empty(per, blk, blk, dtype=dt, device=dev)
+        self.mask = torch.empty(per, blk, blk, dtype=torch.bool, device=dev)
+        self.found = torch.empty(per, blk, blk, dtype=torch.bool, device=dev)
+        self.top = torch.empty(per, blk, 1, dtype=dt, device=dev)
+        self.total = torch.empty(per, blk, 1, dtype=dt, device=dev)
+        self.lse = torch.empty(per, blk, 1, dtype=dt, device=dev)
+        self.out = torch.empty(per, blk, dv, dtype=dt, device=dev)
+        self.prev = torch.empty(per * blk, dv, dtype=dt, device=dev)
+        self.prev_lse = torch.empty(per * blk, dtype=dt, device=dev)
+
+
+def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
+    """(B H, L) sorted positions -> (B H, slots): slots past the end repeat the last position."""
+    extra = slots - order.shape[1]
+    return torch.nn.functional.pad(order, (0, extra), mode="replicate") if extra > 0 else order
+
+
+def _softmax_chunk(w: _Scratch, qs, ks, vs, masks: list, scale: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query clusters ``qs`` (P, c, d) against their key clusters: the softmax over the pairs left, normalised,
+    (P c, dv), with its log-sum-exp (P c); a row with no pair gives 0 and -inf. ``masks``: (P, 1, c) keys to drop and
+    (query target (P, c, 1), key cluster (P, 1, c)) pairs of earlier rounds, equal where a pair was found before."""
+    sc, tiny = w.scores[:p], torch.finfo(w.scores.dtype).tiny
+    torch.baddbmm(sc, qs, ks.transpose(1, 2), beta=0.0, alpha=scale, out=sc)
+    if masks:
+        mask = w.mask[:p]
+        first, *rest = masks
+        if isinstance(first, tuple):
+            torch.eq(*first, out=mask)
+        else:
+            mask.copy_(first.expand_as(mask))
+        for m in rest:
+            if isinstance(m, tuple):
+                torch.eq(*m, out=w.found[:p])
+                mask.logical_or_(w.found[:p])
+            else:
+                mask.logical_or_(m)
+        sc.masked_fill_(mask, float("-inf"))
+    top = torch.amax(sc, -1, keepdim=True, out=w.top[:p])
+    top.masked_fill_(torch.isinf(top), 0.0)  # a row with no pair: exp(-inf) = 0 below
+    total = torch.sum(sc.sub_(top).exp_(), -1, keepdim=True, out=w.total[:p])
+    lse = torch.log(total, out=w.lse[:p]).add_(top)  # -inf for a row with no pair
+    out = torch.bmm(sc, vs, out=w.out[:p]).div_(total.clamp_(min=tiny))  # no pair: 0, not 0 / 0
+    return out.view(-1, out.shape[-1]), lse.view(-1)
+
+
+def _merge(out, lse, rows, o, o_lse, w: _Scratch, first: bool) -> None:
+    """Merge a chunk's softmax (``o`` (M, dv), ``o_lse`` (M,)) into the running ``out``/``lse`` at ``rows``."""
+    if first:
+        out.index_copy_(0, rows, o)
+        lse.index_copy_(0, rows, o_lse)
+        return
+    m = rows.shape[0]
+    prev = torch.index_select(out, 0, rows, out=w.prev[:m])
+    prev_lse = torch.index_select(lse, 0, rows, out=w.prev_lse[:m])
+    total = torch.logaddexp(prev_lse, o_lse)
+    finite = total.masked_fill(torch.isinf(total), 0.0)  # no pair in either: both weights exp(-inf) = 0
+    prev.mul_((prev_lse - finite).exp_()[:, None]).addcmul_(o, (o_lse - finite).exp_()[:, None])
+    out.index_copy_(0, rows, prev)
+    lse.index_copy_(0, rows, total)
+
+
+def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
+    """The rounds of ``hashed`` (:class:`.lsh.Hashed`) merged: (B, H, N, dv) in v's dtype, as
+    :func:`.lsh.attend_rounds` computes it, without gradients."""
+    t = tables(q, k, v, hashed, safe_key_mask(key_mask))
+    b, h, n, s, blk, tq, tk, dt = t.b, t.h, t.n, t.s, t.blk, t.tq, t.tk, t.dt
+    qf, kf, vf, q_base, k_base, blocks, real = t.qf, t.kf, t.vf, t.q_base, t.k_base, t.blocks, t.real
+    d, dv, dev = q.shape[-1], v.shape[-1], q.device
+    bh, x = b * h, b * h * tq  # x query clusters, one key cluster each
+
+    def key_side(t: torch.Tensor) -> torch.Tensor:
+        """(B H Tk, ...) per key cluster -> (B H Tq, ...): every query cluster's key cluster."""
+        return t if blocks is None else t.index_select(0, blocks)
+
+    out = torch.empty(bh * n + 1, dv, dtype=dt, device=dev)  # the rounds so far; the spare last row takes the slots
+    lse = torch.empty(bh * n + 1, dtype=dt, device=dev)  # past the end of a row
+    qs = torch.empty(x * blk, d, dtype=dt, device=dev)
+    ks = torch.empty(bh * tk * blk, d, dtype=dt, device=dev)
+    vs = torch.empty(bh * tk * blk, dv, dtype=dt, device=dev)
+    per = max(1, _CHUNK_ELEMENTS // (blk * blk))
+    work = _Scratch(min(per, x), blk, dv, dt, dev)
+    slot_real = torch.arange(tq * blk, device=dev) < n
+    for r in range(hashed.q_order.shape[0]):
+        qpos = _slots(hashed.q_order[r].reshape(bh, n), tq * blk)  # (B H, Tq c)
+        kpos = _slots(hashed.k_order[r].reshape(bh, s), tk * blk)
+        torch.index_select(qf, 0, (qpos + q_base).reshape(-1), out=qs)
+        krows = (kpos + k_base).reshape(-1)
+        torch.index_select(kf, 0, krows, out=ks)
+        torch.index_select(vf, 0, krows, out=vs)
+        kb, vb = key_side(ks.view(bh * tk, blk, d)), key_side(vs.view(bh * tk, blk, dv))
+        dest = torch.where(slot_real, qpos + q_base, bh * n).reshape(-1)  # original row of each slot (spare: past)
+        bad = (torch.arange(tk * blk, device=dev) >= s).expand(bh, -1)  # keys past the end, padding
+        if real is not None:
+            bad = bad | ~real.gather(1, kpos)
+        bad = key_side(bad.reshape(bh * tk, 1, blk))
+        masks = [bad] if bool(bad.any()) else []
+        for e in range(r):  # pairs an earlier round found: its query target equals the key's cluster
+            target = hashed.target[e].reshape(bh, n).gather(1, qpos).view(x, blk, 1)
+            cluster = key_side(hashed.k_cluster[e].reshape(bh, s).gather(1, kpos).view(bh * tk, 1, blk))
+            masks.append((target, cluster))
+        qb = qs.view(x, blk, d)
+        for c0 in range(0, x, per):
+            c1 = min(x, c0 + per)
+            chunk = [m[c0:c1] if not isinstance(m, tuple) else (m[0][c0:c1], m[1][c0:c1]) for m in masks]
+            o, o_lse = _softmax_chunk(work, qb[c0:c1], kb[c0:c1], vb[c0:c1], chunk, scale, c1 - c0)
+            _merge(out, lse, dest[c0 * blk : c1 * blk], o, o_lse, work, first=r == 0)
+    return out[: bh * n].view(b, h, n, dv).to(v.dtype)
