@@ -212,12 +212,12 @@ def test_cross_attention_with_several_rows_and_heads(n, s, path):
 
 def test_rounds_split_into_chunks(monkeypatch, path):
     """A round's clusters computed a few at a time give the same output as the loop reference (2 x 3 x 8 = 48
-    clusters of 8: 16 chunks of three), on both eager paths."""
+    clusters of 8: nine chunks of five and a last one of three), on both eager paths."""
     from approx.attention import _lshrounds
     from approx.attention import lsh as lsh_module
 
     for module in (lsh_module, _lshrounds):
-        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 3 * 8 * 8)  # three clusters of 8 per chunk
+        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 5 * 8 * 8)  # five clusters of 8 per chunk
     q, k, v = inputs(n=60)
     mask = padded_mask(60, 43)
     lyr = lsh(cluster_size=8, rounds=3)
@@ -226,18 +226,25 @@ def test_rounds_split_into_chunks(monkeypatch, path):
     torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [None, 5 * 8 * 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_inference_path_gives_the_differentiable_output(dtype):
-    """Without gradients LSH runs ``_lshrounds`` (reused buffers, chunks merged as they end): in float32, float16 and
-    bfloat16 (computed in float32; the two may round a half-precision output differently), on strided inputs laid out as a model passes them, with padding, rows shorter
-    than a cluster, and more queries than keys (query clusters past the keys' attend the last key cluster), it gives
-    the differentiable loop's output and leaves its inputs as they were."""
+def test_inference_path_gives_the_differentiable_output(dtype, chunk, monkeypatch):
+    """Without gradients LSH runs ``_lshrounds`` (reused buffers, chunks merged as they end). In float32, float16 and
+    bfloat16, on strided inputs laid out as a model passes them, with padding, rows shorter than a cluster and more
+    queries than keys (query clusters past the keys' attend the last key cluster), in one chunk or in chunks of five
+    clusters (the last one partial), it gives the differentiable loop's output (half precision: at most a rounding
+    apart, the two sum in different orders)."""
     from approx.attention import _lshrounds
+    from approx.attention import lsh as lsh_module
 
+    if chunk:
+        for module in (lsh_module, _lshrounds):
+            monkeypatch.setattr(module, "_CHUNK_ELEMENTS", chunk)
+    calls, real = [], _lshrounds.attend
+    monkeypatch.setattr(_lshrounds, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(2, 70, 3, H, D, generator=g).to(dtype)  # (B, N, 3, H, d): q, k, v are strided views
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    before = qkv.clone()
     spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=3)
     state = spec.init_state(config, head_dim=D, seed=0)
     for keys, real_last in ((70, 51), (70, 6), (37, 30)):
@@ -246,15 +253,47 @@ def test_inference_path_gives_the_differentiable_output(dtype):
         kw = dict(key_mask=key_mask, query_mask=None, scale=D**-0.5, config=config, state=state)
         kk, vv = k[:, :, :keys], v[:, :, :keys]
         with torch.no_grad():
-            assert _lshrounds.usable(q, kk, vv, dropout=0.0)
             fast = spec.attend(q, kk, vv, **kw)
+        assert calls, "the inference path did not run"
+        calls.clear()
         slow = run(spec.attend, "autograd", q, kk, vv, **kw)
-        # float32: the same sums in another order; half precision: at most a rounding apart (torch's defaults)
-        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
-        torch.testing.assert_close(fast, slow, **tol)
-    assert torch.equal(qkv, before)
-    assert not _lshrounds.usable(q, k, v, dropout=0.1)
-    assert not _lshrounds.usable(q.clone().requires_grad_(), k, v, dropout=0.0)
+        assert not calls, "the differentiable loop did not run"
+        torch.testing.assert_close(fast, slow, **({"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inference_path_computes_half_precision_in_float32_and_writes_no_input(dtype):
+    """Half-precision inputs are computed in float32 and cast back: bit for bit the float32 output of the same values,
+    cast. Contiguous inputs without a mask are read in place (the flat tables are views of them): they are left as
+    they were."""
+    q, k, v = (t.to(dtype).contiguous() for t in inputs(n=70, dtype=torch.float32))
+    before = [t.clone() for t in (q, k, v)]
+    spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=3)
+    kw = dict(
+        key_mask=None, query_mask=None, scale=D**-0.5, config=config, state=spec.init_state(config, head_dim=D, seed=0)
+    )
+    with torch.no_grad():
+        half = spec.attend(q, k, v, **kw)
+        single = spec.attend(q.float(), k.float(), v.float(), **kw)
+    assert half.dtype == dtype and torch.equal(half, single.to(dtype))
+    for t, b in zip((q, k, v), before, strict=True):
+        assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_inference_path_is_taken_without_gradients_or_dropout_only(which):
+    """Any of q, k, v requiring gradients (where gradients are recorded) or attention dropout sends the call to the
+    differentiable loop; under no_grad or inference_mode the inference path runs, whatever requires gradients."""
+    from approx.attention._lshrounds import usable
+
+    x = [torch.randn(1, 2, 8, D) for _ in range(3)]
+    assert usable(*x, dropout=0.0) and not usable(*x, dropout=0.1)
+    x[which].requires_grad_()
+    assert not usable(*x, dropout=0.0)
+    with torch.no_grad():
+        assert usable(*x, dropout=0.0)
+    with torch.inference_mode():
+        assert usable(*(t.detach() for t in x), dropout=0.0)
 
 
 # ------------------------------------------------------------------------------------------- compiled engine

@@ -6,7 +6,8 @@ keys and values are gathered into the round's sorted order, each query cluster m
 (c x c) product, the pairs an earlier round found are masked, and the round's softmax is merged into the rounds
 before it through the log-sum-exps. What differs is where the numbers live:
 
-* the sorted queries, keys and values are gathered into three buffers reused by every round (``index_select(out=)``);
+* the sorted queries, and the keys and values of each query cluster's key cluster, are gathered straight from the
+  flat tables into three buffers reused by every round (``index_select(out=)``);
 * a round's scores are computed a chunk of clusters at a time into one reused (blocks, c, c) buffer (2 MiB in
   float32, so that the masking, softmax and the product with the values that follow find it in cache), with the
   softmax scale folded into the product (``baddbmm``) and the masks built in reused boolean buffers;
@@ -15,8 +16,8 @@ before it through the log-sum-exps. What differs is where the numbers live:
   Query slots past the end of a row (the last cluster filled up) write to one spare row.
 
 A fresh large tensor per chunk or per round costs more than its arithmetic on the CPU (page faults): at N = 16384
-(4 rounds of 128, 2 CPU cores) the differentiable loop spent about 60 ms concatenating its chunks' outputs and
-65 ms scattering each round back. tests/test_lsh.py checks this path and the differentiable one against a loop
+(4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms concatenating its
+chunks' outputs and 65 ms scattering each round back. tests/test_lsh.py checks this path and the differentiable one against a loop
 reference from the papers' definition; the docs' Speed page has the measurements.
 """
 
@@ -30,9 +31,9 @@ from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
 __all__ = ["Tables", "attend", "tables", "usable"]
 
-# Largest score chunk of a round, in elements (blocks * c * c): 2 MiB in float32. One-off timings of the whole call
-# (2 CPU cores, 512 keys per query as 4 x 128, 2 x 256 or 1 x 512): 2^19 elements 2-7 % faster than 2^22 at N = 4096
-# and 16384, 2^18 and 2^20 within noise of 2^19
+# Largest score chunk of a round, in elements (blocks * c * c): 2 MiB in float32. One-off timings of the whole call,
+# 4 rounds of 128, 2 CPU cores, side by side: N = 4096: 2^17 181 ms, 2^18 167, 2^19 159, 2^20 148, 2^21 154;
+# N = 16384: 809, 718, 667, 690, 706
 _CHUNK_ELEMENTS = 1 << 19
 
 
@@ -108,25 +109,25 @@ def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.nn.functional.pad(order, (0, extra), mode="replicate") if extra > 0 else order
 
 
-def _softmax_chunk(w: _Scratch, qs, ks, vs, masks: list, scale: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query clusters ``qs`` (P, c, d) against their key clusters: the softmax over the pairs left, normalised,
-    (P c, dv), with its log-sum-exp (P c); a row with no pair gives 0 and -inf. ``masks``: (P, 1, c) keys to drop and
-    (query target (P, c, 1), key cluster (P, 1, c)) pairs of earlier rounds, equal where a pair was found before."""
+def _softmax_chunk(
+    w: _Scratch, qs, ks, vs, bad, pairs: list, scale: float, p: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query clusters ``qs`` (P, c, d) against their key clusters ``ks`` (P, c, d): the softmax over the pairs left,
+    normalised, (P c, dv), with its log-sum-exp (P c); a row with no pair gives 0 and -inf. Dropped: the keys ``bad``
+    (P, 1, c) flags (None: none), and the ``pairs`` of earlier rounds, (query target (P, c, 1), key cluster (P, 1, c))
+    per round, equal where that round found the pair."""
     sc, tiny = w.scores[:p], torch.finfo(w.scores.dtype).tiny
-    torch.baddbmm(sc, qs, ks.transpose(1, 2), beta=0.0, alpha=scale, out=sc)
-    if masks:
+    sc.baddbmm_(qs, ks.mT, beta=0.0, alpha=scale)  # beta = 0: the buffer's old contents are ignored
+    if bad is not None or pairs:
         mask = w.mask[:p]
-        first, *rest = masks
-        if isinstance(first, tuple):
-            torch.eq(*first, out=mask)
+        if pairs:
+            torch.eq(*pairs[0], out=mask)
+            for target, cluster in pairs[1:]:
+                mask.logical_or_(torch.eq(target, cluster, out=w.found[:p]))
+            if bad is not None:
+                mask.logical_or_(bad)
         else:
-            mask.copy_(first.expand_as(mask))
-        for m in rest:
-            if isinstance(m, tuple):
-                torch.eq(*m, out=w.found[:p])
-                mask.logical_or_(w.found[:p])
-            else:
-                mask.logical_or_(m)
+            mask.copy_(bad.expand_as(mask))
         sc.masked_fill_(mask, float("-inf"))
     top = torch.amax(sc, -1, keepdim=True, out=w.top[:p])
     top.masked_fill_(torch.isinf(top), 0.0)  # a row with no pair: exp(-inf) = 0 below
@@ -154,47 +155,59 @@ def _merge(out, lse, rows, o, o_lse, w: _Scratch, first: bool) -> None:
 
 def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     """The rounds of ``hashed`` (:class:`.lsh.Hashed`) merged: (B, H, N, dv) in v's dtype, as
-    :func:`.lsh.attend_rounds` computes it, without gradients."""
+    :func:`.lsh.attend_rounds` computes it, without gradients (nor forward-mode dual tensors or ``torch.func``
+    transforms: the buffers are written in place)."""
     t = tables(q, k, v, hashed, safe_key_mask(key_mask))
-    b, h, n, s, blk, tq, tk, dt = t.b, t.h, t.n, t.s, t.blk, t.tq, t.tk, t.dt
-    qf, kf, vf, q_base, k_base, blocks, real = t.qf, t.kf, t.vf, t.q_base, t.k_base, t.blocks, t.real
+    bh, n, s, blk, tq, tk, dt = t.b * t.h, t.n, t.s, t.blk, t.tq, t.tk, t.dt
     d, dv, dev = q.shape[-1], v.shape[-1], q.device
-    bh, x = b * h, b * h * tq  # x query clusters, one key cluster each
+    x = bh * tq  # query clusters, one key cluster each
 
-    def key_side(t: torch.Tensor) -> torch.Tensor:
+    def key_side(per_key: torch.Tensor) -> torch.Tensor:
         """(B H Tk, ...) per key cluster -> (B H Tq, ...): every query cluster's key cluster."""
-        return t if blocks is None else t.index_select(0, blocks)
+        return per_key if t.blocks is None else per_key.index_select(0, t.blocks)
 
-    out = torch.empty(bh * n + 1, dv, dtype=dt, device=dev)  # the rounds so far; the spare last row takes the slots
-    lse = torch.empty(bh * n + 1, dtype=dt, device=dev)  # past the end of a row
-    qs = torch.empty(x * blk, d, dtype=dt, device=dev)
-    ks = torch.empty(bh * tk * blk, d, dtype=dt, device=dev)
-    vs = torch.empty(bh * tk * blk, dv, dtype=dt, device=dev)
+    out = torch.empty(bh * n + 1, dv, dtype=dt, device=dev)  # the rounds so far, and a spare last row (below)
+    lse = torch.empty(bh * n + 1, dtype=dt, device=dev)
+    qs = torch.empty(x * blk, d, dtype=dt, device=dev)  # a round's sorted queries, and each one's key cluster
+    ks = torch.empty(x * blk, d, dtype=dt, device=dev)
+    vs = torch.empty(x * blk, dv, dtype=dt, device=dev)
     per = max(1, _CHUNK_ELEMENTS // (blk * blk))
     work = _Scratch(min(per, x), blk, dv, dt, dev)
+    # query slots past the end of a row repeat its last query (same keys, same value): they write to the spare row,
+    # so that no real row is written twice
     slot_real = torch.arange(tq * blk, device=dev) < n
     for r in range(hashed.q_order.shape[0]):
         qpos = _slots(hashed.q_order[r].reshape(bh, n), tq * blk)  # (B H, Tq c)
         kpos = _slots(hashed.k_order[r].reshape(bh, s), tk * blk)
-        torch.index_select(qf, 0, (qpos + q_base).reshape(-1), out=qs)
-        krows = (kpos + k_base).reshape(-1)
-        torch.index_select(kf, 0, krows, out=ks)
-        torch.index_select(vf, 0, krows, out=vs)
-        kb, vb = key_side(ks.view(bh * tk, blk, d)), key_side(vs.view(bh * tk, blk, dv))
-        dest = torch.where(slot_real, qpos + q_base, bh * n).reshape(-1)  # original row of each slot (spare: past)
+        torch.index_select(t.qf, 0, (qpos + t.q_base).reshape(-1), out=qs)
+        krows = key_side((kpos + t.k_base).view(bh * tk, blk)).reshape(-1)  # every query cluster's key rows
+        torch.index_select(t.kf, 0, krows, out=ks)
+        torch.index_select(t.vf, 0, krows, out=vs)
+        dest = torch.where(slot_real, qpos + t.q_base, bh * n).reshape(-1)  # original row of each query slot
         bad = (torch.arange(tk * blk, device=dev) >= s).expand(bh, -1)  # keys past the end, padding
-        if real is not None:
-            bad = bad | ~real.gather(1, kpos)
+        if t.real is not None:
+            bad = bad | ~t.real.gather(1, kpos)
         bad = key_side(bad.reshape(bh * tk, 1, blk))
-        masks = [bad] if bool(bad.any()) else []
-        for e in range(r):  # pairs an earlier round found: its query target equals the key's cluster
-            target = hashed.target[e].reshape(bh, n).gather(1, qpos).view(x, blk, 1)
-            cluster = key_side(hashed.k_cluster[e].reshape(bh, s).gather(1, kpos).view(bh * tk, 1, blk))
-            masks.append((target, cluster))
-        qb = qs.view(x, blk, d)
+        bad = bad if bool(bad.any()) else None
+        pairs = [  # pairs an earlier round found: its query target equals the key's cluster
+            (
+                hashed.target[e].reshape(bh, n).gather(1, qpos).view(x, blk, 1),
+                key_side(hashed.k_cluster[e].reshape(bh, s).gather(1, kpos).view(bh * tk, 1, blk)),
+            )
+            for e in range(r)
+        ]
+        qb, kb, vb = qs.view(x, blk, d), ks.view(x, blk, d), vs.view(x, blk, dv)
         for c0 in range(0, x, per):
             c1 = min(x, c0 + per)
-            chunk = [m[c0:c1] if not isinstance(m, tuple) else (m[0][c0:c1], m[1][c0:c1]) for m in masks]
-            o, o_lse = _softmax_chunk(work, qb[c0:c1], kb[c0:c1], vb[c0:c1], chunk, scale, c1 - c0)
+            o, o_lse = _softmax_chunk(
+                work,
+                qb[c0:c1],
+                kb[c0:c1],
+                vb[c0:c1],
+                None if bad is None else bad[c0:c1],
+                [(target[c0:c1], cluster[c0:c1]) for target, cluster in pairs],
+                scale,
+                c1 - c0,
+            )
             _merge(out, lse, dest[c0 * blk : c1 * blk], o, o_lse, work, first=r == 0)
-    return out[: bh * n].view(b, h, n, dv).to(v.dtype)
+    return out[: bh * n].view(t.b, t.h, n, dv).to(v.dtype)

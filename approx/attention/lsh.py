@@ -53,8 +53,8 @@ eager engine runs :mod:`._lshrounds` instead: the same computation on buffers al
 clusters merged into the output as it ends (faster on the CPU, the docs' Speed page). ``weights()`` and the graph
 statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs
 plus the hashing. ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through
-torch.compile, 32 query blocks per call over one static shape (faster on the CPU up to 8192 tokens; the docs' Speed
-page); rows shorter than a cluster, whose block is as long as they are, stay eager.
+torch.compile, 32 query blocks per call over one static shape (on the CPU faster than the eager inference path at
+4096 tokens, slower from 8192; the docs' Speed page); rows shorter than a cluster, whose block is as long as they are, stay eager.
 """
 
 from __future__ import annotations
@@ -84,9 +84,9 @@ class LshConfig(MethodConfig):
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     engine: str = _compiled.engine_option(
         "'eager': plain PyTorch, operator by operator; 'compiled': each round's masking, softmax and sums fused by "
-        "torch.compile around the two batched products (faster on the CPU too up to 8192 tokens, see the docs' "
-        "Speed page; the first call compiles, seconds; attention dropout and inputs shorter than a cluster stay "
-        "eager)"
+        "torch.compile around the two batched products (on the CPU faster than eager inference at 4096 tokens, "
+        "slower from 8192, see the docs' Speed page; the first call compiles, seconds; attention dropout and inputs "
+        "shorter than a cluster stay eager)"
     )
 
     def check(self) -> None:
@@ -195,9 +195,8 @@ def pair_counts(hashed: Hashed, i: torch.Tensor, j: torch.Tensor) -> torch.Tenso
 
 
 # Largest score chunk of one round, in elements (blocks * c * c), on the differentiable path: bounds the memory of a
-# round (2 MiB in float32; one-off timings of the whole call without gradients, before inference had its own path:
-# 2^19 2-7 % faster than 2^22 at N = 4096 and 16384)
-_CHUNK_ELEMENTS = 1 << 19
+# round (smaller chunks were measured no faster on the CPU; inference has its own path and chunk, :mod:`._lshrounds`)
+_CHUNK_ELEMENTS = 1 << 22
 # engine="compiled": query blocks per compiled call (the last one filled up), so that one static shape, compiled once,
 # serves every length (inductor's CPU loops over dynamic shapes ran slower than the eager code); 32 to 64 blocks of
 # 128 x 128 ran fastest per block on 2 CPU cores
