@@ -282,12 +282,14 @@ def test_inference_path_computes_half_precision_in_float32_and_writes_no_input(d
 
 @pytest.mark.parametrize("which", range(3))
 def test_inference_path_is_taken_without_gradients_or_dropout_only(which):
-    """Any of q, k, v requiring gradients (where gradients are recorded) or attention dropout sends the call to the
-    differentiable loop; under no_grad or inference_mode the inference path runs, whatever requires gradients."""
+    """Any of q, k, v requiring gradients (where gradients are recorded), attention dropout or another device than
+    the CPU sends the call to the differentiable loop; under no_grad or inference_mode the inference path runs,
+    whatever requires gradients."""
     from approx.attention._lshrounds import usable
 
     x = [torch.randn(1, 2, 8, D) for _ in range(3)]
     assert usable(*x, dropout=0.0) and not usable(*x, dropout=0.1)
+    assert not usable(*(t.to("meta") for t in x), dropout=0.0)
     x[which].requires_grad_()
     assert not usable(*x, dropout=0.0)
     with torch.no_grad():
