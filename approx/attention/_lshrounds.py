@@ -4,7 +4,8 @@ path of ``lsh`` (plain torch).
 The same computation as :func:`.lsh.attend_rounds` (which keeps every step differentiable): per round, queries,
 keys and values are gathered into the round's sorted order, each query cluster meets its key cluster in one batched
 (c x c) product, the pairs an earlier round found are masked, and the round's softmax is merged into the rounds
-before it through the log-sum-exps. What differs is where the numbers live:
+before it through the log-sum-exps. Both paths take the flat tables and each round's layout (sorted slots, key
+rows, masks) from :func:`tables` and :func:`layout`. What differs is where the numbers live:
 
 * the sorted queries, and the keys and values of each query cluster's key cluster, are gathered straight from the
   flat tables into three buffers reused by every round (``index_select(out=)``);
@@ -18,7 +19,7 @@ before it through the log-sum-exps. What differs is where the numbers live:
 A fresh large tensor per chunk or per round costs more than its arithmetic on the CPU (page faults): at N = 16384
 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms concatenating its
 chunks' outputs and 65 ms scattering each round back; side by side, this path was 1.10x faster than the loop at
-N = 4096 and 1.52x at 16384, with the same output to the bit. When a key cluster other than cluster t serves query
+N = 4096 and 1.47-1.52x at 16384, with the same output to the bit. When a key cluster other than cluster t serves query
 cluster t (fewer real keys than queries), each round also copies the small per-key masks and cluster ids into query
 cluster order. tests/test_lsh.py checks this path and the differentiable one against a loop reference from the
 papers' definition; the docs' Speed page has the measurements.
@@ -32,7 +33,7 @@ import torch
 
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
-__all__ = ["Tables", "attend", "tables", "usable"]
+__all__ = ["Layout", "Tables", "attend", "layout", "tables", "usable"]
 
 # Largest score chunk of a round, in elements (blocks * c * c): 2 MiB in float32. One-off timings of the whole call,
 # 4 rounds of 128, 2 CPU cores, side by side: N = 4096: 2^17 181 ms, 2^18 167, 2^19 159, 2^20 148, 2^21 154;
@@ -72,6 +73,10 @@ class Tables:
     blocks: torch.Tensor | None
     real: torch.Tensor | None
 
+    def key_side(self, per_key: torch.Tensor) -> torch.Tensor:
+        """(B H Tk, ...) per key cluster -> (B H Tq, ...): every query cluster's key cluster."""
+        return per_key if self.blocks is None else per_key.index_select(0, self.blocks)
+
 
 def tables(q, k, v, hashed, key_mask) -> Tables:
     """:class:`Tables` of a call; ``key_mask`` as :func:`~._common.safe_key_mask` returns it."""
@@ -90,6 +95,44 @@ def tables(q, k, v, hashed, key_mask) -> Tables:
         blocks = (kv + (torch.arange(bh, device=dev) * tk)[:, None]).reshape(-1)
     real = None if key_mask is None else key_mask[:, None, :].expand(b, h, s).reshape(bh, s)
     return Tables(b, h, n, s, blk, tq, tk, dt, qf, kf, vf, q_base, k_base, blocks, real)
+
+
+@dataclasses.dataclass
+class Layout:
+    """Round r of a call, per query cluster (X = B H Tq of them, c slots each; both eager paths): ``qpos`` (B H, Tq c)
+    the original position of each sorted query slot (slots past the end of a row repeat its last query) and
+    ``qrows`` (X c) its row in the flat query table; ``krows`` (X c) the rows of each query cluster's key cluster in
+    the flat key table; ``bad`` (X, 1, c) the keys a query cluster may not use (past the end, padding; ``any_bad``:
+    whether there is one); ``pairs``: per earlier round, (query target (X, c, 1), key cluster (X, 1, c)), equal where
+    that round found the pair."""
+
+    qpos: torch.Tensor
+    qrows: torch.Tensor
+    krows: torch.Tensor
+    bad: torch.Tensor
+    any_bad: bool
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def layout(t: Tables, hashed, r: int) -> Layout:
+    """:class:`Layout` of round ``r`` of ``hashed`` (:class:`.lsh.Hashed`)."""
+    bh, blk, dev = t.b * t.h, t.blk, t.qf.device
+    x = bh * t.tq
+    qpos = _slots(hashed.q_order[r].reshape(bh, t.n), t.tq * blk)  # (B H, Tq c)
+    kpos = _slots(hashed.k_order[r].reshape(bh, t.s), t.tk * blk)  # (B H, Tk c)
+    krows = t.key_side((kpos + t.k_base).view(bh * t.tk, blk)).reshape(-1)
+    bad = (torch.arange(t.tk * blk, device=dev) >= t.s).expand(bh, -1)  # keys past the end, padding
+    if t.real is not None:
+        bad = bad | ~t.real.gather(1, kpos)
+    bad = t.key_side(bad.reshape(bh * t.tk, 1, blk))
+    pairs = [  # an earlier round found a pair where its query target equals the key's cluster
+        (
+            hashed.target[e].reshape(bh, t.n).gather(1, qpos).view(x, blk, 1),
+            t.key_side(hashed.k_cluster[e].reshape(bh, t.s).gather(1, kpos).view(bh * t.tk, 1, blk)),
+        )
+        for e in range(r)
+    ]
+    return Layout(qpos, (qpos + t.q_base).reshape(-1), krows, bad, bool(bad.any()), pairs)
 
 
 class _Scratch:
@@ -163,14 +206,9 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     :func:`.lsh.attend_rounds` computes it, without gradients (nor forward-mode dual tensors or ``torch.func``
     transforms: the buffers are written in place)."""
     t = tables(q, k, v, hashed, safe_key_mask(key_mask))
-    bh, n, s, blk, tq, tk, dt = t.b * t.h, t.n, t.s, t.blk, t.tq, t.tk, t.dt
+    bh, n, blk, dt = t.b * t.h, t.n, t.blk, t.dt
     d, dv, dev = q.shape[-1], v.shape[-1], q.device
-    x = bh * tq  # query clusters, one key cluster each
-
-    def key_side(per_key: torch.Tensor) -> torch.Tensor:
-        """(B H Tk, ...) per key cluster -> (B H Tq, ...): every query cluster's key cluster."""
-        return per_key if t.blocks is None else per_key.index_select(0, t.blocks)
-
+    x = bh * t.tq  # query clusters, one key cluster each
     out = torch.empty(bh * n + 1, dv, dtype=dt, device=dev)  # the rounds so far, and a spare last row (below)
     lse = torch.empty(bh * n + 1, dtype=dt, device=dev)
     qs = torch.empty(x * blk, d, dtype=dt, device=dev)  # a round's sorted queries, and each one's key cluster
@@ -180,27 +218,14 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     work = _Scratch(min(per, x), blk, dv, dt, dev)
     # query slots past the end of a row repeat its last query (same keys, same value): they write to the spare row,
     # so that no real row is written twice
-    slot_real = torch.arange(tq * blk, device=dev) < n
+    slot_real = torch.arange(t.tq * blk, device=dev) < n
     for r in range(hashed.q_order.shape[0]):
-        qpos = _slots(hashed.q_order[r].reshape(bh, n), tq * blk)  # (B H, Tq c)
-        kpos = _slots(hashed.k_order[r].reshape(bh, s), tk * blk)
-        torch.index_select(t.qf, 0, (qpos + t.q_base).reshape(-1), out=qs)
-        krows = key_side((kpos + t.k_base).view(bh * tk, blk)).reshape(-1)  # every query cluster's key rows
-        torch.index_select(t.kf, 0, krows, out=ks)
-        torch.index_select(t.vf, 0, krows, out=vs)
-        dest = torch.where(slot_real, qpos + t.q_base, bh * n).reshape(-1)  # original row of each query slot
-        bad = (torch.arange(tk * blk, device=dev) >= s).expand(bh, -1)  # keys past the end, padding
-        if t.real is not None:
-            bad = bad | ~t.real.gather(1, kpos)
-        bad = key_side(bad.reshape(bh * tk, 1, blk))
-        bad = bad if bool(bad.any()) else None
-        pairs = [  # pairs an earlier round found: its query target equals the key's cluster
-            (
-                hashed.target[e].reshape(bh, n).gather(1, qpos).view(x, blk, 1),
-                key_side(hashed.k_cluster[e].reshape(bh, s).gather(1, kpos).view(bh * tk, 1, blk)),
-            )
-            for e in range(r)
-        ]
+        lay = layout(t, hashed, r)
+        torch.index_select(t.qf, 0, lay.qrows, out=qs)
+        torch.index_select(t.kf, 0, lay.krows, out=ks)
+        torch.index_select(t.vf, 0, lay.krows, out=vs)
+        dest = torch.where(slot_real, lay.qpos + t.q_base, bh * n).reshape(-1)  # original row of each query slot
+        bad = lay.bad if lay.any_bad else None
         qb, kb, vb = qs.view(x, blk, d), ks.view(x, blk, d), vs.view(x, blk, dv)
         for c0 in range(0, x, per):
             c1 = min(x, c0 + per)
@@ -210,7 +235,7 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
                 kb[c0:c1],
                 vb[c0:c1],
                 None if bad is None else bad[c0:c1],
-                [(target[c0:c1], cluster[c0:c1]) for target, cluster in pairs],
+                [(target[c0:c1], cluster[c0:c1]) for target, cluster in lay.pairs],
                 scale,
                 c1 - c0,
             )

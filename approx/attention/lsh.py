@@ -267,51 +267,23 @@ def attend_rounds(
     if engine == "eager" and _lshrounds.usable(q, k, v, dropout=dropout):
         return _lshrounds.attend(q, k, v, hashed, key_mask=key_mask, scale=scale)
     t = _lshrounds.tables(q, k, v, hashed, safe_key_mask(key_mask))  # the flat tables, shared with the inference path
-    b, h, n, s, blk, tq, tk, dt = t.b, t.h, t.n, t.s, t.blk, t.tq, t.tk, t.dt
-    qf, kf, vf, q_base, k_base, blocks, real = t.qf, t.kf, t.vf, t.q_base, t.k_base, t.blocks, t.real
+    b, h, n, blk, dt = t.b, t.h, t.n, t.blk, t.dt
     d, dv, bh, dev, out_dtype = q.shape[-1], v.shape[-1], b * h, q.device, v.dtype
-
-    def sorted_slots(order: torch.Tensor, length: int, slots: int) -> torch.Tensor:
-        """(R?, B, H, L) order -> (B H, slots) original positions per sorted slot; slots past the end repeat the
-        last position (their queries are dropped, their keys masked)."""
-        pos = order.reshape(bh, length)
-        return torch.nn.functional.pad(pos, (0, slots - length), mode="replicate") if slots > length else pos
-
-    def key_side(x: torch.Tensor) -> torch.Tensor:
-        """(B H, Tk c, ...) per sorted key slot -> (B H Tq, c, ...): every query block's key block."""
-        x = x.reshape(bh * tk, blk, *x.shape[2:])
-        return x if blocks is None else x.index_select(0, blocks)
-
+    x = bh * t.tq  # query clusters, one key cluster each
     per = max(1, _CHUNK_ELEMENTS // (blk * blk))
     rounds = hashed.q_order.shape[0]
     out = out_lse = None  # the rounds so far, merged (one output held, not one per round)
     neg = torch.tensor(float("-inf"), dtype=dt, device=dev)
     for r in range(rounds):
-        qpos = sorted_slots(hashed.q_order[r], n, tq * blk)  # (B H, Tq c)
-        kpos = sorted_slots(hashed.k_order[r], s, tk * blk)
-        qs = qf.index_select(0, (qpos + q_base).reshape(-1)).view(bh * tq, blk, d)
-        krows = (kpos + k_base).reshape(-1)
-        ks, vs = (
-            key_side(kf.index_select(0, krows).view(bh, -1, d)),
-            key_side(vf.index_select(0, krows).view(bh, -1, dv)),
-        )
+        lay = _lshrounds.layout(t, hashed, r)  # sorted slots, key rows and masks, shared with the inference path
+        qs = t.qf.index_select(0, lay.qrows).view(x, blk, d)
+        ks, vs = t.kf.index_select(0, lay.krows).view(x, blk, d), t.vf.index_select(0, lay.krows).view(x, blk, dv)
         # keys a query block may not use: past the end, padding, or found with it in an earlier round
-        bad = (torch.arange(tk * blk, device=dev) >= s).expand(bh, -1)
-        if real is not None:
-            bad = bad | ~real.gather(1, kpos)
-        bad = key_side(bad)[:, None, :]  # (B H Tq, 1, c)
-        masked = r > 0 or bool(bad.any())
-        earlier = [
-            (
-                hashed.target[e].reshape(bh, n).gather(1, qpos).view(bh * tq, blk, 1),
-                key_side(hashed.k_cluster[e].reshape(bh, s).gather(1, kpos))[:, None, :],
-            )
-            for e in range(r)
-        ]
+        bad, earlier, masked = lay.bad, lay.pairs, r > 0 or lay.any_bad
         compiled = engine == "compiled" and dropout == 0.0
         o_r, lse_r = _compiled_round(qs, ks, vs, bad, earlier, rounds, scale) if compiled else ([], [])
-        for c0 in () if compiled else range(0, bh * tq, per):
-            c1 = min(bh * tq, c0 + per)
+        for c0 in () if compiled else range(0, x, per):
+            c1 = min(x, c0 + per)
             sc = torch.baddbmm(qs.new_empty(()), qs[c0:c1], ks[c0:c1].transpose(1, 2), beta=0.0, alpha=scale)
             if masked:
                 mask = bad[c0:c1]
@@ -326,9 +298,9 @@ def attend_rounds(
                 e = torch.nn.functional.dropout(e, dropout)
             o_r.append(torch.bmm(e, vs[c0:c1]) / z.clamp(min=torch.finfo(dt).tiny))  # no pair: 0, not 0 / 0
             lse_r.append((top + z.log())[..., 0])  # -inf for a row with no pair
-        o = (o_r[0] if len(o_r) == 1 else torch.cat(o_r)).view(bh, tq * blk, dv)[:, :n]
-        lse = (lse_r[0] if len(lse_r) == 1 else torch.cat(lse_r)).view(bh, tq * blk)[:, :n]
-        back = (hashed.q_order[r].reshape(bh, n) + q_base).reshape(-1)  # sorted slot -> original row
+        o = (o_r[0] if len(o_r) == 1 else torch.cat(o_r)).view(bh, t.tq * blk, dv)[:, :n]
+        lse = (lse_r[0] if len(lse_r) == 1 else torch.cat(lse_r)).view(bh, t.tq * blk)[:, :n]
+        back = (hashed.q_order[r].reshape(bh, n) + t.q_base).reshape(-1)  # sorted slot -> original row
         o = o.new_empty(bh * n, dv).index_copy_(0, back, o.reshape(-1, dv)).view(b, h, n, dv)
         lse = lse.new_empty(bh * n).index_copy_(0, back, lse.reshape(-1)).view(b, h, n)
         out, out_lse = (o, lse) if out is None else merge(out, out_lse, o, lse)
