@@ -136,6 +136,14 @@ def _tables(q, key_mask, shared_keys, *, reach: int, block: int, dt):
     return key_bias, band_bias, shared, empty, spans, zeros
 
 
+def _within(spans, t0: int, t1: int):
+    """The (lo, hi) block ranges of ``spans`` clipped to the chunk's blocks [t0, t1), the empty ones left out."""
+    for lo, hi in spans:
+        lo, hi = max(lo, t0), min(hi, t1)
+        if lo < hi:
+            yield lo, hi
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -214,10 +222,8 @@ def attend(
                 s[..., :left] += band_bias[:, :left]
                 s[..., right:] += band_bias[:, right:]
             s4 = s.view(z - a, t1 - t0, block, width)
-            for lo, hi in spans[bi]:
-                lo, hi = max(lo, t0), min(hi, t1)
-                if lo < hi:
-                    s4[:, lo - t0 : hi - t0] += key_bias[bi, lo:hi, None, :]
+            for lo, hi in _within(spans[bi], t0, t1):
+                s4[:, lo - t0 : hi - t0] += key_bias[bi, lo:hi, None, :]
             if shared is not None:
                 # scores of the shared keys, into columns that the band masks in each row
                 sc = torch.baddbmm(
@@ -225,12 +231,8 @@ def attend(
                 )
                 s.view(c, -1).index_copy_(1, flat, sc.view(c, -1))
             p = torch.softmax(s, -1, out=s)
-            for lo, hi in zeros[bi]:  # rows without a key: 0 (the softmax of -inf alone is NaN)
-                lo, hi = max(lo, t0), min(hi, t1)
-                if lo < hi:
-                    p.view(z - a, t1 - t0, block, width)[:, lo - t0 : hi - t0].masked_fill_(
-                        empty[bi, lo:hi, :, None], 0.0
-                    )
+            for lo, hi in _within(zeros[bi], t0, t1):  # rows without a key: 0 (the softmax of -inf alone is NaN)
+                p.view(z - a, t1 - t0, block, width)[:, lo - t0 : hi - t0].masked_fill_(empty[bi, lo:hi, :, None], 0.0)
             if shared is not None:
                 ps = p.view(c, -1).index_select(1, flat).view(z - a, -1, pos.shape[1])  # the shared keys' weights
                 p.view(c, -1).index_fill_(1, flat, 0.0)

@@ -194,27 +194,12 @@ def attend(
     a ``pattern.band``, the block-band kernel, :mod:`._blockband`, for ``pattern.neighbours``; an error when it
     cannot run the call) or ``"auto"`` (on the CPU the banded kernels where they can run the call; else flex where
     it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather)."""
-    banded = _try_band(
-        q, k, v, pattern, key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel
-    )
-    if banded is not None:
-        return banded
-    if kernel != "gather":
-        from . import _flex
-
-        why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
-        # auto: inference only (FlexAttention's GPU backward picks tiles that must divide the blocks, 128 rows on
-        # an H100 at head dim 64, and compiles at the first backward, too late to fall back; not measured yet)
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if why is None and (kernel == "flex" or (not grad and _flex.worth_it(q, k, pattern))):
-            done = _flex.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, with_lse=with_lse)
-            if done is not None:
-                return done
-            why = _flex.unusable(
-                q, k, v, pattern, dropout=dropout, with_lse=with_lse
-            )  # it failed to compile: gather from now on
-        if kernel == "flex":
-            raise RuntimeError(f"kernel='flex' cannot run this call: {why}")
+    how = dict(key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel)
+    done = _try_band(q, k, v, pattern, **how)
+    if done is None:
+        done = _try_flex(q, k, v, pattern, **how)
+    if done is not None:
+        return done
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
     key_mask = safe_key_mask(key_mask)
     b, h, n, d = q.shape
@@ -292,6 +277,28 @@ def _try_band(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, 
         return attend_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
     if kernel == BAND:
         raise RuntimeError(f"kernel='band' cannot run this call: {why}")
+    return None
+
+
+def _try_flex(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, kernel):
+    """FlexAttention's output (:mod:`._flex`) when ``kernel`` is ``"flex"``, or ``"auto"`` on an inference call long
+    enough to repay it (``_flex.worth_it``) that it can run; None to go on with the gather kernel; an error for
+    ``"flex"`` when it cannot run the call."""
+    if kernel == "gather":
+        return None
+    from . import _flex
+
+    why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
+    # auto: inference only (FlexAttention's GPU backward picks tiles that must divide the blocks, 128 rows on an H100
+    # at head dim 64, and compiles at the first backward, too late to fall back; not measured yet)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if why is None and (kernel == "flex" or (not grad and _flex.worth_it(q, k, pattern))):
+        done = _flex.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, with_lse=with_lse)
+        if done is not None:
+            return done
+        why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)  # it failed to compile
+    if kernel == "flex":
+        raise RuntimeError(f"kernel='flex' cannot run this call: {why}")
     return None
 
 

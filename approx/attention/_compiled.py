@@ -77,8 +77,8 @@ _COMPILE_ERRORS = compile_errors()
 
 def call(fn: Callable, *args: Any, method: str, dynamic: bool = True) -> Any:
     """``fn(*args)`` through ``torch.compile``, compiled once per function and kept: with dynamic shapes by default;
-    ``dynamic`` False: compiled for each new shape (inductor's CPU loops over static shapes are vectorised, over dynamic ones
-    they can be slower than eager code): for a caller that keeps to a few shapes."""
+    ``dynamic`` False: compiled for each new shape (inductor's CPU loops over static shapes are vectorised, over
+    dynamic ones they can be slower than eager code): for a caller that keeps to a few shapes."""
     compiled = _COMPILED.get((fn, dynamic))
     if compiled is None:
         compiled = _COMPILED[(fn, dynamic)] = torch.compile(fn, dynamic=dynamic)
