@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 from conftest import batch, model_output, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import naive_attention
 
 import approx
@@ -125,6 +127,40 @@ def test_dense_weights_are_the_merged_rounds(path):
     torch.testing.assert_close(run(lyr, path, q, k, v, mask), w @ real_rows(v, mask), rtol=1e-10, atol=1e-12)
     support = (w > 0).sum(-1)[real_rows(torch.ones(B, H, 60, 1), mask)[..., 0] > 0]
     assert support.min() >= 6 and support.max() <= 18 and support.float().mean() > 6  # c <= |union| <= rounds c
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.tuples(st.just(torch.float32), st.lists(st.floats(allow_nan=False, width=32), min_size=1, max_size=200)),
+        st.tuples(st.just(torch.float64), st.lists(st.floats(allow_nan=False), min_size=1, max_size=200)),
+    )
+)
+def test_hash_sort_keys_sort_as_the_floats(case):
+    """The hashing sorts integer keys made from the projections' bits (faster than a float sort): a stable sort of the
+    keys gives the stable float order, ties (-0.0 and 0.0 among them), infinities and subnormals included."""
+    from approx.attention.lsh import _order_keys
+
+    dtype, values = case
+    specials = [0.0, -0.0, math.inf, -math.inf, 5e-45, -5e-45, 1.0, 1.0]
+    x = torch.tensor(values + specials, dtype=dtype)
+    keys = _order_keys(x)
+    assert not keys.is_floating_point()
+    assert torch.equal(keys.argsort(stable=True), x.argsort(stable=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hash_norms_in_blocks_are_the_plain_sums_to_the_bit(dtype, monkeypatch):
+    """The hashing squares and sums the queries and keys a block of rows at a time (no (B, H, N, d) temporary): to the
+    bit the plain ``(x * x).sum(-1)``, whose rounding decides near ties in the sort, on contiguous inputs and on
+    strided ones laid out as a model passes them, with a last partial block."""
+    from approx.attention import lsh as lsh_module
+
+    monkeypatch.setattr(lsh_module, "_NORM_ELEMENTS", 3 * B * H * D)  # blocks of three rows: 70 = 23 * 3 + 1
+    g = torch.Generator().manual_seed(3)
+    strided = torch.randn(B, 70, H, D, generator=g, dtype=dtype).transpose(1, 2)
+    for x in (strided, strided.contiguous(), strided[:, :, :2]):
+        assert torch.equal(lsh_module._squared_norms(x), (x * x).sum(-1))
 
 
 def test_clusters_are_balanced():

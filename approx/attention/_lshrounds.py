@@ -7,8 +7,10 @@ keys and values are gathered into the round's sorted order, each query cluster m
 before it through the log-sum-exps. Both paths take the flat tables and each round's layout (sorted slots, key
 rows, masks) from :func:`tables` and :func:`layout`. What differs is where the numbers live:
 
-* the sorted queries, and the keys and values of each query cluster's key cluster, are gathered straight from the
-  flat tables into three buffers reused by every round (``index_select(out=)``);
+* a chunk's sorted queries, and the keys and values of each of its query clusters' key cluster, are gathered
+  straight from the flat tables into three chunk-sized buffers reused by every chunk and round (``index_select(out=)``),
+  just before the chunk's product reads them: gathering a whole round into three (B H N, d) buffers, fresh at every
+  call, cost a page fault per 4 KiB of them and left the rows out of the cache by the time their chunk ran;
 * a round's scores are computed a chunk of clusters at a time into one reused (blocks, c, c) buffer (2 MiB in
   float32, so that the masking, softmax and the product with the values that follow find it in cache), with the
   softmax scale folded into the product (``baddbmm``) and the masks built in reused boolean buffers;
@@ -16,7 +18,7 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   positions), merged and written back, so no per-round (B, H, N, dv) output is made, concatenated or scattered.
   Query slots past the end of a row (the last cluster filled up) write to one spare row.
 
-A fresh large tensor per chunk or per round costs more than its arithmetic on the CPU (page faults): at N = 16384
+A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at N = 16384
 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms concatenating its
 chunks' outputs and 65 ms scattering each round back; side by side, this path was 1.10x faster than the loop at
 N = 4096 and 1.47-1.52x at 16384, with the same output to the bit. When a key cluster other than cluster t serves query
@@ -139,7 +141,7 @@ class _Scratch:
     """A chunk's reused buffers: scores (P, c, c), masks, the row maxima and sums, the output (P, c, dv), and the
     running output's rows it merges with."""
 
-    def __init__(self, per: int, blk: int, dv: int, dt: torch.dtype, dev: torch.device) -> None:
+    def __init__(self, per: int, blk: int, d: int, dv: int, dt: torch.dtype, dev: torch.device) -> None:
         self.scores = torch.empty(per, blk, blk, dtype=dt, device=dev)
         self.mask = torch.empty(per, blk, blk, dtype=torch.bool, device=dev)
         self.found = torch.empty(per, blk, blk, dtype=torch.bool, device=dev)
@@ -149,6 +151,9 @@ class _Scratch:
         self.out = torch.empty(per, blk, dv, dtype=dt, device=dev)
         self.prev = torch.empty(per * blk, dv, dtype=dt, device=dev)
         self.prev_lse = torch.empty(per * blk, dtype=dt, device=dev)
+        self.qs = torch.empty(per * blk, d, dtype=dt, device=dev)
+        self.ks = torch.empty(per * blk, d, dtype=dt, device=dev)
+        self.vs = torch.empty(per * blk, dv, dtype=dt, device=dev)
 
 
 def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
@@ -211,29 +216,26 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     x = bh * t.tq  # query clusters, one key cluster each
     out = torch.empty(bh * n + 1, dv, dtype=dt, device=dev)  # the rounds so far, and a spare last row (below)
     lse = torch.empty(bh * n + 1, dtype=dt, device=dev)
-    qs = torch.empty(x * blk, d, dtype=dt, device=dev)  # a round's sorted queries, and each one's key cluster
-    ks = torch.empty(x * blk, d, dtype=dt, device=dev)
-    vs = torch.empty(x * blk, dv, dtype=dt, device=dev)
     per = max(1, _CHUNK_ELEMENTS // (blk * blk))
-    work = _Scratch(min(per, x), blk, dv, dt, dev)
+    work = _Scratch(min(per, x), blk, d, dv, dt, dev)
     # query slots past the end of a row repeat its last query (same keys, same value): they write to the spare row,
     # so that no real row is written twice
     slot_real = torch.arange(t.tq * blk, device=dev) < n
     for r in range(hashed.q_order.shape[0]):
         lay = layout(t, hashed, r)
-        torch.index_select(t.qf, 0, lay.qrows, out=qs)
-        torch.index_select(t.kf, 0, lay.krows, out=ks)
-        torch.index_select(t.vf, 0, lay.krows, out=vs)
         dest = torch.where(slot_real, lay.qpos + t.q_base, bh * n).reshape(-1)  # original row of each query slot
         bad = lay.bad if lay.any_bad else None
-        qb, kb, vb = qs.view(x, blk, d), ks.view(x, blk, d), vs.view(x, blk, dv)
         for c0 in range(0, x, per):
             c1 = min(x, c0 + per)
+            m = (c1 - c0) * blk
+            qs = torch.index_select(t.qf, 0, lay.qrows[c0 * blk : c1 * blk], out=work.qs[:m])
+            ks = torch.index_select(t.kf, 0, lay.krows[c0 * blk : c1 * blk], out=work.ks[:m])
+            vs = torch.index_select(t.vf, 0, lay.krows[c0 * blk : c1 * blk], out=work.vs[:m])
             o, o_lse = _softmax_chunk(
                 work,
-                qb[c0:c1],
-                kb[c0:c1],
-                vb[c0:c1],
+                qs.view(-1, blk, d),
+                ks.view(-1, blk, d),
+                vs.view(-1, blk, dv),
                 None if bad is None else bad[c0:c1],
                 [(target[c0:c1], cluster[c0:c1]) for target, cluster in lay.pairs],
                 scale,

