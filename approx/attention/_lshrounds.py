@@ -8,9 +8,10 @@ before it through the log-sum-exps. Both paths take the flat tables and each rou
 rows, masks) from :func:`tables` and :func:`layout`. What differs is where the numbers live:
 
 * a chunk's sorted queries, and the keys and values of each of its query clusters' key cluster, are gathered
-  straight from the flat tables into three chunk-sized buffers reused by every chunk and round (``index_select(out=)``),
-  just before the chunk's product reads them: gathering a whole round into three (B H N, d) buffers, fresh at every
-  call, cost a page fault per 4 KiB of them and left the rows out of the cache by the time their chunk ran;
+  straight from the flat tables into three chunk-sized buffers reused by every chunk and round
+  (``index_select(out=)``), just before the chunk's product reads them: gathering a whole round into three
+  (B H N, d) buffers, fresh at every call, cost a page fault per 4 KiB of them and left the rows out of the cache by
+  the time their chunk ran;
 * a round's scores are computed a chunk of clusters at a time into one reused (blocks, c, c) buffer (2 MiB in
   float32, so that the masking, softmax and the product with the values that follow find it in cache), with the
   softmax scale folded into the product (``baddbmm``) and the masks built in reused boolean buffers;
@@ -18,10 +19,11 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   positions), merged and written back, so no per-round (B, H, N, dv) output is made, concatenated or scattered.
   Query slots past the end of a row (the last cluster filled up) write to one spare row.
 
-A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at N = 16384
-(4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms concatenating its
-chunks' outputs and 65 ms scattering each round back; side by side, this path was 1.10x faster than the loop at
-N = 4096 and 1.47-1.52x at 16384, with the same output to the bit. When a key cluster other than cluster t serves query
+A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at
+N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
+concatenating its chunks' outputs and 65 ms scattering each round back. Side by side (one-off, no gradients), this
+path is 1.35x faster than the loop at N = 4096 and 1.68x at 16384, with the same output to the bit (1.10x and
+1.47-1.52x when it still gathered whole rounds). When a key cluster other than cluster t serves query
 cluster t (fewer real keys than queries), each round also copies the small per-key masks and cluster ids into query
 cluster order. tests/test_lsh.py checks this path and the differentiable one against a loop reference from the
 papers' definition; the docs' Speed page has the measurements.

@@ -50,12 +50,12 @@ Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gath
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
 masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. On the CPU, without gradients or
 dropout, the eager engine runs :mod:`._lshrounds` instead: the same computation on buffers allocated once per call,
-each chunk of clusters merged into the output as it ends (1.1-1.5x faster, the docs' Speed page). ``weights()`` and
-the graph statistics build the union of the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c
-pairs plus the hashing. ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through
-torch.compile, 32 query blocks per call over one static shape (on the CPU faster than the eager inference path at
-4096 tokens, slower from 8192; the docs' Speed page); rows shorter than a cluster, whose block is as long as they
-are, stay eager.
+each chunk of clusters merged into the output as it ends (1.35x faster at N = 4096, 1.68x at 16384, side by side,
+one-off). ``weights()`` and the graph statistics build the union of the rounds as one dense pattern
+(:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing. ``engine="compiled"`` runs each round's masking
+and softmax (:func:`round_blocks`) through torch.compile, 32 query blocks per call over one static shape (on the CPU
+slower than the eager inference path from 2048 tokens; the docs' Speed page); rows shorter than a cluster, whose block
+is as long as they are, stay eager.
 """
 
 from __future__ import annotations
