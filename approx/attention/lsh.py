@@ -85,8 +85,8 @@ class LshConfig(MethodConfig):
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     engine: str = _compiled.engine_option(
         "'eager': plain PyTorch, operator by operator; 'compiled': each round's masking, softmax and sums fused by "
-        "torch.compile around the two batched products (on the CPU faster than eager inference at 4096 tokens, "
-        "slower from 8192, see the docs' Speed page; the first call compiles, seconds; attention dropout and inputs "
+        "torch.compile around the two batched products (on the CPU slower than eager inference from 2048 tokens, "
+        "see the docs' Speed page; the first call compiles, seconds; attention dropout and inputs "
         "shorter than a cluster stay eager)"
     )
 
