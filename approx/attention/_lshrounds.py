@@ -14,7 +14,9 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   the time their chunk ran;
 * a round's scores are computed a chunk of clusters at a time into one reused (blocks, c, c) buffer (2 MiB in
   float32, so that the masking, softmax and the product with the values that follow find it in cache), with the
-  softmax scale folded into the product (``baddbmm``) and the masks built in reused boolean buffers;
+  softmax scale and the pairs to drop folded into the product (``baddbmm``: the pairs are found with a few
+  vectorised float operations on the cluster numbers, not boolean masks) and the exponentials taken by
+  ``torch.softmax``;
 * each chunk's output is merged into the running output right away: the rows it holds are read (their original
   positions), merged and written back, so no per-round (B, H, N, dv) output is made, concatenated or scattered.
   Query slots past the end of a row (the last cluster filled up) write to one spare row.
@@ -37,7 +39,7 @@ import torch
 
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
-__all__ = ["Layout", "Tables", "attend", "layout", "tables", "usable"]
+__all__ = ["Layout", "Tables", "attend", "id_dtype", "layout", "tables", "usable"]
 
 # Largest score chunk of a round, in elements (blocks * c * c): 2 MiB in float32. One-off timings of the whole call,
 # 4 rounds of 128, 2 CPU cores, side by side: N = 4096: 2^17 181 ms, 2^18 167, 2^19 159, 2^20 148, 2^21 154;
@@ -140,15 +142,15 @@ def layout(t: Tables, hashed, r: int) -> Layout:
 
 
 class _Scratch:
-    """A chunk's reused buffers: scores (P, c, c), masks, the row maxima and sums, the output (P, c, dv), and the
-    running output's rows it merges with."""
+    """A chunk's reused buffers: scores (P, c, c), the distances that find the pairs to drop, the probabilities, the
+    row maxima and log-sum-exps, the output (P, c, dv), the running output's rows it merges with, and the gathered
+    queries, keys and values."""
 
     def __init__(self, per: int, blk: int, d: int, dv: int, dt: torch.dtype, dev: torch.device) -> None:
         self.scores = torch.empty(per, blk, blk, dtype=dt, device=dev)
-        self.mask = torch.empty(per, blk, blk, dtype=torch.bool, device=dev)
-        self.found = torch.empty(per, blk, blk, dtype=torch.bool, device=dev)
+        self.gap = torch.empty(per, blk, blk, dtype=dt, device=dev)
+        self.prob = torch.empty(per, blk, blk, dtype=dt, device=dev)
         self.top = torch.empty(per, blk, 1, dtype=dt, device=dev)
-        self.total = torch.empty(per, blk, 1, dtype=dt, device=dev)
         self.lse = torch.empty(per, blk, 1, dtype=dt, device=dev)
         self.out = torch.empty(per, blk, dv, dtype=dt, device=dev)
         self.prev = torch.empty(per * blk, dv, dtype=dt, device=dev)
@@ -156,6 +158,14 @@ class _Scratch:
         self.qs = torch.empty(per * blk, d, dtype=dt, device=dev)
         self.ks = torch.empty(per * blk, d, dtype=dt, device=dev)
         self.vs = torch.empty(per * blk, dv, dtype=dt, device=dev)
+        # a dropped pair's score is lowered by this much (_softmax_chunk): its exponential is 0 beside a pair kept
+        self.drop = torch.finfo(dt).max / 8
+
+
+def id_dtype(dt: torch.dtype, clusters: int) -> torch.dtype:
+    """The floating dtype in which :func:`_softmax_chunk` compares cluster numbers 0 .. ``clusters`` - 1: the compute
+    dtype ``dt`` while it holds them all exactly (below 2^24 in float32), float64 beyond."""
+    return dt if clusters <= 2 / torch.finfo(dt).eps else torch.float64
 
 
 def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
@@ -165,30 +175,39 @@ def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def _softmax_chunk(
-    w: _Scratch, qs, ks, vs, bad, pairs: list, scale: float, p: int
+    w: _Scratch, qs, ks, vs, kept, pairs: list, scale: float, p: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Query clusters ``qs`` (P, c, d) against their key clusters ``ks`` (P, c, d): the softmax over the pairs left,
-    normalised, (P c, dv), with its log-sum-exp (P c); a row with no pair gives 0 and -inf. Dropped: the keys ``bad``
-    (P, 1, c) flags (None: none), and the ``pairs`` of earlier rounds, (query target (P, c, 1), key cluster (P, 1, c))
-    per round, equal where that round found the pair."""
-    sc, tiny = w.scores[:p], torch.finfo(w.scores.dtype).tiny
-    sc.baddbmm_(qs, ks.mT, beta=0.0, alpha=scale)  # beta = 0: the buffer's old contents are ignored
-    if bad is not None or pairs:
-        mask = w.mask[:p]
-        if pairs:
-            torch.eq(*pairs[0], out=mask)
-            for target, cluster in pairs[1:]:
-                mask.logical_or_(torch.eq(target, cluster, out=w.found[:p]))
-            if bad is not None:
-                mask.logical_or_(bad)
-        else:
-            mask.copy_(bad.expand_as(mask))
-        sc.masked_fill_(mask, float("-inf"))
+    normalised, (P c, dv), with its log-sum-exp (P c). A row with no pair left (a later round's, every pair found
+    before; round 0 always has one, a real key in every cluster a query meets) gives a log-sum-exp about
+    ``-drop``, which :func:`_merge` weighs at exactly 0 beside the finite one of round 0. Dropped: the keys that
+    ``kept`` (P, 1, c) has at 0 rather than 1 (None: none), and the ``pairs`` of earlier rounds, (query target
+    (P, c, 1), key cluster (P, 1, c)) per round in the compute dtype, equal where that round found the pair.
+
+    The drops are found with arithmetic rather than boolean masks (a broadcast ``eq`` per earlier round, their
+    ``or`` and a ``masked_fill`` took 142 ms of a 671 ms call under torch.profiler at N = 16384 with 4 rounds of
+    128, the two products 187 ms; these float operations take about 25 ms): the smallest of the rounds' |target -
+    cluster| and ``kept`` is 0 exactly where a pair is dropped and at least 1 elsewhere (cluster numbers are small
+    integers, exact in floating point), so ``min(gap - 1, 0)`` is -1 or 0, and the product adds it times
+    :attr:`_Scratch.drop` to the scores. ``torch.softmax`` then exponentiates in one vectorised pass (faster than
+    ``exp`` and a sum), and the log-sum-exp is the row maximum minus the log of the largest probability."""
+    sc = w.scores[:p]
+    if pairs:
+        target, cluster = pairs[0]
+        torch.sub(target, cluster, out=sc).abs_()
+        for target, cluster in pairs[1:]:
+            torch.minimum(sc, torch.sub(target, cluster, out=w.gap[:p]).abs_(), out=sc)
+        if kept is not None:
+            torch.minimum(sc, kept, out=sc)
+        sc.sub_(1.0).clamp_(max=0.0)
+    elif kept is not None:
+        torch.sub(kept.expand_as(sc), 1.0, out=sc)
+    drop = w.drop if pairs or kept is not None else 0.0  # beta = 0: the buffer's old contents are ignored
+    sc.baddbmm_(qs, ks.mT, beta=drop, alpha=scale)
     top = torch.amax(sc, -1, keepdim=True, out=w.top[:p])
-    top.masked_fill_(torch.isinf(top), 0.0)  # a row with no pair: exp(-inf) = 0 below
-    total = torch.sum(sc.sub_(top).exp_(), -1, keepdim=True, out=w.total[:p])
-    lse = torch.log(total, out=w.lse[:p]).add_(top)  # -inf for a row with no pair
-    out = torch.bmm(sc, vs, out=w.out[:p]).div_(total.clamp_(min=tiny))  # no pair: 0, not 0 / 0
+    prob = torch.softmax(sc, -1, out=w.prob[:p])
+    lse = torch.amax(prob, -1, keepdim=True, out=w.lse[:p]).log_().neg_().add_(top)
+    out = torch.bmm(prob, vs, out=w.out[:p])
     return out.view(-1, out.shape[-1]), lse.view(-1)
 
 
@@ -223,10 +242,12 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     # query slots past the end of a row repeat its last query (same keys, same value): they write to the spare row,
     # so that no real row is written twice
     slot_real = torch.arange(t.tq * blk, device=dev) < n
+    ids = id_dtype(dt, t.tk)
     for r in range(hashed.q_order.shape[0]):
         lay = layout(t, hashed, r)
         dest = torch.where(slot_real, lay.qpos + t.q_base, bh * n).reshape(-1)  # original row of each query slot
-        bad = lay.bad if lay.any_bad else None
+        kept = (~lay.bad).to(dt) if lay.any_bad else None  # 1: a key the cluster may use, 0: past the end, padding
+        pairs = [(target.to(ids), cluster.to(ids)) for target, cluster in lay.pairs]
         for c0 in range(0, x, per):
             c1 = min(x, c0 + per)
             m = (c1 - c0) * blk
@@ -238,8 +259,8 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
                 qs.view(-1, blk, d),
                 ks.view(-1, blk, d),
                 vs.view(-1, blk, dv),
-                None if bad is None else bad[c0:c1],
-                [(target[c0:c1], cluster[c0:c1]) for target, cluster in lay.pairs],
+                None if kept is None else kept[c0:c1],
+                [(target[c0:c1], cluster[c0:c1]) for target, cluster in pairs],
                 scale,
                 c1 - c0,
             )
