@@ -50,11 +50,12 @@ Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gath
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
 masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. On the CPU, without gradients or
 dropout, the eager engine runs :mod:`._lshrounds` instead: the same computation on buffers allocated once per call,
-each chunk of clusters merged into the output as it ends (1.35x faster at N = 4096, 1.68x at 16384, side by side,
-one-off). ``weights()`` and the graph statistics build the union of the rounds as one dense pattern
+each chunk of clusters merged into the output as it ends, the pairs of earlier rounds dropped by float arithmetic
+on the cluster numbers (1.35x faster than this loop at N = 4096, 1.68x at 16384, side by side, one-off, before that
+last change, which made it another 1.17-1.34x faster). ``weights()`` and the graph statistics build the union of the rounds as one dense pattern
 (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing. ``engine="compiled"`` runs each round's masking
 and softmax (:func:`round_blocks`) through torch.compile, 32 query blocks per call over one static shape (on the CPU
-slower than the eager inference path from 2048 tokens; the docs' Speed page); rows shorter than a cluster, whose block
+slower than the eager inference path at every length measured; the docs' Speed page); rows shorter than a cluster, whose block
 is as long as they are, stay eager.
 """
 
@@ -85,7 +86,8 @@ class LshConfig(MethodConfig):
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     engine: str = _compiled.engine_option(
         "'eager': plain PyTorch, operator by operator; 'compiled': each round's masking, softmax and sums fused by "
-        "torch.compile around the two batched products (on the CPU slower than eager inference from 2048 tokens, "
+        "torch.compile around the two batched products (on the CPU slower than eager inference at every length "
+        "measured, 1024 to 16384 tokens, "
         "see the docs' Speed page; the first call compiles, seconds; attention dropout and inputs "
         "shorter than a cluster stay eager)"
     )
