@@ -181,7 +181,8 @@ def test_clusters_are_balanced():
 @pytest.mark.parametrize("c", [120, 500])
 def test_one_cluster_is_exact(rounds, c, path):
     """c >= N: every real key in one cluster, every pair found in every round (counted once, in the first; the later
-    rounds' rows are empty, log-sum-exp -inf): exact attention, with a padded row, on both eager paths."""
+    rounds' rows are empty: log-sum-exp -inf on the loop, about -drop on the inference path, weighed 0 either way):
+    exact attention, with a padded row, on both eager paths."""
     q, k, v = inputs()
     mask = padded_mask(120, 90)
     out = run(lsh(cluster_size=c, rounds=rounds), path, q, k, v, mask)
@@ -201,13 +202,16 @@ def test_rows_no_longer_than_a_cluster_are_exact(rounds, path):
 # ------------------------------------------------------------------------------------------------ padding
 
 
-def test_padding_is_invisible_even_when_poisoned(path):
-    """Pads with huge queries and keys (which would set M^2 and win the sort if counted) change nothing."""
+@pytest.mark.parametrize("poison", [1e4, 1e307, float("inf"), float("nan")])
+def test_padding_is_invisible_even_when_poisoned(poison, path):
+    """Pads with huge, infinite or NaN queries, keys and values (huge ones would set M^2 and win the sort if counted;
+    the inference path lowers a dropped key's score by a finite amount, which a non-finite or huge padded key would
+    defeat) change nothing."""
     q, k, v = inputs(n=100)
     lyr = lsh(cluster_size=8, rounds=3)
     short = run(lyr, path, q[:1], k[:1], v[:1], None)
     pad = 37
-    qp, kp, vp = (torch.cat([x[:1], 1e4 * torch.ones(1, H, pad, D, dtype=x.dtype)], 2) for x in (q, k, v))
+    qp, kp, vp = (torch.cat([x[:1], poison * torch.ones(1, H, pad, D, dtype=x.dtype)], 2) for x in (q, k, v))
     mask = torch.arange(100 + pad)[None] < 100
     torch.testing.assert_close(run(lyr, path, qp, kp, vp, mask)[:, :, :100], short, rtol=0, atol=1e-12)
 
@@ -274,6 +278,24 @@ def test_inference_path_compares_cluster_numbers_exactly(dt):
         top = torch.tensor([clusters - 2, clusters - 1], dtype=torch.float64).to(ids)
         assert ids in (dt, torch.float64) and top[1] - top[0] == 1, (dt, clusters, ids)
     assert id_dtype(torch.float32, 2**24) == torch.float32 and id_dtype(torch.float32, 2**24 + 2) == torch.float64
+
+
+def test_inference_path_with_cluster_numbers_in_float64(monkeypatch):
+    """The inference path's float64 branch for cluster numbers (taken past 2^24 clusters in float32, too many to
+    reach in a test, so forced here): float64 distances written into the float32 score buffer give the loop
+    reference's output, padding and three rounds included."""
+    from approx.attention import _lshrounds
+
+    calls = []
+    monkeypatch.setattr(_lshrounds, "id_dtype", lambda dt, clusters: calls.append(dt) or torch.float64)
+    q, k, v = inputs(n=60, dtype=torch.float32)
+    mask = padded_mask(60, 43)
+    lyr = lsh(cluster_size=8, rounds=3)
+    ref = reference_lsh(q.double(), k.double(), v.double(), mask, lyr.state()["directions"], 8)
+    with torch.no_grad():
+        out = lyr(q, k, v, mask)
+    assert calls == [torch.float32]  # the branch ran, once per call
+    torch.testing.assert_close(real_rows(out.double(), mask), real_rows(ref, mask), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [None, 5 * 8 * 8])

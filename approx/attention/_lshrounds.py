@@ -12,8 +12,9 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   (``index_select(out=)``), just before the chunk's product reads them: gathering a whole round into three
   (B H N, d) buffers, fresh at every call, cost a page fault per 4 KiB of them and left the rows out of the cache by
   the time their chunk ran;
-* a round's scores are computed a chunk of clusters at a time into one reused (blocks, c, c) buffer (2 MiB in
-  float32, so that the masking, softmax and the product with the values that follow find it in cache), with the
+* a round's scores are computed a chunk of clusters at a time into reused (blocks, c, c) buffers (scores, the
+  distances that find the pairs to drop, probabilities: 2 MiB each in float32, so that the masking, softmax and the
+  product with the values that follow find them in cache), with the
   softmax scale and the pairs to drop folded into the product (``baddbmm``: the pairs are found with a few
   vectorised float operations on the cluster numbers, not boolean masks) and the exponentials taken by
   ``torch.softmax``;
@@ -24,8 +25,9 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
 A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at
 N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
 concatenating its chunks' outputs and 65 ms scattering each round back. Side by side (one-off, no gradients), this
-path is 1.35x faster than the loop at N = 4096 and 1.68x at 16384, with the same output to the bit (1.10x and
-1.47-1.52x when it still gathered whole rounds). When a key cluster other than cluster t serves query
+path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with the same output to the bit (1.10x and
+1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster, and
+its output now differs from the loop's by rounding (about 1e-6 relative in float32). When a key cluster other than cluster t serves query
 cluster t (fewer real keys than queries), each round also copies the small per-key masks and cluster ids into query
 cluster order. tests/test_lsh.py checks this path and the differentiable one against a loop reference from the
 papers' definition; the docs' Speed page has the measurements.
@@ -85,13 +87,19 @@ class Tables:
 
 
 def tables(q, k, v, hashed, key_mask) -> Tables:
-    """:class:`Tables` of a call; ``key_mask`` as :func:`~._common.safe_key_mask` returns it."""
+    """:class:`Tables` of a call; ``key_mask`` as :func:`~._common.safe_key_mask` returns it (one without padding, as
+    a model passes for unpadded batches, is taken as None: no copies of the keys and values)."""
+    if key_mask is not None and bool(key_mask.all()):
+        key_mask = None
     dt = compute_dtype(q.dtype)
     b, h, n, d = q.shape
     s, dv, blk = k.shape[2], v.shape[-1], hashed.block
     tq, tk = -(-n // blk), -(-s // blk)
     bh, dev = b * h, q.device
-    qf, kf = q.to(dt).reshape(bh * n, d), k.to(dt).reshape(bh * s, d)
+    qf = q.to(dt).reshape(bh * n, d)
+    # padded keys zeroed too: their scores are lowered by a finite amount (_softmax_chunk), which an inf or NaN (or a
+    # score near that amount) in a padded key would defeat
+    kf = zero_padded_values(k.to(dt), key_mask).reshape(bh * s, d)
     vf = zero_padded_values(v.to(dt), key_mask).reshape(bh * s, dv)
     q_base = (torch.arange(bh, device=dev) * n)[:, None]
     k_base = (torch.arange(bh, device=dev) * s)[:, None]
@@ -181,8 +189,9 @@ def _softmax_chunk(
     normalised, (P c, dv), with its log-sum-exp (P c). A row with no pair left (a later round's, every pair found
     before; round 0 always has one, a real key in every cluster a query meets) gives a log-sum-exp about
     ``-drop``, which :func:`_merge` weighs at exactly 0 beside the finite one of round 0. Dropped: the keys that
-    ``kept`` (P, 1, c) has at 0 rather than 1 (None: none), and the ``pairs`` of earlier rounds, (query target
-    (P, c, 1), key cluster (P, 1, c)) per round in the compute dtype, equal where that round found the pair.
+    ``kept`` (P, 1, c) has at 0 rather than 1 (None: none; padded keys are zeroed in the key table, so their scores
+    are finite), and the ``pairs`` of earlier rounds, (query target (P, c, 1), key cluster (P, 1, c)) per round as
+    floats (:func:`id_dtype`), equal where that round found the pair.
 
     The drops are found with arithmetic rather than boolean masks (a broadcast ``eq`` per earlier round, their
     ``or`` and a ``masked_fill`` took 142 ms of a 671 ms call under torch.profiler at N = 16384 with 4 rounds of
@@ -221,7 +230,7 @@ def _merge(out, lse, rows, o, o_lse, w: _Scratch, first: bool) -> None:
     prev = torch.index_select(out, 0, rows, out=w.prev[:m])
     prev_lse = torch.index_select(lse, 0, rows, out=w.prev_lse[:m])
     total = torch.logaddexp(prev_lse, o_lse)
-    finite = total.masked_fill(torch.isinf(total), 0.0)  # no pair in either: both weights exp(-inf) = 0
+    finite = total.masked_fill(torch.isinf(total), 0.0)  # guards a -inf in both (rows here always have a pair)
     prev.mul_((prev_lse - finite).exp_()[:, None]).addcmul_(o, (o_lse - finite).exp_()[:, None])
     out.index_copy_(0, rows, prev)
     lse.index_copy_(0, rows, total)
