@@ -14,10 +14,9 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   the time their chunk ran;
 * a round's scores are computed a chunk of clusters at a time into reused (blocks, c, c) buffers (scores, the
   distances that find the pairs to drop, probabilities: 2 MiB each in float32, so that the masking, softmax and the
-  product with the values that follow find them in cache), with the
-  softmax scale and the pairs to drop folded into the product (``baddbmm``: the pairs are found with a few
-  vectorised float operations on the cluster numbers, not boolean masks) and the exponentials taken by
-  ``torch.softmax``;
+  product with the values that follow find them in cache), with the softmax scale and the pairs to drop folded into
+  the product (``baddbmm``: the pairs are found with a few vectorised float operations on the cluster numbers, not
+  boolean masks) and the exponentials taken by ``torch.softmax``;
 * each chunk's output is merged into the running output right away: the rows it holds are read (their original
   positions), merged and written back, so no per-round (B, H, N, dv) output is made, concatenated or scattered.
   Query slots past the end of a row (the last cluster filled up) write to one spare row.
@@ -27,9 +26,9 @@ N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the different
 concatenating its chunks' outputs and 65 ms scattering each round back. Side by side (one-off, no gradients), this
 path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with the same output to the bit (1.10x and
 1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster, and
-its output now differs from the loop's by rounding (about 1e-6 relative in float32). When a key cluster other than cluster t serves query
-cluster t (fewer real keys than queries), each round also copies the small per-key masks and cluster ids into query
-cluster order. tests/test_lsh.py checks this path and the differentiable one against a loop reference from the
+its output now differs from the loop's by rounding (about 1e-6 relative in float32). When a key cluster other than
+cluster t serves query cluster t (fewer real keys than queries), each round also copies the small per-key masks and
+cluster ids into query cluster order. tests/test_lsh.py checks this path and the differentiable one against a loop reference from the
 papers' definition; the docs' Speed page has the measurements.
 """
 

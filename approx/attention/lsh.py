@@ -52,11 +52,11 @@ masked; each round merged into the ones before it with :func:`~._blocksparse.mer
 dropout, the eager engine runs :mod:`._lshrounds` instead: the same computation on buffers allocated once per call,
 each chunk of clusters merged into the output as it ends, the pairs of earlier rounds dropped by float arithmetic
 on the cluster numbers (1.35x faster than this loop at N = 4096, 1.68x at 16384, side by side, one-off, before that
-last change, which made it another 1.17-1.34x faster). ``weights()`` and the graph statistics build the union of the rounds as one dense pattern
-(:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing. ``engine="compiled"`` runs each round's masking
-and softmax (:func:`round_blocks`) through torch.compile, 32 query blocks per call over one static shape (on the CPU
-slower than the eager inference path at every length measured; the docs' Speed page); rows shorter than a cluster, whose block
-is as long as they are, stay eager.
+last change, which made it another 1.17-1.34x faster). ``weights()`` and the graph statistics build the union of
+the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
+``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through torch.compile, 32 query
+blocks per call over one static shape (on the CPU slower than the eager inference path at every length measured;
+the docs' Speed page); rows shorter than a cluster, whose block is as long as they are, stay eager.
 """
 
 from __future__ import annotations
