@@ -250,14 +250,17 @@ def test_cross_attention_with_several_rows_and_heads(n, s, path):
     torch.testing.assert_close(out, spec.weights(q, k, **kw) @ v, rtol=1e-12, atol=1e-12)
 
 
-def test_rounds_split_into_chunks(monkeypatch, path):
-    """A round's clusters computed a few at a time give the same output as the loop reference (2 x 3 x 8 = 48
-    clusters of 8: nine chunks of five and a last one of three), on both eager paths."""
+@pytest.mark.parametrize("per_chunk", [5, 32])
+def test_rounds_split_into_chunks(monkeypatch, path, per_chunk):
+    """A round's clusters computed a few at a time give the same output as the loop reference, on both eager paths.
+    2 x 3 = 6 (batch, head) rows of 8 clusters of 8: with five clusters per chunk, the differentiable loop runs nine
+    chunks of five and a last one of three, and the inference path takes each (batch, head) row alone, in a chunk of
+    five and one of three; with 32 per chunk, the inference path takes four rows at a time, then the last two."""
     from approx.attention import _lshrounds
     from approx.attention import lsh as lsh_module
 
     for module in (lsh_module, _lshrounds):
-        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 5 * 8 * 8)  # five clusters of 8 per chunk
+        monkeypatch.setattr(module, "_CHUNK_ELEMENTS", per_chunk * 8 * 8)  # clusters of 8 per chunk
     q, k, v = inputs(n=60)
     mask = padded_mask(60, 43)
     lyr = lsh(cluster_size=8, rounds=3)

@@ -7,6 +7,9 @@ keys and values are gathered into the round's sorted order, each query cluster m
 before it through the log-sum-exps. Both paths take the flat tables and each round's layout (sorted slots, key
 rows, masks) from :func:`tables` and :func:`layout`. What differs is where the numbers live:
 
+* the (batch, head) rows are taken a group at a time (as many as one chunk of clusters holds, or one), every round
+  of a group before the next group, so that the group's queries, keys, values and output stay in the cache from one
+  round to the next rather than being read from memory once per round;
 * a chunk's sorted queries, and the keys and values of each of its query clusters' key cluster, are gathered
   straight from the flat tables into three chunk-sized buffers reused by every chunk and round
   (``index_select(out=)``), just before the chunk's product reads them: gathering a whole round into three
@@ -17,19 +20,22 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   product with the values that follow find them in cache), with the softmax scale and the pairs to drop folded into
   the product (``baddbmm``: the pairs are found with a few vectorised float operations on the cluster numbers, not
   boolean masks) and the exponentials taken by ``torch.softmax``;
-* each chunk's output is merged into the running output right away: the rows it holds are read (their original
-  positions), merged and written back, so no per-round (B, H, N, dv) output is made, concatenated or scattered.
-  Query slots past the end of a row (the last cluster filled up) write to one spare row.
+* a chunk's output and log-sum-exps are written, in the round's sorted order, into one buffer for the group's round
+  (slots past the end of a row, the last cluster filled up, too); once the round is done, each original row reads
+  its slot back through the inverse of the sort (a gather) and is merged into the running output in place. Merging
+  each chunk as it ended instead (a gather of the running rows and a scatter back, ``index_copy_``) cost more: a
+  scatter of a chunk's rows took about 4x a gather of as many.
 
 A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at
 N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
 concatenating its chunks' outputs and 65 ms scattering each round back. Side by side (one-off, no gradients), this
 path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with the same output to the bit (1.10x and
-1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster, and
-its output now differs from the loop's by rounding (about 1e-6 relative in float32). When a key cluster other than
-cluster t serves query cluster t (fewer real keys than queries), each round also copies the small per-key masks and
-cluster ids into query cluster order. tests/test_lsh.py checks this path and the differentiable one against a loop reference from the
-papers' definition; the docs' Speed page has the measurements.
+1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster (its
+output now differs from the loop's by rounding, about 1e-6 relative in float32), and the groups and the merge by
+gathers another 1.09-1.15x (fastest of 15 or 7 interleaved calls, N = 1024 to 8192), with the same output to the
+bit. When a key cluster other than cluster t serves query cluster t (fewer real keys than queries), each round also
+copies the small per-key masks and cluster ids into query cluster order. tests/test_lsh.py checks this path and the
+differentiable one against a loop reference from the papers' definition; the docs' Speed page has the measurements.
 """
 
 from __future__ import annotations
@@ -128,38 +134,41 @@ class Layout:
 
 
 def layout(t: Tables, hashed, r: int) -> Layout:
-    """:class:`Layout` of round ``r`` of ``hashed`` (:class:`.lsh.Hashed`)."""
+    """:class:`Layout` of round ``r`` of ``hashed`` (:class:`.lsh.Hashed`), the earlier rounds' cluster numbers in the
+    dtype its ``target`` and ``k_cluster`` have: :func:`attend` passes them as floats, converted once per call, so
+    that the layouts look up 4-byte floats rather than 8-byte integers converted afterwards (the four rounds'
+    layouts at N = 16384, c = 128: 9 against 19 ms, one-off, 2 threads)."""
     bh, blk, dev = t.b * t.h, t.blk, t.qf.device
     x = bh * t.tq
     qpos = _slots(hashed.q_order[r].reshape(bh, t.n), t.tq * blk)  # (B H, Tq c)
     kpos = _slots(hashed.k_order[r].reshape(bh, t.s), t.tk * blk)  # (B H, Tk c)
-    krows = t.key_side((kpos + t.k_base).view(bh * t.tk, blk)).reshape(-1)
+    qrows = (qpos + t.q_base).reshape(-1)
+    kflat = (kpos + t.k_base).reshape(-1)  # per key cluster
+    krows = t.key_side(kflat.view(bh * t.tk, blk)).reshape(-1)  # per query cluster
     bad = (torch.arange(t.tk * blk, device=dev) >= t.s).expand(bh, -1)  # keys past the end, padding
     if t.real is not None:
-        bad = bad | ~t.real.gather(1, kpos)
+        bad = bad | ~t.real.reshape(-1).index_select(0, kflat).view(bh, -1)
     bad = t.key_side(bad.reshape(bh * t.tk, 1, blk))
     pairs = [  # an earlier round found a pair where its query target equals the key's cluster
         (
-            hashed.target[e].reshape(bh, t.n).gather(1, qpos).view(x, blk, 1),
-            t.key_side(hashed.k_cluster[e].reshape(bh, t.s).gather(1, kpos).view(bh * t.tk, 1, blk)),
+            hashed.target[e].reshape(-1).index_select(0, qrows).view(x, blk, 1),
+            hashed.k_cluster[e].reshape(-1).index_select(0, krows).view(x, 1, blk),
         )
         for e in range(r)
     ]
-    return Layout(qpos, (qpos + t.q_base).reshape(-1), krows, bad, bool(bad.any()), pairs)
+    return Layout(qpos, qrows, krows, bad, bool(bad.any()), pairs)
 
 
 class _Scratch:
-    """A chunk's reused buffers: scores (P, c, c), the distances that find the pairs to drop, the probabilities, the
-    row maxima and log-sum-exps, the output (P, c, dv), the running output's rows it merges with, and the gathered
-    queries, keys and values."""
+    """A chunk's reused buffers: scores (P, c, c), the distances that find the pairs to drop, the probabilities,
+    the row maxima, the rows of a round that a block of the running output merges with (and their log-sum-exps), and
+    the gathered queries, keys and values."""
 
     def __init__(self, per: int, blk: int, d: int, dv: int, dt: torch.dtype, dev: torch.device) -> None:
         self.scores = torch.empty(per, blk, blk, dtype=dt, device=dev)
         self.gap = torch.empty(per, blk, blk, dtype=dt, device=dev)
         self.prob = torch.empty(per, blk, blk, dtype=dt, device=dev)
         self.top = torch.empty(per, blk, 1, dtype=dt, device=dev)
-        self.lse = torch.empty(per, blk, 1, dtype=dt, device=dev)
-        self.out = torch.empty(per, blk, dv, dtype=dt, device=dev)
         self.prev = torch.empty(per * blk, dv, dtype=dt, device=dev)
         self.prev_lse = torch.empty(per * blk, dtype=dt, device=dev)
         self.qs = torch.empty(per * blk, d, dtype=dt, device=dev)
@@ -182,15 +191,15 @@ def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def _softmax_chunk(
-    w: _Scratch, qs, ks, vs, kept, pairs: list, scale: float, p: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    w: _Scratch, qs, ks, vs, kept, pairs: list, scale: float, p: int, out: torch.Tensor, lse: torch.Tensor
+) -> None:
     """Query clusters ``qs`` (P, c, d) against their key clusters ``ks`` (P, c, d): the softmax over the pairs left,
-    normalised, (P c, dv), with its log-sum-exp (P c). A row with no pair left (a later round's, every pair found
-    before; round 0 always has one, a real key in every cluster a query meets) gives a log-sum-exp about
-    ``-drop``, which :func:`_merge` weighs at exactly 0 beside the finite one of round 0. Dropped: the keys that
-    ``kept`` (P, 1, c) has at 0 rather than 1 (None: none; padded keys are zeroed in the key table, so their scores
-    are finite), and the ``pairs`` of earlier rounds, (query target (P, c, 1), key cluster (P, 1, c)) per round as
-    floats (:func:`id_dtype`), equal where that round found the pair.
+    normalised, into ``out`` (P, c, dv), with its log-sum-exp into ``lse`` (P, c, 1). A row with no pair left (a
+    later round's, every pair found before; round 0 always has one, a real key in every cluster a query meets) gives
+    a log-sum-exp about ``-drop``, which :func:`_merge_round` weighs at exactly 0 beside the finite one of round 0.
+    Dropped: the keys that ``kept`` (P, 1, c) has at 0 rather than 1 (None: none; padded keys are zeroed in the key
+    table, so their scores are finite), and the ``pairs`` of earlier rounds, (query target (P, c, 1), key cluster
+    (P, 1, c)) per round as floats (:func:`id_dtype`), equal where that round found the pair.
 
     The drops are found with arithmetic rather than boolean masks (a broadcast ``eq`` per earlier round, their
     ``or`` and a ``masked_fill`` took 142 ms of a 671 ms call under torch.profiler at N = 16384 with 4 rounds of
@@ -214,25 +223,24 @@ def _softmax_chunk(
     sc.baddbmm_(qs, ks.mT, beta=drop, alpha=scale)
     top = torch.amax(sc, -1, keepdim=True, out=w.top[:p])
     prob = torch.softmax(sc, -1, out=w.prob[:p])
-    lse = torch.amax(prob, -1, keepdim=True, out=w.lse[:p]).log_().neg_().add_(top)
-    out = torch.bmm(prob, vs, out=w.out[:p])
-    return out.view(-1, out.shape[-1]), lse.view(-1)
+    torch.amax(prob, -1, keepdim=True, out=lse).log_().neg_().add_(top)
+    torch.bmm(prob, vs, out=out)
 
 
-def _merge(out, lse, rows, o, o_lse, w: _Scratch, first: bool) -> None:
-    """Merge a chunk's softmax (``o`` (M, dv), ``o_lse`` (M,)) into the running ``out``/``lse`` at ``rows``."""
-    if first:
-        out.index_copy_(0, rows, o)
-        lse.index_copy_(0, rows, o_lse)
-        return
-    m = rows.shape[0]
-    prev = torch.index_select(out, 0, rows, out=w.prev[:m])
-    prev_lse = torch.index_select(lse, 0, rows, out=w.prev_lse[:m])
-    total = torch.logaddexp(prev_lse, o_lse)
-    finite = total.masked_fill(torch.isinf(total), 0.0)  # guards a -inf in both (rows here always have a pair)
-    prev.mul_((prev_lse - finite).exp_()[:, None]).addcmul_(o, (o_lse - finite).exp_()[:, None])
-    out.index_copy_(0, rows, prev)
-    lse.index_copy_(0, rows, total)
+def _merge_round(out, lse, so, slse, src, w: _Scratch) -> None:
+    """Merge a round (``so`` (slots, dv), ``slse`` (slots,) in its sorted order) into the running ``out``/``lse``
+    (original order), a block of rows at a time: row i takes slot ``src[i]``. Read by gathers, written in place
+    (a scatter of the round's rows, ``index_copy_``, cost about 4x a gather of as many rows)."""
+    step = w.prev.shape[0]
+    for a in range(0, out.shape[0], step):
+        b = min(out.shape[0], a + step)
+        o = torch.index_select(so, 0, src[a:b], out=w.prev[: b - a])
+        o_lse = torch.index_select(slse, 0, src[a:b], out=w.prev_lse[: b - a])
+        prev, prev_lse = out[a:b], lse[a:b]
+        total = torch.logaddexp(prev_lse, o_lse)
+        finite = total.masked_fill(torch.isinf(total), 0.0)  # guards a -inf in both (rows always have a pair)
+        prev.mul_((prev_lse - finite).exp_()[:, None]).addcmul_(o, (o_lse - finite).exp_()[:, None])
+        prev_lse.copy_(total)
 
 
 def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
@@ -240,37 +248,56 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     :func:`.lsh.attend_rounds` computes it, without gradients (nor forward-mode dual tensors or ``torch.func``
     transforms: the buffers are written in place)."""
     t = tables(q, k, v, hashed, safe_key_mask(key_mask))
-    bh, n, blk, dt = t.b * t.h, t.n, t.blk, t.dt
+    bh, n, blk, dt, tq = t.b * t.h, t.n, t.blk, t.dt, t.tq
     d, dv, dev = q.shape[-1], v.shape[-1], q.device
-    x = bh * t.tq  # query clusters, one key cluster each
-    out = torch.empty(bh * n + 1, dv, dtype=dt, device=dev)  # the rounds so far, and a spare last row (below)
-    lse = torch.empty(bh * n + 1, dtype=dt, device=dev)
-    per = max(1, _CHUNK_ELEMENTS // (blk * blk))
-    work = _Scratch(min(per, x), blk, d, dv, dt, dev)
-    # query slots past the end of a row repeat its last query (same keys, same value): they write to the spare row,
-    # so that no real row is written twice
-    slot_real = torch.arange(t.tq * blk, device=dev) < n
-    ids = id_dtype(dt, t.tk)
-    for r in range(hashed.q_order.shape[0]):
-        lay = layout(t, hashed, r)
-        dest = torch.where(slot_real, lay.qpos + t.q_base, bh * n).reshape(-1)  # original row of each query slot
-        kept = (~lay.bad).to(dt) if lay.any_bad else None  # 1: a key the cluster may use, 0: past the end, padding
-        pairs = [(target.to(ids), cluster.to(ids)) for target, cluster in lay.pairs]
-        for c0 in range(0, x, per):
-            c1 = min(x, c0 + per)
-            m = (c1 - c0) * blk
-            qs = torch.index_select(t.qf, 0, lay.qrows[c0 * blk : c1 * blk], out=work.qs[:m])
-            ks = torch.index_select(t.kf, 0, lay.krows[c0 * blk : c1 * blk], out=work.ks[:m])
-            vs = torch.index_select(t.vf, 0, lay.krows[c0 * blk : c1 * blk], out=work.vs[:m])
-            o, o_lse = _softmax_chunk(
-                work,
-                qs.view(-1, blk, d),
-                ks.view(-1, blk, d),
-                vs.view(-1, blk, dv),
-                None if kept is None else kept[c0:c1],
-                [(target[c0:c1], cluster[c0:c1]) for target, cluster in pairs],
-                scale,
-                c1 - c0,
-            )
-            _merge(out, lse, dest[c0 * blk : c1 * blk], o, o_lse, work, first=r == 0)
-    return out[: bh * n].view(t.b, t.h, n, dv).to(v.dtype)
+    rounds = hashed.q_order.shape[0]
+    per = max(1, _CHUNK_ELEMENTS // (blk * blk))  # query clusters per chunk
+    group = max(1, per // tq)  # (batch, head) rows per group: every round of a group before the next group
+    out = torch.empty(bh * n, dv, dtype=dt, device=dev)  # the rounds so far, merged, in the original order
+    lse = torch.empty(bh * n, dtype=dt, device=dev)
+    so = torch.empty(min(bh, group) * tq, blk, dv, dtype=dt, device=dev)  # a group's round, in its sorted order
+    slse = torch.empty(so.shape[0], blk, 1, dtype=dt, device=dev)
+    work = _Scratch(min(per, so.shape[0]), blk, d, dv, dt, dev)
+    ids = id_dtype(dt, t.tk)  # the earlier rounds' cluster numbers as floats, converted once
+    as_ids = dataclasses.replace(hashed, target=hashed.target[:-1].to(ids), k_cluster=hashed.k_cluster[:-1].to(ids))
+    lays = [layout(t, as_ids, r) for r in range(rounds)]
+    kept = [(~lay.bad).to(dt) if lay.any_bad else None for lay in lays]  # 1: a key the cluster may use, 0: not
+    # the slot of every original row in each round's sorted order (the inverse of the sort), within its (B H) row
+    positions = torch.arange(n, device=dev).expand(bh, n)
+    slot_base = (torch.arange(bh, device=dev) * (tq * blk))[:, None]
+    src = [
+        torch.empty(bh, n, dtype=torch.long, device=dev)
+        .scatter_(1, hashed.q_order[r].reshape(bh, n), positions)
+        .add_(slot_base)
+        .view(-1)
+        for r in range(rounds)
+    ]
+    for g0 in range(0, bh, group):
+        g1 = min(bh, g0 + group)
+        x0, x1, rows = g0 * tq, g1 * tq, slice(g0 * n, g1 * n)  # its query clusters, its rows of the output
+        for r, lay in enumerate(lays):
+            for c0 in range(x0, x1, per):
+                c1 = min(x1, c0 + per)
+                m, sl = (c1 - c0) * blk, slice(c0 * blk, c1 * blk)
+                qs = torch.index_select(t.qf, 0, lay.qrows[sl], out=work.qs[:m])
+                ks = torch.index_select(t.kf, 0, lay.krows[sl], out=work.ks[:m])
+                vs = torch.index_select(t.vf, 0, lay.krows[sl], out=work.vs[:m])
+                _softmax_chunk(
+                    work,
+                    qs.view(-1, blk, d),
+                    ks.view(-1, blk, d),
+                    vs.view(-1, blk, dv),
+                    None if kept[r] is None else kept[r][c0:c1],
+                    [(target[c0:c1], cluster[c0:c1]) for target, cluster in lay.pairs],
+                    scale,
+                    c1 - c0,
+                    so[c0 - x0 : c1 - x0],
+                    slse[c0 - x0 : c1 - x0],
+                )
+            slots = src[r][rows] - x0 * blk
+            if r == 0:
+                torch.index_select(so.view(-1, dv), 0, slots, out=out[rows])
+                torch.index_select(slse.view(-1), 0, slots, out=lse[rows])
+            else:
+                _merge_round(out[rows], lse[rows], so.view(-1, dv), slse.view(-1), slots, work)
+    return out.view(t.b, t.h, n, dv).to(v.dtype)

@@ -181,8 +181,8 @@ def _clusters(proj: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (stable: ties by position) and cut into clusters of c: the sorted positions and every position's
     cluster, both (R, B, H, L)."""
     order = _order_keys(proj).argsort(dim=-1, stable=True)
-    slots = torch.arange(proj.shape[-1], device=proj.device).expand_as(order)
-    cluster = torch.empty_like(order).scatter_(-1, order, slots.div(c, rounding_mode="floor"))
+    slots = torch.arange(proj.shape[-1], device=proj.device).div(c, rounding_mode="floor")  # each slot's cluster
+    cluster = torch.empty_like(order).scatter_(-1, order, slots.expand_as(order))
     return order, cluster
 
 
