@@ -32,7 +32,7 @@ concatenating its chunks' outputs and 65 ms scattering each round back. Side by 
 path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with the same output to the bit (1.10x and
 1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster (its
 output now differs from the loop's by rounding, about 1e-6 relative in float32), and the groups and the merge by
-gathers another 1.09-1.15x (fastest of 15 or 7 interleaved calls, N = 1024 to 8192), with the same output to the
+gathers another 1.06-1.12x (median of 15 or 7 interleaved calls, N = 1024 to 16384), with the same output to the
 bit. When a key cluster other than cluster t serves query cluster t (fewer real keys than queries), each round also
 copies the small per-key masks and cluster ids into query cluster order. tests/test_lsh.py checks this path and the
 differentiable one against a loop reference from the papers' definition; the docs' Speed page has the measurements.
