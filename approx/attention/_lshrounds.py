@@ -24,7 +24,7 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   (slots past the end of a row, the last cluster filled up, too); once the round is done, each original row reads
   its slot back through the inverse of the sort (a gather) and is merged into the running output in place. Merging
   each chunk as it ended instead (a gather of the running rows and a scatter back, ``index_copy_``) cost more: a
-  scatter of a chunk's rows took about 4x a gather of as many.
+  scatter of a chunk's rows took 4-5x a gather of as many.
 
 A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at
 N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
@@ -230,7 +230,7 @@ def _softmax_chunk(
 def _merge_round(out, lse, so, slse, src, w: _Scratch) -> None:
     """Merge a round (``so`` (slots, dv), ``slse`` (slots,) in its sorted order) into the running ``out``/``lse``
     (original order), a block of rows at a time: row i takes slot ``src[i]``. Read by gathers, written in place
-    (a scatter of the round's rows, ``index_copy_``, cost about 4x a gather of as many rows)."""
+    (a scatter of the round's rows, ``index_copy_``, cost 4-5x a gather of as many rows)."""
     step = w.prev.shape[0]
     for a in range(0, out.shape[0], step):
         b = min(out.shape[0], a + step)

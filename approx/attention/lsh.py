@@ -50,9 +50,10 @@ Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gath
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
 masked; each round merged into the ones before it with :func:`~._blocksparse.merge`. On the CPU, without gradients or
 dropout, the eager engine runs :mod:`._lshrounds` instead: the same computation on buffers allocated once per call,
-each chunk of clusters merged into the output as it ends, the pairs of earlier rounds dropped by float arithmetic
-on the cluster numbers (1.35x faster than this loop at N = 4096, 1.68x at 16384, side by side, one-off, before that
-last change, which made it another 1.17-1.34x faster). ``weights()`` and the graph statistics build the union of
+every round of a group of (batch, head) rows before the next group, each round merged into the output by gathers
+through the inverse of its sort, the pairs of earlier rounds dropped by float arithmetic on the cluster numbers
+(1.35x faster than this loop at N = 4096, 1.68x at 16384, side by side, one-off, before the last two changes, which
+made it another 1.17-1.34x and 1.06-1.12x faster). ``weights()`` and the graph statistics build the union of
 the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
 ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through torch.compile, 32 query
 blocks per call over one static shape (on the CPU slower than the eager inference path at every length measured;
