@@ -301,14 +301,15 @@ def test_inference_path_with_cluster_numbers_in_float64(monkeypatch):
     torch.testing.assert_close(real_rows(out.double(), mask), real_rows(ref, mask), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [None, 5 * 8 * 8])
+@pytest.mark.parametrize("chunk", [None, 5 * 8 * 8, 36 * 8 * 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_inference_path_gives_the_differentiable_output(dtype, chunk, monkeypatch):
-    """Without gradients LSH runs ``_lshrounds`` (reused buffers, chunks merged as they end). In float32, float16 and
-    bfloat16, on strided inputs laid out as a model passes them, with padding, rows shorter than a cluster and more
-    queries than keys (query clusters past the keys' attend the last key cluster), in one chunk or in chunks of five
-    clusters (the last one partial), it gives the differentiable loop's output (half precision: at most a rounding
-    apart, the two sum in different orders)."""
+    """Without gradients LSH runs ``_lshrounds`` (reused buffers, groups of (batch, head) rows, each round merged by
+    gathers once a group's chunks end). In float32, float16 and bfloat16, on strided inputs laid out as a model passes
+    them, with padding, rows shorter than a cluster, more queries than keys (query clusters past the keys' attend
+    the last key cluster) and fewer, in one chunk, in chunks of five clusters (one row per group, the last chunk partial) or of
+    36 (nine clusters a row: groups of four rows, then a partial group of two), it gives the differentiable loop's
+    output (half precision: at most a rounding apart, the two sum in different orders)."""
     from approx.attention import _lshrounds
     from approx.attention import lsh as lsh_module
 
@@ -322,16 +323,16 @@ def test_inference_path_gives_the_differentiable_output(dtype, chunk, monkeypatc
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
     spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=3)
     state = spec.init_state(config, head_dim=D, seed=0)
-    for keys, real_last in ((70, 51), (70, 6), (37, 30)):
+    for queries, keys, real_last in ((70, 70, 51), (70, 70, 6), (70, 37, 30), (20, 70, 51)):
         key_mask = torch.ones(2, keys, dtype=torch.bool)
         key_mask[1, real_last:] = False
         kw = dict(key_mask=key_mask, query_mask=None, scale=D**-0.5, config=config, state=state)
-        kk, vv = k[:, :, :keys], v[:, :, :keys]
+        qq, kk, vv = q[:, :, :queries], k[:, :, :keys], v[:, :, :keys]
         with torch.no_grad():
-            fast = spec.attend(q, kk, vv, **kw)
+            fast = spec.attend(qq, kk, vv, **kw)
         assert calls, "the inference path did not run"
         calls.clear()
-        slow = run(spec.attend, "autograd", q, kk, vv, **kw)
+        slow = run(spec.attend, "autograd", qq, kk, vv, **kw)
         assert not calls, "the differentiable loop did not run"
         torch.testing.assert_close(fast, slow, **({"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}))
 

@@ -24,7 +24,7 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   (slots past the end of a row, the last cluster filled up, too); once the round is done, each original row reads
   its slot back through the inverse of the sort (a gather) and is merged into the running output in place. Merging
   each chunk as it ended instead (a gather of the running rows and a scatter back, ``index_copy_``) cost more: a
-  scatter of a chunk's rows took 4-5x a gather of as many.
+  scatter of a chunk's rows took 3.5-6.5x a gather of as many (one-off micro-benchmark).
 
 A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at
 N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
@@ -32,8 +32,9 @@ concatenating its chunks' outputs and 65 ms scattering each round back. Side by 
 path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with the same output to the bit (1.10x and
 1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster (its
 output now differs from the loop's by rounding, about 1e-6 relative in float32), and the groups and the merge by
-gathers another 1.06-1.12x (median of 15 or 7 interleaved calls, N = 1024 to 16384), with the same output to the
-bit. When a key cluster other than cluster t serves query cluster t (fewer real keys than queries), each round also
+gathers another 1.06-1.12x (median of 15 or 7 interleaved calls, N = 1024 to 16384), with the same arithmetic:
+the same bits at power-of-two lengths, elsewhere within 1-2 ulp (the merge's ``logaddexp`` rounds differently in
+its vectorised loop and its scalar tail, and the merge's blocks now end at different rows). When a key cluster other than cluster t serves query cluster t (fewer real keys than queries), each round also
 copies the small per-key masks and cluster ids into query cluster order. tests/test_lsh.py checks this path and the
 differentiable one against a loop reference from the papers' definition; the docs' Speed page has the measurements.
 """
@@ -118,14 +119,13 @@ def tables(q, k, v, hashed, key_mask) -> Tables:
 
 @dataclasses.dataclass
 class Layout:
-    """Round r of a call, per query cluster (X = B H Tq of them, c slots each; both eager paths): ``qpos`` (B H, Tq c)
-    the original position of each sorted query slot (slots past the end of a row repeat its last query) and
-    ``qrows`` (X c) its row in the flat query table; ``krows`` (X c) the rows of each query cluster's key cluster in
+    """Round r of a call, per query cluster (X = B H Tq of them, c slots each; both eager paths): ``qrows`` (X c) the
+    row in the flat query table of each sorted query slot (slots past the end of a row repeat its last query);
+    ``krows`` (X c) the rows of each query cluster's key cluster in
     the flat key table; ``bad`` (X, 1, c) the keys a query cluster may not use (past the end, padding; ``any_bad``:
     whether there is one); ``pairs``: per earlier round, (query target (X, c, 1), key cluster (X, 1, c)), equal where
     that round found the pair."""
 
-    qpos: torch.Tensor
     qrows: torch.Tensor
     krows: torch.Tensor
     bad: torch.Tensor
@@ -135,9 +135,9 @@ class Layout:
 
 def layout(t: Tables, hashed, r: int) -> Layout:
     """:class:`Layout` of round ``r`` of ``hashed`` (:class:`.lsh.Hashed`), the earlier rounds' cluster numbers in the
-    dtype its ``target`` and ``k_cluster`` have: :func:`attend` passes them as floats, converted once per call, so
-    that the layouts look up 4-byte floats rather than 8-byte integers converted afterwards (the four rounds'
-    layouts at N = 16384, c = 128: 9 against 19 ms, one-off, 2 threads)."""
+    dtype its ``target`` and ``k_cluster`` have: :func:`attend` passes them as floats of the compute dtype (or
+    float64, :func:`id_dtype`), converted once per call, rather than integers converted after every look-up (the four
+    rounds' layouts at N = 16384, c = 128, float32: 9 against 19 ms, one-off, 2 threads)."""
     bh, blk, dev = t.b * t.h, t.blk, t.qf.device
     x = bh * t.tq
     qpos = _slots(hashed.q_order[r].reshape(bh, t.n), t.tq * blk)  # (B H, Tq c)
@@ -156,7 +156,7 @@ def layout(t: Tables, hashed, r: int) -> Layout:
         )
         for e in range(r)
     ]
-    return Layout(qpos, qrows, krows, bad, bool(bad.any()), pairs)
+    return Layout(qrows, krows, bad, bool(bad.any()), pairs)
 
 
 class _Scratch:
@@ -230,7 +230,7 @@ def _softmax_chunk(
 def _merge_round(out, lse, so, slse, src, w: _Scratch) -> None:
     """Merge a round (``so`` (slots, dv), ``slse`` (slots,) in its sorted order) into the running ``out``/``lse``
     (original order), a block of rows at a time: row i takes slot ``src[i]``. Read by gathers, written in place
-    (a scatter of the round's rows, ``index_copy_``, cost 4-5x a gather of as many rows)."""
+    (a scatter of the round's rows, ``index_copy_``, cost 3.5-6.5x a gather of as many rows, one-off)."""
     step = w.prev.shape[0]
     for a in range(0, out.shape[0], step):
         b = min(out.shape[0], a + step)
