@@ -26,17 +26,18 @@ rows, masks) from :func:`tables` and :func:`layout`. What differs is where the n
   each chunk as it ended instead (a gather of the running rows and a scatter back, ``index_copy_``) cost more: a
   scatter of a chunk's rows took 3.5-6.5x a gather of as many (one-off micro-benchmark).
 
-A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at
-N = 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
+A fresh large tensor per call, per round or per chunk costs more than its arithmetic on the CPU (page faults): at N
+= 16384 (4 rounds of 128, 2 CPU cores; torch.profiler, one call) the differentiable loop spent about 60 ms
 concatenating its chunks' outputs and 65 ms scattering each round back. Side by side (one-off, no gradients), this
 path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with the same output to the bit (1.10x and
 1.47-1.52x when it still gathered whole rounds); dropping pairs by arithmetic made it another 1.17-1.34x faster (its
 output now differs from the loop's by rounding, about 1e-6 relative in float32), and the groups and the merge by
-gathers another 1.06-1.12x (median of 15 or 7 interleaved calls, N = 1024 to 16384), with the same arithmetic:
-the same bits at power-of-two lengths, elsewhere within 1-2 ulp (the merge's ``logaddexp`` rounds differently in
-its vectorised loop and its scalar tail, and the merge's blocks now end at different rows). When a key cluster other than cluster t serves query cluster t (fewer real keys than queries), each round also
-copies the small per-key masks and cluster ids into query cluster order. tests/test_lsh.py checks this path and the
-differentiable one against a loop reference from the papers' definition; the docs' Speed page has the measurements.
+gathers another 1.06-1.12x (median of 15 or 7 interleaved calls, N = 1024 to 16384), with the same arithmetic: the
+same bits at power-of-two lengths, elsewhere within 1-2 ulp (the merge's ``logaddexp`` rounds differently in its
+vectorised loop and its scalar tail, and the merge's blocks now end at different rows). When a key cluster other
+than cluster t serves query cluster t (fewer real keys than queries), each round also copies the small per-key masks
+and cluster ids into query cluster order. tests/test_lsh.py checks this path and the differentiable one against a
+loop reference from the papers' definition; the docs' Speed page has the measurements.
 """
 
 from __future__ import annotations
