@@ -1,7 +1,7 @@
 """approx: swap the self-attention of pretrained Hugging Face encoders for efficient approximations.
 
 import approx
-approx.methods()                                   # ['full', 'clustered', 'i-clustered', ...]
+approx.methods()                                   # ['full', 'bigbird', 'clustered', 'efficient', ...]
 approx.patch(model, "i-clustered", clusters=25, topk=32)
 approx.unpatch(model)                              # bit-identical to the original again
 approx.evaluate("ckpt/", "sst2", ["clustered:clusters=25", "i-clustered"])  # metrics, fidelity, cost, time

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
+import operator
 import typing
 from typing import Any, ClassVar
 
-__all__ = ["MethodConfig", "option", "did_you_mean"]
+__all__ = ["MethodConfig", "as_integer", "option", "did_you_mean"]
 
 
 _UNSET = object()
@@ -24,6 +26,18 @@ def option(default: Any, help: str, *, absent: Any = _UNSET) -> Any:  # noqa: A0
     result written before keeps its meaning (:meth:`MethodConfig.from_record`)."""
     metadata = {"help": help} if absent is _UNSET else {"help": help, "absent": absent}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def as_integer(value: Any) -> int | None:
+    """``value`` as an ``int`` when it is an integer (a Python, NumPy or 0-d torch integer: whatever
+    ``operator.index`` takes), None otherwise (a bool, a float, anything else): options and layer indices accept the
+    integers a sweep over ``numpy.arange`` or a tensor gives."""
+    if isinstance(value, bool) or "bool" in type(value).__name__ or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
@@ -43,10 +57,15 @@ class MethodConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             expected = hints[f.name]
-            if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{self.method}: option {f.name!r} must be an integer, got {value!r}")
-            if expected is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ValueError(f"{self.method}: option {f.name!r} must be a number, got {value!r}")
+            if expected is int:
+                if as_integer(value) is None:
+                    raise ValueError(f"{self.method}: option {f.name!r} must be an integer, got {value!r}")
+                object.__setattr__(self, f.name, as_integer(value))  # a NumPy integer, say, as a Python int
+            if expected is float:
+                number = as_integer(value) is not None or isinstance(value, numbers.Real)
+                if not number or isinstance(value, bool) or "bool" in type(value).__name__:
+                    raise ValueError(f"{self.method}: option {f.name!r} must be a number, got {value!r}")
+                object.__setattr__(self, f.name, float(value))  # alpha=2 is recorded as 2.0, as its type says
             if expected is bool and not isinstance(value, bool):
                 raise ValueError(f"{self.method}: option {f.name!r} must be true or false, got {value!r}")
             if expected is str and not isinstance(value, str):

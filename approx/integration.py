@@ -11,6 +11,7 @@ package imports transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -376,7 +377,9 @@ def patched_layers(model: nn.Module) -> dict[int, ApproxAttention]:
 def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] | None = None) -> None:
     """Draw the random state of patched layers anew (hash planes, random features), deterministically from
     ``seed`` (default: drawn from torch's global generator, so ``torch.manual_seed`` fixes it too). ``layers``
-    (default: every patched layer) follows the index rules of :func:`patch` and must name patched layers."""
+    (default: every patched layer) follows the index rules of :func:`patch` and must name patched layers. A redrawn
+    layer's ``seed`` option then records ``seed`` (:func:`settings`, :func:`save`): its state is the one
+    ``patch(model, method, seed=seed)`` draws."""
     patched = patched_layers(model)
     if not patched:
         raise ValueError(f"{type(model).__name__} is not patched by approx: nothing to redraw")
@@ -387,7 +390,9 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
     for i in chosen:
-        patched[i].redraw(layer_seed(seed, i))
+        layer = patched[i]
+        if layer.redraw(layer_seed(seed, i)) and "seed" in {f.name for f in dataclasses.fields(layer.config)}:
+            layer.config = dataclasses.replace(layer.config, seed=seed)
 
 
 class RedrawSchedule:
@@ -397,6 +402,8 @@ class RedrawSchedule:
     def __init__(self, model: nn.Module, every: int, *, seed: int = 0) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
+        if not is_patched(model):  # now, not at the first redraw, after a training step
+            raise ValueError(f"{type(model).__name__} is not patched by approx: nothing to redraw")
         self.model, self.every, self.seed, self.steps = model, every, seed, 0
 
     def step(self) -> bool:
@@ -467,9 +474,18 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     """Patch a loaded model as recorded in ``path`` by :func:`save`, state included. Everything in ``path`` is
     checked before the model is touched: on any error (``ValueError`` or ``FileNotFoundError`` naming the file)
     the model is left exactly as it was. :func:`unpatch` then gives back the implementation the model was
-    loaded with (not the one of the model that was saved)."""
+    loaded with (not the one of the model that was saved). A model already patched is refused (``ValueError``):
+    its other layers would keep their methods and the result would not be the saved model; :func:`unpatch` it
+    first."""
     modules = attention_modules(model)
-    _install(model, modules, _saved_layers(model, modules, path))
+    layers = _saved_layers(model, modules, path)
+    if is_patched(model):
+        mine = ", ".join(f"{e['layer']} {e['method']}" for e in settings(model))
+        raise ValueError(
+            f"cannot restore {path} onto a model already patched (layers {mine}): the result would not be the "
+            "saved model; approx.unpatch(model) first, or approx.load(path) for a fresh copy"
+        )
+    _install(model, modules, layers)
     record = saved.read_settings(path).get("tuning")
     if record is not None:
         set_tuning(model, record)
@@ -489,7 +505,12 @@ def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxA
 
 
 def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwargs: Any) -> nn.Module:
-    """Load a model written by :func:`save` (``model_class`` defaults to ``AutoModel``) and re-patch it."""
+    """Load a model written by :func:`save` (``model_class`` defaults to ``AutoModel``) and re-patch it. ``path``
+    is a local folder; its settings are checked before any weight is read (``FileNotFoundError`` for a missing
+    folder or one not written by :func:`save`, ``ValueError`` naming the file for a malformed one)."""
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path}: no such folder (approx.load reads a folder written by approx.save)")
+    saved.read_settings(path)
     if model_class is None:
         from transformers import AutoModel as model_class
     model = model_class.from_pretrained(str(path), **from_pretrained_kwargs)

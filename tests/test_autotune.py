@@ -237,8 +237,9 @@ def test_errors_say_what_to_do(bert):
             approx.autotune(model, data, progress=False, **kwargs)
     with pytest.raises(ValueError, match="at least two"):
         approx.autotune(model, data[:1], progress=False, methods=["efficient"])
-    with pytest.raises(ValueError, match="a bare encoder, or a regression head"):
+    with pytest.raises(ValueError, match="a bare encoder, or a regression head") as e:
         approx.autotune(model, data, target="kl<=0.1", methods=["efficient"], progress=False)
+    assert "a kl target" in str(e.value) and "kl<=1" not in str(e.value)  # not the search's placeholder
     regression = tiny_model("bert", "sequence-classification", num_hidden_layers=2, num_labels=1)
     with pytest.raises(ValueError, match="use a cosine target"):  # one score per input: KL would always be 0
         approx.autotune(regression, data, target="kl<=0.1", methods=["efficient"], progress=False)

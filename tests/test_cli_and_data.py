@@ -47,6 +47,25 @@ def test_parse_setup_errors(spec, words):
         assert w in str(e.value)
 
 
+def test_an_option_in_the_spec_beats_one_shared_by_every_method_and_a_second_value_is_refused():
+    """A flag before any --method is a default for every method that has it; the spec's own value wins there. A flag
+    after a --method that sets the same option in its spec gives it twice: refused, whichever order."""
+    from approx.harness.flags import eval_setups, split_method_args
+
+    _, groups, shared = split_method_args(
+        ["--window", "8", "--method", "window:window=16", "--method", "window", "--method", "bigbird"]
+    )
+    setups = eval_setups(groups, shared)
+    assert [s.options.get("window") for s in setups] == [16, 8, None]
+    for argv in (["--method", "window:window=16", "--window", "8"], ["--method", "window:window=16", "--window=16"]):
+        _, groups, shared = split_method_args(argv)
+        with pytest.raises(ValueError, match="window given twice"):
+            eval_setups(groups, shared)
+    _, groups, shared = split_method_args(["--window", "8", "--method", "bigbird"])
+    with pytest.raises(ValueError, match="belong to none"):
+        eval_setups(groups, shared)
+
+
 def test_demo_without_data_fails_at_once_with_what_was_looked_for(tmp_path, capsys):
     assert main(["demo", "--data-dir", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
@@ -294,6 +313,9 @@ CLI_MISTAKES = [
     (["eval", "--model", "{model}", "--task", "rte", "--method", "{tmp}"], "holds no approx_config.json"),
     (["eval", "--model", "{model}", "--task", "stsb", "--method", "full"], "STS-B/dev.tsv, line 3: score 'nan'"),
     (["demo", "--model", "{model}", "--threads", "-1"], "--threads must be"),
+    (["demo", "--model", "{model}", "--windows", "0"], "--windows must be at least 1"),
+    (["demo", "--model", "{model}", "--length", "1"], "--length must be at least 3"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "window:window=4", "--window", "8"], "given twice"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--threads", "0"], "--threads must be"),
     (["finetune", "--model", "{model}", "--task", "rte", "--task", "sst2", "--output-dir", "{tmp}/o"], "twice"),
     (["finetune", "--task", "rte", "--output-dir", "{tmp}/a", "--output-dir", "{tmp}/b"], "--output-dir given twice"),

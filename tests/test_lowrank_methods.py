@@ -594,3 +594,19 @@ def test_costs_beat_softmax_at_length():
         cost = spec.cost(spec.config_class(), n=16384, s=16384, d=64, dv=64)
         assert cost.matmul_macs < softmax / 30 and 2 * cost.matmul_macs <= cost.flops
         assert math.isfinite(cost.flops)
+
+
+def test_nystrom_exact_limit_holds_for_float32_inputs():
+    """Every token its own landmark with the exact pseudo-inverse on float32 inputs with peaked attention: the
+    kernel matrix is ill-conditioned, so float32 factors would leave the output far from exact attention (about 1e-2
+    here); the formula runs in float64 and the result is exact attention up to float32 rounding."""
+    n = 128
+    q, k, v = make(n, seed=5, sharp=4.0)
+    mask = right_padded(n, 90)
+    out = ApproxAttention("nystrom", NystromConfig(landmarks=n, pinv="exact"), head_dim=D)(
+        q.float(), k.float(), v.float(), mask
+    )
+    assert out.dtype == torch.float32
+    ref = naive_attention(q.float().double(), k.float().double(), v.float().double(), mask)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(out.double().masked_fill(~real, 0), ref.masked_fill(~real, 0), rtol=1e-5, atol=1e-5)

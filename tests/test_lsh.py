@@ -556,4 +556,29 @@ def test_cost():
     assert cost.matmul_macs == 4 * 1024 * 64 * (64 + 32)
     assert cost.flops > 2 * cost.matmul_macs  # plus the hashing
     short = spec.cost(LshConfig(cluster_size=64, rounds=2), n=40, s=40, d=64, dv=64)
-    assert short.qk_pairs == 2 * 40 * 40  # one cluster: every pair, in each round
+    assert short.qk_pairs == 40 * 40  # one cluster: every pair, found in the one round run
+
+
+def test_one_cluster_runs_one_round_and_is_exact(monkeypatch):
+    """A call whose padded length fits one cluster hashes and attends one round, whatever ``rounds`` says (the
+    others would find the same pairs), and gives exact attention; one token longer, every round runs."""
+    import approx.attention.lsh as lsh_mod
+
+    seen, real = [], lsh_mod.hash_and_sort
+
+    def spy(q, k, key_mask, query_mask, config, state):
+        seen.append(state["directions"].shape[0])
+        return real(q, k, key_mask, query_mask, config, state)
+
+    monkeypatch.setattr(lsh_mod, "hash_and_sort", spy)
+    layer = lsh(cluster_size=32, rounds=4)
+    for n, rounds in ((32, 1), (33, 4)):
+        q, k, v = inputs(n)
+        mask = padded_mask(n, n - 5)
+        out = layer(q, k, v, mask)
+        assert seen[-1] == rounds
+        if n == 32:
+            real_rows = mask[:, None, :, None].expand_as(out)
+            torch.testing.assert_close(
+                out[real_rows], naive_attention(q, k, v, mask)[real_rows], rtol=1e-10, atol=1e-12
+            )

@@ -79,6 +79,24 @@ def test_padding_invariance(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_left_padding_gives_the_unpadded_outputs_or_is_refused(method):
+    """Pad tokens at the start of a row (a left-padding tokenizer) leave the outputs of its real tokens as they are
+    without padding, or the call is refused with an error that says so; never a different result in silence."""
+    n_real, n_pad = 100, 37
+    q, k, v = make_qkv(n_real + n_pad)
+    lyr = layer(method, **small_budget(method))
+    short = lyr(q[:, :, n_pad:], k[:, :, n_pad:], v[:, :, n_pad:], None)
+    mask = torch.ones(B, n_real + n_pad, dtype=torch.bool)
+    mask[1, :n_pad] = False
+    try:
+        padded = lyr(q, k, v, mask)
+    except ValueError as e:
+        assert "padding" in str(e) and "end" in str(e)
+        return
+    torch.testing.assert_close(padded[1, :, n_pad:], short[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_poisoned_padding(method):
     """Padded values set to 1e9 must not leak: outputs stay finite and within the range of real values."""
     q, k, v = make_qkv()

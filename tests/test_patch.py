@@ -249,6 +249,25 @@ def test_bad_input_leaves_model_untouched(kwargs, words):
         assert torch.equal(model_output(model, **inputs), ref)
 
 
+def test_numpy_and_torch_integers_are_options_and_layers_and_float_options_are_floats():
+    """A sweep's values (numpy.arange, a 0-d tensor) are integers like any other; a float option given an int is
+    recorded as a float, as its type says; a bool is neither."""
+    import numpy as np
+
+    model = approx.patch(tiny_model("bert"), "clustered", clusters=np.int64(6), layers=[np.int64(1)])
+    assert approx.settings(model) == [
+        {"layer": 1, "method": "clustered", "config": approx.get_method("clustered").make_config(clusters=6).to_dict()}
+    ]
+    assert type(approx.settings(model)[0]["config"]["clusters"]) is int
+    assert approx.get_method("entmax").make_config(alpha=2).to_dict()["alpha"] == 2.0
+    assert type(approx.get_method("entmax").make_config(alpha=torch.tensor(2)).alpha) is float
+    for bad in (True, np.bool_(True), torch.tensor(True), 6.0, "6"):
+        with pytest.raises(ValueError, match="must be an integer"):
+            approx.get_method("clustered").make_config(clusters=bad)
+    with pytest.raises(ValueError, match="layers must be integers"):
+        approx.patch(tiny_model("bert"), "clustered", layers=[np.bool_(True)])
+
+
 def test_unpatch_of_unpatched_model_raises():
     with pytest.raises(ValueError, match="not patched"):
         approx.unpatch(tiny_model("bert"))

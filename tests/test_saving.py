@@ -168,6 +168,25 @@ def test_redraw_takes_the_index_rules_of_patch():
         approx.redraw(half, layers=[0])
 
 
+def test_redraw_records_its_seed_as_the_one_patch_would_draw_from(tmp_path):
+    """After redraw(seed=5) the settings say seed 5, and patching afresh with seed 5 draws the same state; a layer
+    not redrawn keeps its seed, and a saved model loads back with what it runs."""
+    model = approx.patch(tiny_model("bert"), "favor", seed=0)
+    approx.redraw(model, seed=5, layers=[1])
+    assert [e["config"]["seed"] for e in approx.settings(model)] == [0, 5]
+    fresh = approx.patch(tiny_model("bert"), "favor", seed=5)
+    assert torch.equal(
+        approx.patched_layers(model)[1].state()["omega"], approx.patched_layers(fresh)[1].state()["omega"]
+    )
+    approx.save(model, tmp_path / "m")
+    assert approx.settings(approx.load(tmp_path / "m")) == approx.settings(model)
+
+
+def test_redraw_schedule_refuses_an_unpatched_model_when_built():
+    with pytest.raises(ValueError, match="not patched"):
+        approx.RedrawSchedule(tiny_model("bert"), every=1)
+
+
 # ------------------------------------------------------------------------------------------ 7. unpatch after load
 
 
@@ -236,6 +255,37 @@ def test_corrupted_folder_leaves_the_model_as_it_was(tmp_path, corruption, start
     assert_untouched(model, ref, was, settings)
     with pytest.raises((ValueError, FileNotFoundError), match=str(folder)):
         approx.load(folder)
+
+
+def test_restore_refuses_a_patched_model_and_leaves_it_as_it_was(tmp_path):
+    """The saved model patches layer 0 only; restored onto a model patched on layer 1, layer 1 would keep its method
+    and the result would not be the saved model: refused, naming the folder and the layers, nothing changed. Once
+    unpatched, the restore gives the saved model's outputs."""
+    saved_model, folder = saved_folder(tmp_path / "m")
+    model = tiny_model("bert")
+    approx.patch(model, "window", layers=[1], window=2)
+    ref, settings = outputs(model), approx.settings(model)
+    with pytest.raises(ValueError, match=r"already patched \(layers 1 window\)") as e:
+        approx.restore(model, folder)
+    assert str(folder) in str(e.value) and "approx.unpatch" in str(e.value)
+    assert_untouched(model, ref, True, settings)
+    approx.restore(approx.unpatch(model), folder)
+    assert torch.equal(outputs(model), outputs(saved_model))
+
+
+def test_load_checks_the_folder_before_reading_weights(tmp_path):
+    """A missing folder, a file and a plain Hugging Face checkpoint are named as such at once (never a hub lookup
+    for a name that is not a folder)."""
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        approx.load(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        approx.load("a_relative_name_that_does_not_exist")
+    (tmp_path / "file").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        approx.load(tmp_path / "file")
+    tiny_model("bert").save_pretrained(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError, match="not written by approx.save"):
+        approx.load(tmp_path / "plain")
 
 
 @pytest.mark.parametrize("layers", [0.0, "0", [0.5], True])

@@ -19,6 +19,18 @@ def safe_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return key_mask | empty
 
 
+def refuse_left_padding(key_mask: torch.Tensor | None, method: str, option: str) -> None:
+    """``ValueError`` when some row of ``key_mask`` (B, S) has padding before a real token (a left-padding
+    tokenizer): ``option`` makes the first positions of a row global, which would then be pad tokens."""
+    if key_mask is None or key_mask.shape[-1] < 2 or not bool((key_mask[:, 1:] & ~key_mask[:, :-1]).any()):
+        return
+    raise ValueError(
+        f"{method}: {option} makes the first positions of each row global tokens, so padding must be at the end of "
+        "each row, and this batch has padding before real tokens (a left-padding tokenizer?); pad on the right "
+        f"(tokenizer.padding_side = 'right') or set {option}=0"
+    )
+
+
 def exact_attention(
     q: torch.Tensor,
     k: torch.Tensor,

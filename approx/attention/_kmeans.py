@@ -76,7 +76,8 @@ def _initial_centroids(
 ) -> torch.Tensor:
     """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits).
 
-    The order is by a hash of (salt, head, position), padded queries last. Only the first 4C queries in that
+    The order is by a hash of (salt, head, rank among the row's real queries), padded queries last: the same
+    wherever the padding is (at the end, where the rank is the position, or at the start). Only the first 4C queries in that
     order are packed and compared; where they hold fewer than C distinct codes (many equal queries), every
     query is. Both give the same choice: the C highest-priority distinct codes. Without ``sync`` (no host
     synchronisation: GPU, compiled code), every query is compared at once and ``fresh`` is draw 0 itself,
@@ -85,9 +86,10 @@ def _initial_centroids(
     batch, heads, n, nbits = signs.shape
     pos = torch.arange(n, device=signs.device)
     head = torch.arange(heads, device=signs.device)
-    prio = hash_ints(salt.to(signs.device), head[:, None], pos[None, :]).expand(batch, heads, n)
+    rank = torch.where(real, real.long().cumsum(-1) - 1, pos)  # (B, N): a real query's rank among the real ones
+    prio = hash_ints(salt.to(signs.device), head[None, :, None], rank[:, None, :]).expand(batch, heads, n)
     prio = prio.masked_fill(~real[:, None, :], 2**40)  # padded queries last
-    key = prio * n + pos  # unique, so the order equals a stable sort of the priorities
+    key = prio * n + rank[:, None, :]  # unique, so the order equals a stable sort of the priorities
     real_h = real[:, None, :].expand(batch, heads, n)
 
     def pick(m: int):

@@ -32,7 +32,8 @@ Choices made here:
   faults of a new 50 MB tensor cost more than a pass of arithmetic over it.
 * ``engine="compiled"`` runs the clustering (hash, K-means without host synchronisation, centroids) as one
   ``torch.compile`` graph (:mod:`._compiled`): about 150 operator calls instead of thousands, the same
-  clusters; on the CPU it is slower than the eager code (its K-means cannot stop early or skip the centroids
+  clusters (in float64; in float32 a hash bit at its threshold can round the other way, see :mod:`._compiled`); on
+  the CPU it is slower than the eager code (its K-means cannot stop early or skip the centroids
   that did not move), so it is for GPUs.
 * Attention dropout (training) acts on the centroid attention A^c (one mask per cluster, shared by its
   queries) and on the rows that fall back to exact attention; its expected output is the output without it.

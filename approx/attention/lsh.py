@@ -42,9 +42,11 @@ Choices made here:
   kernel block; ``rounds = 4``: the Reformer paper compares 1, 2, 4 and 8 hashes and quality improves with each;
   transformers' default of 1 hash leaves most of the attention mass out (on the synthetic inputs above, N = 512,
   c = 64: 31 % / 53 % / 76 % covered with 1 / 2 / 4 rounds). 4 x 64 = 256 keys per query.
-* ``c >= N`` puts every real key in one cluster: exact attention through the same code, with any ``rounds``
-  (every pair is found in the first round and masked in the later ones, which are then empty); so is any row
-  with at most c real tokens. ``exact_below`` (default 0) is the generic fallback to exact attention.
+* ``c >= N`` puts every real key in one cluster: exact attention through the same code. The first round then finds
+  every pair, so a call whose padded length is at most c runs that round alone (cost: one round), whatever
+  ``rounds`` says; the others would find the same pairs and be masked whole. A row with at most c real tokens in a
+  longer batch is exact too (its later rounds are computed and masked; the cost model, per row, counts one round).
+  ``exact_below`` (default 0) is the generic fallback to exact attention.
 
 Runs on its own kernel (:func:`attend_rounds`): per round, queries and keys gathered into their sorted orders,
 each query cluster against its key cluster as one batched product (B, H, N / c, c, c), the pairs of earlier rounds
@@ -107,13 +109,25 @@ def init_state(config: LshConfig, *, head_dim: int, seed: int) -> dict[str, torc
     return {"directions": torch.randn(config.rounds, head_dim + 2, generator=g)}
 
 
+def _rounds(config: LshConfig, n: int, s: int) -> int:
+    """The rounds a call runs: one when a cluster holds every query and key (``c >= max(N, S)``), since the first
+    round then finds every pair and the others would only find them again; else ``rounds``."""
+    return 1 if config.cluster_size >= max(n, s) else config.rounds
+
+
+def _first_rounds(config: LshConfig, state: dict[str, torch.Tensor], n: int, s: int) -> dict[str, torch.Tensor]:
+    """``state`` with the directions of the rounds a call runs (:func:`_rounds`)."""
+    return {**state, "directions": state["directions"][: _rounds(config, n, s)]}
+
+
 def cost(config: LshConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     """rounds * N * min(c, S) pairs (duplicates included: they are computed), plus the hashing: the norms and
-    one projection per round of every query and key."""
+    one projection per round of every query and key; one round when a cluster holds every token (:func:`_rounds`)."""
     if _fallback.exact_for_length(n, exact_below=config.exact_below):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
-    pairs = config.rounds * n * min(config.cluster_size, s)
-    hashing = 2 * (n + s) * d + 2 * (n + s) * config.rounds * (d + 2)
+    rounds = _rounds(config, n, s)
+    pairs = rounds * n * min(config.cluster_size, s)
+    hashing = 2 * (n + s) * d + 2 * (n + s) * rounds * (d + 2)
     return Cost(flops=2 * pairs * (d + dv) + hashing, qk_pairs=pairs, matmul_macs=pairs * (d + dv))
 
 
@@ -378,7 +392,7 @@ def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor
     b, _, n, _ = q.shape
 
     def approximate() -> torch.Tensor:
-        hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
+        hashed = hash_and_sort(q, k, key_mask, query_mask, config, _first_rounds(config, state, n, k.shape[2]))
         pat = union_pattern(hashed, n=n, s=k.shape[2])
         return _blocksparse.dense_weights(q, k, pat, key_mask=key_mask, scale=scale)
 
@@ -394,7 +408,7 @@ def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor
 
 def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str, torch.Tensor]:
     """Sparsity and recall of the union of the rounds' pairs against the entmax (alpha 1.5) gold graph."""
-    hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
+    hashed = hash_and_sort(q, k, key_mask, query_mask, config, _first_rounds(config, state, q.shape[2], k.shape[2]))
     pat = union_pattern(hashed, n=q.shape[2], s=k.shape[2])
     exact = _fallback.exact_rows(query_mask, q.shape[2], q.shape[0], q.device, exact_below=config.exact_below)
     return _blocksparse.pattern_stats(q, k, pat, key_mask=key_mask, scale=scale, exact_rows=exact)
@@ -408,7 +422,8 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     weights=weights,
     stats=graph_stats,
     test_options={"cluster_size": 8, "rounds": 2},
-    # one cluster holding every key, two rounds: every pair in both, the de-duplication makes it exact
+    # one cluster holding every key: round 0 finds every pair (later rounds, which would find them again, are not
+    # run; tests/test_lsh.py checks their de-duplication on its own)
     exact_limit=ExactLimit(options=lambda n: {"cluster_size": n}),
 )
 def lsh_attention(
@@ -427,7 +442,7 @@ def lsh_attention(
     b, _, n, _ = q.shape
 
     def approximate() -> torch.Tensor:
-        hashed = hash_and_sort(q, k, key_mask, query_mask, config, state)
+        hashed = hash_and_sort(q, k, key_mask, query_mask, config, _first_rounds(config, state, n, k.shape[2]))
         # rows shorter than a cluster make the block as long as they are: a shape per length, not worth compiling
         engine = config.engine if hashed.block == config.cluster_size else "eager"
         return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout, engine=engine)

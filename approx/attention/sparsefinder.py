@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
-from ._common import block_rows, block_size, compute_dtype, safe_key_mask, zero_padded_values
+from ._common import block_rows, block_size, compute_dtype, refuse_left_padding, safe_key_mask, zero_padded_values
 from ._entmax import MAX_ALPHA, MIN_ALPHA_GAP, entmax
 from ._fitting import SparsefinderFitConfig, fit_kmeans, fit_projections, gold_graph
 from ._graph import bucket_ids, cluster_ids, entries, global_rows, group_ids, predicted_mask, reach
@@ -78,7 +78,11 @@ class SparsefinderConfig(MethodConfig):
     window: int = option(
         1, "also join tokens at most window positions apart (0: no window, not even i = j; >= N: every pair)"
     )
-    global_tokens: int = option(1, "the first global_tokens positions (CLS) attend to and are attended by every token")
+    global_tokens: int = option(
+        1,
+        "the first global_tokens positions (CLS; padding must be at the end: left padding is refused) attend to and "
+        "are attended by every token",
+    )
     last_token: bool = option(False, "the last real token is global as well (SEP in BERT-style inputs)")
     seed: int = option(0, "seed of the initial projections, of the k-means initialisation and of negative sampling")
 
@@ -387,6 +391,8 @@ def sparsefinder_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """Attention on a graph predicted by learned low-dimensional projections (needs fitting)."""
+    if config.global_tokens:
+        refuse_left_padding(key_mask, "sparsefinder", "global_tokens")
     return _fallback.with_fallback(
         lambda: _sparsefinder(q, k, v, key_mask, scale, config, state, dropout)
     )  # no fallback

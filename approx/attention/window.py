@@ -29,7 +29,7 @@ from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _blocksparse, _fallback
 from ._blocksparse import Pattern
-from ._common import exact_rows, exact_weight_rows
+from ._common import exact_rows, exact_weight_rows, refuse_left_padding
 from ._context import question_mask
 
 NO_QUESTION = (
@@ -53,7 +53,8 @@ class WindowConfig(MethodConfig):
     dilation: int = option(1, "attend every dilation-th key inside a window of window * dilation on each side")
     global_tokens: int = option(
         1,
-        "the first global_tokens positions (CLS; padding must be at the end) attend to and are attended by every token",
+        "the first global_tokens positions (CLS; padding must be at the end: left padding is refused) attend to and are "
+        "attended by every token",
     )
     question_global: bool = option(
         False, "every token before the first SEP (the question of a QA input) is global too (Longformer's QA choice)"
@@ -224,6 +225,8 @@ def window_attention(
 ) -> torch.Tensor:
     """Sliding-window attention with global tokens (Longformer), O(N window)."""
     b, _, n, _ = q.shape
+    if config.global_tokens:
+        refuse_left_padding(key_mask, "window", "global_tokens")
 
     def approximate() -> torch.Tensor:
         pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)

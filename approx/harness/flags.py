@@ -32,7 +32,9 @@ def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[
     """Separate ``--method`` groups from the other arguments.
 
     Method option flags bind to the ``--method`` they follow; given before any ``--method`` they apply to
-    every method that has the option. Returns (other args, [(method spec, {option: raw value})], shared).
+    every method that has the option, unless the method's spec sets it (``--clusters 50 --method
+    clustered:clusters=25`` runs 25 clusters); a flag after a ``--method`` whose spec sets the same option is an
+    error (:func:`eval_setups`). Returns (other args, [(method spec, {option: raw value})], shared).
     """
     flags = method_flags()
     rest: list[str] = []
@@ -86,8 +88,15 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
                     f"method {method.name!r} has no option --{name.replace('_', '-')}; its options: "
                     + (", ".join("--" + k.replace("_", "-") for k in kinds) or "none")
                 )
-        mine = {name: value for name, value in shared.items() if name in kinds}
-        used_shared |= set(mine)
+        inline = {item.partition("=")[0].strip() for item in spec.partition(":")[2].split(",") if item.strip()}
+        twice = sorted(set(raw) & inline)
+        if twice:
+            raise ValueError(
+                f"--method {spec}: {', '.join(twice)} given twice, in the spec and as a flag after it; give it once"
+            )
+        # an option before every --method is a default for each method that has it: a value in the spec wins
+        used_shared |= {name for name in shared if name in kinds}
+        mine = {name: value for name, value in shared.items() if name in kinds and name not in inline}
         setups.append(parse_setup(spec, {**mine, **raw}))
     unused = set(shared) - used_shared
     if unused:

@@ -78,7 +78,8 @@ def parse_value(value: str, kind: str, name: str, owner: str) -> Any:
                 return value.lower() in _TRUE
             raise ValueError(value)
     except ValueError:
-        raise ValueError(f"{owner}: option {name!r} expects a {kind}, got {value!r}") from None
+        what = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(kind, f"a {kind}")
+        raise ValueError(f"{owner}: option {name!r} expects {what}, got {value!r}") from None
     return value
 
 
