@@ -29,10 +29,12 @@ def option(default: Any, help: str, *, absent: Any = _UNSET) -> Any:  # noqa: A0
 
 
 def as_integer(value: Any) -> int | None:
-    """``value`` as an ``int`` when it is an integer (a Python, NumPy or 0-d torch integer: whatever
-    ``operator.index`` takes), None otherwise (a bool, a float, anything else): options and layer indices accept the
-    integers a sweep over ``numpy.arange`` or a tensor gives."""
+    """``value`` as an ``int`` when it is an integer scalar (a Python, NumPy or 0-d torch integer: what
+    ``operator.index`` takes), None otherwise (a bool, a float, an array, anything else): options and layer indices
+    accept the integers a sweep over ``numpy.arange`` or a tensor gives."""
     if isinstance(value, bool) or "bool" in type(value).__name__ or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    if getattr(value, "ndim", 0) != 0:  # an array or tensor of one element is not a scalar
         return None
     try:
         return operator.index(value)
@@ -62,15 +64,22 @@ class MethodConfig:
                     raise ValueError(f"{self.method}: option {f.name!r} must be an integer, got {value!r}")
                 object.__setattr__(self, f.name, as_integer(value))  # a NumPy integer, say, as a Python int
             if expected is float:
-                number = as_integer(value) is not None or isinstance(value, numbers.Real)
-                if not number or isinstance(value, bool) or "bool" in type(value).__name__:
-                    raise ValueError(f"{self.method}: option {f.name!r} must be a number, got {value!r}")
-                object.__setattr__(self, f.name, float(value))  # alpha=2 is recorded as 2.0, as its type says
+                object.__setattr__(self, f.name, self._number(f.name, value))  # alpha=2 recorded as 2.0, as typed
             if expected is bool and not isinstance(value, bool):
                 raise ValueError(f"{self.method}: option {f.name!r} must be true or false, got {value!r}")
             if expected is str and not isinstance(value, str):
                 raise ValueError(f"{self.method}: option {f.name!r} must be a string, got {value!r}")
         self.check()
+
+    def _number(self, name: str, value: Any) -> float:
+        """A float option's value as a Python float: an int, a float or a NumPy / 0-d torch number; not a bool."""
+        scalar = isinstance(value, numbers.Real) or (hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0)
+        if scalar and not isinstance(value, bool) and "bool" not in str(getattr(value, "dtype", type(value).__name__)):
+            try:
+                return float(value)
+            except (TypeError, ValueError, OverflowError):
+                pass
+        raise ValueError(f"{self.method}: option {name!r} must be a number, got {value!r}")
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the option when a value is impossible."""

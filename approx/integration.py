@@ -27,6 +27,7 @@ from . import saved
 from ._version import __version__
 from .attention import _context
 from .attention._common import dense_softmax, exact_attention
+from .config import MethodConfig
 from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, layer_seed, select_layers
 from .layer import PROBES as _PROBES
 from .layer import key_mask_of as _key_mask
@@ -389,10 +390,31 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
         raise ValueError(f"layers {unpatched} are not patched (patched layers: {sorted(patched)})")
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    seeded = _seeded_configs({i: patched[i] for i in chosen}, seed)  # a bad seed refused before any state moves
     for i in chosen:
-        layer = patched[i]
-        if layer.redraw(layer_seed(seed, i)) and "seed" in {f.name for f in dataclasses.fields(layer.config)}:
-            layer.config = dataclasses.replace(layer.config, seed=seed)
+        patched[i].redraw(layer_seed(seed, i))
+        if i in seeded:
+            patched[i].config = seeded[i]
+
+
+def _seeded_configs(layers: dict[int, ApproxAttention], seed: int) -> dict[int, MethodConfig]:
+    """The configs with ``seed`` of the layers whose random state :meth:`ApproxAttention.redraw` draws from a seed
+    option (validated: ``ValueError`` naming the option for an impossible seed)."""
+    out = {}
+    for i, layer in layers.items():
+        spec, config = layer.method, layer.config
+        drawn = spec.init_state is not None and not spec.requires_fit(config)
+        if drawn and "seed" in {f.name for f in dataclasses.fields(config)}:
+            out[i] = dataclasses.replace(config, seed=seed)
+    return out
+
+
+def record_redraw_seed(model: nn.Module, seed: int) -> None:
+    """Record ``seed`` as the seed of every patched layer whose random state it drew (:func:`redraw`), without
+    drawing: for a model whose redrawn state was loaded from a checkpoint (a resumed fine-tuning run)."""
+    patched = patched_layers(model)
+    for i, config in _seeded_configs(patched, seed).items():
+        patched[i].config = config
 
 
 class RedrawSchedule:

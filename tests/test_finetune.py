@@ -95,6 +95,32 @@ def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_
     assert any(not torch.equal(saved[n], drawn[n]) for n in saved)  # redrawn during training, and kept
 
 
+def test_redrawn_seed_is_recorded_whether_the_run_was_resumed_or_not(base_model, fixture_dir, tmp_path):
+    """With redraws every 2 steps the state at step 5 was drawn from seed 0 + 5 // 2 = 2: the saved settings say so,
+    with the same state, whether the run went straight through or stopped at 4 and resumed, and patching afresh with
+    seed 2 draws that state; finetune.json keeps the seed the run started with and the state's seed beside it."""
+    common = dict(method="favor:features=8", max_steps=5, redraw_every=2)
+    _run(base_model, fixture_dir, tmp_path / "a", **common)
+    _run(base_model, fixture_dir, tmp_path / "b", stop_after=4, **common)
+    _run(base_model, fixture_dir, tmp_path / "b", resume=True, **common)
+    from safetensors.torch import load_file
+
+    for run in ("a", "b"):
+        layers = json.loads((tmp_path / run / "approx_config.json").read_text())["layers"]
+        assert [e["config"]["seed"] for e in layers] == [2] * len(layers), run
+        record = json.loads((tmp_path / run / "finetune.json").read_text())
+        assert record["method"]["seed"] == 0 and record["state_seed"] == 2
+    a, b = (load_file(tmp_path / run / "approx_state.safetensors") for run in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from transformers import AutoModelForSequenceClassification
+
+    fresh = approx.patch(
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "a"), "favor", features=8, seed=2
+    )
+    drawn = {f"layer.{i}.{n}": t for i, lyr in approx.patched_layers(fresh).items() for n, t in lyr.state().items()}
+    assert drawn.keys() == a.keys() and all(torch.equal(a[k], drawn[k]) for k in a)
+
+
 def test_attention_dropout_is_overridden_while_training_and_the_checkpoint_keeps_its_own(
     base_model, fixture_dir, tmp_path
 ):

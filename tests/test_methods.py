@@ -91,9 +91,25 @@ def test_left_padding_gives_the_unpadded_outputs_or_is_refused(method):
     try:
         padded = lyr(q, k, v, mask)
     except ValueError as e:
-        assert "padding" in str(e) and "end" in str(e)
+        assert "padding must come after the real tokens" in str(e)
         return
     torch.testing.assert_close(padded[1, :, n_pad:], short[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [("sparsefinder", {"global_tokens": 0, "last_token": True}), ("sparsefinder", {"global_tokens": 2})],
+)
+def test_left_padding_is_refused_where_an_option_takes_positions_for_tokens(method, options):
+    """The last real token found by counting real tokens, or the first positions: under left padding both would be
+    the wrong tokens, so the forward, the weights and the graph statistics refuse the batch."""
+    q, k, v = make_qkv(60)
+    mask = torch.ones(B, 60, dtype=torch.bool)
+    mask[1, :9] = False
+    lyr = layer(method, **{**small_budget(method), **options})
+    for call in (lambda: lyr(q, k, v, mask), lambda: lyr.weights(q, k, mask), lambda: lyr.graph_stats(q, k, mask)):
+        with pytest.raises(ValueError, match="padding must come after the real tokens"):
+            call()
 
 
 @pytest.mark.parametrize("method", METHODS)

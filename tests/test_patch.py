@@ -261,9 +261,13 @@ def test_numpy_and_torch_integers_are_options_and_layers_and_float_options_are_f
     assert type(approx.settings(model)[0]["config"]["clusters"]) is int
     assert approx.get_method("entmax").make_config(alpha=2).to_dict()["alpha"] == 2.0
     assert type(approx.get_method("entmax").make_config(alpha=torch.tensor(2)).alpha) is float
-    for bad in (True, np.bool_(True), torch.tensor(True), 6.0, "6"):
+    assert approx.get_method("entmax").make_config(alpha=torch.tensor(1.5)).alpha == 1.5
+    for bad in (True, np.bool_(True), torch.tensor(True), 6.0, "6", torch.tensor([[6]]), np.array([6])):
         with pytest.raises(ValueError, match="must be an integer"):
             approx.get_method("clustered").make_config(clusters=bad)
+    for bad in (True, np.bool_(False), 10**400, "2", torch.tensor([2.0])):
+        with pytest.raises(ValueError, match="must be a number"):
+            approx.get_method("entmax").make_config(alpha=bad)
     with pytest.raises(ValueError, match="layers must be integers"):
         approx.patch(tiny_model("bert"), "clustered", layers=[np.bool_(True)])
 

@@ -180,6 +180,11 @@ def test_redraw_records_its_seed_as_the_one_patch_would_draw_from(tmp_path):
     )
     approx.save(model, tmp_path / "m")
     assert approx.settings(approx.load(tmp_path / "m")) == approx.settings(model)
+    before = {i: lyr.state()["omega"].clone() for i, lyr in approx.patched_layers(model).items()}
+    with pytest.raises(ValueError, match="seed"):  # refused before any layer's state is drawn
+        approx.redraw(model, seed=-1)
+    assert all(torch.equal(lyr.state()["omega"], before[i]) for i, lyr in approx.patched_layers(model).items())
+    assert [e["config"]["seed"] for e in approx.settings(model)] == [0, 5]
 
 
 def test_redraw_schedule_refuses_an_unpatched_model_when_built():

@@ -238,3 +238,36 @@ def test_autotune_counts_the_question_as_the_harness_does():
         probe = search.measured[tuple(path[every])][1]
         mine, full = {"flops": (0, 2), "matmul": (4, 5)}[convention]
         assert points[every]["cost"] == pytest.approx(probe.cost[mine] / probe.cost[full], rel=1e-12)
+
+
+def test_padding_before_the_global_tokens_is_refused_everywhere_and_a_hole_after_them_is_not():
+    """Left padding would make a pad token global: the forward, the weights, the graph statistics and the per-row
+    cost refuse it, saying how to pad. A pad between real tokens after the global positions changes none of them,
+    and the pattern is the definition's there; so is left padding with no global token."""
+    n = 40
+    q, k, v = qkv(n)
+    left = torch.ones(B, n, dtype=torch.bool)
+    left[1, :7] = False
+    layer = ApproxAttention("window", WindowConfig(window=3, block=8), head_dim=D)
+    method = approx.get_method("window")
+    calls = [
+        lambda m: layer(q, k, v, m),
+        lambda m: layer.weights(q, k, m, scale=D**-0.5),
+        lambda m: layer.graph_stats(q, k, m, scale=D**-0.5),
+        lambda m: method.costs(layer.config, b=B, n=n, key_mask=m, d=D, dv=D),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="padding must come after the real tokens.*padding_side"):
+            call(left)
+    hole = torch.ones(B, n, dtype=torch.bool)
+    hole[1, 20:25] = False
+    for call in calls:
+        call(hole)
+    glob = torch.zeros(B, n, dtype=torch.bool)
+    glob[:, 0] = True
+    real = hole[:, None, :, None].expand(B, H, n, D)
+    ref = reference(q, k, v, hole, window=3, glob=glob)
+    torch.testing.assert_close(layer(q, k, v, hole)[real], ref[real], rtol=1e-10, atol=1e-12)
+    no_global = ApproxAttention("window", WindowConfig(window=3, block=8, global_tokens=0), head_dim=D)
+    out = no_global(q, k, v, left)
+    torch.testing.assert_close(out[1, :, 7:], reference(q, k, v, left, window=3)[1, :, 7:], rtol=1e-10, atol=1e-12)

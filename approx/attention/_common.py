@@ -19,15 +19,23 @@ def safe_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return key_mask | empty
 
 
-def refuse_left_padding(key_mask: torch.Tensor | None, method: str, option: str) -> None:
-    """``ValueError`` when some row of ``key_mask`` (B, S) has padding before a real token (a left-padding
-    tokenizer): ``option`` makes the first positions of a row global, which would then be pad tokens."""
-    if key_mask is None or key_mask.shape[-1] < 2 or not bool((key_mask[:, 1:] & ~key_mask[:, :-1]).any()):
+def refuse_left_padding(key_mask: torch.Tensor | None, method: str, option: str, first: int | None = None) -> None:
+    """``ValueError`` when ``option`` would take a pad token for a real one: some row of ``key_mask`` (B, S) has a pad
+    followed later by a real token (left padding, or a hole) within its ``first`` positions (the global tokens), or
+    anywhere when ``first`` is None (an option that finds the last real token by counting them)."""
+    if key_mask is None or key_mask.shape[-1] < 2:
         return
+    later = key_mask.flip(-1).cummax(-1).values.flip(-1)  # a real token at or after each position
+    before_real = ~key_mask[:, :-1] & later[:, 1:]  # (B, S - 1): a pad with a real token after it
+    if first is not None:
+        before_real = before_real[:, :first]
+    if not bool(before_real.any()):
+        return
+    where = "the first positions of each row" if first is not None else "the last real token of each row"
     raise ValueError(
-        f"{method}: {option} makes the first positions of each row global tokens, so padding must be at the end of "
-        "each row, and this batch has padding before real tokens (a left-padding tokenizer?); pad on the right "
-        f"(tokenizer.padding_side = 'right') or set {option}=0"
+        f"{method}: {option} takes {where} as global tokens, so padding must come after the real tokens, and this "
+        "batch has padding before real tokens (a left-padding tokenizer?); pad on the right (tokenizer.padding_side "
+        f"= 'right') or turn {option} off"
     )
 
 

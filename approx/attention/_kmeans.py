@@ -4,8 +4,9 @@ and improved clustered attention (``clustered.py``, ``iclustered.py``; plain tor
 Vyas, Katharopoulos, Fleuret, "Fast Transformers with Clustered Attention", NeurIPS 2020 (arXiv 2007.04825),
 section 3.2. Choices made here:
 
-* K-means starts from C distinct codes picked in a pseudo-random order that depends only on (seed, head,
-  position), never on the padded length, so appending padding changes nothing for real tokens.
+* K-means starts from C distinct codes picked in a pseudo-random order that depends only on (seed, head, rank of
+  the query among the row's real ones), never on the padded length nor on where the padding is, so padding at
+  either end changes nothing for real tokens.
   Hamming distances are computed as +-1 dot products (``B - 2 * hamming``); centroids are the bitwise
   majority of their members (a tie keeps the previous bit); an empty cluster gets a fresh random code.
 * No Python loop over clusters, heads or batch items. On the CPU the K-means compares queries with the
@@ -77,12 +78,11 @@ def _initial_centroids(
     """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits).
 
     The order is by a hash of (salt, head, rank among the row's real queries), padded queries last: the same
-    wherever the padding is (at the end, where the rank is the position, or at the start). Only the first 4C queries in that
-    order are packed and compared; where they hold fewer than C distinct codes (many equal queries), every
+    wherever the padding is (at the end, where the rank is the position, or at the start). Only the first 4C queries
+    in that order are packed and compared; where they hold fewer than C distinct codes (many equal queries), every
     query is. Both give the same choice: the C highest-priority distinct codes. Without ``sync`` (no host
-    synchronisation: GPU, compiled code), every query is compared at once and ``fresh`` is draw 0 itself,
-    (1, H, C, bits), put wherever codes are missing.
-    """
+    synchronisation: GPU, compiled code), every query is compared at once and ``fresh`` is draw 0 itself, (1, H, C,
+    bits), put wherever codes are missing."""
     batch, heads, n, nbits = signs.shape
     pos = torch.arange(n, device=signs.device)
     head = torch.arange(heads, device=signs.device)

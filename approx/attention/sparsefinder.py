@@ -80,10 +80,13 @@ class SparsefinderConfig(MethodConfig):
     )
     global_tokens: int = option(
         1,
-        "the first global_tokens positions (CLS; padding must be at the end: left padding is refused) attend to and "
-        "are attended by every token",
+        "the first global_tokens positions (CLS; padding must come after the real tokens: left padding is refused) "
+        "attend to and are attended by every token",
     )
-    last_token: bool = option(False, "the last real token is global as well (SEP in BERT-style inputs)")
+    last_token: bool = option(
+        False,
+        "the last real token is global as well (SEP in BERT-style inputs; padding must come after the real tokens)",
+    )
     seed: int = option(0, "seed of the initial projections, of the k-means initialisation and of negative sampling")
 
     def check(self) -> None:
@@ -187,8 +190,18 @@ def _normalize(scores: torch.Tensor, valid: torch.Tensor, config: SparsefinderCo
 # -------------------------------------------------------------------------------------- dense paths
 
 
+def _check_padding(config: SparsefinderConfig, key_mask: torch.Tensor | None) -> None:
+    """Global tokens are the first ``global_tokens`` positions and the last real token found by counting: both need
+    the padding after the real tokens."""
+    if config.global_tokens:
+        refuse_left_padding(key_mask, "sparsefinder", "global_tokens", first=config.global_tokens)
+    if config.last_token:
+        refuse_left_padding(key_mask, "sparsefinder", "last_token")
+
+
 def simulated_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """The dense (B, H, N, S) attention matrix on the predicted graph ("simulated": measuring and tests only)."""
+    _check_padding(config, key_mask)
     return _fallback.with_fallback(lambda: _simulated_weights(q, k, key_mask, scale, config, state))  # no fallback
 
 
@@ -209,6 +222,7 @@ def graph_stats(
     Sparsity = 1 - predicted / valid, recall = hit / gold, exact fraction = exact / queries.
     O(N S) by nature (G needs every score); computed in blocks of ``block`` query rows. ``gold``: the
     (B, H, N, S) gold graph when already known (sweeps over budgets on the same inputs)."""
+    _check_padding(config, key_mask)
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     q, k = q.detach().to(dt), k.detach().to(dt)
@@ -391,8 +405,7 @@ def sparsefinder_attention(
     dropout: float = 0.0,
 ) -> torch.Tensor:
     """Attention on a graph predicted by learned low-dimensional projections (needs fitting)."""
-    if config.global_tokens:
-        refuse_left_padding(key_mask, "sparsefinder", "global_tokens")
+    _check_padding(config, key_mask)
     return _fallback.with_fallback(
         lambda: _sparsefinder(q, k, v, key_mask, scale, config, state, dropout)
     )  # no fallback

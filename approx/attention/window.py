@@ -53,8 +53,8 @@ class WindowConfig(MethodConfig):
     dilation: int = option(1, "attend every dilation-th key inside a window of window * dilation on each side")
     global_tokens: int = option(
         1,
-        "the first global_tokens positions (CLS; padding must be at the end: left padding is refused) attend to and are "
-        "attended by every token",
+        "the first global_tokens positions (CLS; padding must come after the real tokens: left padding is refused) "
+        "attend to and are attended by every token",
     )
     question_global: bool = option(
         False, "every token before the first SEP (the question of a QA input) is global too (Longformer's QA choice)"
@@ -112,11 +112,18 @@ def covered_pairs(m: int, globals_: torch.Tensor, window: int, dilation: int) ->
     return window_pairs(m, m, window, dilation) + 2 * g * m - g * g - (2 * int(rows) - int(both))
 
 
+def _check_padding(config: WindowConfig, key_mask: torch.Tensor | None) -> None:
+    """The first ``global_tokens`` positions must be real tokens wherever a real token follows (no left padding)."""
+    if config.global_tokens:
+        refuse_left_padding(key_mask, "window", "global_tokens", first=config.global_tokens)
+
+
 def batch_cost(config: WindowConfig, *, b: int, n: int, key_mask: torch.Tensor | None, d: int, dv: int) -> list[Cost]:
     """Per batch row (real tokens first, padding at the end): the pairs among its real tokens that the pattern covers,
     with its own global positions, the first ``global_tokens`` and with ``question_global`` the question's tokens
     that the forward's context holds (:func:`global_positions`; call it where that context is set, as the harness's
     probe is). A row below ``exact_below`` costs full attention."""
+    _check_padding(config, key_mask)
     lengths = [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
     glob = global_positions(config, b, n, "cpu")
     costs = []
@@ -180,6 +187,7 @@ def pattern(config: WindowConfig, *, b: int, n: int, s: int, device) -> Pattern:
 
 def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """The dense (B, H, N, S) matrix of the window pattern (measuring only)."""
+    _check_padding(config, key_mask)
     b, _, n, _ = q.shape
     pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
     return _fallback.with_fallback(
@@ -194,6 +202,7 @@ def weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor
 
 def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str, torch.Tensor]:
     """Sparsity and recall of the window pattern against the entmax (alpha 1.5) gold graph, as Sparsefinder."""
+    _check_padding(config, key_mask)
     b, _, n, _ = q.shape
     pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
     exact = _fallback.exact_rows(query_mask, n, b, q.device, exact_below=config.exact_below)
@@ -225,8 +234,7 @@ def window_attention(
 ) -> torch.Tensor:
     """Sliding-window attention with global tokens (Longformer), O(N window)."""
     b, _, n, _ = q.shape
-    if config.global_tokens:
-        refuse_left_padding(key_mask, "window", "global_tokens")
+    _check_padding(config, key_mask)
 
     def approximate() -> torch.Tensor:
         pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)

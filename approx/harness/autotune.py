@@ -250,7 +250,8 @@ class _Calibration:
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
                 raise ValueError(
-                    f"a {target.measure} target compares output distributions, and {type(model).__name__} has none (a bare "
+                    f"a {target.measure} target compares output distributions, and {type(model).__name__} has none "
+                    "(a bare "
                     "encoder, or a regression head's single score): use a cosine target, or load the model with its "
                     "classification, QA or masked-LM head"
                 )

@@ -49,6 +49,7 @@ from ..integration import (
     own_attention_dropout,
     patch,
     patched_layers,
+    record_redraw_seed,
     save,
     save_method_state,
     unpatch,
@@ -267,6 +268,14 @@ def _resume(tr: _Training) -> None:
     tr.step, tr.losses = saved["step"], saved["losses"]
     if tr.setup is not None and saved.get("method_state"):
         load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
+        if _state_seed(tr) is not None:  # the loaded state is that of the last redraw: its seed, as redraw records it
+            record_redraw_seed(tr.accelerator.unwrap_model(tr.net), _state_seed(tr))
+
+
+def _state_seed(tr: _Training) -> int | None:
+    """The seed the method's random state was last redrawn from at ``tr.step`` (None: never redrawn yet)."""
+    every = tr.config.redraw_every
+    return tr.config.seed + tr.step // every if every and tr.step >= every else None
 
 
 def _checkpoint(tr: _Training) -> None:
@@ -282,7 +291,7 @@ def _after_step(tr: _Training, stop: int, callback) -> None:
     """Redraw the method's random state, call back and checkpoint when it is time."""
     cfg, unwrap = tr.config, tr.accelerator.unwrap_model
     if cfg.redraw_every and tr.setup is not None and tr.step % cfg.redraw_every == 0:
-        redraw_layers(unwrap(tr.net), seed=cfg.seed + tr.step // cfg.redraw_every)
+        redraw_layers(unwrap(tr.net), seed=_state_seed(tr))
     if callback is not None:
         callback(tr.step, unwrap(tr.net))
     every = cfg.checkpoint_every
@@ -328,6 +337,8 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
         "task_version": task.version,
         "base_model": model,
         "method": None if tr.setup is None else {"name": tr.setup.method, **tr.setup.config()},
+        # the seed of the method's random state at the end, when --redraw-every redrew it (the model's settings)
+        **({"state_seed": _state_seed(tr)} if tr.setup is not None and _state_seed(tr) is not None else {}),
         "train_split": train_split,
         "eval_split": eval_split,
         "head": tr.head,
