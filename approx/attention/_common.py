@@ -25,7 +25,7 @@ def refuse_left_padding(key_mask: torch.Tensor | None, method: str, option: str,
     anywhere when ``first`` is None (an option that finds the last real token by counting them)."""
     if key_mask is None or key_mask.shape[-1] < 2:
         return
-    later = key_mask.flip(-1).cummax(-1).values.flip(-1)  # a real token at or after each position
+    later = key_mask.flip(-1).long().cumsum(-1).flip(-1) > 0  # a real token at or after each position
     before_real = ~key_mask[:, :-1] & later[:, 1:]  # (B, S - 1): a pad with a real token after it
     if first is not None:
         before_real = before_real[:, :first]
