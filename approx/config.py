@@ -60,9 +60,10 @@ class MethodConfig:
             value = getattr(self, f.name)
             expected = hints[f.name]
             if expected is int:
-                if as_integer(value) is None:
+                integer = as_integer(value)
+                if integer is None:
                     raise ValueError(f"{self.method}: option {f.name!r} must be an integer, got {value!r}")
-                object.__setattr__(self, f.name, as_integer(value))  # a NumPy integer, say, as a Python int
+                object.__setattr__(self, f.name, integer)  # a NumPy integer, say, as a Python int
             if expected is float:
                 object.__setattr__(self, f.name, self._number(f.name, value))  # alpha=2 recorded as 2.0, as typed
             if expected is bool and not isinstance(value, bool):

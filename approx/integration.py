@@ -400,13 +400,11 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
 def _seeded_configs(layers: dict[int, ApproxAttention], seed: int) -> dict[int, MethodConfig]:
     """The configs with ``seed`` of the layers whose random state :meth:`ApproxAttention.redraw` draws from a seed
     option (validated: ``ValueError`` naming the option for an impossible seed)."""
-    out = {}
-    for i, layer in layers.items():
-        spec, config = layer.method, layer.config
-        drawn = spec.init_state is not None and not spec.requires_fit(config)
-        if drawn and "seed" in {f.name for f in dataclasses.fields(config)}:
-            out[i] = dataclasses.replace(config, seed=seed)
-    return out
+    return {
+        i: dataclasses.replace(layer.config, seed=seed)
+        for i, layer in layers.items()
+        if layer.drawn_state and "seed" in layer.config.option_names()
+    }
 
 
 def record_redraw_seed(model: nn.Module, seed: int) -> None:

@@ -36,15 +36,15 @@ def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
     naming ``name`` on anything else or on an index the model does not have."""
     if layers is None:
         return list(range(count))
-    if as_integer(layers) is not None and getattr(layers, "ndim", 0) == 0:
+    if as_integer(layers) is not None:
         layers = [layers]
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise ValueError(f"{name} must be an integer, a list of integers or None, got {layers!r}")
     chosen = []
-    for i in layers:
-        if as_integer(i) is None:
-            raise ValueError(f"{name} must be integers, got {i!r}")
-        i = as_integer(i)
+    for item in layers:
+        i = as_integer(item)
+        if i is None:
+            raise ValueError(f"{name} must be integers, got {item!r}")
         j = i + count if i < 0 else i
         if not 0 <= j < count:
             raise ValueError(f"layer {i} does not exist: the model has {count} attention layers (0..{count - 1})")
@@ -130,15 +130,19 @@ class ApproxAttention(nn.Module):
                 raise ValueError(f"state {name!r}: expected shape {tuple(mine[name].shape)}, got {tuple(tensor.shape)}")
             setattr(self, name, tensor.to(mine[name].device))
 
-    def redraw(self, seed: int) -> bool:
-        """Draw the method's random state anew from ``seed`` (e.g. FAVOR+ features during fine-tuning); returns
-        whether it did. Fitted state (``approx.fit``) is learned, not random, and is kept."""
-        if self.method.init_state is None or self.method.requires_fit(self.config):
-            return False
+    @property
+    def drawn_state(self) -> bool:
+        """Whether the method's state is drawn from a seed (what :meth:`redraw` draws anew), not fitted or absent."""
+        return self.method.init_state is not None and not self.method.requires_fit(self.config)
+
+    def redraw(self, seed: int) -> None:
+        """Draw the method's random state anew from ``seed`` (e.g. FAVOR+ features during fine-tuning).
+        Fitted state (``approx.fit``) is learned, not random, and is kept."""
+        if not self.drawn_state:
+            return
         old = self.state()
         for name, t in self.method.init_state(self.config, head_dim=self.head_dim, seed=seed).items():
             setattr(self, name, t.to(device=old[name].device, dtype=old[name].dtype))
-        return True
 
     def fit(self, samples: list, **options) -> None:
         """Learn the method's state from ``samples`` = [(q, k, key_mask, scale), ...] of this layer (the model's

@@ -251,9 +251,8 @@ class _Calibration:
             if target.measure == "kl" and not logits:
                 raise ValueError(
                     f"a {target.measure} target compares output distributions, and {type(model).__name__} has none "
-                    "(a bare "
-                    "encoder, or a regression head's single score): use a cosine target, or load the model with its "
-                    "classification, QA or masked-LM head"
+                    "(a bare encoder, or a regression head's single score): use a cosine target, or load the model "
+                    "with its classification, QA or masked-LM head"
                 )
             self.refs.append(_Reference(inputs, _last_hidden(out), logits))
         self.forwards = len(batches)

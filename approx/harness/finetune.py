@@ -268,8 +268,9 @@ def _resume(tr: _Training) -> None:
     tr.step, tr.losses = saved["step"], saved["losses"]
     if tr.setup is not None and saved.get("method_state"):
         load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
-        if _state_seed(tr) is not None:  # the loaded state is that of the last redraw: its seed, as redraw records it
-            record_redraw_seed(tr.accelerator.unwrap_model(tr.net), _state_seed(tr))
+        seed = _state_seed(tr)
+        if seed is not None:  # the loaded state is that of the last redraw: its seed, as redraw records it
+            record_redraw_seed(tr.accelerator.unwrap_model(tr.net), seed)
 
 
 def _state_seed(tr: _Training) -> int | None:

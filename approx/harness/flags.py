@@ -9,7 +9,7 @@ import argparse
 from .. import methods
 from ..config import MethodConfig
 from ..registry import get_method
-from .spec import check_not_a_folder, option_types, parse_setup, parse_value
+from .spec import check_not_a_folder, option_types, parse_setup, parse_value, spec_options
 
 __all__ = ["config_flags", "config_values", "eval_setups", "method_flags", "method_option_args", "split_method_args"]
 
@@ -88,8 +88,8 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
                     f"method {method.name!r} has no option --{name.replace('_', '-')}; its options: "
                     + (", ".join("--" + k.replace("_", "-") for k in kinds) or "none")
                 )
-        inline = {item.partition("=")[0].strip() for item in spec.partition(":")[2].split(",") if item.strip()}
-        twice = sorted(set(raw) & inline)
+        inline = spec_options(spec)
+        twice = sorted(set(raw) & set(inline))
         if twice:
             raise ValueError(
                 f"--method {spec}: {', '.join(twice)} given twice, in the spec and as a flag after it; give it once"

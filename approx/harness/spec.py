@@ -27,6 +27,7 @@ __all__ = [
     "parse_setup",
     "parse_value",
     "short_label",
+    "spec_options",
 ]
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -100,21 +101,25 @@ def check_not_a_folder(spec: str) -> None:
         )
 
 
+def spec_options(spec: str) -> dict[str, str]:
+    """The options written in ``"name:opt=val,..."``, as raw strings (``ValueError`` for an item without ``=``)."""
+    given: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in spec.partition(":")[2].split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{spec!r}: expected option=value, got {item!r}")
+        given[key.strip()] = value.strip()
+    return given
+
+
 def parse_setup(spec: str, raw: Mapping[str, str] | None = None) -> Setup:
     """``"i-clustered:clusters=25,topk=32"`` -> Setup, validated against the method's config class.
 
     ``raw``: more options as strings (e.g. from command-line flags), overriding those of ``spec``."""
     check_not_a_folder(spec)
-    name, _, rest = spec.partition(":")
-    method = get_method(name.strip())
+    method = get_method(spec.partition(":")[0].strip())
     kinds = option_types(method.config_class)
-    given: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"{spec!r}: expected option=value, got {item!r}")
-        given[key.strip()] = value.strip()
-    given.update(raw or {})
+    given = {**spec_options(spec), **(raw or {})}
     options: dict[str, Any] = {}
     for key, value in given.items():
         if key not in kinds:
