@@ -60,7 +60,15 @@ from approx.harness.provenance import provenance
 from approx.harness.spec import short_label
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _shared import CROSS_FIT, RESULTS, ensure_checkpoint, evaluate_checkpoints, write_json  # noqa: E402
+from _shared import (  # noqa: E402
+    CHECKPOINTS,
+    CROSS_FIT,
+    RESULTS,
+    checkpoint_key,
+    ensure_checkpoint,
+    evaluate_checkpoints,
+    write_json,
+)
 from clustered_table import base_settings, default_model  # noqa: E402
 
 OUTPUT = RESULTS / "long_inputs.json"
@@ -118,19 +126,17 @@ TARGETS = {  # the issue's targets on squad-doc: (length, F1 kept, whole-model s
 # On CPU one fold only (the model fine-tuned on dev/0 reads dev/1's questions, whose articles it never saw): the
 # second fine-tuning would cost as much again for questions the CPU profile does not read.
 READER = {"cpu": {"limit": None}, "gpu": {}}
-# ``--reader squad-doc`` (gpu profile only): that reader fine-tuned again on squad-doc's own windows of its training half
-# at 4096 tokens (one window per question, placed by the task's seeded rule and labelled with the answer's span;
-# positions extended first), as Longformer fine-tuned its readers at their full length: the reader above, read in one
-# pass at 4096 tokens, answers nothing even with exact attention. Attention dropout is off while training so that
-# exact attention keeps SDPA's fused kernels. Not run yet (no GPU was lent when it was written). On the CPU it is
-# refused: on 2 cores a 4096-token example takes about 6 s forward and backward (34-43 s with attention dropout), and
-# 36 steps of 4 windows at learning rate 3e-5 left the loss at 5.5-9 (a uniform guess is ln 4096 = 8.3); at 1024
-# tokens, 64 steps of 8 windows moved exact attention's F1 on 64 dev/1 questions from 19.8 to 21.9 (at 2048: 2.3 to
-# 14.7; at 4096, 32 questions: 0 to 5.1).
-LONG_READER = {
-    "gpu": {"epochs": 3.0, "learning_rate": 3e-5, "batch_size": 8, "max_length": 4096, "attention_dropout": 0.0,
-            "warmup": 0.1, "seed": 0},
-}  # fmt: skip
+# ``--reader squad-doc``: that reader fine-tuned again on squad-doc's own windows of its training half at 4096 tokens
+# (one window per question, placed by the task's seeded rule and labelled with the answer's span; positions extended
+# first), as Longformer fine-tuned its readers at their full length: the reader above, read in one pass at 4096
+# tokens, answers nothing even with exact attention. Attention dropout is off while training so that exact attention
+# keeps SDPA's fused kernels; bf16 mixed precision. It is trained on a CUDA device only, then cached (any profile then
+# reads it): on 2 CPU cores a 4096-token example takes about 6 s forward and backward (34-43 s with attention
+# dropout), and 36 steps of 4 windows at learning rate 3e-5 left the loss at 5.5-9 (a uniform guess is ln 4096 =
+# 8.3); at 1024 tokens, 64 steps of 8 windows moved exact attention's F1 on 64 dev/1 questions from 19.8 to 21.9 (at
+# 2048: 2.3 to 14.7; at 4096, 32 questions: 0 to 5.1).
+LONG_READER = {"epochs": 3.0, "learning_rate": 3e-5, "batch_size": 8, "max_length": 4096, "attention_dropout": 0.0,
+               "warmup": 0.1, "seed": 0, "mixed_precision": "bf16"}  # fmt: skip
 READERS = ("squad", "squad-doc")
 FOLDS = {"cpu": CROSS_FIT[:1], "gpu": CROSS_FIT}
 SLIDING_BATCH = 8  # the 384-token windows of the sliding baseline are batched, as a user would
@@ -155,11 +161,6 @@ def squad_checkpoints(
     clustered table's checkpoints; "squad-doc": those fine-tuned again on squad-doc windows (:data:`LONG_READER`)."""
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}; choose one of {', '.join(READERS)}")
-    if reader == "squad-doc" and profile not in LONG_READER:
-        raise ValueError(
-            f"the squad-doc reader is fine-tuned at 4096 tokens, which the {profile} profile cannot afford (see "
-            f"LONG_READER); run it with --profile {', '.join(LONG_READER)}"
-        )
     settings = {**base_settings("squad", profile), **READER[profile]}
     pairs, records = [], []
     for train_split, eval_split in FOLDS[profile]:
@@ -170,8 +171,15 @@ def squad_checkpoints(
                  "settings": record.get("settings"), "wall_seconds": record.get("provenance", {}).get("wall_seconds")}  # fmt: skip
         if reader == "squad-doc":
             base = folder
+            cached = CHECKPOINTS / checkpoint_key(str(base), "squad-doc", train_split, LONG_READER) / "finetune.json"
+            if not cached.is_file() and not torch.cuda.is_available():
+                raise SystemExit(
+                    f"the squad-doc reader is fine-tuned at 4096 tokens on a CUDA device (LONG_READER), and none is "
+                    f"cached at {cached.parent}: run this recipe once on a machine with a GPU (any profile), then "
+                    "here, with the checkpoint folder copied over"
+                )
             folder, record, reused = ensure_checkpoint(
-                str(base), "squad-doc", train_split, LONG_READER[profile], data_dir=data_dir, progress=progress
+                str(base), "squad-doc", train_split, LONG_READER, data_dir=data_dir, progress=progress
             )
             losses = record.get("losses") or [None]
             entry = {"folder": folder.name, "task": "squad-doc", "trained_from": entry, "train_split": train_split,
@@ -477,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reader", choices=READERS, default="squad",
         help="squad-doc's reader: 'squad', the clustered table's (fine-tuned at 384 tokens), or 'squad-doc', that "
-        "one fine-tuned again on squad-doc windows at 4096 tokens (LONG_READER, gpu profile only; made first when "
+        "one fine-tuned again on squad-doc windows at 4096 tokens (LONG_READER; trained on a CUDA device when "
         "not cached)",
     )  # fmt: skip
     p.add_argument("--questions", type=int, help="squad-doc questions per length (default: the profile's)")

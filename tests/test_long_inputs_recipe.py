@@ -245,9 +245,10 @@ def test_methods_by_name_and_the_question(recipe):
 
 
 def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, monkeypatch, tmp_path):
-    """--reader squad-doc (gpu profile): each fold's squad reader is fine-tuned again on squad-doc windows of the same
-    training half with LONG_READER's settings, and that second checkpoint reads the other half; the record names
-    both. The cpu profile refuses it before fine-tuning anything."""
+    """--reader squad-doc: each fold's squad reader is fine-tuned again on squad-doc windows of the same training half
+    with LONG_READER's settings, and that second checkpoint reads the other half; the record names both. Without a
+    CUDA device it is refused before fine-tuning anything unless that checkpoint is cached (then any profile reads
+    it)."""
     calls = []
 
     def ensure(base, task, train_split, settings, **kw):
@@ -256,8 +257,10 @@ def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, 
         return tmp_path / f"{task}-{train_split.replace('/', '')}", record, False
 
     monkeypatch.setattr(recipe, "ensure_checkpoint", ensure)
+    monkeypatch.setattr(recipe, "CHECKPOINTS", tmp_path / "checkpoints")
+    monkeypatch.setattr(recipe.torch.cuda, "is_available", lambda: True)
     pairs, records = recipe.squad_checkpoints("gpu", False, None, "squad-doc")
-    long = recipe.LONG_READER["gpu"]
+    long = recipe.LONG_READER
     assert [c[1:3] for c in calls[::2]] == [("squad", "dev/0"), ("squad", "dev/1")]
     assert calls[1::2] == [("squad-dev0", "squad-doc", "dev/0", long), ("squad-dev1", "squad-doc", "dev/1", long)]
     assert pairs == [(str(tmp_path / "squad-doc-dev0"), "dev/1"), (str(tmp_path / "squad-doc-dev1"), "dev/0")]
@@ -269,8 +272,17 @@ def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, 
     assert recipe.squad_checkpoints("cpu", False, None)[0] == [(str(tmp_path / "squad-dev0"), "dev/1")]
     assert [c[1] for c in calls] == ["squad"]
     calls.clear()
-    with pytest.raises(ValueError, match="cpu profile cannot afford.*--profile gpu"):
+    monkeypatch.setattr(recipe.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="on a CUDA device.*none is cached"):
         recipe.squad_checkpoints("cpu", False, None, "squad-doc")
+    assert [c[1] for c in calls] == ["squad"]  # the base reader only
+    calls.clear()
+    cached = recipe.CHECKPOINTS / recipe.checkpoint_key(str(tmp_path / "squad-dev0"), "squad-doc", "dev/0", long)
+    cached.mkdir(parents=True)
+    (cached / "finetune.json").write_text("{}")
+    assert recipe.squad_checkpoints("cpu", False, None, "squad-doc")[0] == [(str(tmp_path / "squad-doc-dev0"), "dev/1")]
+    assert calls[1] == ("squad-dev0", "squad-doc", "dev/0", long)
+    calls.clear()
     with pytest.raises(ValueError, match="squad, squad-doc"):
         recipe.squad_checkpoints("gpu", False, None, "long")
     assert calls == []
