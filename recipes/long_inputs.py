@@ -164,6 +164,16 @@ def squad_checkpoints(
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}; choose one of {', '.join(READERS)}")
     settings = {**base_settings("squad", profile), **READER[profile]}
+    if reader == "squad-doc" and not torch.cuda.is_available():  # refused before fine-tuning anything
+        for train_split, _ in FOLDS[profile]:
+            base = checkpoint_key(default_model(), "squad", train_split, settings)  # the folder ensure_checkpoint uses
+            cached = CHECKPOINTS / checkpoint_key(base, "squad-doc", train_split, LONG_READER) / "finetune.json"
+            if not cached.is_file():
+                raise SystemExit(
+                    f"the squad-doc reader is fine-tuned at 4096 tokens on a CUDA device (LONG_READER; 2.6 min on an "
+                    f"H200, days on 2 CPU cores), and none is cached at {cached.parent}: run this recipe once on a "
+                    "machine with a GPU (any profile), then here, with the checkpoint folder copied over"
+                )
     pairs, records = [], []
     for train_split, eval_split in FOLDS[profile]:
         folder, record, reused = ensure_checkpoint(
@@ -173,13 +183,6 @@ def squad_checkpoints(
                  "settings": record.get("settings"), "wall_seconds": record.get("provenance", {}).get("wall_seconds")}  # fmt: skip
         if reader == "squad-doc":
             base = folder
-            cached = CHECKPOINTS / checkpoint_key(str(base), "squad-doc", train_split, LONG_READER) / "finetune.json"
-            if not cached.is_file() and not torch.cuda.is_available():
-                raise SystemExit(
-                    f"the squad-doc reader is fine-tuned at 4096 tokens on a CUDA device (LONG_READER), and none is "
-                    f"cached at {cached.parent}: run this recipe once on a machine with a GPU (any profile), then "
-                    "here, with the checkpoint folder copied over"
-                )
             folder, record, reused = ensure_checkpoint(
                 str(base), "squad-doc", train_split, LONG_READER, data_dir=data_dir, progress=progress
             )

@@ -45,11 +45,13 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cpu_backward.json",
     "benchmarks/results/attention_op_cuda.json",
     "benchmarks/results/attention_op_cuda_bf16.json",
+    "benchmarks/results/attention_op_cuda_bf16_all_methods.json",
 ]
 WHOLE_MODEL = [
     "benchmarks/results/whole_model_cpu.json",
     "benchmarks/results/whole_model_cpu_sparse_patterns.json",
     "benchmarks/results/whole_model_cuda.json",
+    "benchmarks/results/whole_model_cuda_h200.json",
     "benchmarks/results/whole_model_cpu_memory.json",
 ]
 HARNESS = [
@@ -352,7 +354,7 @@ def minilm_mlm_table(path: str = MINILM_MLM) -> str:
 
 LONG_INPUTS = "recipes/results/long_inputs.json"
 LONG_INPUTS_DOC_READER = "recipes/results/long_inputs_doc_reader.json"
-DOC_READER_OPTIONS = " --profile gpu --reader squad-doc --tasks squad-doc"
+DOC_READER_OPTIONS = " --reader squad-doc --tasks squad-doc"
 MONARCH_PROTOCOL = "recipes/results/monarch_protocol.json"
 
 
@@ -430,7 +432,10 @@ def _reader(entry: dict) -> str:
     losses = "" if entry.get("last_loss") is None else f", loss {entry['first_loss']:.2f} to {entry['last_loss']:.2f}"
     return (
         f"{entry['folder']} ({base['folder']} fine-tuned again on {entry.get('examples')} squad-doc windows of "
-        f"{entry['train_split']} at {settings.get('max_length')} tokens, {settings.get('steps')} steps{losses})"
+        f"{entry['train_split']} at {settings.get('max_length')} tokens, {settings.get('steps')} steps{losses}"
+        + (f", on an {entry['trained_on']}" if entry.get("trained_on") else "")
+        + (", its weights carried to this machine as float16 differences" if entry.get("transfer") else "")
+        + ")"
     )
 
 

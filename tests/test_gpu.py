@@ -11,7 +11,19 @@ import pytest
 import torch
 from conftest import batch, model_output, tiny_model
 from reference import naive_attention
-from test_methods import LIMITED, METHODS, B, D, H, layer, limit_inputs, make_qkv, padded_mask, small_budget
+from test_methods import (
+    LIMITED,
+    METHODS,
+    B,
+    D,
+    H,
+    layer,
+    limit_inputs,
+    limit_reference,
+    make_qkv,
+    padded_mask,
+    small_budget,
+)
 
 import approx
 from approx import get_method
@@ -79,7 +91,8 @@ def test_gpu_gradients_flow(method):
 
 
 def test_gpu_exact_limits_against_float64():
-    """full, and every method along its registered exact limit (as in test_methods.py), on the GPU; exact_below."""
+    """full, and every method along its registered exact limit (as in test_methods.py: softmax attention, or the
+    float64 formula of the kernel a method computes instead), on the GPU; exact_below."""
     q, k, v = make_qkv(dtype=torch.float64)
     mask = padded_mask(120, 90)
     ref = naive_attention(q, k, v, mask)
@@ -92,7 +105,7 @@ def test_gpu_exact_limits_against_float64():
     for method in LIMITED:
         limit = get_method(method).exact_limit
         q, k, v = limit_inputs(distinct=limit.distinct_queries)
-        ref, args = naive_attention(q, k, v, mask).masked_fill(~real, 0), cuda(q, k, v, mask)
+        ref, args = limit_reference(limit, q, k, v, mask).masked_fill(~real, 0), cuda(q, k, v, mask)
 
         def error(**options):
             opts = {**small_budget(method), **limit.options(120), **options}

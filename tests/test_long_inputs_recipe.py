@@ -273,11 +273,13 @@ def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, 
     assert [c[1] for c in calls] == ["squad"]
     calls.clear()
     monkeypatch.setattr(recipe.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(recipe, "default_model", lambda: "the-base-model")
     with pytest.raises(SystemExit, match="on a CUDA device.*none is cached"):
         recipe.squad_checkpoints("cpu", False, None, "squad-doc")
-    assert [c[1] for c in calls] == ["squad"]  # the base reader only
-    calls.clear()
-    cached = recipe.CHECKPOINTS / recipe.checkpoint_key(str(tmp_path / "squad-dev0"), "squad-doc", "dev/0", long)
+    assert calls == []  # refused before fine-tuning even the base reader
+    settings = {**recipe.base_settings("squad", "cpu"), **recipe.READER["cpu"]}
+    base = recipe.checkpoint_key("the-base-model", "squad", "dev/0", settings)
+    cached = recipe.CHECKPOINTS / recipe.checkpoint_key(base, "squad-doc", "dev/0", long)
     cached.mkdir(parents=True)
     (cached / "finetune.json").write_text("{}")
     assert recipe.squad_checkpoints("cpu", False, None, "squad-doc")[0] == [(str(tmp_path / "squad-doc-dev0"), "dev/1")]
