@@ -355,6 +355,12 @@ def minilm_mlm_table(path: str = MINILM_MLM) -> str:
 LONG_INPUTS = "recipes/results/long_inputs.json"
 LONG_INPUTS_DOC_READER = "recipes/results/long_inputs_doc_reader.json"
 DOC_READER_OPTIONS = " --reader squad-doc --tasks squad-doc"
+# the long reader at 4096 tokens on 200 questions, the methods that keep its F1 there only (one CPU run)
+LONG_INPUTS_DOC_READER_4096 = "recipes/results/long_inputs_doc_reader_4096_cpu.json"
+DOC_READER_4096_OPTIONS = (
+    " --profile cpu --reader squad-doc --tasks squad-doc --lengths 4096 --questions 200 --methods window bigbird"
+    f" --threads 2 --results {LONG_INPUTS_DOC_READER_4096} --figure recipes/results/figures/long_inputs_doc_reader_4096_cpu.png"
+)
 MONARCH_PROTOCOL = "recipes/results/monarch_protocol.json"
 
 
@@ -378,6 +384,13 @@ AUTOTUNE_REFINE = "recipes/results/autotune_pareto_squad_refine.json"
 AUTOTUNE_REFINE_COMMAND = (
     "python recipes/autotune_pareto.py --tasks squad --clustering default --threads 1 --output "
     f"{AUTOTUNE_REFINE} --figure recipes/results/figures/autotune_pareto_squad_refine.png --tuned-dir runs/autotune_refine"
+)
+
+
+AUTOTUNE_DOC = "recipes/results/autotune_pareto_squad_doc.json"
+AUTOTUNE_DOC_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output "
+    f"{AUTOTUNE_DOC} --figure recipes/results/figures/autotune_pareto_squad_doc.png --tuned-dir runs/autotune_doc"
 )
 
 
@@ -651,12 +664,16 @@ def blocks() -> dict[Path, dict[str, str]]:
             "long-inputs-doc-reader": long_inputs_block(
                 LONG_INPUTS_DOC_READER, "long_inputs_doc_reader.png", DOC_READER_OPTIONS
             ),
+            "long-inputs-doc-reader-4096": long_inputs_block(
+                LONG_INPUTS_DOC_READER_4096, "long_inputs_doc_reader_4096_cpu.png", DOC_READER_4096_OPTIONS
+            ),
         },
         DOCS / "autotune.md": {
             "autotune-pareto": autotune_block(),
             "autotune-pareto-refine": autotune_block(
                 AUTOTUNE_REFINE, AUTOTUNE_REFINE_COMMAND, "autotune_pareto_squad_refine.png"
             ),
+            "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
         },
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),

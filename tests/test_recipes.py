@@ -572,3 +572,91 @@ def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert all(r["method"]["name"] == "per-layer" for r in squad["tuned"])
     assert fig.is_file() and "per-layer[" in pareto.markdown(record)
     assert pareto.main(["--report", "--output", str(out), "--figure", str(fig)]) == 0
+
+
+def test_autotune_pareto_squad_doc_smoke(base_model, fixture_dir, tmp_path, monkeypatch):
+    """squad-doc: the long reader (a tiny squad-doc checkpoint stands in for long_inputs' cached one, asked for
+    through ``squad_checkpoints(reader="squad-doc")``) is tuned on its training half at ``--doc-length`` tokens with
+    approx's full cost model only; the uniform rows are evaluated in the same run, one input a batch; the time target
+    and the figure's seconds panel come out of the JSON."""
+    from _shared import ensure_checkpoint
+
+    pareto = _recipe("autotune_pareto")
+    few = [
+        approx.get_method("window").make_config(window=16, block=16, question_global=True),
+        approx.get_method("linear").make_config(),
+    ]
+    monkeypatch.setattr(pareto, "DOC_CANDIDATES", few)
+    monkeypatch.setitem(pareto.TASK_FRACTIONS, "squad-doc", (1.0, 1e-6))
+    asked = []
+
+    def readers(profile, progress, data_dir, reader):
+        asked.append((profile, reader))
+        settings = {"max_steps": 1, "max_length": 128, "batch_size": 2, "limit": 4}
+        folder, _, _ = ensure_checkpoint(
+            base_model, "squad-doc", "dev/0", settings, root=tmp_path / "ck", data_dir=data_dir, source="local",
+            progress=False,
+        )  # fmt: skip
+        return [(str(folder), "dev/1")], []
+
+    monkeypatch.setattr(pareto, "squad_checkpoints", readers)
+    out, fig = tmp_path / "ap.json", tmp_path / "ap.png"
+    argv = [
+        *("--tasks", "squad-doc", "--profile", "cpu", "--doc-length", "128", "--calibration", "8", "--limit", "4"),
+        *("--data-dir", str(fixture_dir), "--source", "local", "--tuned-dir", str(tmp_path / "tuned"), "--quiet"),
+        *("--output", str(out), "--figure", str(fig)),
+    ]
+    assert pareto.main(argv) == 0
+    assert asked == [("cpu", "squad-doc")]
+    t = json.loads(out.read_text())["tasks"]["squad-doc"]
+    assert t["metric"] == "f1" and t["evaluation"] == {
+        "splits": ["dev/1"], "limit_per_split": 4, "max_length": 128, "batch_size": 1
+    }  # fmt: skip
+    (c,) = t["calibration"]
+    assert c["calibration_split"] == "dev/0" and c["calibration_examples"] == 8 and c["max_length"] == 128
+    assert [x["fraction"] for x in c["tunings"]] == [1.0, 1e-6]
+    assert [r["autotune"]["cost"] for r in t["tuned"]] == ["flops", "flops"] and list(t["dominance"]) == ["flops"]
+    assert [r["method"]["name"] for r in t["uniform"]] == ["window", "linear"]
+    assert all(r["max_length"] == 128 and r["batch_size"] == 1 for r in t["tuned"] + t["uniform"])
+    check = t["doc_target"]
+    assert check == pareto.doc_target(t) and check["met"] is None  # the tiny reader scores under MIN_EXACT_F1
+    assert fig.is_file() and "s/example" in pareto.markdown({"tasks": {"squad-doc": t}})
+
+
+def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_percent():
+    """Judged on hand-made rows: the fastest tuned and uniform rows at >= 99 % of exact F1 are compared by seconds per
+    example; a faster uniform row that loses F1 does not count; a reader under MIN_EXACT_F1 is not judged."""
+    pareto = _recipe("autotune_pareto")
+
+    def row(f1, seconds, exact=40.0, **method):
+        return {
+            "method": method or {"name": "per-layer"},
+            "metrics": {"f1": f1},
+            "reference_metrics": {"f1": exact},
+            "fidelity": {
+                "seconds_per_example": seconds,
+                "reference_seconds_per_example": 1.5,
+                "speedup": 1.5 / seconds,
+            },
+            "autotune": {"targets": [f"kl<={seconds}"]},
+        }
+
+    uniform = [
+        row(39.7, 0.70, name="window", window=128),
+        row(30.0, 0.50, name="linear"),
+        row(41.0, 0.8, name="bigbird"),
+    ]
+    record = {"tuned": [row(39.5, 0.60), row(39.8, 0.65), row(40.0, 0.9)], "uniform": uniform}
+    check = pareto.doc_target(record)
+    assert check["met"] is True  # 39.6 is the floor: the 0.65 s tuned row beats the 0.70 s window
+    assert check["fastest_tuned"]["seconds_per_example"] == 0.65 and check["fastest_tuned"]["f1"] == 39.8
+    assert check["fastest_uniform"]["setting"].startswith("window") and check["exact_seconds_per_example"] == 1.5
+    record["tuned"][1]["fidelity"]["seconds_per_example"] = 0.75
+    assert pareto.doc_target(record)["met"] is False  # now slower than the window
+    record["tuned"] = [row(39.0, 0.4)]
+    assert pareto.doc_target(record)["met"] is False and pareto.doc_target(record)["fastest_tuned"] is None
+    record["uniform"] = [row(10.0, 0.3, name="linear")]
+    record["tuned"] = [row(39.6, 0.9)]
+    assert pareto.doc_target(record)["met"] is True  # no uniform setting keeps 99 %
+    weak = {"tuned": [row(5.0, 0.5, exact=5.0)], "uniform": [row(5.0, 0.4, exact=5.0, name="linear")]}
+    assert pareto.doc_target(weak)["met"] is None
