@@ -471,8 +471,9 @@ def figure(record: dict[str, Any], path: Path) -> None:
     for ax in fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
-    rows = -(-len(legend) // 8)
-    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(8, len(legend)), fontsize=7)
+    ncol = min(8, len(legend), 2 * len(lengths))  # no wider than the panels (one panel holds two columns)
+    rows = -(-len(legend) // ncol)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=ncol, fontsize=7)
     fig.suptitle(f"Long inputs: quality against time ({record['profile']} profile, {record['device']})", fontsize=10)
     fig.tight_layout(rect=(0, 0.035 * rows * 2 / len(tasks), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
