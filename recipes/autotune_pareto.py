@@ -569,8 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument("--source", choices=["auto", "local", "hub"])
-    p.add_argument("--model", help="base model of the checkpoints (default: MiniLM-L6)")
-    p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="the checkpoint cache")
+    p.add_argument("--model", help="base model of the checkpoints (default: MiniLM-L6; squad-doc: long_inputs.py's)")
+    p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS,
+                   help="the checkpoint cache (squad-doc reads long_inputs.py's, runs/checkpoints)")  # fmt: skip
     p.add_argument("--tuned-dir", type=Path, default=TUNED, help="where the tuned models are saved")
     p.add_argument("--calibration", type=int, help=f"calibration examples per checkpoint (default {CALIBRATION}; "
                    f"squad-doc {DOC['calibration']})")  # fmt: skip
