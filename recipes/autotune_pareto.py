@@ -33,7 +33,7 @@ the halves' predictions as the clustered table does.
     python recipes/autotune_pareto.py --tasks squad rte           # some tasks (the others kept from the JSON)
     python recipes/autotune_pareto.py --tasks squad --clustering default --output OTHER.json --figure OTHER.png
                                                                   # SQuAD with today's clustering (refine=1)
-    python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output recipes/results/autotune_pareto_squad_doc.json \
+    python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output recipes/results/autotune_pareto_squad_doc.json
         --figure recipes/results/figures/autotune_pareto_squad_doc.png --tuned-dir runs/autotune_doc
                                                                   # the long reader at 4096 tokens, in its own files
                                                                   # (CPU: about an hour; needs its cached reader)
