@@ -33,6 +33,8 @@ the halves' predictions as the clustered table does.
     python recipes/autotune_pareto.py --tasks squad rte           # some tasks (the others kept from the JSON)
     python recipes/autotune_pareto.py --tasks squad --clustering default --output OTHER.json --figure OTHER.png
                                                                   # SQuAD with today's clustering (refine=1)
+    python recipes/autotune_pareto.py --tasks squad --question-global --output OTHER.json --figure OTHER.png
+                                                                  # SQuAD with the question-global windows too
     python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output recipes/results/autotune_pareto_squad_doc.json
         --figure recipes/results/figures/autotune_pareto_squad_doc.png --tuned-dir runs/autotune_doc
                                                                   # the long reader at 4096 tokens, in its own files
@@ -77,15 +79,18 @@ CANDIDATES = [*METHODS, approx.get_method("i-clustered").make_config(clusters=50
 # --clustering: "paper" (CANDIDATES) or "default" (clustered and improved clustered at today's defaults: one Euclidean
 # step, issue #20 step 0); only SQuAD, whose uniform rows are evaluated in the same run, can take "default"
 CLUSTERING = ("paper", "default")
+# --question-global (squad only): Longformer's QA setting among the candidates, the window with the question's tokens
+# global (the MonarchAttention protocol's 63.0 and 64.7 F1 at w = 32 and 64 with the outer thirds replaced)
+QUESTION_WINDOWS = [approx.get_method("window").make_config(window=w, question_global=True) for w in (32, 64)]
 
 
-def candidates(clustering: str = "paper", task: str | None = None) -> list:
+def candidates(clustering: str = "paper", task: str | None = None, question_global: bool = False) -> list:
     """:data:`CANDIDATES` (squad-doc: :data:`DOC_CANDIDATES`), with the clustering methods at today's default
-    ``refine`` for ``"default"``."""
+    ``refine`` for ``"default"``, and :data:`QUESTION_WINDOWS` after them with ``question_global``."""
     given = DOC_CANDIDATES if task == "squad-doc" else CANDIDATES
-    if clustering == "paper":
-        return list(given)
-    return [dataclasses.replace(c, refine=type(c)().refine) if hasattr(c, "refine") else c for c in given]
+    if clustering != "paper":
+        given = [dataclasses.replace(c, refine=type(c)().refine) if hasattr(c, "refine") else c for c in given]
+    return [*given, *(QUESTION_WINDOWS if question_global else [])]
 
 
 def conventions(task: str) -> dict[str, str]:
@@ -265,7 +270,13 @@ def run_task(task: str, args) -> dict[str, Any]:
             f"--clustering {clustering}: {task}'s uniform rows come from the clustered table, measured with the paper's "
             "clustering; only squad and squad-doc (uniform rows evaluated in the same run) can take another"
         )
-    methods = candidates(clustering, task)
+    question_global = getattr(args, "question_global", False)
+    if question_global and task != "squad":
+        raise SystemExit(
+            f"--question-global adds the question-global windows to squad's candidates; {task} takes none "
+            "(squad-doc's candidates have them already; GLUE inputs have no question)"
+        )
+    methods = candidates(clustering, task, question_global)
     checkpoints = _checkpoints(task, args)
     limit = _limit(task, args, len(checkpoints))
     common = dict(batch_size=32, seed=args.seed, data_dir=args.data_dir, source=args.source, progress=not args.quiet)
@@ -302,6 +313,7 @@ def run_task(task: str, args) -> dict[str, Any]:
         "uniform": uniform,
         "uniform_source": source,
         "clustering": clustering,
+        "question_global": question_global,
         "candidates": [short_label({"name": c.method, **c.to_dict()}) for c in methods],
         "seconds": time.perf_counter() - start,
     }
@@ -567,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uniform-dir", type=Path, help="clustered_table_<task>.json (default: the profile's results)")
     p.add_argument("--clustering", choices=CLUSTERING, default="paper", help="the clustering methods' refine: the "
                    "paper's (0, as the clustered table) or today's default; 'default' for squad and squad-doc only")  # fmt: skip
+    p.add_argument("--question-global", action="store_true", help="squad only: the window with the question's "
+                   "tokens global (w = 32, 64) among the candidates, Longformer's setting for QA")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")

@@ -623,6 +623,24 @@ def test_autotune_pareto_squad_doc_smoke(base_model, fixture_dir, tmp_path, monk
     assert fig.is_file() and "s/example" in pareto.markdown({"tasks": {"squad-doc": t}})
 
 
+def test_autotune_pareto_question_global_adds_the_windows_for_squad_only(tmp_path):
+    """``--question-global``: the question-global windows come after the usual candidates (i-clustered-25 keeps its
+    place, which the SQuAD target reads), for either clustering; any other task is refused before anything runs."""
+    pareto = _recipe("autotune_pareto")
+    for clustering in pareto.CLUSTERING:
+        plain, more = pareto.candidates(clustering, "squad"), pareto.candidates(clustering, "squad", True)
+        assert more[: len(plain)] == plain and len(more) == len(plain) + 2
+        assert [(c.method, c.window, c.question_global) for c in more[len(plain) :]] == [
+            ("window", 32, True), ("window", 64, True)
+        ]  # fmt: skip
+        assert more[1].method == "i-clustered" and more[1].clusters == 25
+    out = tmp_path / "ap.json"
+    for task in ("rte", "squad-doc"):
+        with pytest.raises(SystemExit, match="--question-global"):
+            pareto.main(["--tasks", task, "--question-global", "--quiet", "--output", str(out)])
+    assert not out.exists()
+
+
 def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_percent():
     """Judged on hand-made rows: the fastest tuned and uniform rows at >= 99 % of exact F1 are compared by seconds per
     example; a faster uniform row that loses F1 does not count; a reader under MIN_EXACT_F1 is not judged."""
