@@ -473,7 +473,16 @@ def test_cli_eval_writes_the_contract_json(fixture_dir, checkpoints, tmp_path, c
     assert REQUIRED <= set(r) and r["examples"] == 8
     assert r["method"]["clusters"] == 3 and r["method"]["seed"] == 3  # --seed feeds the method's seed
     assert set(r["metrics"]) == {"f1", "accuracy"}
-    for key in ("git_commit", "libraries", "seed", "device", "wall_seconds", "peak_memory_mib"):
+    for key in (
+        "git_commit",
+        "libraries",
+        "seed",
+        "device",
+        "wall_seconds",
+        "peak_memory_mib",
+        "cpu",
+        "cpu_capability",
+    ):
         assert key in r["provenance"]
     assert "| clustered:clusters=3" in capsys.readouterr().out
     assert r["warmup"] is True  # the default
@@ -867,3 +876,24 @@ def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
     assert r["fidelity"]["peak_memory_mib"] == 1001.0
     (r,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, warmup=False)  # calls go on: 1 MiB
     assert r["fidelity"]["peak_memory_mib"] == r["fidelity"]["reference_peak_memory_mib"] == 1.0
+
+
+def test_provenance_names_the_processor(tmp_path, monkeypatch):
+    """The CPU model comes from /proc/cpuinfo's first "model name" (platform.processor() without one; None when
+    neither says), and the vector instruction set from torch: float32 results can differ between machines."""
+    import platform
+
+    from approx.harness import provenance as prov
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Example CPU 9000 @ 3.0GHz\n\n"
+                    "processor\t: 1\nmodel name\t: Other\n")  # fmt: skip
+    assert prov.cpu_model(info) == "Example CPU 9000 @ 3.0GHz"
+    monkeypatch.setattr(platform, "processor", lambda: "x86_64")
+    assert prov.cpu_model(tmp_path / "absent") == "x86_64"
+    info.write_text("processor\t: 0\nmodel name\t:\n")
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert prov.cpu_model(info) is None
+    record = prov.provenance(seed=1)
+    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(record) >= {"cpu", "cpu_capability", "cpu_count", "platform"}

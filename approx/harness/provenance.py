@@ -57,6 +57,31 @@ def accelerator(device: str | torch.device | None) -> str | None:
     return torch.cuda.get_device_name(torch.device(device))
 
 
+def cpu_model(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str | None:
+    """The processor's model name (Linux: the first ``model name`` of ``cpuinfo``; elsewhere
+    ``platform.processor()``), None when neither says. Float32 results can differ in their last bits from one
+    processor to another (the matrix kernels' vector width and summation order), which can flip a hash bit at its
+    threshold in the clustering methods: the model and :func:`cpu_capability` say which machine a number came from."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def cpu_capability() -> str | None:
+    """The vector instruction set PyTorch's CPU kernels use here (``torch.backends.cpu.get_cpu_capability``, e.g.
+    ``AVX512``), None where this torch does not say."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def provenance(seed: int | None = None, device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "approx_version": __version__,
@@ -64,6 +89,8 @@ def provenance(seed: int | None = None, device: str | torch.device | None = None
         "libraries": {n: _version(n) for n in ("torch", "transformers", "entmax", "datasets", "accelerate")},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_capability": cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device) if device is not None else "cpu",
