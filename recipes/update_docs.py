@@ -387,6 +387,13 @@ AUTOTUNE_REFINE_COMMAND = (
 )
 
 
+AUTOTUNE_QGLOBAL = "recipes/results/autotune_pareto_squad_qglobal.json"
+AUTOTUNE_QGLOBAL_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks squad --question-global --threads 2 --output "
+    f"{AUTOTUNE_QGLOBAL} --figure recipes/results/figures/autotune_pareto_squad_qglobal.png --tuned-dir runs/autotune_qglobal"
+)
+
+
 AUTOTUNE_DOC = "recipes/results/autotune_pareto_squad_doc.json"
 AUTOTUNE_DOC_COMMAND = (
     "python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output "
@@ -672,6 +679,9 @@ def blocks() -> dict[Path, dict[str, str]]:
             "autotune-pareto": autotune_block(),
             "autotune-pareto-refine": autotune_block(
                 AUTOTUNE_REFINE, AUTOTUNE_REFINE_COMMAND, "autotune_pareto_squad_refine.png"
+            ),
+            "autotune-pareto-qglobal": autotune_block(
+                AUTOTUNE_QGLOBAL, AUTOTUNE_QGLOBAL_COMMAND, "autotune_pareto_squad_qglobal.png"
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
         },
