@@ -261,21 +261,33 @@ def _evaluate_once(folder: Path, task: str, folders: list[Path], extra: list, **
     return [copy.deepcopy(by_folder[f]) for f in folders] + results[len(unique) :]
 
 
+def refuse_variants(tasks: list[str], clustering: str, question_global: bool, output: Path | None = None) -> None:
+    """Exit, before anything runs, on a variant of the candidates that a task cannot take, or that would overwrite
+    the main run's results (``output`` is :data:`OUTPUT`)."""
+    for task in tasks:
+        if clustering != "paper" and task not in ("squad", "squad-doc"):
+            raise SystemExit(
+                f"--clustering {clustering}: {task}'s uniform rows come from the clustered table, measured with the "
+                "paper's clustering; only squad and squad-doc (uniform rows evaluated in the same run) can take another"
+            )
+        if question_global and task != "squad":
+            raise SystemExit(
+                f"--question-global adds the question-global windows to squad's candidates; {task} takes none "
+                "(squad-doc's candidates have windows of 64-256 with the question global; GLUE inputs have no question)"
+            )
+    if (clustering != "paper" or question_global) and output is not None and output.resolve() == OUTPUT.resolve():
+        raise SystemExit(
+            f"{_relative(OUTPUT)} holds the run with the default candidates; write this variant to its own --output "
+            "(and --figure, --tuned-dir)"
+        )
+
+
 def run_task(task: str, args) -> dict[str, Any]:
     start = time.perf_counter()
     clustering = getattr(args, "clustering", "paper")
-    side_by_side = task in ("squad", "squad-doc")  # uniform rows evaluated in this run
-    if clustering != "paper" and not side_by_side:
-        raise SystemExit(
-            f"--clustering {clustering}: {task}'s uniform rows come from the clustered table, measured with the paper's "
-            "clustering; only squad and squad-doc (uniform rows evaluated in the same run) can take another"
-        )
     question_global = getattr(args, "question_global", False)
-    if question_global and task != "squad":
-        raise SystemExit(
-            f"--question-global adds the question-global windows to squad's candidates; {task} takes none "
-            "(squad-doc's candidates have them already; GLUE inputs have no question)"
-        )
+    side_by_side = task in ("squad", "squad-doc")  # uniform rows evaluated in this run
+    refuse_variants([task], clustering, question_global)
     methods = candidates(clustering, task, question_global)
     checkpoints = _checkpoints(task, args)
     limit = _limit(task, args, len(checkpoints))
@@ -315,6 +327,7 @@ def run_task(task: str, args) -> dict[str, Any]:
         "clustering": clustering,
         "question_global": question_global,
         "candidates": [short_label({"name": c.method, **c.to_dict()}) for c in methods],
+        "target_fractions": list(fractions(task)),
         "seconds": time.perf_counter() - start,
     }
 
@@ -606,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.uniform_dir = args.uniform_dir or (RESULTS / "cpu" if args.profile == "cpu" else RESULTS)
+    if not args.report:
+        refuse_variants(args.tasks, args.clustering, args.question_global, args.output)
     record = json.loads(args.output.read_text()) if args.output.is_file() else {"tasks": {}}
     if not args.report:
         for task in args.tasks:
@@ -620,11 +635,11 @@ def main(argv: list[str] | None = None) -> int:
             if task == "squad-doc":
                 t["doc_target"] = doc_target(t)
             record["tasks"][task] = t
+            for stale in ("candidates", "target_fractions"):  # once for every task; now in each task's record
+                record.pop(stale, None)
             record.update(
                 recipe="recipes/autotune_pareto.py",
                 profile=args.profile,
-                candidates=[short_label({"name": c.method, **c.to_dict()}) for c in CANDIDATES],
-                target_fractions=list(FRACTIONS),
                 provenance=made,
             )
             write_json(args.output, record)  # after every task: an interrupted run keeps what it measured

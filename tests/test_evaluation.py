@@ -879,21 +879,31 @@ def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
 
 
 def test_provenance_names_the_processor(tmp_path, monkeypatch):
-    """The CPU model comes from /proc/cpuinfo's first "model name" (platform.processor() without one; None when
-    neither says), and the vector instruction set from torch: float32 results can differ between machines."""
+    """The CPU is the first processor's "model name" in /proc/cpuinfo with its family, model and stepping
+    (platform.processor() without a model name; None when neither says), and the vector instruction set comes from
+    torch (None where torch cannot say): float32 results can differ between machines."""
     import platform
 
     from approx.harness import provenance as prov
 
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Example CPU 9000 @ 3.0GHz\n\n"
-                    "processor\t: 1\nmodel name\t: Other\n")  # fmt: skip
-    assert prov.cpu_model(info) == "Example CPU 9000 @ 3.0GHz"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: X\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: Example CPU: 9000\n"
+        "stepping\t: 1\n\nprocessor\t: 1\nmodel name\t: Other\nstepping\t: 7\n"
+    )
+    assert prov.cpu_model(info) == "Example CPU: 9000 (family 25, model 17, stepping 1)"
+    info.write_text("model name\t: Bare CPU\n")
+    assert prov.cpu_model(info) == "Bare CPU"
     monkeypatch.setattr(platform, "processor", lambda: "x86_64")
     assert prov.cpu_model(tmp_path / "absent") == "x86_64"
     info.write_text("processor\t: 0\nmodel name\t:\n")
     monkeypatch.setattr(platform, "processor", lambda: "")
     assert prov.cpu_model(info) is None
     record = prov.provenance(seed=1)
-    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(record) >= {"cpu", "cpu_capability", "cpu_count", "platform"}
+    assert record["cpu"] == prov.cpu_model() and record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+    def unknown():
+        raise RuntimeError("no capability here")
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", unknown)
+    assert prov.cpu_capability() is None and prov.provenance()["cpu_capability"] is None

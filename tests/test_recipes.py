@@ -625,7 +625,8 @@ def test_autotune_pareto_squad_doc_smoke(base_model, fixture_dir, tmp_path, monk
 
 def test_autotune_pareto_question_global_adds_the_windows_for_squad_only(tmp_path):
     """``--question-global``: the question-global windows come after the usual candidates (i-clustered-25 keeps its
-    place, which the SQuAD target reads), for either clustering; any other task is refused before anything runs."""
+    place, which the SQuAD target reads), for either clustering. Any task but squad, alone or after squad, and a
+    variant written over the main run's JSON are refused before anything runs."""
     pareto = _recipe("autotune_pareto")
     for clustering in pareto.CLUSTERING:
         plain, more = pareto.candidates(clustering, "squad"), pareto.candidates(clustering, "squad", True)
@@ -635,9 +636,14 @@ def test_autotune_pareto_question_global_adds_the_windows_for_squad_only(tmp_pat
         ]  # fmt: skip
         assert more[1].method == "i-clustered" and more[1].clusters == 25
     out = tmp_path / "ap.json"
-    for task in ("rte", "squad-doc"):
+    for tasks in (["rte"], ["squad-doc"], ["squad", "rte"]):
         with pytest.raises(SystemExit, match="--question-global"):
-            pareto.main(["--tasks", task, "--question-global", "--quiet", "--output", str(out)])
+            pareto.main(["--tasks", *tasks, "--question-global", "--quiet", "--output", str(out)])
+    with pytest.raises(SystemExit, match="--clustering default"):
+        pareto.main(["--tasks", "squad", "rte", "--clustering", "default", "--quiet", "--output", str(out)])
+    for variant in (["--question-global"], ["--clustering", "default"]):
+        with pytest.raises(SystemExit, match="its own --output"):
+            pareto.main(["--tasks", "squad", *variant, "--quiet"])  # the default --output: the main run's JSON
     assert not out.exists()
 
 

@@ -58,24 +58,37 @@ def accelerator(device: str | torch.device | None) -> str | None:
 
 
 def cpu_model(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str | None:
-    """The processor's model name (Linux: the first ``model name`` of ``cpuinfo``; elsewhere
-    ``platform.processor()``), None when neither says. Float32 results can differ in their last bits from one
-    processor to another (the matrix kernels' vector width and summation order), which can flip a hash bit at its
-    threshold in the clustering methods: the model and :func:`cpu_capability` say which machine a number came from."""
+    """The processor (Linux: the first ``model name`` of ``cpuinfo``, with its ``cpu family``, ``model`` and
+    ``stepping`` when given, since a virtual machine's model name can be as vague as "AMD EPYC"; elsewhere
+    ``platform.processor()``, which may name only the architecture), None when neither says. Float32 results can
+    differ in their last bits from one machine to another (the vector width and summation order of the matrix
+    kernels), which can flip a hash bit at its threshold in the clustering methods; this, :func:`cpu_capability`
+    and the platform string help tell apart the machines two results came from."""
+    fields: dict[str, str] = {}
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, sep, value = line.partition(":")
-                if sep and key.strip() == "model name" and value.strip():
-                    return value.strip()
+                key, value = key.strip(), value.strip()
+                if not sep:
+                    if fields:  # the first processor's block has ended
+                        break
+                    continue
+                if value and key in ("model name", "cpu family", "model", "stepping"):
+                    fields.setdefault(key, value)
     except OSError:
         pass
-    return platform.processor() or None
+    if "model name" not in fields:
+        return platform.processor() or None
+    labels = {"cpu family": "family", "model": "model", "stepping": "stepping"}
+    ids = ", ".join(f"{label} {fields[key]}" for key, label in labels.items() if key in fields)
+    return fields["model name"] + (f" ({ids})" if ids else "")
 
 
 def cpu_capability() -> str | None:
-    """The vector instruction set PyTorch's CPU kernels use here (``torch.backends.cpu.get_cpu_capability``, e.g.
-    ``AVX512``), None where this torch does not say."""
+    """The vector instruction set of PyTorch's own CPU kernels here (``torch.backends.cpu.get_cpu_capability``, e.g.
+    ``AVX512``), None where this torch does not say. Matrix products go through the BLAS (MKL), which chooses its
+    own code path."""
     try:
         return torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
