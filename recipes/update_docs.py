@@ -394,6 +394,14 @@ AUTOTUNE_QGLOBAL_COMMAND = (
 )
 
 
+AUTOTUNE_QGLOBAL_CAL256 = "recipes/results/autotune_pareto_squad_qglobal_cal256.json"
+AUTOTUNE_QGLOBAL_CAL256_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks squad --question-global --calibration 256 --threads 2 --output "
+    f"{AUTOTUNE_QGLOBAL_CAL256} --figure recipes/results/figures/autotune_pareto_squad_qglobal_cal256.png "
+    "--tuned-dir runs/autotune_qglobal_cal256"
+)
+
+
 AUTOTUNE_DOC = "recipes/results/autotune_pareto_squad_doc.json"
 AUTOTUNE_DOC_COMMAND = (
     "python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output "
@@ -682,6 +690,9 @@ def blocks() -> dict[Path, dict[str, str]]:
             ),
             "autotune-pareto-qglobal": autotune_block(
                 AUTOTUNE_QGLOBAL, AUTOTUNE_QGLOBAL_COMMAND, "autotune_pareto_squad_qglobal.png"
+            ),
+            "autotune-pareto-qglobal-cal256": autotune_block(
+                AUTOTUNE_QGLOBAL_CAL256, AUTOTUNE_QGLOBAL_CAL256_COMMAND, "autotune_pareto_squad_qglobal_cal256.png"
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
         },
