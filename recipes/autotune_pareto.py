@@ -619,10 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.uniform_dir = args.uniform_dir or (RESULTS / "cpu" if args.profile == "cpu" else RESULTS)
-    if not args.report:
-        refuse_variants(args.tasks, args.clustering, args.question_global, args.output)
     record = json.loads(args.output.read_text()) if args.output.is_file() else {"tasks": {}}
     if not args.report:
+        refuse_variants(args.tasks, args.clustering, args.question_global, args.output)
         for task in args.tasks:
             for kept in record["tasks"].values():  # tasks of an earlier run keep that run's provenance
                 kept.setdefault("provenance", record.get("provenance"))

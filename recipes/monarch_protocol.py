@@ -70,7 +70,7 @@ FIGURE = RESULTS / "figures" / "monarch_protocol.png"
 METHODS: dict[str, list[dict[str, Any]]] = {
     # blocks of 96 and 128: the paper's 0.59x and 0.67x points if every input had 384 tokens (outer thirds); then
     # blocks of about sqrt(real length) per input (the default) with one to three rounds of alternating maximisation,
-    # and ten: the projection onto Monarch matrices run to convergence (what more rounds could give at that block)
+    # and ten, close to the projection's convergence (about what more rounds could give at that block)
     "monarch": [*({"block_size": b} for b in (24, 48, 96, 128)), *({"steps": t} for t in (1, 2, 3, 10))],
     "nystrom": [{"landmarks": m} for m in (16, 32, 64, 128)],
     "linformer": [{"projections": k} for k in (32, 64, 128)],
