@@ -529,6 +529,11 @@ def test_cli_eval_binds_options_to_the_method_they_follow(fixture_dir, checkpoin
         (["--task", "sst2", "--method", "clusterd"], ["did you mean 'clustered'", "available methods"]),
         (["--task", "sst2", "--method", "clustered", "--topk", "3"], ["no option --topk", "--clusters"]),
         (["--task", "sst2", "--method", "clustered", "--clustrs", "3"], ["unknown argument --clustrs", "--clusters"]),
+        (
+            ["--task", "sst2", "--method", "clustered", "favor:features=8"],
+            ["unknown argument favor:features=8", "its own --method: `--method favor:features=8`"],
+        ),
+        (["--task", "sst2", "--method", "clustered", "extra"], ["unknown argument extra; see"]),
         (["--task", "sst2", "--method", "favor", "--features", "0"], ["features"]),
         (["--task", "sst2"], ["at least one --method", "clustered"]),
     ],

@@ -174,8 +174,10 @@ def hull_path(loss: Sequence[Sequence[float]], cost: Sequence[Sequence[float]]) 
                 break
             slope = {c: (losses[c] - losses[current]) / (costs[current] - costs[c]) for c in cheaper}
             best = min(slope.values())
-            # on a tie, the nearest point first: the path passes through every point of the hull's edge
-            nxt = max((c for c in cheaper if slope[c] <= best + 1e-12 * max(1.0, abs(best))), key=lambda c: costs[c])
+            # on a tie, the nearest point first: the path passes through every point of the hull's edge. The tolerance
+            # is relative, so that the path does not depend on the units of loss and cost (an absolute one made
+            # every slope a tie where losses are small and costs are FLOP counts: KL 1e-6 per 1e9 FLOPs)
+            nxt = max((c for c in cheaper if slope[c] <= best + 1e-9 * abs(best)), key=lambda c: costs[c])
             # a hull's slopes do not fall; rounding on (nearly) collinear points must not reorder a layer's steps
             previous = max(previous, slope[nxt])
             steps.append((previous, layer, order, nxt))
@@ -270,8 +272,10 @@ class _Calibration:
                     out = self.model(**ref.inputs, output_hidden_states=True)
                     mask = ref.inputs["attention_mask"]
                     if self.target.measure == "cosine":
-                        cos = F.cosine_similarity(_last_hidden(out), ref.hidden, dim=-1)
-                        num, den = num + float((cos * mask).sum()), den + int(mask.sum())
+                        num, den = (
+                            num + float((_cosine(_last_hidden(out), ref.hidden) * mask).sum()),
+                            den + int(mask.sum()),
+                        )
                     else:
                         for (name, ref_logp), (_, logp) in zip(ref.logits, _output_logits(out, mask), strict=True):
                             s, n = _kl(ref_logp, logp, mask, name)
@@ -280,6 +284,13 @@ class _Calibration:
             unpatch(self.model)
         self.forwards += len(self.refs)
         return num / max(den, 1), probe
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per token, the cosine of two hidden states, in float64 and clamped to [-1, 1]; exactly 1 where they are equal
+    (in float32 equal vectors measured 0.99999988 or 1.0000002, so that exact attention could miss ``cosine>=1``)."""
+    cos = F.cosine_similarity(a.double(), b.double(), dim=-1).clamp(-1.0, 1.0)
+    return cos.masked_fill((a == b).all(-1), 1.0)
 
 
 # ------------------------------------------------------------------------------------------------- result
@@ -440,9 +451,15 @@ class Search:
             fit_batches = as_batches(data, batch_size, pad_id)
             check_batches = as_batches(list(check_data), batch_size, pad_id)
         self.model, self.measure, self.cost_convention, self.seed = model, Target(measure, 1.0), cost, seed
-        torch.manual_seed(seed)
-        with _evaluating(model), torch.inference_mode():
-            self._measure(setups, fit_batches, check_batches, progress)
+        device = next(model.parameters()).device
+        # seeded for any draw a method makes from torch's global generator; the caller's generators are left as they were
+        cuda = (
+            [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        )
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            with _evaluating(model), torch.inference_mode():
+                self._measure(setups, fit_batches, check_batches, progress)
         self.seconds = time.perf_counter() - wall
 
     def _measure(self, setups, fit_batches, check_batches, progress: bool) -> None:

@@ -558,6 +558,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_method_each(arg: str) -> str:
+    """The hint for a method given without its own ``--method`` (``--method window nystrom``): "" for anything else."""
+    if arg.startswith("-") or arg.partition(":")[0] not in methods():
+        return ""
+    return f" (each method takes its own --method: `--method {arg}`)"
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -572,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
                     *(a for a in parser._subparsers._group_actions[0].choices["eval"]._option_string_actions),
                 ]
                 bad = next((u.partition("=")[0] for u in unknown if u.startswith("-")), unknown[0])
-                raise ValueError(f"unknown argument {bad}{did_you_mean(bad, flags)}; see `approx eval --help`")
+                raise ValueError(
+                    f"unknown argument {bad}{did_you_mean(bad, flags)}{_one_method_each(bad)}; see `approx {argv[0]} --help`"
+                )
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
             args = parser.parse_args(argv)
