@@ -126,6 +126,22 @@ def test_poisoned_padding(method):
     assert out[1, :, :70].abs().max() <= v[1, :, :70].abs().max() + 1e-4
 
 
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])  # full is torch's SDPA, as unpatched
+def test_overflowing_padding_changes_nothing(method):
+    """Padded keys and values near float32's largest value (scores, projections and sums over them overflow) leave
+    every real output as it is with ordinary padding: padding is out of every sum, normaliser, landmark and feature,
+    not masked after."""
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 70)
+    lyr = layer(method, **small_budget(method))
+    clean = lyr(q, k, v, mask)
+    k, v = k.clone(), v.clone()
+    k[1, :, 70:95], k[1, :, 95:] = 3e38, -3e38
+    v[1, :, 70:95], v[1, :, 95:] = -3e38, 3e38
+    poisoned = lyr(q, k, v, mask)
+    torch.testing.assert_close(poisoned[:, :, :70], clean[:, :, :70], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", METHODS)
 def test_half_precision(method, dtype):

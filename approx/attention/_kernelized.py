@@ -36,7 +36,7 @@ import torch
 
 from ..registry import Cost
 from . import _fallback
-from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask, zero_padded_values
 from ._fallback import exact_for_length
 
 __all__ = [
@@ -195,7 +195,9 @@ def kernel_attention(
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     out_dtype = q.dtype
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    # padded keys zeroed: a feature map removes them with a -inf shift or a mask, which an inf (or a projection
+    # that overflows) in a padded key would turn into NaN in every real row
+    q, k, v = q.to(dt), zero_padded_values(k.to(dt), key_mask), v.to(dt)
     # without gradients the features and the output are written in place (out= has no autograd)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *fmap.tensors()))
     scratch = Scratch(q, grad)

@@ -240,13 +240,14 @@ def gather_clusters(x: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
 def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     """Shared front half of clustered and improved-clustered attention.
 
-    Returns (q, k, v) in the compute dtype with padded values zeroed, the safe key mask, the cluster index
-    of every query (B, H, N) and the centroids Q^c (B, H, C, d).
+    Returns (q, k, v) in the compute dtype with padded keys and values zeroed (a padded key's score is masked, which
+    an overflowing one would turn into NaN), the safe key mask, the cluster index of every query (B, H, N) and the
+    centroids Q^c (B, H, C, d).
     """
     dt = compute_dtype(q.dtype)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     key_mask = safe_key_mask(key_mask)
-    v = zero_padded_values(v, key_mask)
+    k, v = zero_padded_values(k, key_mask), zero_padded_values(v, key_mask)
     if config.engine == "compiled":
         args = (
             q,

@@ -134,7 +134,8 @@ def _nystrom(q, k, v, key_mask, query_mask, scale, config) -> torch.Tensor:
     dt = torch.float64 if config.pinv == "exact" else compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
     m = config.landmarks
-    q, k, v = q.to(dt), k.to(dt), zero_padded_values(v.to(dt), key_mask)
+    # padded keys zeroed too: their scores get a -inf bias, which an inf in a padded key would turn into NaN
+    q, k, v = q.to(dt), zero_padded_values(k.to(dt), key_mask), zero_padded_values(v.to(dt), key_mask)
     q_land, q_sizes = segment_means(q, safe_key_mask(query_mask), m)  # (B, H, m, d), (B, m)
     k_land, k_sizes = segment_means(k, key_mask, m)
     real_q = (q_sizes > 0)[:, None, :, None].to(dt)  # (B, 1, m, 1): landmark queries with real tokens
