@@ -419,3 +419,36 @@ def test_exact_attention_meets_cosine_one_and_the_callers_generator_is_left_alon
         tuning = approx.autotune(model, _data(8, 9), methods=["efficient"], target=1.0, batch_size=4, progress=False)
     assert torch.equal(torch.rand(3), expected)
     assert tuning.met and tuning.fidelity == 1.0 and set(tuning.choices) == {"full"}
+
+
+def test_finetune_from_a_folder_with_some_layers_patched_keeps_those_layers(tmp_path, base_model, fixture_dir):
+    """A folder saved with one method on some layers is fine-tuned with that method on those layers only (it used
+    to become the method on every layer), and a fitted folder is refused before training rather than drawn afresh."""
+    from approx.harness.finetune import finetune
+
+    model, tok = approx.integration.load_pretrained(base_model, progress=False)
+    approx.patch(model, "favor", layers=[1], features=8)
+    folder = approx.save(model, tmp_path / "some", tokenizer=tok)
+    finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), train_split="dev/0",
+             data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
+    trained = json.loads((tmp_path / "ft" / "approx_config.json").read_text())["layers"]
+    assert [x["layer"] for x in trained] == [1] and trained[0]["config"]["features"] == 8
+
+
+def test_a_method_name_is_the_method_even_beside_a_folder_of_that_name(tmp_path, monkeypatch, bert):
+    """``"favor"`` names the method, also where the working directory holds a folder called favor (saved or not);
+    ``./favor`` names the folder. A path that is not a saved folder, and no patched layers, are refused clearly."""
+    from approx.harness.spec import as_setup
+
+    model = copy.deepcopy(bert)
+    approx.patch(model, "lsh", cluster_size=4)
+    approx.save(model, tmp_path / "favor")
+    (tmp_path / "window").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert as_setup("favor").method == "favor" and as_setup("favor:features=8").options == {"features": 8}
+    assert as_setup("window").method == "window"
+    assert as_setup("./favor").method == "lsh"
+    with pytest.raises(FileNotFoundError, match="holds no approx_config.json"):
+        as_setup(tmp_path / "window")
+    with pytest.raises(ValueError, match="no patched layers"):
+        as_setup({})

@@ -106,6 +106,12 @@ def test_question_is_found_from_ids_or_token_types():
     assert torch.equal(_context.question_of(ids, types, None), want)
     assert _context.question_of(ids, None, None) is None
     assert _context.question_of(ids, torch.zeros_like(types), None) is None  # one segment: no question at all
+    # one segment ended by its only SEP (RoBERTa's </s> found as eos, a BERT input without token types): no question,
+    # rather than every token before the SEP made global (which made the window exact attention)
+    single = torch.tensor([[0, 7, 8, 9, 2, 1, 1], [0, 5, 5, 2, 1, 1, 1]])
+    assert _context.question_of(single, None, 2) is None
+    pair = torch.tensor([[0, 7, 2, 2, 9, 9, 2], [0, 5, 5, 2, 1, 1, 1]])  # a RoBERTa pair beside a single segment
+    assert torch.equal(_context.question_of(pair, None, 2), torch.tensor([[1, 1, 0, 0, 0, 0, 0], [0] * 7]).bool())
 
 
 def test_a_patched_model_passes_its_question(monkeypatch):

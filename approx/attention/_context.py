@@ -47,12 +47,15 @@ def question_of(
     without it."""
     if sep_token_id is not None and input_ids is not None:
         is_sep = input_ids == sep_token_id
+        # a second segment: a SEP after the first (BERT's [SEP] q [SEP] c [SEP], RoBERTa's </s></s>); a single
+        # segment ends with its only SEP, and everything before it is no question
+        has = is_sep.sum(-1, keepdim=True) >= 2
     elif token_type_ids is not None:
         second = token_type_ids != 0
         is_sep = ~second & torch.cat([second[:, 1:], torch.zeros_like(second[:, :1])], 1)
+        has = is_sep.any(-1, keepdim=True)
     else:
         return None
-    has = is_sep.any(-1, keepdim=True)
     if not bool(has.any()):
         return None
     first = is_sep.to(torch.uint8).argmax(-1, keepdim=True)

@@ -49,10 +49,9 @@ from ..integration import (
 )
 from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
-from ..saved import is_saved_setting
 from . import fidelity as fid
 from .memory import PeakMemory, allocation_peak
-from .spec import PER_LAYER, Setup, as_setup, short_label
+from .spec import PER_LAYER, Setup, as_setup, saved_folder, short_label
 from .tasks import Feature, Task, get_task
 
 __all__ = ["evaluate", "as_setup", "markdown_report"]
@@ -285,7 +284,7 @@ def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
     for s, given in zip(setups, methods, strict=True):
         if s.method == PER_LAYER:  # a saved folder: its layers are built as saved, state included
             continue
-        spec, fitted = get_method(s.method), isinstance(given, dict) or is_saved_setting(given)
+        spec, fitted = get_method(s.method), isinstance(given, dict) or saved_folder(given)
         if not fitted and spec.requires_fit(spec.make_config(**s.options)):
             raise ValueError(
                 f"{s.method} must be fitted before it is evaluated: fit it (`approx fit ... --output-dir OUT`, then "
@@ -353,7 +352,7 @@ def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> lis
     for s, given in zip(setups, methods, strict=True):
         if isinstance(given, dict):
             layers.append({i: lyr.to(device) for i, lyr in given.items()})
-        elif is_saved_setting(given):
+        elif saved_folder(given):
             layers.append({i: lyr.to(device) for i, lyr in saved_layers(model, given).items()})
         else:
             patch(model, s.method, **s.options)

@@ -58,7 +58,7 @@ from ..integration import redraw as redraw_layers
 from ..positions import extend_positions, position_limit
 from ..registry import get_method
 from .evaluation import _collate
-from .spec import PER_LAYER, Setup, as_setup
+from .spec import PER_LAYER, Setup, as_setup, layer_entries
 from .tasks import Feature, Task, get_task
 
 __all__ = ["FinetuneConfig", "finetune", "masked_lm_loss"]
@@ -439,6 +439,9 @@ def finetune(
     cfg = FinetuneConfig.from_options(**{**base, **settings})  # unknown names: ValueError with the valid ones
     cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
     setup = None if method is None else as_setup(method, cfg.seed)
+    entries = None if method is None else layer_entries(method)
+    if entries is not None:  # a folder or patched layers: layer by layer, only the layers they hold
+        setup = Setup(PER_LAYER, {"layers": entries})
     if setup is not None and setup.method == PER_LAYER:
         fitted = [x["layer"] for x in setup.options["layers"] if get_method(x["method"]).requires_fit(
             get_method(x["method"]).config_class.from_record(x["config"]))]  # fmt: skip

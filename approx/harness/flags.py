@@ -9,7 +9,7 @@ import argparse
 from .. import methods
 from ..config import MethodConfig
 from ..registry import get_method
-from .spec import check_not_a_folder, option_types, parse_setup, parse_value, spec_options
+from .spec import check_not_a_folder, option_types, parse_setup, parse_value, saved_folder, spec_options
 
 __all__ = ["config_flags", "config_values", "eval_setups", "method_flags", "method_option_args", "split_method_args"]
 
@@ -65,14 +65,13 @@ def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[
 def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]) -> list:
     """Typed :class:`~approx.harness.spec.Setup` objects (or saved-setting folders) from the raw ``--method``
     groups; ``shared`` options go to every named method that has them."""
-    from ..saved import is_saved_setting
 
     if not groups:
         raise ValueError(f"name at least one --method to compare with full attention; methods: {', '.join(methods())}")
     setups: list = []
     used_shared: set[str] = set()
     for spec, raw in groups:
-        if is_saved_setting(spec):  # a folder written by `approx fit` / approx.save: its own layers and options
+        if saved_folder(spec):  # a folder written by `approx fit` / approx.save: its own layers and options
             if raw:
                 raise ValueError(
                     f"--method {spec} is a saved setting with its own options; drop the option flags after it"

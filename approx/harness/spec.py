@@ -10,6 +10,7 @@ read methods the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -84,9 +85,25 @@ def parse_value(value: str, kind: str, name: str, owner: str) -> Any:
     return value
 
 
+def names_a_method(spec: Any) -> bool:
+    """Whether ``spec`` is a registered method's name, with or without options (``"window"``,
+    ``"favor:features=64"``): that method, even where a folder of that name exists (write ``./window`` for the
+    folder)."""
+    return (
+        isinstance(spec, str) and "/" not in spec and "\\" not in spec and spec.partition(":")[0].strip() in methods()
+    )
+
+
+def saved_folder(method: Any) -> bool:
+    """Whether a method as given is a folder written by :func:`approx.save` or ``approx fit`` (not a method's name)."""
+    return not names_a_method(method) and is_saved_setting(method)
+
+
 def check_not_a_folder(spec: str) -> None:
     """Refuse a method spec that names a folder (a path, or an existing folder) which is not a saved setting,
     saying what is wrong with it, rather than calling it an unknown method."""
+    if names_a_method(spec):
+        return
     looks_like_path = "/" in spec or "\\" in spec or spec.startswith((".", "~"))
     folder = Path(spec).expanduser()
     if folder.is_dir():
@@ -135,17 +152,11 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     """A method given as ``"name[:opt=val,...]"``, a :class:`Setup`, a config object, the patched layers of a
     model (``approx.patched_layers(model)``) or a folder written by :func:`approx.save`; a method with a
     ``seed`` option not set explicitly takes ``seed``."""
-    if isinstance(method, dict):  # existing layers: their own method and options, state as it is
-        entries = [
-            {"layer": i, "method": x.method.name, "config": x.config.to_dict()} for i, x in sorted(method.items())
-        ]
-        return _layers_setup(entries, tuned=False)
-    if is_saved_setting(method):  # a folder written by approx.save / `approx fit`
-        meta = read_settings(method)
-        entries = [  # options the folder predates: as it was saved
-            {**x, "config": get_method(x["method"]).config_class.recorded_options(x["config"])} for x in meta["layers"]
-        ]
-        return _layers_setup(entries, tuned="tuning" in meta)
+    if isinstance(method, os.PathLike):
+        method = os.fspath(method)
+    entries = layer_entries(method)
+    if entries is not None:
+        return _layers_setup(entries, tuned=saved_folder(method) and "tuning" in read_settings(method))
     if isinstance(method, MethodConfig):
         setup = Setup.from_config(method)
     elif isinstance(method, Setup):
@@ -158,6 +169,22 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     if seed is not None and "seed" in fields and "seed" not in setup.options:
         setup = Setup(setup.method, {**setup.options, "seed": seed})
     return setup
+
+
+def layer_entries(method: Any) -> list[dict[str, Any]] | None:
+    """Patched layers (``approx.patched_layers(model)``) or a folder written by :func:`approx.save` as their entries,
+    ``{"layer", "method", "config"}`` per patched layer (only those layers: a folder may hold some); None for a
+    method given by name, setup or config."""
+    if isinstance(method, dict):  # existing layers: their own method and options, state as it is
+        if not method:
+            raise ValueError("no patched layers given (approx.patched_layers of an unpatched model is empty)")
+        return [{"layer": i, "method": x.method.name, "config": x.config.to_dict()} for i, x in sorted(method.items())]
+    if saved_folder(method):  # a folder written by approx.save / `approx fit`
+        return [  # options the folder predates: as it was saved
+            {**x, "config": get_method(x["method"]).config_class.recorded_options(x["config"])}
+            for x in read_settings(method)["layers"]
+        ]
+    return None
 
 
 def _layers_setup(entries: list[dict[str, Any]], *, tuned: bool) -> Setup:
