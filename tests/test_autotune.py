@@ -100,8 +100,9 @@ def test_hull_path_is_optimal_at_each_of_its_costs(seed, cost_unit, loss_unit):
 def test_parse_target():
     assert (parse_target(0.98).measure, parse_target(0.98).value) == ("cosine", 0.98)
     assert str(parse_target("kl <= 0.01")) == "kl<=0.01"
-    for bad in ("cosine<=0.9", "kl>=0.1", "cosine>=1.5", "kl<=-1", "f1>=0.9", "0.9", None):
-        with pytest.raises(ValueError, match="target"):
+    assert (parse_target(" 0.9 ").measure, parse_target("0.9").value) == ("cosine", 0.9)  # as a command line gives it
+    for bad in ("cosine<=0.9", "kl>=0.1", "cosine>=1.5", "kl<=-1", "f1>=0.9", "cosine>=0.9.9", "kl<=1e-", "1.5", None):
+        with pytest.raises(ValueError, match="target .*expected|lies in"):
             parse_target(bad)
 
 
@@ -452,3 +453,20 @@ def test_a_method_name_is_the_method_even_beside_a_folder_of_that_name(tmp_path,
         as_setup(tmp_path / "window")
     with pytest.raises(ValueError, match="no patched layers"):
         as_setup({})
+
+
+def test_budget_alone_means_the_same_in_python_and_on_the_command_line(bert):
+    """A budget without a target keeps the most faithful point within it (no default cosine target added), and
+    input dicts may be any mapping (a tokenizer's BatchEncoding), one alone being one batch."""
+    from transformers import BatchEncoding
+
+    data = _batches(_data(8, 10))
+    given = [BatchEncoding(dict(b)) for b in data]
+    tuned = approx.autotune(copy.deepcopy(bert), given, methods=CANDIDATES, budget=0.6, progress=False)
+    assert tuned.target is None
+    plain = approx.autotune(copy.deepcopy(bert), data, methods=CANDIDATES, target=None, budget=0.6, progress=False)
+    assert (tuned.choices, tuned.fidelity) == (plain.choices, plain.fidelity)
+    one = approx.autotune(copy.deepcopy(bert), dict(data[0]), methods=CANDIDATES, budget=0.6, progress=False)
+    assert one.calibration["check_inputs"] == data[0]["input_ids"].shape[0] // 2
+    with pytest.raises(ValueError, match="input 0 is a str"):
+        approx.autotune(copy.deepcopy(bert), ["some text", "more text"], methods=CANDIDATES, progress=False)

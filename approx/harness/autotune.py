@@ -66,7 +66,7 @@ from ..integration import (
 from ..layer import ApproxAttention
 from ..registry import get_method
 from .fidelity import AttentionProbe
-from .fitting import as_batches
+from .fitting import as_batches, input_list
 from .spec import Setup, as_setup, short_label
 
 __all__ = [
@@ -101,6 +101,14 @@ COSTS = {"flops": (0, 2), "matmul": (4, 5)}  # the convention -> (method, full) 
 RATIO_NAMES = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax"}  # as the harness's cost block names them
 
 _TARGET = re.compile(r"^\s*(cosine|kl)\s*(>=|<=)\s*([0-9.eE+-]+)\s*$")
+_NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
+
+
+class _DefaultTarget(str):
+    """The default target of :func:`autotune`: ``cosine>=0.99`` without a budget, none with one."""
+
+
+DEFAULT_TARGET = _DefaultTarget("cosine>=0.99")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +141,16 @@ def parse_target(target: str | float | Target) -> Target:
         return target
     if isinstance(target, (int, float)) and not isinstance(target, bool):
         target = f"cosine>={target}"
+    expected = f"target {target!r}: expected 'cosine>=X' (X at most 1), 'kl<=X' (X >= 0) or a number (a cosine)"
+    if isinstance(target, str) and _NUMBER.match(target):  # "0.99" as a command line gives it
+        target = f"cosine>={target.strip()}"
     m = _TARGET.match(target) if isinstance(target, str) else None
     if m is None or (m.group(1) == "cosine") != (m.group(2) == ">="):
-        raise ValueError(f"target {target!r}: expected 'cosine>=X' (X at most 1), 'kl<=X' (X >= 0) or a float cosine")
-    value = float(m.group(3))
+        raise ValueError(expected)
+    try:
+        value = float(m.group(3))
+    except ValueError:
+        raise ValueError(expected) from None
     if (m.group(1) == "cosine" and not -1.0 <= value <= 1.0) or (m.group(1) == "kl" and value < 0):
         raise ValueError(f"target {target!r}: a cosine lies in [-1, 1] and a KL divergence is at least 0")
     return Target(m.group(1), value)
@@ -444,12 +458,12 @@ class Search:
             raise ValueError(f"candidates named twice: {sorted({x for x in self.labels if self.labels.count(x) > 1})}")
         if pad_id is None:
             pad_id = getattr(model.config, "pad_token_id", None) or 0
-        data = list(data)
+        data = input_list(data)
         if check_data is None:
             fit_batches, check_batches = _split(data, seed, batch_size, pad_id)
         else:
             fit_batches = as_batches(data, batch_size, pad_id)
-            check_batches = as_batches(list(check_data), batch_size, pad_id)
+            check_batches = as_batches(check_data, batch_size, pad_id)
         self.model, self.measure, self.cost_convention, self.seed = model, Target(measure, 1.0), cost, seed
         device = next(model.parameters()).device
         # seeded for any draw a method makes from torch's global generator; the caller's generators are left as they were
@@ -556,10 +570,13 @@ class Search:
             unpatch(self.model)
         path, points = self._path(convention)
         within = [j for j, p in enumerate(points) if budget is None or p["cost"] <= budget + 1e-12]
-        steps = math.ceil(math.log2(len(points) + 1)) + 1
+        last = len(points) - 1  # the bisection's runs: the path's end, then ceil(log2(last)) halvings (a budget: one)
+        steps = 1 if goal is None or last < 2 else 1 + math.ceil(math.log2(last))
         with _evaluating(self.model), torch.inference_mode():
             with tqdm(total=steps, disable=not progress, desc="autotune: verify", unit="run") as bar:
                 chosen = self._bisect(path, goal, within, bar)
+                bar.total = bar.n  # the path's end may meet the target: fewer runs than the bracket allows
+                bar.refresh()
             fidelity, probe = self.measured[tuple(path[chosen])]
             met = goal.met(fidelity) if goal else True
             if goal is not None and not met:
@@ -647,7 +664,7 @@ def autotune(
     model: torch.nn.Module,
     data: Iterable,
     *,
-    target: str | float | Target | None = "cosine>=0.99",
+    target: str | float | Target | None = DEFAULT_TARGET,
     methods: Sequence[str | Setup | MethodConfig] | None = None,
     budget: float | None = None,
     cost: str = "flops",
@@ -666,7 +683,8 @@ def autotune(
     measured per layer and the held-out inputs the choice is verified on (dicts are taken as batches and
     alternate); ``check_data``: the held-out inputs given separately (then all of ``data`` is measured).
     ``target``: ``"cosine>=X"`` (last hidden states, mean over real tokens), ``"kl<=X"`` (the output
-    distributions of a model with a task head) or a float (a cosine); None with a ``budget``. ``methods``: the
+    distributions of a model with a task head) or a float (a cosine); by default ``"cosine>=0.99"``, or none when a
+    ``budget`` is given (as ``approx autotune`` takes them); None with a ``budget``. ``methods``: the
     candidate methods with their budgets (``"i-clustered:clusters=50"``, Setups or configs; default
     :data:`DEFAULT_CANDIDATES`); full attention is always one. ``budget``: the highest attention cost allowed,
     relative to full attention in the ``cost`` convention (``"flops"``: approx's full cost model;
@@ -675,6 +693,8 @@ def autotune(
     ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
     targets on the same measurements, use :class:`Search` and its ``choose``.
     """
+    if target is DEFAULT_TARGET and budget is not None:  # a budget alone, as on the command line
+        target = None
     goal = check_goal(target, budget)  # refused before anything is measured
     search = Search(
         model, data, measure=goal.measure if goal else "cosine", methods=methods, cost=cost, check_data=check_data,
@@ -714,7 +734,14 @@ def task_batches(
 
     spec = get_task(task)
     mode = spec.mode_for(model_head_from_name(type(model).__name__))
-    split = split or spec.default_split
+    if split is None:
+        split = spec.default_split
+        log.warning(
+            "autotune: calibrating on %s %s, the split an evaluation reads by default: evaluate the tuned model on "
+            "another split, or calibrate on the data the model was trained on (split=...)",
+            task,
+            split,
+        )
     examples, _ = spec.load(split, source=source, data_dir=data_dir, limit=limit)
     length = spec.default_max_length if max_length is None else max_length
     features = spec.features(examples, tokenizer, max_length=length, mode=mode)

@@ -440,7 +440,13 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
             model, tokenizer, args.task, split=args.split, limit=args.limit, max_length=args.max_length,
             batch_size=args.batch_size, seed=args.seed, data_dir=args.data_dir, source=args.source,
         )  # fmt: skip
-        described = {"task": args.task, "split": args.split, "limit": args.limit, "max_length": args.max_length}
+        spec = get_task(args.task)
+        described = {
+            "task": args.task,
+            "split": args.split or spec.default_split,
+            "limit": args.limit,
+            "max_length": args.max_length or spec.default_max_length,
+        }
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
@@ -457,7 +463,9 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     }
     (out / "approx_autotune.json").write_text(json.dumps(record, indent=2) + "\n")
     print(tuning.summary())
-    print(f"wrote {out} (evaluate it with `approx eval --method {out}`)", file=sys.stderr)
+    model_flag = f"--model {args.model} " if args.model else ""
+    task_flag = f"--task {args.task}" if args.task else "--task wikitext2"
+    print(f"wrote {out} (evaluate it with `approx eval {model_flag}{task_flag} --method {out}`)", file=sys.stderr)
     return 0
 
 
@@ -477,8 +485,8 @@ def _add_autotune_parser(sub) -> None:
     p.add_argument("--output-dir", required=True, action=Once, help="where to save the tuned model")
     p.add_argument(
         "--target",
-        help="end-to-end fidelity to reach: cosine>=X (last hidden states) or kl<=X (the head's outputs) "
-        "(default cosine>=0.99; none when only --budget is given)",
+        help="end-to-end fidelity to reach: cosine>=X (last hidden states), kl<=X (the head's outputs) or a number "
+        "(a cosine) (default cosine>=0.99; none when only --budget is given)",
     )
     p.add_argument("--budget", type=float, help="highest attention cost allowed, relative to full attention")
     p.add_argument("--cost", default="flops", choices=list(COSTS), help="cost convention (default flops)")

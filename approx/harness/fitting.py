@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,10 +33,27 @@ __all__ = ["fit", "graph_stats", "graph_summary", "as_batches"]
 log = logging.getLogger(__name__)
 
 
+def input_list(data: Iterable | Mapping) -> list:
+    """``data`` as a list of input dicts (batches: any mapping, e.g. a tokenizer's ``BatchEncoding``, and one alone
+    is one batch) or of token-id lists; a ``ValueError`` naming the item for anything else (text, a number)."""
+    if isinstance(data, Mapping):
+        data = [data]
+    items = [dict(x) if isinstance(x, Mapping) else x for x in data]
+    for i, x in enumerate(items):
+        if isinstance(x, dict):
+            continue
+        if isinstance(x, (str, bytes)) or not isinstance(x, (Sequence, torch.Tensor)):
+            raise ValueError(
+                f"input {i} is a {type(x).__name__}: give token-id lists or input dicts (input_ids, attention_mask), "
+                "e.g. tokenizer(texts)['input_ids']"
+            )
+    return items
+
+
 def as_batches(data: Iterable, batch_size: int = 4, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
     """Model inputs from ``data``: a list of input dicts (``input_ids``, ``attention_mask``...) as they are, or
     of token-id lists (e.g. ``approx.data.wikitext_windows``), batched and right-padded with ``pad_id``."""
-    data = list(data)
+    data = input_list(data)
     if not data:
         raise ValueError("no data to run the model on")
     if isinstance(data[0], dict):
