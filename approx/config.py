@@ -44,7 +44,9 @@ def as_integer(value: Any) -> int | None:
 
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` when a close match exists, else an empty string."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    same = [c for c in choices if c.lower() == name.lower()]  # "FAVOR", "Window": the case alone differs
+    close = same or difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

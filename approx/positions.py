@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import as_integer
+
 __all__ = ["extend_positions", "extended_positions", "position_limit"]
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,7 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
     a ``max_length`` not larger than the current limit; everything is checked first, so the model (and the
     tokenizer) are then left untouched.
     """
+    max_length = as_integer(max_length) if as_integer(max_length) is not None else max_length  # NumPy, 0-d torch
     problems, found = _problems(model, max_length, tokenizer)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
@@ -166,6 +169,7 @@ def extended_positions(model: nn.Module, max_length: int, *, tokenizer: Any = No
     ``config.max_position_embeddings``, and the tokenizer its ``model_max_length``: the evaluation harness
     reads long inputs with a model the caller passed in without changing it for good. Raises as
     :func:`extend_positions` does, before any change."""
+    max_length = as_integer(max_length) if as_integer(max_length) is not None else max_length
     problems, _ = _problems(model, max_length, tokenizer)
     if problems:
         extend_positions(model, max_length, tokenizer=tokenizer)  # raises with the full message

@@ -65,7 +65,7 @@ class Registry(Generic[T]):
         modules = importlib.import_module(self.package).__path__
         rank = {f"{self.package}.{m.name}": i for i, m in enumerate(pkgutil.iter_modules(modules))}
         order = {name: i for i, name in enumerate(self._entries)}
-        return sorted(self._entries, key=lambda n: (rank.get(type(self._entries[n]).__module__, -1), order[n]))
+        return sorted(self._entries, key=lambda n: (rank.get(_module_of(self._entries[n]), -1), order[n]))
 
     def get(self, name: str) -> T:
         self._load()
@@ -140,6 +140,13 @@ class ExactLimit:
     approaches: Callable[[int], list[dict[str, Any]]] | None = None
     ratio: float = 0.15
     kernel: str | None = None
+
+
+def _module_of(entry: Any) -> str:
+    """The module that registered ``entry``: a method's attention function's (a :class:`Method` is a dataclass of
+    this module), else the entry's class's (a task)."""
+    attend = getattr(entry, "attend", None)
+    return getattr(attend, "__module__", None) or type(entry).__module__
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,8 @@ def test_parse_setup_types_options_from_the_config():
         ("clustered:clusters", ["option=value"]),
         ("clustered:clustrs=3", ["did you mean 'clusters'"]),
         ("clustered:clusters=0", ["clusters"]),
+        ("CLUSTERED", ["did you mean 'clustered'"]),
+        ("favor:features=64,features=32", ["option 'features' given twice"]),
     ],
 )
 def test_parse_setup_errors(spec, words):

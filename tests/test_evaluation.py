@@ -435,6 +435,19 @@ def test_task_order_does_not_depend_on_what_was_imported_first():
     assert listed("approx.harness.tasks.wikitext") == listed("approx.harness.tasks.glue") == listed("approx")
 
 
+def test_method_order_does_not_depend_on_what_was_imported_first():
+    """The registry's order (as its errors list the methods) is the package's module order, whichever method module
+    a program imports first (every method used to rank the same, so the first import came first)."""
+    import subprocess
+    import sys
+
+    def listed(first: str) -> str:
+        code = f"import {first}; from approx import registry; print(registry.methods())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+    assert listed("approx.attention.window") == listed("approx.attention.favor") == listed("approx")
+
+
 def test_unknown_task_lists_the_tasks():
     with pytest.raises(ValueError, match=r"did you mean 'sst2'.*available tasks: cola"):
         get_task("sst3")

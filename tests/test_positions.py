@@ -6,6 +6,7 @@ Expected tables are built here from the original tensor (never from the code's o
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, batch, model_output, tiny_model
@@ -45,7 +46,8 @@ def test_trained_rows_are_kept_and_tiled(family):
     old = table(model).detach().clone()
     off = offset_of(model)
     trained = ROWS - off  # the old limit in tokens: 64, or 62 with RoBERTa's offset
-    assert approx.extend_positions(model, NEW) is model
+    assert approx.extend_positions(model, np.int64(NEW)) is model  # NumPy integers as every option takes them
+    assert type(model.config.max_position_embeddings) is int
 
     new = table(model).detach()
     assert new.shape == (off + NEW, old.shape[1])

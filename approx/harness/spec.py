@@ -125,6 +125,8 @@ def spec_options(spec: str) -> dict[str, str]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"{spec!r}: expected option=value, got {item!r}")
+        if key.strip() in given:
+            raise ValueError(f"{spec!r}: option {key.strip()!r} given twice")
         given[key.strip()] = value.strip()
     return given
 
