@@ -159,6 +159,14 @@ def question_positions(
 def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a patched model: :func:`question_positions` of this batch, for the methods that make the
     question global (``window`` with ``question_global``)."""
+    if model.training and getattr(model, "is_gradient_checkpointing", False):
+        wanting = [i for i, x in patched_layers(model).items() if getattr(x.config, "question_global", False)]
+        if wanting and torch.is_grad_enabled():
+            raise ValueError(
+                f"layers {wanting} make the question global (question_global=True), and gradient checkpointing "
+                "recomputes them during the backward pass, after this forward has ended and its question with it: "
+                "train without it (model.gradient_checkpointing_disable()), or with question_global=False"
+            )
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     question = question_positions(model, input_ids, kwargs.get("token_type_ids"))
     stack = getattr(_QUESTION_TOKENS, "stack", None)
@@ -454,6 +462,12 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     """
     if not is_patched(model):
         raise ValueError("the model is not patched; use model.save_pretrained for a plain model")
+    if save_pretrained_kwargs.get("push_to_hub"):  # transformers would upload before the method's files are written
+        raise ValueError(
+            "push_to_hub: save the patched model to a folder first, then upload the folder whole "
+            "(huggingface_hub.upload_folder(folder_path=..., repo_id=...)): transformers uploads as it saves, "
+            "before approx_config.json and the methods' state are written"
+        )
     if tokenizer is not None:
         saved.check_vocabulary("the tokenizer passed", len(tokenizer), model.get_input_embeddings().num_embeddings)
     path = Path(path)

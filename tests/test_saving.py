@@ -87,6 +87,17 @@ def test_save_pretrained_of_a_patched_model_writes_a_complete_folder(tmp_path):
     assert "save_pretrained" not in vars(model)
 
 
+def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):
+    """transformers uploads inside save_pretrained, before approx's files exist: an incomplete repository."""
+    model = tiny_model("bert")
+    approx.patch(model, "favor", features=8)
+    for save in (lambda: approx.save(model, tmp_path / "a", push_to_hub=True),
+                 lambda: model.save_pretrained(tmp_path / "b", push_to_hub=True)):  # fmt: skip
+        with pytest.raises(ValueError, match="upload the folder whole"):
+            save()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_state_dict_carries_the_method_state():
     model = approx.patch(tiny_model("bert"), "clustered", clusters=6, seed=1)
     state = model.state_dict()

@@ -134,6 +134,28 @@ def test_a_patched_model_passes_its_question(monkeypatch):
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
+def test_gradient_checkpointing_with_the_question_global_is_refused_clearly():
+    """Checkpointing recomputes a layer in the backward pass, after the forward that set the question has ended:
+    refused at the forward with what to do (it failed in the backward, saying no question was found); without
+    checkpointing, or in eval mode, the same model trains and runs."""
+    from conftest import tiny_model
+
+    model = tiny_model("roberta", "question-answering")
+    approx.patch(model, "window", window=4, block=4, question_global=True)
+    ids = torch.randint(5, 90, (2, 32))
+    ids[:, 0], ids[:, 8:10], ids[:, -1] = 0, 2, 2  # <s> question </s></s> context </s>
+    labels = dict(start_positions=torch.tensor([12, 20]), end_positions=torch.tensor([14, 22]))
+    model.train()
+    model(input_ids=ids, **labels).loss.backward()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient checkpointing.*gradient_checkpointing_disable"):
+        model(input_ids=ids, **labels)
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids)
+
+
 @pytest.mark.parametrize("n,s,w,dil", [(100, 100, 5, 1), (100, 100, 7, 3), (40, 40, 60, 1), (30, 50, 4, 2)])
 def test_pair_count_matches_the_mask(n, s, w, dil):
     diff = torch.arange(n)[:, None] - torch.arange(s)[None, :]
