@@ -5,7 +5,8 @@ For each task, a fine-tuned checkpoint (cached under ``runs/checkpoints/``; made
 * GLUE: the clustered table's checkpoints (``recipes/clustered_table.py``, the same ``--profile``), evaluated on
   the clustered table's data; their uniform rows (every method of the table, one setting on every layer) are read
   from ``--uniform-dir``'s ``clustered_table_<task>.json``, which were measured on the same checkpoints, examples
-  and batches (the reference metric is checked equal; a mismatch stops the recipe);
+  and batches (the reference metric is checked equal; a mismatch stops the recipe), or, with ``--uniform here``,
+  evaluated in this run beside the tuned models (a checkpoint fine-tuned again on another machine can differ);
 * SQuAD: the MonarchAttention protocol's reader (``recipes/monarch_protocol.py``: the clustered table's SQuAD
   fine-tuning on every question of dev half 0; the cpu profile's own SQuAD checkpoints, trained on 480 questions,
   score F1 10 and cannot show a 1 % loss), reading the first 400 questions of dev half 1; the uniform rows are
@@ -286,7 +287,7 @@ def run_task(task: str, args) -> dict[str, Any]:
     start = time.perf_counter()
     clustering = getattr(args, "clustering", "paper")
     question_global = getattr(args, "question_global", False)
-    side_by_side = task in ("squad", "squad-doc")  # uniform rows evaluated in this run
+    side_by_side = task in ("squad", "squad-doc") or args.uniform == "here"  # uniform rows evaluated in this run
     refuse_variants([task], clustering, question_global)
     methods = candidates(clustering, task, question_global)
     checkpoints = _checkpoints(task, args)
@@ -340,7 +341,9 @@ def _uniform_rows(task: str, args, one: dict[str, Any]) -> tuple[list[dict[str, 
     if abs(theirs - ours) > 1e-9 or record["results"][0]["examples"] != one["examples"]:
         raise SystemExit(
             f"{path}: full attention scores {theirs} on {record['results'][0]['examples']} examples there and "
-            f"{ours} on {one['examples']} here: not the same checkpoint or data; re-run recipes/clustered_table.py"
+            f"{ours} on {one['examples']} here: not the same checkpoint or data (a checkpoint fine-tuned again on "
+            "another machine can differ in its last bits); re-run recipes/clustered_table.py, or evaluate the "
+            "uniform settings in this run with --uniform here"
         )
     return record[
         "results"
@@ -590,6 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-length", type=int, default=DOC["length"], help="squad-doc's tokens per input")
     p.add_argument("--profile", choices=["cpu", "gpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--uniform-dir", type=Path, help="clustered_table_<task>.json (default: the profile's results)")
+    p.add_argument("--uniform", choices=["table", "here"], default="table", help="GLUE's uniform rows: from the "
+                   "clustered table's results (checked to be the same checkpoint), or evaluated in this run, side by "
+                   "side with the tuned models (as squad's always are)")  # fmt: skip
     p.add_argument("--clustering", choices=CLUSTERING, default="paper", help="the clustering methods' refine: the "
                    "paper's (0, as the clustered table) or today's default; 'default' for squad and squad-doc only")  # fmt: skip
     p.add_argument("--question-global", action="store_true", help="squad only: the window with the question's "

@@ -572,6 +572,12 @@ def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert all(r["method"]["name"] == "per-layer" for r in squad["tuned"])
     assert fig.is_file() and "per-layer[" in pareto.markdown(record)
     assert pareto.main(["--report", "--output", str(out), "--figure", str(fig)]) == 0
+    # --uniform here: CoLA's uniform rows evaluated beside the tuned models, equal to the clustered table's
+    assert pareto.main(["--tasks", "cola", *argv[4:], "--uniform", "here", *common]) == 0
+    cola = json.loads(out.read_text())["tasks"]["cola"]
+    assert cola["uniform_source"].startswith("evaluated in this run")
+    table_rows = json.loads((uniform / "clustered_table_cola.json").read_text())["results"]
+    assert [r["metrics"] for r in cola["uniform"]] == [r["metrics"] for r in table_rows]
 
 
 def test_autotune_pareto_squad_doc_smoke(base_model, fixture_dir, tmp_path, monkeypatch):
