@@ -325,6 +325,8 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):
         original = model.config._attn_implementation
+        if original == ATTENTION_NAME:  # built from a patched model's config: give back what it would have had
+            original = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
         # an instance attribute, so `model.save_pretrained` writes a complete approx folder (see `save`)

@@ -87,6 +87,19 @@ def test_save_pretrained_of_a_patched_model_writes_a_complete_folder(tmp_path):
     assert "save_pretrained" not in vars(model)
 
 
+def test_a_model_built_from_a_patched_models_config_unpatches_to_its_familys_default():
+    """``from_config(patched.config)`` inherits the "approx" implementation; patching and unpatching it gives it the
+    implementation the family would have (sdpa), not "approx" for good."""
+    from transformers import AutoModel
+
+    model = tiny_model("bert")
+    approx.patch(model, "favor", features=8)
+    twin = AutoModel.from_config(model.config)
+    assert twin.config._attn_implementation == "approx"
+    approx.unpatch(approx.patch(twin, "efficient"))
+    assert twin.config._attn_implementation == "sdpa"
+
+
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):
     """transformers uploads inside save_pretrained, before approx's files exist: an incomplete repository."""
     model = tiny_model("bert")
