@@ -159,7 +159,7 @@ def question_positions(
 def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a patched model: :func:`question_positions` of this batch, for the methods that make the
     question global (``window`` with ``question_global``)."""
-    if model.training and getattr(model, "is_gradient_checkpointing", False):
+    if model.training and getattr(model, "is_gradient_checkpointing", False) and _context.question_mask() is None:
         wanting = [i for i, x in patched_layers(model).items() if getattr(x.config, "question_global", False)]
         if wanting and torch.is_grad_enabled():
             raise ValueError(
@@ -325,8 +325,6 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):
         original = model.config._attn_implementation
-        if original == ATTENTION_NAME:  # built from a patched model's config: give back what it would have had
-            original = "sdpa" if getattr(model, "_supports_sdpa", False) else "eager"
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
         # an instance attribute, so `model.save_pretrained` writes a complete approx folder (see `save`)

@@ -287,7 +287,9 @@ def run_task(task: str, args) -> dict[str, Any]:
     start = time.perf_counter()
     clustering = getattr(args, "clustering", "paper")
     question_global = getattr(args, "question_global", False)
-    side_by_side = task in ("squad", "squad-doc") or args.uniform == "here"  # uniform rows evaluated in this run
+    side_by_side = (
+        task in ("squad", "squad-doc") or getattr(args, "uniform", "table") == "here"
+    )  # uniform rows evaluated in this run
     refuse_variants([task], clustering, question_global)
     methods = candidates(clustering, task, question_global)
     checkpoints = _checkpoints(task, args)

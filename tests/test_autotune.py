@@ -9,7 +9,9 @@ import json
 import math
 import random
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -448,7 +450,7 @@ def test_a_method_name_is_the_method_even_beside_a_folder_of_that_name(tmp_path,
     monkeypatch.chdir(tmp_path)
     assert as_setup("favor").method == "favor" and as_setup("favor:features=8").options == {"features": 8}
     assert as_setup("window").method == "window"
-    assert as_setup("./favor").method == "lsh"
+    assert as_setup("./favor").method == "lsh" and as_setup(Path("favor")).method == "lsh"  # a Path is a path
     with pytest.raises(FileNotFoundError, match="holds no approx_config.json"):
         as_setup(tmp_path / "window")
     with pytest.raises(ValueError, match="no patched layers"):
@@ -470,3 +472,16 @@ def test_budget_alone_means_the_same_in_python_and_on_the_command_line(bert):
     assert one.calibration["check_inputs"] == data[0]["input_ids"].shape[0] // 2
     with pytest.raises(ValueError, match="input 0 is a str"):
         approx.autotune(copy.deepcopy(bert), ["some text", "more text"], methods=CANDIDATES, progress=False)
+    # NumPy rows, and a tokenizer's lists (no return_tensors) padded to one length, are inputs as before
+    rows = _data(8, 10)
+    as_numpy = approx.autotune(copy.deepcopy(bert), [np.array(r) for r in rows], methods=CANDIDATES, budget=0.6,
+                               progress=False)  # fmt: skip
+    assert as_numpy.choices == approx.autotune(copy.deepcopy(bert), rows, methods=CANDIDATES, budget=0.6,
+                                               progress=False).choices  # fmt: skip
+    lists = [BatchEncoding({k: v.tolist() for k, v in b.items()}) for b in data]
+    assert approx.autotune(copy.deepcopy(bert), lists, methods=CANDIDATES, budget=0.6, progress=False).choices == (
+        plain.choices
+    )
+    with pytest.raises(ValueError, match="pad the batch"):
+        approx.autotune(copy.deepcopy(bert), [{"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]}] * 2,
+                        methods=CANDIDATES, progress=False)  # fmt: skip

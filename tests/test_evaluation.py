@@ -547,6 +547,7 @@ def test_cli_eval_binds_options_to_the_method_they_follow(fixture_dir, checkpoin
             ["unknown argument favor:features=8", "its own --method: `--method favor:features=8`"],
         ),
         (["--task", "sst2", "--method", "clustered", "extra"], ["unknown argument extra; see"]),
+        (["--task", "sst2", "--method", "clustered", "window"], ["`--method window`); see"]),  # not "--window"
         (["--task", "sst2", "--method", "favor", "--features", "0"], ["features"]),
         (["--task", "sst2"], ["at least one --method", "clustered"]),
     ],

@@ -87,17 +87,20 @@ def test_save_pretrained_of_a_patched_model_writes_a_complete_folder(tmp_path):
     assert "save_pretrained" not in vars(model)
 
 
-def test_a_model_built_from_a_patched_models_config_unpatches_to_its_familys_default():
-    """``from_config(patched.config)`` inherits the "approx" implementation; patching and unpatching it gives it the
-    implementation the family would have (sdpa), not "approx" for good."""
+def test_a_model_built_from_a_patched_models_config_leaves_the_patched_model_as_it_is():
+    """``from_config(patched.config)`` shares the config object (transformers 5): patching and unpatching the twin
+    must leave the patched model's implementation, and its outputs, as they were (a fallback to sdpa there once
+    turned the patched model into exact attention in silence)."""
     from transformers import AutoModel
 
-    model = tiny_model("bert")
+    model = tiny_model("bert").eval()
     approx.patch(model, "favor", features=8)
+    inputs = batch(12)
+    before = model(**inputs).last_hidden_state
     twin = AutoModel.from_config(model.config)
-    assert twin.config._attn_implementation == "approx"
     approx.unpatch(approx.patch(twin, "efficient"))
-    assert twin.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "approx" and approx.is_patched(model)
+    assert torch.equal(model(**inputs).last_hidden_state, before)
 
 
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):

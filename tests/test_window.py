@@ -150,6 +150,8 @@ def test_gradient_checkpointing_with_the_question_global_is_refused_clearly():
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient checkpointing.*gradient_checkpointing_disable"):
         model(input_ids=ids, **labels)
+    with approx.tokens(question_mask=torch.arange(32).expand(2, 32) < 8):  # the caller's mask outlives the forward
+        model(input_ids=ids, **labels).loss.backward()
     with torch.no_grad():
         model(input_ids=ids)
     model.eval()

@@ -465,11 +465,8 @@ class Search:
             fit_batches = as_batches(data, batch_size, pad_id)
             check_batches = as_batches(check_data, batch_size, pad_id)
         self.model, self.measure, self.cost_convention, self.seed = model, Target(measure, 1.0), cost, seed
-        device = next(model.parameters()).device
         # seeded for any draw a method makes from torch's global generator; the caller's generators are left as they were
-        cuda = (
-            [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-        )
+        cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             with _evaluating(model), torch.inference_mode():
@@ -693,7 +690,7 @@ def autotune(
     ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
     targets on the same measurements, use :class:`Search` and its ``choose``.
     """
-    if target is DEFAULT_TARGET and budget is not None:  # a budget alone, as on the command line
+    if isinstance(target, _DefaultTarget) and budget is not None:  # a budget alone, as on the command line
         target = None
     goal = check_goal(target, budget)  # refused before anything is measured
     search = Search(

@@ -465,7 +465,8 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     print(tuning.summary())
     model_flag = f"--model {args.model} " if args.model else ""
     task_flag = f"--task {args.task}" if args.task else "--task wikitext2"
-    print(f"wrote {out} (evaluate it with `approx eval {model_flag}{task_flag} --method {out}`)", file=sys.stderr)
+    folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
+    print(f"wrote {out} (evaluate it with `approx eval {model_flag}{task_flag} --method {folder}`)", file=sys.stderr)
     return 0
 
 
@@ -566,10 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_method_each(arg: str) -> str:
+def _one_method_each(arg: str, command: str) -> str:
     """The hint for a method given without its own ``--method`` (``--method window nystrom``): "" for anything else."""
     if arg.startswith("-") or arg.partition(":")[0] not in methods():
         return ""
+    if command == "finetune":
+        return " (finetune trains one method: give one --method)"
     return f" (each method takes its own --method: `--method {arg}`)"
 
 
@@ -588,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 bad = next((u.partition("=")[0] for u in unknown if u.startswith("-")), unknown[0])
                 raise ValueError(
-                    f"unknown argument {bad}{did_you_mean(bad, flags)}{_one_method_each(bad)}; see `approx {argv[0]} --help`"
+                    f"unknown argument {bad}{_one_method_each(bad, argv[0]) or did_you_mean(bad, flags)}; "
+                    f"see `approx {argv[0]} --help`"
                 )
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:

@@ -447,8 +447,8 @@ def finetune(
             get_method(x["method"]).config_class.from_record(x["config"]))]  # fmt: skip
         if fitted:
             raise ValueError(
-                f"{method}: layers {fitted} hold fitted state, which fine-tuning from a per-layer folder would draw "
-                "afresh; fine-tune with one method instead, or approx.load the folder and train it in Python"
+                f"{method}: layers {fitted} hold fitted state, which fine-tuning from a folder would draw afresh; "
+                "approx.load the folder and train it in Python, or fine-tune a method without fitted state"
             )
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR

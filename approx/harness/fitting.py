@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,8 +41,17 @@ def input_list(data: Iterable | Mapping) -> list:
     items = [dict(x) if isinstance(x, Mapping) else x for x in data]
     for i, x in enumerate(items):
         if isinstance(x, dict):
+            for key, value in x.items():
+                if not isinstance(value, torch.Tensor):  # lists, as a tokenizer returns them without return_tensors
+                    try:
+                        x[key] = torch.as_tensor(value)
+                    except (TypeError, ValueError):
+                        raise ValueError(
+                            f"input {i}: {key!r} is not a tensor, nor rows of one length: pad the batch "
+                            "(tokenizer(..., padding=True, return_tensors='pt'))"
+                        ) from None
             continue
-        if isinstance(x, (str, bytes)) or not isinstance(x, (Sequence, torch.Tensor)):
+        if isinstance(x, (str, bytes)) or not hasattr(x, "__len__") or not hasattr(x, "__iter__"):
             raise ValueError(
                 f"input {i} is a {type(x).__name__}: give token-id lists or input dicts (input_ids, attention_mask), "
                 "e.g. tokenizer(texts)['input_ids']"

@@ -89,9 +89,7 @@ def names_a_method(spec: Any) -> bool:
     """Whether ``spec`` is a registered method's name, with or without options (``"window"``,
     ``"favor:features=64"``): that method, even where a folder of that name exists (write ``./window`` for the
     folder)."""
-    return (
-        isinstance(spec, str) and "/" not in spec and "\\" not in spec and spec.partition(":")[0].strip() in methods()
-    )
+    return type(spec) is str and "/" not in spec and "\\" not in spec and spec.partition(":")[0].strip() in methods()
 
 
 def saved_folder(method: Any) -> bool:
@@ -154,11 +152,11 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     """A method given as ``"name[:opt=val,...]"``, a :class:`Setup`, a config object, the patched layers of a
     model (``approx.patched_layers(model)``) or a folder written by :func:`approx.save`; a method with a
     ``seed`` option not set explicitly takes ``seed``."""
-    if isinstance(method, os.PathLike):
-        method = os.fspath(method)
     entries = layer_entries(method)
     if entries is not None:
         return _layers_setup(entries, tuned=saved_folder(method) and "tuning" in read_settings(method))
+    if isinstance(method, os.PathLike):  # not a saved folder: said so as a path, never read as a method's name
+        check_not_a_folder(os.path.join(".", os.fspath(method)))
     if isinstance(method, MethodConfig):
         setup = Setup.from_config(method)
     elif isinstance(method, Setup):
