@@ -422,11 +422,19 @@ def autotune_block(
     from autotune_pareto import markdown
 
     record = json.loads((ROOT / path).read_text())
-    return (
-        f"`{command}` ({record['profile']} profile; {_provenance_line(record['provenance'])}).\n\n"
-        + markdown(record)
-        + f"\n![Tuned models against uniform settings](figures/recipes/figures/{figure})\n"
-    )
+    runs: dict[tuple, list] = {}  # tasks re-run alone (--tasks) keep their own run's provenance
+    for name, t in record["tasks"].items():
+        prov = t.get("provenance") or record["provenance"]
+        runs.setdefault((prov.get("command") or "", prov.get("git_commit")), [prov, []])[1].append(name)
+    if len(runs) == 1:
+        header = f"`{command}` ({record['profile']} profile; {_provenance_line(record['provenance'])}).\n\n"
+    else:
+        parts = [
+            f"{', '.join(names)}: `python {cmd.replace(' --quiet', '')}` ({_provenance_line(first)})"
+            for (cmd, _), (first, names) in runs.items()
+        ]
+        header = f"`{command}` ({record['profile']} profile), in {len(runs)} runs: " + "; ".join(parts) + ".\n\n"
+    return header + markdown(record) + f"\n![Tuned models against uniform settings](figures/recipes/figures/{figure})\n"
 
 
 SPARSE_PROTOCOL = "recipes/results/sparse_protocol.json"
