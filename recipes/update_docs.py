@@ -422,17 +422,22 @@ def autotune_block(
     from autotune_pareto import markdown
 
     record = json.loads((ROOT / path).read_text())
-    runs: dict[tuple, list] = {}  # tasks re-run alone (--tasks) keep their own run's provenance
+    runs: dict[str, list] = {}  # tasks re-run alone (--tasks) keep their own run's provenance
     for name, t in record["tasks"].items():
         prov = t.get("provenance") or record["provenance"]
-        runs.setdefault((prov.get("command") or "", prov.get("git_commit")), [prov, []])[1].append(name)
+        runs.setdefault(prov.get("command") or "", [prov, [], []])
+        runs[prov.get("command") or ""][1].append(name)
+        runs[prov.get("command") or ""][2].append((prov.get("git_commit") or "unknown")[:12])
     if len(runs) == 1:
         header = f"`{command}` ({record['profile']} profile; {_provenance_line(record['provenance'])}).\n\n"
     else:
-        parts = [
-            f"{', '.join(names)}: `python {cmd.replace(' --quiet', '')}` ({_provenance_line(first)})"
-            for (cmd, _), (first, names) in runs.items()
-        ]
+        parts = []
+        for cmd, (first, names, commits) in runs.items():
+            later = sorted(set(commits) - {commits[0]})  # the commit each task started at (HEAD may move mid-run)
+            moved = f"; HEAD at `{'`, `'.join(later)}` when later tasks started" if later else ""
+            parts.append(
+                f"{', '.join(names)}: `python {cmd.replace(' --quiet', '')}` ({_provenance_line(first)}{moved})"
+            )
         header = f"`{command}` ({record['profile']} profile), in {len(runs)} runs: " + "; ".join(parts) + ".\n\n"
     return header + markdown(record) + f"\n![Tuned models against uniform settings](figures/recipes/figures/{figure})\n"
 
