@@ -52,6 +52,12 @@ def position_limit(model: nn.Module) -> int | None:
     return table.num_embeddings - _offset(table)
 
 
+def _length(max_length: Any) -> Any:
+    """``max_length`` as an ``int`` when it is an integer scalar (NumPy, 0-d torch), else as given (refused later)."""
+    value = as_integer(max_length)
+    return max_length if value is None else value
+
+
 def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[str], list[str]]:
     """(problems, what was found): everything that stops the extension, checked before any change."""
     config = getattr(model, "config", None)
@@ -126,7 +132,7 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
     a ``max_length`` not larger than the current limit; everything is checked first, so the model (and the
     tokenizer) are then left untouched.
     """
-    max_length = as_integer(max_length) if as_integer(max_length) is not None else max_length  # NumPy, 0-d torch
+    max_length = _length(max_length)
     problems, found = _problems(model, max_length, tokenizer)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
@@ -169,7 +175,7 @@ def extended_positions(model: nn.Module, max_length: int, *, tokenizer: Any = No
     ``config.max_position_embeddings``, and the tokenizer its ``model_max_length``: the evaluation harness
     reads long inputs with a model the caller passed in without changing it for good. Raises as
     :func:`extend_positions` does, before any change."""
-    max_length = as_integer(max_length) if as_integer(max_length) is not None else max_length
+    max_length = _length(max_length)
     problems, _ = _problems(model, max_length, tokenizer)
     if problems:
         extend_positions(model, max_length, tokenizer=tokenizer)  # raises with the full message

@@ -425,9 +425,9 @@ def autotune_block(
     runs: dict[str, list] = {}  # tasks re-run alone (--tasks) keep their own run's provenance
     for name, t in record["tasks"].items():
         prov = t.get("provenance") or record["provenance"]
-        runs.setdefault(prov.get("command") or "", [prov, [], []])
-        runs[prov.get("command") or ""][1].append(name)
-        runs[prov.get("command") or ""][2].append((prov.get("git_commit") or "unknown")[:12])
+        _, names, commits = runs.setdefault(prov.get("command") or "", [prov, [], []])
+        names.append(name)
+        commits.append((prov.get("git_commit") or "unknown")[:12])
     if len(runs) == 1:
         header = f"`{command}` ({record['profile']} profile; {_provenance_line(record['provenance'])}).\n\n"
     else:

@@ -681,7 +681,7 @@ def autotune(
     alternate); ``check_data``: the held-out inputs given separately (then all of ``data`` is measured).
     ``target``: ``"cosine>=X"`` (last hidden states, mean over real tokens), ``"kl<=X"`` (the output
     distributions of a model with a task head) or a float (a cosine); by default ``"cosine>=0.99"``, or none when a
-    ``budget`` is given (as ``approx autotune`` takes them); None with a ``budget``. ``methods``: the
+    ``budget`` is given (as ``approx autotune`` takes them). ``methods``: the
     candidate methods with their budgets (``"i-clustered:clusters=50"``, Setups or configs; default
     :data:`DEFAULT_CANDIDATES`); full attention is always one. ``budget``: the highest attention cost allowed,
     relative to full attention in the ``cost`` convention (``"flops"``: approx's full cost model;

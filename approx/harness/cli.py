@@ -416,7 +416,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     import time
 
     from ..integration import checkpoint_heads, load_pretrained, save
-    from .autotune import DEFAULT_CANDIDATES, autotune, check_goal, parse_target, task_batches
+    from .autotune import DEFAULT_CANDIDATES, DEFAULT_TARGET, autotune, check_goal, parse_target, task_batches
     from .data import wikitext_windows
     from .provenance import provenance
     from .tasks import get_task
@@ -424,10 +424,9 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     candidates = args.method or list(DEFAULT_CANDIDATES)
     for spec in candidates:  # unknown method or option: exit 2 before loading anything
         parse_setup(spec)
-    target = None if args.target is None and args.budget is not None else parse_target(args.target or "cosine>=0.99")
+    target = None if args.target is None and args.budget is not None else parse_target(args.target or DEFAULT_TARGET)
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
-    if args.task is not None:
-        get_task(args.task)
+    task = None if args.task is None else get_task(args.task)
     set_threads(args.threads)
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
@@ -440,12 +439,11 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
             model, tokenizer, args.task, split=args.split, limit=args.limit, max_length=args.max_length,
             batch_size=args.batch_size, seed=args.seed, data_dir=args.data_dir, source=args.source,
         )  # fmt: skip
-        spec = get_task(args.task)
         described = {
             "task": args.task,
-            "split": args.split or spec.default_split,
+            "split": args.split or task.default_split,
             "limit": args.limit,
-            "max_length": args.max_length or spec.default_max_length,
+            "max_length": args.max_length or task.default_max_length,
         }
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)

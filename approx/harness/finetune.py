@@ -438,10 +438,11 @@ def finetune(
     base = config.to_dict() if config is not None else {}
     cfg = FinetuneConfig.from_options(**{**base, **settings})  # unknown names: ValueError with the valid ones
     cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
-    setup = None if method is None else as_setup(method, cfg.seed)
     entries = None if method is None else layer_entries(method)
     if entries is not None:  # a folder or patched layers: layer by layer, only the layers they hold
         setup = Setup(PER_LAYER, {"layers": entries})
+    else:
+        setup = None if method is None else as_setup(method, cfg.seed)
     if setup is not None and setup.method == PER_LAYER:
         fitted = [x["layer"] for x in setup.options["layers"] if get_method(x["method"]).requires_fit(
             get_method(x["method"]).config_class.from_record(x["config"]))]  # fmt: skip
