@@ -115,6 +115,11 @@ MEASURE = {"stsb": "cosine"}
 CONVENTIONS = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax_model"}  # tuning cost -> result's cost field
 METRIC = {**PRIMARY_METRIC, "squad-doc": "f1"}
 CALIBRATION = 64  # examples of the training data per checkpoint (halved: measured / held out)
+# examples of the training data whose lengths the costs are taken at (the model does not run on them): 32 held-out
+# inputs are a small sample of lengths, and costs that fall or rise steeply with the length (MonarchAttention's blocks
+# on CoLA's short sentences, a window as wide as most inputs) then ranked the candidates otherwise than the evaluation
+COST_EXAMPLES = 1024
+EVAL_BATCH = 32  # inputs per evaluation batch (squad-doc: 1)
 SQUAD = {"reader": {"cpu": {"limit": None}, "gpu": {}}, "questions": {"cpu": 400, "gpu": None}}
 TASK_ORDER = ("squad", "squad-doc", "rte", "mrpc", "stsb", "cola", "sst2", "qnli")
 # squad-doc at a long length: one input is 4096 tokens, so fewer calibration examples (each candidate on each layer
@@ -183,8 +188,22 @@ def tune_checkpoint(
                            max_length=args.doc_length if long else None, seed=args.seed, data_dir=args.data_dir,
                            source=args.source)  # fmt: skip
     measure = MEASURE.get(task, "kl")
+    # the costs at the lengths of more of the same training data, batched as the evaluation batches (squad-doc: every
+    # input is as long as the calibration's already)
+    cost_examples = None if long else _cost_examples(args)
+    cost_data = None
+    if cost_examples:
+        cost_data = task_batches(model, tokenizer, task, split=train_split, limit=cost_examples,
+                                 batch_size=EVAL_BATCH, seed=args.seed, data_dir=args.data_dir, source=args.source)  # fmt: skip
     search = Search(
-        model, batches, measure=measure, methods=methods, batch_size=batch, seed=args.seed, progress=not args.quiet
+        model,
+        batches,
+        measure=measure,
+        methods=methods,
+        cost_data=cost_data,
+        batch_size=batch,
+        seed=args.seed,
+        progress=not args.quiet,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cheapest point misses a zero budget's target by construction
@@ -208,6 +227,8 @@ def tune_checkpoint(
         "checkpoint": _relative(folder),
         "calibration_split": train_split,
         "calibration_examples": calibration,
+        "cost_examples": cost_examples,
+        "cost_inputs": search.cost_inputs,
         **({"max_length": args.doc_length} if long else {}),
         "measure": measure,
         "cheapest_fidelity": cheapest,
@@ -215,6 +236,13 @@ def tune_checkpoint(
         "table": search.table,
         "tunings": tunings,
     }
+
+
+def _cost_examples(args) -> int | None:
+    """Training examples whose lengths the costs are taken at: ``--cost-examples`` (0: the held-out calibration
+    inputs, as before it existed), else :data:`COST_EXAMPLES`."""
+    n = COST_EXAMPLES if getattr(args, "cost_examples", None) is None else args.cost_examples
+    return n or None
 
 
 def _calibration(task: str, args) -> int:
@@ -294,7 +322,9 @@ def run_task(task: str, args) -> dict[str, Any]:
     methods = candidates(clustering, task, question_global)
     checkpoints = _checkpoints(task, args)
     limit = _limit(task, args, len(checkpoints))
-    common = dict(batch_size=32, seed=args.seed, data_dir=args.data_dir, source=args.source, progress=not args.quiet)
+    common = dict(
+        batch_size=EVAL_BATCH, seed=args.seed, data_dir=args.data_dir, source=args.source, progress=not args.quiet
+    )
     if task == "squad-doc":  # one 4096-token input at a time, as long_inputs.py times it
         common.update(batch_size=1, max_length=args.doc_length)
     halves, examples, calibrations = [], [], []
@@ -612,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned-dir", type=Path, default=TUNED, help="where the tuned models are saved")
     p.add_argument("--calibration", type=int, help=f"calibration examples per checkpoint (default {CALIBRATION}; "
                    f"squad-doc {DOC['calibration']})")  # fmt: skip
+    p.add_argument("--cost-examples", type=int, help=f"training examples whose lengths the costs are taken at "
+                   f"(default {COST_EXAMPLES}; 0: the held-out calibration inputs')")  # fmt: skip
     p.add_argument("--limit", type=int, help="smoke runs: evaluate the first N examples of each split")
     p.add_argument("--max-steps", type=int, help="smoke runs: cap the checkpoints' fine-tuning steps")
     p.add_argument("--train-limit", type=int, help="smoke runs: first N training examples")

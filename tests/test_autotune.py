@@ -282,6 +282,9 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
         (["--method", "nosuch"], "unknown attention method"),
         (["--target", "f1>=3"], "target"),
         (["--method", "efficient:nosuch=1"], "unknown option"),
+        (["--cost-examples", "64"], "give --task too"),
+        (["--task", "rte", "--cost-examples", "0"], "--cost-examples is at least 1"),
+        (["--task", "rte", "--cost-batch-size", "-1"], "--cost-batch-size is at least 1"),
     ],
 )
 def test_cli_autotune_refuses_bad_arguments_before_loading(tmp_path, capsys, args, words):
@@ -485,3 +488,50 @@ def test_budget_alone_means_the_same_in_python_and_on_the_command_line(bert):
     with pytest.raises(ValueError, match="pad the batch"):
         approx.autotune(copy.deepcopy(bert), [{"input_ids": [[1, 2], [3]], "attention_mask": [[1, 1], [1]]}] * 2,
                         methods=CANDIDATES, progress=False)  # fmt: skip
+
+
+def _flops_ratio(choices: list[str], lengths: list[int]) -> float:
+    """The attention FLOPs of ``choices`` (one label per layer) over inputs of ``lengths``, relative to full attention,
+    summed here from each method's cost model (head size 8, as the tiny model's)."""
+    full = approx.get_method("full")
+    mine = total = 0.0
+    for label in choices:
+        setup = as_setup(label)
+        method = approx.get_method(setup.method)
+        config = method.make_config(**setup.options)
+        mine += sum(method.cost(config, n=n, s=n, d=8, dv=8).flops for n in lengths)
+        total += sum(full.cost(full.config_class(), n=n, s=n, d=8, dv=8).flops for n in lengths)
+    return mine / total
+
+
+def test_costs_are_taken_at_the_cost_inputs_lengths_and_the_model_never_runs_on_them(bert):
+    """Short calibration inputs, long cost inputs: the path, the budget and the reported costs are at the cost inputs'
+    lengths. Their token ids are out of the vocabulary, so a forward pass on them would fail."""
+    fit, check = _data(8, 13, lo=12, hi=20), _data(8, 14, lo=12, hi=20)
+    cost = [[10**6] * n for n in (150, 170, 190, 210, 160)]
+    model = copy.deepcopy(bert)
+    tuning = approx.autotune(model, fit, check_data=check, cost_data=cost, target=None, budget=0.7, methods=CANDIDATES,
+                             batch_size=4, progress=False)  # fmt: skip
+    lengths = [len(r) for r in cost]
+    assert tuning.calibration["cost_inputs"] == len(cost) and tuning.calibration["check_inputs"] == len(check)
+    assert tuning.costs["flops_vs_full"] == pytest.approx(_flops_ratio(tuning.choices, lengths), rel=1e-9)
+    assert tuning.cost == tuning.costs["flops_vs_full"] <= 0.7 and tuning.met
+    for point in tuning.path:  # every point of the path, at the cost inputs' lengths and not at the check inputs'
+        assert point["cost"] == pytest.approx(_flops_ratio(point["choices"], lengths), rel=1e-9)
+    cheapest = tuning.path[-1]["choices"]
+    assert _flops_ratio(cheapest, lengths) < _flops_ratio(cheapest, [len(r) for r in check])
+    with pytest.raises(ValueError, match="cost_data is empty"):
+        approx.autotune(copy.deepcopy(bert), fit, cost_data=[], budget=0.7, methods=CANDIDATES, progress=False)
+
+
+def test_cli_cost_examples_are_the_splits_first_examples_batched_as_asked(tmp_path, fixture_dir):
+    from evalfixtures import write_checkpoint
+
+    out, checkpoint = tmp_path / "tuned", str(write_checkpoint(tmp_path / "mrpc", "sequence-classification"))
+    argv = ["autotune", "--model", checkpoint, "--data-dir", str(fixture_dir), "--task", "mrpc", "--split", "train",
+            "--limit", "8", "--batch-size", "2", "--cost-examples", "12", "--cost-batch-size", "3", "--method",
+            "efficient", "--budget", "2", "--output-dir", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads((out / "approx_autotune.json").read_text())
+    assert record["calibration_data"]["cost_examples"] == 12 and record["calibration_data"]["cost_batch_size"] == 3
+    assert record["tuning"]["calibration"]["cost_inputs"] == 12

@@ -25,8 +25,12 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    along the path, so where it does not, a cheaper point beyond the bracket may meet the target too. With
    ``budget`` alone: the first point within the budget (the lowest estimated loss), measured. The fidelity reported
    is the measured one, never the additive estimate. Costs on the path, the budget and the report are the cost
-   models at the check inputs' real lengths (what the verification runs), and their data where a cost depends on it
-   (window's global question tokens, found as a patched forward finds them).
+   models at the real lengths of the *cost inputs*, and their data where a cost depends on it (window's global
+   question tokens, found as a patched forward finds them). The cost inputs are the check inputs unless
+   ``cost_data`` is given: inputs as the tuned model will be run (e.g. a few hundred of the task's training inputs,
+   batched as they will be), whose lengths alone are read. A few dozen check inputs are a small sample of lengths,
+   and a cost that falls or rises steeply with the length (MonarchAttention's blocks, a window wider than most
+   inputs) can then rank the candidates otherwise than the inputs the model will meet.
 
 Heads are not tuned separately: no registered method takes per-head settings yet. The random state of each
 candidate (hash planes, random blocks) is drawn from ``seed`` and the layer index, as :func:`approx.patch`
@@ -257,11 +261,7 @@ class _Calibration:
         self.refs = []
         self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per batch: (attention mask, question)
         for inputs in batches:
-            if "input_ids" not in inputs or "attention_mask" not in inputs:
-                raise ValueError(f"a calibration batch needs input_ids and attention_mask; got {sorted(inputs)}")
-            inputs = {k: v.to(self.device) for k, v in inputs.items()}
-            question = question_positions(model, inputs["input_ids"], inputs.get("token_type_ids"))
-            self.masks.append((inputs["attention_mask"].bool().cpu(), None if question is None else question.cpu()))
+            self.masks.append(_masks(model, inputs))  # refuses a batch without input_ids and attention_mask
             out = model(**inputs, output_hidden_states=True)
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
@@ -272,7 +272,7 @@ class _Calibration:
                 )
             self.refs.append(_Reference(inputs, _last_hidden(out), logits))
         self.forwards = len(batches)
-        self.inputs = sum(int(b["input_ids"].shape[0]) for b in batches)
+        self.inputs = _inputs(batches)
 
     def run(self, layers: dict[int, ApproxAttention]) -> tuple[float, AttentionProbe]:
         """Fidelity (in the target's measure) with ``layers`` attached, and the probe of the attention error and
@@ -300,6 +300,19 @@ class _Calibration:
         return num / max(den, 1), probe
 
 
+def _masks(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a batch's attention cost depends on besides its shape: its attention mask, and its question tokens (None
+    without any) as a patched forward finds them."""
+    if "input_ids" not in inputs or "attention_mask" not in inputs:
+        raise ValueError(f"a calibration batch needs input_ids and attention_mask; got {sorted(inputs)}")
+    question = question_positions(model, inputs["input_ids"], inputs.get("token_type_ids"))
+    return inputs["attention_mask"].bool().cpu(), None if question is None else question.cpu()
+
+
+def _inputs(batches: list[dict[str, torch.Tensor]]) -> int:
+    return sum(int(b["input_ids"].shape[0]) for b in batches)
+
+
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per token, the cosine of two hidden states, in float64 and clamped to [-1, 1]; exactly 1 where they are equal
     (in float32 equal vectors measured 0.99999988 or 1.0000002, so that exact attention could miss ``cosine>=1``)."""
@@ -313,11 +326,13 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class Tuning:
     """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
-    ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost there, relative
-    to full attention in the tuning's convention (``costs``: in both). ``met``: whether ``fidelity`` meets the
-    target and ``cost`` the budget. ``table``: per layer and candidate, the loss, attention error and cost ratios
-    measured with that layer alone replaced (on the fit inputs); ``path``: the search's assignments (cost ratio at
-    the check inputs' lengths, estimated loss, and the measured fidelity of the ones verified)."""
+    ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost at the cost
+    inputs (the check inputs unless ``cost_data`` was given), relative to full attention in the tuning's convention
+    (``costs``: in both). ``met``: whether ``fidelity`` meets the target and ``cost`` the budget. ``table``: per layer
+    and candidate, the loss, attention error and cost ratios measured with that layer alone replaced (on the fit
+    inputs); ``path``: the search's assignments (cost ratio at the cost inputs, estimated loss, and the measured
+    fidelity of the ones verified); ``calibration``: the numbers of fit, check and cost inputs, the forward passes
+    and the seconds taken."""
 
     choices: list[str]
     fidelity: float
@@ -394,12 +409,12 @@ def _share(value: float | None, full: float | None) -> float | None:
     return value / full if value is not None and full and math.isfinite(value) else None
 
 
-def _cost(layer: ApproxAttention, calibration: _Calibration, convention: str) -> float:
-    """A layer's attention cost per head over the calibration's inputs, from its method's cost model at their real
-    lengths (as the harness's probe counts it; with the batches' data for a method whose cost depends on it);
-    infinite for a method that does not count this convention."""
+def _cost(layer: ApproxAttention, masks: list[tuple[torch.Tensor, torch.Tensor | None]], convention: str) -> float:
+    """A layer's attention cost per head over batches (their attention masks and question tokens, :func:`_masks`),
+    from its method's cost model at their real lengths (as the harness's probe counts it; with the batches' data for
+    a method whose cost depends on it); infinite for a method that does not count this convention."""
     total = 0.0
-    for mask, question in calibration.masks:
+    for mask, question in masks:
         with _context.tokens(question_mask=question):
             costs = layer.method.costs(layer.config, b=mask.shape[0], n=mask.shape[1], key_mask=mask,
                                        d=layer.head_dim, dv=layer.head_dim)  # fmt: skip
@@ -409,13 +424,6 @@ def _cost(layer: ApproxAttention, calibration: _Calibration, convention: str) ->
                 return math.inf
             total += value
     return total
-
-
-def _ratio(probe: AttentionProbe, convention: str) -> float | None:
-    mine, full = COSTS[convention]
-    if probe.cost[mine] is None or not probe.cost[full]:
-        return None
-    return probe.cost[mine] / probe.cost[full]
 
 
 class Search:
@@ -433,6 +441,7 @@ class Search:
         methods: Sequence[str | Setup | MethodConfig] | None = None,
         cost: str = "flops",
         check_data: Iterable | None = None,
+        cost_data: Iterable | None = None,
         batch_size: int = 8,
         pad_id: int | None = None,
         seed: int = 0,
@@ -464,16 +473,22 @@ class Search:
         else:
             fit_batches = as_batches(data, batch_size, pad_id)
             check_batches = as_batches(check_data, batch_size, pad_id)
+        cost_batches = None
+        if cost_data is not None:
+            cost_data = input_list(cost_data)
+            if not cost_data:
+                raise ValueError("cost_data is empty: give the inputs to take the costs at, or None (the check inputs)")
+            cost_batches = as_batches(cost_data, batch_size, pad_id)
         self.model, self.measure, self.cost_convention, self.seed = model, Target(measure, 1.0), cost, seed
         # seeded for any draw a method makes from torch's global generator; the caller's generators are left as they were
         cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             with _evaluating(model), torch.inference_mode():
-                self._measure(setups, fit_batches, check_batches, progress)
+                self._measure(setups, fit_batches, check_batches, cost_batches, progress)
         self.seconds = time.perf_counter() - wall
 
-    def _measure(self, setups, fit_batches, check_batches, progress: bool) -> None:
+    def _measure(self, setups, fit_batches, check_batches, cost_batches, progress: bool) -> None:
         model, labels = self.model, self.labels
         n_layers = len(attention_modules(model))
         self.options = _candidate_layers(model, setups)
@@ -502,13 +517,15 @@ class Search:
                         **{RATIO_NAMES[k]: _share(probe.cost[COSTS[k][0]], probe.cost[COSTS[k][1]]) for k in COSTS},
                     })  # fmt: skip
                     bar.update(1)
-        # the costs the path and the budget use: each layer's cost model at the check inputs' lengths, i.e. the cost
-        # the verification measures and the tuning reports (the table above: at the fit inputs' lengths)
+        # the costs the path, the budget and the report use: each layer's cost model at the cost inputs' lengths (the
+        # check inputs', where the verification runs, unless cost_data was given; the table above: the fit inputs')
+        self.cost_inputs = self.check.inputs if cost_batches is None else _inputs(cost_batches)
+        masks = self.check.masks if cost_batches is None else [_masks(model, b) for b in cost_batches]
         for convention in COSTS:
             for i in range(n_layers):
-                self.costs[convention][i][0] = _cost(self.full[i], self.check, convention)
+                self.costs[convention][i][0] = _cost(self.full[i], masks, convention)
                 for c in range(1, len(labels) + 1):
-                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], self.check, convention)
+                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], masks, convention)
         self.fit_inputs, self.fit_forwards = fit.inputs, fit.forwards
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
@@ -530,6 +547,14 @@ class Search:
                 for p in path
             ]
         return self.paths[convention], self.points[convention]
+
+    def _ratio(self, assignment: Sequence[int], convention: str) -> float | None:
+        """The attention cost of ``assignment`` relative to full attention at the cost inputs (None: a method that
+        does not count this convention)."""
+        costs = self.costs[convention]
+        mine = sum(costs[i][a] for i, a in enumerate(assignment))
+        full = sum(row[0] for row in costs)
+        return mine / full if full and math.isfinite(mine) else None
 
     def _layers(self, assignment: Sequence[int]) -> dict[int, ApproxAttention]:
         return {i: (self.full[i] if a == 0 else self.options[a - 1][i]) for i, a in enumerate(assignment)}
@@ -574,7 +599,7 @@ class Search:
                 chosen = self._bisect(path, goal, within, bar)
                 bar.total = bar.n  # the path's end may meet the target: fewer runs than the bracket allows
                 bar.refresh()
-            fidelity, probe = self.measured[tuple(path[chosen])]
+            fidelity = self.measured[tuple(path[chosen])][0]
             met = goal.met(fidelity) if goal else True
             if goal is not None and not met:
                 warnings.warn(
@@ -586,18 +611,18 @@ class Search:
                 if goal is not None and within:
                     chosen = within[0]
                     fidelity = self._verify(path[chosen])
-                    probe = self.measured[tuple(path[chosen])][1]
                 warnings.warn(
                     f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along the "
                     f"search path; kept the assignment at cost {points[chosen]['cost']:.3f} (fidelity {fidelity:.5f})",
                     stacklevel=2,
                 )
         attach(self.model, self._layers(path[chosen]))
+        costs = {RATIO_NAMES[k]: self._ratio(path[chosen], k) for k in COSTS}
         tuning = Tuning(
             choices=points[chosen]["choices"],
             fidelity=fidelity,
-            cost=_ratio(probe, convention),
-            costs={RATIO_NAMES[k]: _ratio(probe, k) for k in COSTS},
+            cost=costs[RATIO_NAMES[convention]],
+            costs=costs,
             met=met,
             target=None if goal is None else str(goal),
             budget=budget,
@@ -611,6 +636,7 @@ class Search:
             calibration={
                 "fit_inputs": self.fit_inputs,
                 "check_inputs": self.check.inputs,
+                "cost_inputs": self.cost_inputs,
                 "forward_passes": self.fit_forwards + self.check.forwards,
                 "measure_seconds": self.seconds,
                 "choose_seconds": time.perf_counter() - wall,
@@ -666,6 +692,7 @@ def autotune(
     budget: float | None = None,
     cost: str = "flops",
     check_data: Iterable | None = None,
+    cost_data: Iterable | None = None,
     batch_size: int = 8,
     pad_id: int | None = None,
     seed: int = 0,
@@ -678,7 +705,11 @@ def autotune(
     ``data``: unlabelled calibration inputs (token-id lists, or input dicts of ``input_ids`` and
     ``attention_mask``, e.g. a task's inputs or text windows): shuffled with ``seed`` and halved into the inputs
     measured per layer and the held-out inputs the choice is verified on (dicts are taken as batches and
-    alternate); ``check_data``: the held-out inputs given separately (then all of ``data`` is measured).
+    alternate); ``check_data``: the held-out inputs given separately (then all of ``data`` is measured);
+    ``cost_data``: inputs as the tuned model will run them (token-id lists batched by ``batch_size``, or batches),
+    at whose real lengths the costs of the search, the budget and the report are taken; the model never runs on them
+    (default: the check inputs). Give a few hundred of the task's inputs when a few dozen check inputs would
+    misrepresent the lengths the model meets.
     ``target``: ``"cosine>=X"`` (last hidden states, mean over real tokens), ``"kl<=X"`` (the output
     distributions of a model with a task head) or a float (a cosine); by default ``"cosine>=0.99"``, or none when a
     ``budget`` is given (as ``approx autotune`` takes them). ``methods``: the
@@ -695,7 +726,7 @@ def autotune(
     goal = check_goal(target, budget)  # refused before anything is measured
     search = Search(
         model, data, measure=goal.measure if goal else "cosine", methods=methods, cost=cost, check_data=check_data,
-        batch_size=batch_size, pad_id=pad_id, seed=seed, progress=progress,
+        cost_data=cost_data, batch_size=batch_size, pad_id=pad_id, seed=seed, progress=progress,
     )  # fmt: skip
     return search.choose(goal, budget, progress=progress)
 

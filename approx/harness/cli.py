@@ -426,6 +426,11 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         parse_setup(spec)
     target = None if args.target is None and args.budget is not None else parse_target(args.target or DEFAULT_TARGET)
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
+    if (args.cost_examples is not None or args.cost_batch_size is not None) and args.task is None:
+        raise ValueError("--cost-examples and --cost-batch-size read a task's split: give --task too")
+    for flag, value in (("--cost-examples", args.cost_examples), ("--cost-batch-size", args.cost_batch_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} is at least 1, got {value}")
     task = None if args.task is None else get_task(args.task)
     set_threads(args.threads)
     wall = time.perf_counter()
@@ -434,6 +439,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     head = heads[0] if heads else None
     model, tokenizer = load_pretrained(model_path, task=head, progress=not args.quiet)
     model.eval()
+    cost_data = None
     if args.task is not None:
         data = task_batches(
             model, tokenizer, args.task, split=args.split, limit=args.limit, max_length=args.max_length,
@@ -445,11 +451,18 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
             "limit": args.limit,
             "max_length": args.max_length or task.default_max_length,
         }
+        if args.cost_examples is not None:  # the same split, read again for its lengths (the model never runs on them)
+            cost_data = task_batches(
+                model, tokenizer, args.task, split=described["split"], limit=args.cost_examples,
+                max_length=args.max_length, batch_size=args.cost_batch_size or args.batch_size, seed=args.seed,
+                data_dir=args.data_dir, source=args.source,
+            )  # fmt: skip
+            described.update(cost_examples=args.cost_examples, cost_batch_size=args.cost_batch_size or args.batch_size)
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
     tuning = autotune(
-        model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost,
+        model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost, cost_data=cost_data,
         batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
     )  # fmt: skip
     out = save(model, args.output_dir, tokenizer=tokenizer)
@@ -489,6 +502,14 @@ def _add_autotune_parser(sub) -> None:
     )
     p.add_argument("--budget", type=float, help="highest attention cost allowed, relative to full attention")
     p.add_argument("--cost", default="flops", choices=list(COSTS), help="cost convention (default flops)")
+    p.add_argument(
+        "--cost-examples",
+        type=int,
+        help="with --task: take the costs (of the search, the budget and the report) at the lengths of the split's "
+        "first N examples, batched by --cost-batch-size, rather than at the held-out calibration inputs' (a few dozen "
+        "inputs are a small sample of lengths)",
+    )
+    p.add_argument("--cost-batch-size", type=int, help="inputs per batch of --cost-examples (default --batch-size)")
     p.add_argument(
         "--method",
         action="append",
