@@ -1,7 +1,9 @@
 """The command line and the data helpers."""
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -513,3 +515,57 @@ def test_random_data_files_load_or_raise_a_data_error(fuzz_setup, data, task):
             )
     finally:
         path.write_bytes(originals[task])
+
+
+def test_a_squad_length_too_short_for_the_longest_question_is_refused_with_the_length_that_works(tmp_path):
+    """A question that leaves its windows no more context than their overlap made the fast tokenizer panic (a
+    BaseException that escaped the command line's error handling); the error names the question and a length that
+    works, and that length does work."""
+    from evalfixtures import write_checkpoint
+    from transformers import AutoTokenizer
+
+    from approx.harness.tasks import get_task
+
+    tok = AutoTokenizer.from_pretrained(write_checkpoint(tmp_path / "m", "base"))
+    words = list(tok.get_vocab())[10:40]
+    examples = [
+        {"id": "short", "question": " ".join(words[:3]), "context": " ".join(words * 4), "answers": [words[0]]},
+        {"id": "long", "question": " ".join(words[:28]), "context": " ".join(words * 4), "answers": [words[0]]},
+    ]
+    task = get_task("squad")
+    with pytest.raises(ValueError, match=r"question 'long' \(28 tokens\).*use max_length (\d+)") as err:
+        task.features(examples, tok, max_length=40, mode="fidelity")
+    need = int(re.search(r"use max_length (\d+)", str(err.value)).group(1))
+    assert task.features(examples, tok, max_length=need, mode="fidelity")
+    with pytest.raises(ValueError, match="question 'long'"):
+        task.features(examples, tok, max_length=need - 1, mode="fidelity")
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["eval", "--method", "nystrom", "--landmark", "3"], "--landmark"),
+        (["eval", "--method", "clustered", "--meth", "nystrom"], "--meth"),
+        (["autotune", "--output-dir", "x", "--cost-ex", "9"], "--cost-ex"),
+    ],
+)
+def test_an_abbreviated_flag_is_refused_not_taken_for_another(argv, flag, capsys):
+    with pytest.raises(SystemExit) if argv[0] == "autotune" else contextlib.nullcontext():  # argparse's own refusal
+        assert main([*argv, "--task", "stsb", "--limit", "2"]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path, capsys, monkeypatch):
+    from approx.harness import evaluation
+
+    def never(*a, **k):  # the evaluation must not start
+        raise AssertionError("evaluated before the output was checked")
+
+    monkeypatch.setattr(evaluation, "evaluate", never)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for output, words in ((tmp_path, "a folder"), (afile / "out.json", "is a file, not a folder")):
+        assert main(["eval", "--task", "stsb", "--method", "window", "--output", str(output)]) == 2
+        assert words in capsys.readouterr().err
+        assert main(["demo", "--output", str(output)]) == 2
+        assert words in capsys.readouterr().err

@@ -142,3 +142,57 @@ def test_calls_from_several_threads_run_one_at_a_time(capfd):
     assert peaks == {i: pytest.approx(2.0 + i, abs=0.1) for i in range(4)}
     os.write(2, b"still here\n")
     assert capfd.readouterr().err.endswith("still here\n")
+
+
+def _touched(mib: int) -> torch.Tensor:
+    """``mib`` MiB allocated and written (resident, not only reserved)."""
+    return torch.ones(mib * 2**20, dtype=torch.uint8)
+
+
+def test_an_excluded_block_is_left_out_of_the_peak_and_the_peak_before_it_is_kept():
+    from approx.harness.memory import PeakMemory, excluded
+
+    with PeakMemory("cpu") as m:
+        with excluded():  # 256 MiB of the harness's own work: not counted
+            big = _touched(256)
+            del big
+        small = _touched(32)
+        del small
+    if m.mib is None:
+        pytest.skip("peak RSS not readable here (Linux /proc/self/clear_refs)")
+    assert 24 <= m.mib < 128
+    with PeakMemory("cpu") as m:
+        before = _touched(96)  # before an excluded block: kept
+        del before
+        with excluded():
+            pass
+    assert m.mib >= 80
+
+
+def test_the_fidelity_probe_does_not_count_in_a_methods_peak_memory():
+    """A window on 1024 tokens: the probe's attention graph (an entmax over every score, O(N^2)) in the same pass
+    must not count as the method's memory. The peak with the probe is within a few MiB of the peak without it."""
+    from conftest import tiny_model
+
+    from approx.harness import evaluation
+    from approx.harness import fidelity as fid
+    from approx.integration import patch, patched_layers, unpatch
+
+    model = tiny_model("bert", num_attention_heads=4, hidden_size=32, max_position_embeddings=1024).eval()
+    patch(model, "window", window=16)
+    layers = patched_layers(model)
+    unpatch(model)
+    run = evaluation._Run(model, "tiny", None, "", "", [], None, [], torch.device("cpu"), 0, {})
+    inputs = {"input_ids": torch.randint(5, 99, (2, 1024)), "attention_mask": torch.ones(2, 1024, dtype=torch.long)}
+    with torch.no_grad():
+        evaluation._method_forward(run, inputs, layers)  # the allocator's first growth, outside both figures
+        peaks = []
+        for probe in (None, fid.AttentionProbe(total_layers=2), None, fid.AttentionProbe(total_layers=2)):
+            _, mem = evaluation._method_forward(run, inputs, layers, probe)
+            peaks.append(mem.mib)
+            if probe is not None:
+                assert probe.graph.counts  # the graph was measured in the pass
+    if peaks[0] is None:
+        pytest.skip("peak RSS not readable here (Linux /proc/self/clear_refs)")
+    without, probed = max(peaks[0], peaks[2]), max(peaks[1], peaks[3])
+    assert probed < without + 16, peaks

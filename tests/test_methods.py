@@ -98,7 +98,12 @@ def test_left_padding_gives_the_unpadded_outputs_or_is_refused(method):
 
 @pytest.mark.parametrize(
     "method, options",
-    [("sparsefinder", {"global_tokens": 0, "last_token": True}), ("sparsefinder", {"global_tokens": 2})],
+    [
+        ("sparsefinder", {"global_tokens": 0, "last_token": True}),
+        ("sparsefinder", {"global_tokens": 2}),
+        ("sparse-transformer", {"pattern": "fixed", "summary": 2}),
+        ("sparse-transformer", {"pattern": "fixed", "summary": 2, "heads": "union"}),
+    ],
 )
 def test_left_padding_is_refused_where_an_option_takes_positions_for_tokens(method, options):
     """The last real token found by counting real tokens, or the first positions: under left padding both would be
@@ -585,3 +590,22 @@ def test_dropout_keeps_the_expected_output(method):
         mean, bound = _mean_with_dropout(layer(method, **{**small_budget(method), **options}), q, k, v, mask, 0.2, 150)
         ref = naive_attention(q, k, v, mask) if method == "full" else limit_reference(limit, q, k, v, mask)
         assert ((mean - ref).abs() <= bound).masked_fill(~real, True).all()
+
+
+GRAPH_METHODS = [m for m in METHODS if get_method(m).stats is not None]
+
+
+@pytest.mark.parametrize("method", GRAPH_METHODS)
+def test_a_row_of_padding_alone_adds_nothing_to_the_graph_statistics(method):
+    """A batch row without a real token (all padding) is not counted: the statistics of a real row beside it are
+    those of the real row alone."""
+    q, k, _ = make_qkv(40)
+    mask = torch.ones(B, 40, dtype=torch.bool)
+    mask[1] = False
+    lyr = layer(method, **small_budget(method))
+    both = lyr.graph_stats(q, k, mask)
+    alone = lyr.graph_stats(q[:1], k[:1], mask[:1])
+    if both is None:
+        pytest.skip(f"{method} reports no graph statistics")
+    for name in alone:
+        torch.testing.assert_close(both[name], alone[name], msg=name)

@@ -69,6 +69,13 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
     assert min(halves_kl) <= m["kl_divergence"] <= max(halves_kl)
     with pytest.raises(ValueError, match="predictions=True"):
         merge_halves([whole, whole], examples)
+    # the examples of each half, in the halves' order: swapped (equal counts here), or one half twice, are refused
+    assert len(examples[0]) == len(examples[1])
+    with pytest.raises(ValueError, match="not the ones it was scored on"):
+        merge_halves(halves, examples[::-1])
+    with pytest.raises(ValueError, match="the same half given twice"):
+        merge_halves([halves[0], halves[0]], [examples[0], examples[0]])
+    assert halves[0][0]["limit"] is None  # recorded with the other settings (None: the whole half)
 
 
 def _flat(value, prefix=""):

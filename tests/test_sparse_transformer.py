@@ -181,6 +181,11 @@ def test_a_query_without_a_real_key_gets_the_mean_of_the_real_values():
     ref_out, ref_w = reference(q, k, v, mask, reference_mask("fixed", "split", 20, 4, 2, n))
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(w, ref_w, rtol=1e-10, atol=1e-10)
+    # the graph statistics count the pairs those rows use: every real key (as the weights' nonzeros)
+    stats = lyr.graph_stats(q, k, mask)
+    real = mask[:, None, :, None] & mask[:, None, None, :]  # (B, 1, N, S): real queries and keys
+    predicted = ((ref_w > 0) & real).sum((0, 2, 3)).to(stats["predicted"].dtype)
+    torch.testing.assert_close(stats["predicted"], predicted)
 
 
 @pytest.mark.slow

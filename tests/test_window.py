@@ -301,3 +301,17 @@ def test_padding_before_the_global_tokens_is_refused_everywhere_and_a_hole_after
     no_global = ApproxAttention("window", WindowConfig(window=3, block=8, global_tokens=0), head_dim=D)
     out = no_global(q, k, v, left)
     torch.testing.assert_close(out[1, :, 7:], reference(q, k, v, left, window=3)[1, :, 7:], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n, s", [(1, 1), (7, 7), (13, 9), (9, 13), (40, 40)])
+@pytest.mark.parametrize("window, dilation", [(0, 1), (3, 1), (3, 2), (50, 3), (10**7, 1)])
+def test_window_pairs_counts_the_pairs_of_any_window(n, s, window, dilation):
+    """The pairs (i, j) with |i - j| a multiple of the dilation at most ``window`` of it, counted here by brute force,
+    windows far wider than the sequence included (ten million: a way to say "every key", counted over the offsets
+    that fit, not over ten million of them)."""
+    from approx.attention.window import window_pairs
+
+    expected = sum(
+        1 for i in range(n) for j in range(s) if (i - j) % dilation == 0 and abs(i - j) // dilation <= window
+    )
+    assert window_pairs(n, s, window, dilation) == expected

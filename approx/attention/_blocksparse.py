@@ -482,15 +482,18 @@ def pattern_stats(
     q, k = q.detach().to(dt), k.detach().to(dt)
     b, h, n, _ = q.shape
     s = k.shape[2]
+    counted = key_mask  # the real tokens (a row of padding alone has none: nothing of it is counted)
     key_mask = safe_key_mask(key_mask)
     pred, _ = dense_mask(pattern, b=b, h=h, n=n, s=s, key_mask=key_mask, device=q.device)
     if exact_rows is not None:
         real_keys = torch.ones(b, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
         pred = pred | (exact_rows[:, None, None, None] & real_keys[:, None, None, :])
     gold = gold_graph(q, k, key_mask, scale, alpha)
-    real_q = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None or n != s else key_mask
+    real_q = torch.ones(b, n, dtype=torch.bool, device=q.device) if counted is None or n != s else counted
+    if counted is not None and n != s:  # queries of a row without a real key are not counted either
+        real_q = real_q & counted.any(-1, keepdim=True)
     real = real_q[:, None, :, None]
-    valid = (real & (torch.ones_like(pred) if key_mask is None else key_mask[:, None, None, :])).expand_as(pred)
+    valid = (real & (torch.ones_like(pred) if counted is None else counted[:, None, None, :])).expand_as(pred)
     missed = (gold & ~pred & real).sum(-1)
     return {
         "predicted": (pred & real).sum((0, 2, 3)).double().cpu(),

@@ -19,10 +19,13 @@ def safe_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return key_mask | empty
 
 
-def refuse_left_padding(key_mask: torch.Tensor | None, method: str, option: str, first: int | None = None) -> None:
+def refuse_left_padding(
+    key_mask: torch.Tensor | None, method: str, option: str, first: int | None = None, takes: str | None = None
+) -> None:
     """``ValueError`` when ``option`` would take a pad token for a real one: some row of ``key_mask`` (B, S) has a pad
     followed later by a real token (left padding, or a hole) within its ``first`` positions (the global tokens), or
-    anywhere when ``first`` is None (an option that finds the last real token by counting them)."""
+    anywhere when ``first`` is None (an option that finds the last real token by counting them, or, as ``takes``
+    says, one that places its pattern by absolute position)."""
     if key_mask is None or key_mask.shape[-1] < 2:
         return
     later = key_mask.flip(-1).long().cumsum(-1).flip(-1) > 0  # a real token at or after each position
@@ -32,8 +35,9 @@ def refuse_left_padding(key_mask: torch.Tensor | None, method: str, option: str,
     if not bool(before_real.any()):
         return
     where = "the first positions of each row" if first is not None else "the last real token of each row"
+    takes = takes or f"takes {where} as global tokens"
     raise ValueError(
-        f"{method}: {option} takes {where} as global tokens, so padding must come after the real tokens, and this "
+        f"{method}: {option} {takes}, so padding must come after the real tokens, and this "
         "batch has padding before real tokens (a left-padding tokenizer?); pad on the right (tokenizer.padding_side "
         f"= 'right') or turn {option} off"
     )

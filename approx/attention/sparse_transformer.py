@@ -59,7 +59,7 @@ from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _blocksparse, _fallback
 from ._blocksparse import Pattern
-from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
+from ._common import compute_dtype, exact_rows, exact_weight_rows, refuse_left_padding, safe_key_mask
 
 PATTERNS = ("strided", "fixed")
 HEADS = ("split", "union")
@@ -245,6 +245,10 @@ def head_groups(config: SparseTransformerConfig, *, key_mask, b: int, n: int, s:
     """[(heads, [patterns], has_key)]: the heads (a slice), the disjoint patterns whose union they attend and
     which queries hold a real key in that union ((B|1, N) bool)."""
     stride, blk = config.stride, config.block
+    if config.pattern == "fixed":  # its blocks and summary columns are absolute positions, counted from the row's start
+        refuse_left_padding(
+            key_mask, "sparse-transformer", "pattern='fixed'", takes="cuts each row into blocks from its first position"
+        )
     key_mask = safe_key_mask(key_mask)
     in_a1, in_a2 = _has_key(config, key_mask, n, s, device)
     if config.pattern == "strided":
@@ -321,6 +325,7 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     """Sparsity and recall of the pattern against the entmax (alpha 1.5) gold graph, as Sparsefinder."""
     b, h, n, _ = q.shape
     mask = pattern_mask(config, key_mask=key_mask, b=b, h=h, n=n, s=k.shape[2], device=q.device)
+    mask = mask | ~mask.any(-1, keepdim=True)  # a row with no key in its pattern averages every real key (weights())
     exact = _fallback.exact_rows(query_mask, n, b, q.device, exact_below=config.exact_below)
     return _blocksparse.pattern_stats(q, k, _mask_pattern(mask), key_mask=key_mask, scale=scale, exact_rows=exact)
 

@@ -224,12 +224,13 @@ def graph_stats(
     (B, H, N, S) gold graph when already known (sweeps over budgets on the same inputs)."""
     _check_padding(config, key_mask)
     dt = compute_dtype(q.dtype)
+    counted = key_mask  # the real tokens (a row of padding alone has none: nothing of it is counted)
     key_mask = safe_key_mask(key_mask)
     q, k = q.detach().to(dt), k.detach().to(dt)
     qp, kp = _projected(q, k, state, dt, config)
     groups = None if config.grouping == "distance" else group_ids(qp, kp, key_mask, config, state)
     b, h, n, _ = q.shape
-    qmask = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    qmask = torch.ones(b, n, dtype=torch.bool, device=q.device) if counted is None else counted
     names = ("predicted", "valid", "gold", "hit", "queries", "exact")
     out = {name: torch.zeros(h, dtype=torch.float64) for name in names}
     for start in range(0, n, block):
@@ -237,7 +238,7 @@ def graph_stats(
         pred = predicted_mask(qp, kp, key_mask, rows, config, state, groups)  # (B, H, r, S)
         g = gold_graph(q[:, :, rows], k, key_mask, scale, config.alpha) if gold is None else gold[:, :, rows]
         real = qmask[:, None, rows, None]  # (B, 1, r, 1)
-        valid = real & (torch.ones_like(pred) if key_mask is None else key_mask[:, None, None, :])
+        valid = real & (torch.ones_like(pred) if counted is None else counted[:, None, None, :])
         missed = (g & ~pred & real).sum(-1)  # (B, H, r)
         out["predicted"] += (pred & real).sum((0, 2, 3)).double().cpu()
         out["valid"] += valid.sum((0, 2, 3)).double().cpu()

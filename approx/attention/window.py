@@ -78,7 +78,8 @@ class WindowConfig(MethodConfig):
 def window_pairs(n: int, s: int, window: int, dilation: int) -> int:
     """Pairs (i < n, j < s) with |i - j| = dilation * t, t <= window: sum over the offsets of the rows they fit."""
     total = 0
-    for t in range(-window, window + 1):
+    # only offsets shorter than the sequences fit a row (a window of 10**6 must not loop 2 * 10**6 times)
+    for t in range(-min(window, (n - 1) // dilation), min(window, (s - 1) // dilation) + 1):
         off = dilation * t
         total += max(0, min(n, s - off) - max(0, -off))
     return total

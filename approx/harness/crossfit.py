@@ -12,15 +12,25 @@ evaluation of both halves would report. The halves' own results are kept under `
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 from . import fidelity as fid
 from .tasks import get_task
 
-__all__ = ["merge_halves"]
+__all__ = ["examples_digest", "merge_halves"]
 
-CARRIED = ("predictions", "reference_predictions", "fidelity_sums")  # what predictions=True adds to a result
+# what predictions=True adds to a result, and merging needs (results written before 2026-11-25 have no digest)
+CARRIED = ("predictions", "reference_predictions", "fidelity_sums")
+DROPPED = (*CARRIED, "examples_digest")  # left out of the merged result and of its halves
+
+
+def examples_digest(examples: list[dict[str, Any]]) -> str:
+    """A fingerprint of the examples a result scored, in order (SHA-256 of their JSON, 16 hex digits): merging checks
+    that the examples given for a half are the ones it was scored on."""
+    text = json.dumps(examples, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def merge_halves(
@@ -34,6 +44,7 @@ def merge_halves(
         raise ValueError(f"got {len(halves)} halves of results but {len(examples)} of examples")
     if len({len(h) for h in halves}) != 1:
         raise ValueError("every half must have been evaluated under the same methods")
+    digests = [examples_digest(ex) for ex in examples]
     merged = []
     for per_method in zip(*halves, strict=True):
         first = per_method[0]
@@ -46,6 +57,15 @@ def merge_halves(
                 raise ValueError("run approx.evaluate(..., predictions=True) to merge halves")
             if len(r["predictions"]) != len(ex):
                 raise ValueError(f"{len(r['predictions'])} predictions for {len(ex)} examples: not the same split")
+        for r, digest in zip(per_method, digests, strict=True):
+            if r.get("examples_digest", digest) != digest:  # (results from before the digest are taken as given)
+                raise ValueError(
+                    f"the examples given for the half scored on {r.get('split')!r} are not the ones it was scored on "
+                    "(another half's, another limit or another order): give each half's examples in the halves' order"
+                )
+        splits = [r.get("split") for r in per_method]
+        if None not in splits and len(set(splits)) != len(splits):
+            raise ValueError(f"the same half given twice: {splits}")
         for key in ("task", "task_version", "mode", "max_length"):
             if len({json.dumps(r.get(key)) for r in per_method}) != 1:
                 raise ValueError(f"the halves differ in {key!r}: {[r.get(key) for r in per_method]}")
@@ -54,7 +74,7 @@ def merge_halves(
         all_examples = [e for ex in examples for e in ex]
         preds = [p for r in per_method for p in r["predictions"]]
         ref_preds = [p for r in per_method for p in r["reference_predictions"]]
-        result = {k: v for k, v in first.items() if k not in CARRIED}
+        result = {k: v for k, v in first.items() if k not in DROPPED}
         extended = [r for r in per_method if r.get("positions")]
         if extended:  # each half extended the positions to its own longest input: the merge reports the longest
             longest = max(extended, key=lambda r: r["positions"]["extended_to"])
@@ -74,7 +94,7 @@ def merge_halves(
             features=sum(r["features"] for r in per_method),
             cross_fitting=protocol
             or "2-fold cross-fitting: each half scored by the model fine-tuned on the other half; metrics over both",
-            halves=[{k: v for k, v in r.items() if k not in CARRIED} for r in per_method],
+            halves=[{k: v for k, v in r.items() if k not in DROPPED} for r in per_method],
         )
         merged.append(result)
     return merged

@@ -50,6 +50,7 @@ from ..integration import (
 from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
 from . import fidelity as fid
+from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
 from .spec import PER_LAYER, Setup, as_setup, saved_folder, short_label
 from .tasks import Feature, Task, get_task
@@ -367,6 +368,7 @@ def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predict
     ref_predictions = task.predict(examples, run.features, _in_feature_order(records, n), mode)
     reference_metrics = task.score(examples, ref_predictions, mode)
     n_layers, n_heads, head_dim = attention_shape(run.model)
+    digest = examples_digest(examples) if predictions else None
     results = []
     for s, setup in enumerate(setups):
         method_predictions = task.predict(examples, run.features, _in_feature_order(records, n, s), mode)
@@ -398,7 +400,12 @@ def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predict
             "provenance": prov,
         }
         if predictions:  # what merging cross-fitted halves needs (approx.harness.crossfit)
-            result.update(predictions=method_predictions, reference_predictions=ref_predictions, fidelity_sums=sums)
+            result.update(
+                predictions=method_predictions,
+                reference_predictions=ref_predictions,
+                fidelity_sums=sums,
+                examples_digest=digest,
+            )
         results.append(result)
     return results
 
@@ -499,7 +506,13 @@ def evaluate(
         data_source=run.source.describe(),
         **({"positions": run.positions} if run.positions else {}),
     )
-    settings = {"max_length": max_length, "batch_size": batch_size, "warmup": warmup, "allocations": allocations}
+    settings = {
+        "max_length": max_length,
+        "batch_size": batch_size,
+        "limit": limit,
+        "warmup": warmup,
+        "allocations": allocations,
+    }
     return _results(run, setups, records, settings, prov, predictions)
 
 

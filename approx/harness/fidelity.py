@@ -28,7 +28,8 @@ The ``fidelity`` dict, per method:
   out), ``speedup``; ``seconds_per_example`` and ``reference_seconds_per_example`` (divided by the examples
   scored: a SQuAD question read in several windows counts once); ``graph`` for methods that predict an
   attention graph (sparsity, recall, exact fraction); ``peak_memory_mib`` and ``reference_peak_memory_mib``
-  (the largest batch's peak) and ``..._per_input`` (the largest batch peak divided by that batch's inputs);
+  (the largest batch's peak) and ``..._per_input`` (the largest over batches of a batch's peak divided by its
+  inputs: a conservative figure, in which a short last batch's fixed overhead can weigh most);
   ``retimed_batches`` and ``reference_retimed_batches``: batches whose pass ``torch.compile`` compiled for (a
   shape the harness's warm-up did not cover) and that were therefore run and timed a second time;
   ``allocated_peak_mib_per_input`` and its reference twin: the CPU allocator's peak on the longest batch divided
@@ -49,6 +50,7 @@ from ..attention import _fallback
 from ..attention._common import exact_attention
 from ..registry import get_method
 from .fitting import GraphStatsProbe, graph_summary
+from .memory import excluded
 
 __all__ = ["AttentionProbe", "add_sums", "batch_sums", "cost_block", "summarize", "total_sums"]
 
@@ -82,7 +84,16 @@ class AttentionProbe:
         return sum(_fallback.counts().values()) - self._broke_down
 
     def __call__(self, layer, q, k, v, key_mask, scale, out) -> None:
+        if out.is_cuda:  # the method's own kernels, still queued, are the method's time
+            torch.cuda.synchronize(out.device)
         start = time.perf_counter()
+        with excluded():  # nor is the probe's memory the method's (the graph's entmax is O(N^2))
+            self._measure(layer, q, k, v, key_mask, scale, out)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        self.seconds += time.perf_counter() - start
+
+    def _measure(self, layer, q, k, v, key_mask, scale, out) -> None:
         exact = exact_attention(q, k, v, key_mask, scale).float()
         diff = (out.float() - exact).pow(2).sum(-1)  # (B, H, N)
         ref = exact.pow(2).sum(-1)
@@ -107,9 +118,6 @@ class AttentionProbe:
             self.graph(layer, q, k, v, key_mask, scale, out)
         elif layer.method.stats is not None:
             self.graph_skipped += 1
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        self.seconds += time.perf_counter() - start
 
 
 def _hidden_sums(ref_hidden, hidden, mask: torch.Tensor) -> dict[str, Any]:

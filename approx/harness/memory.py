@@ -3,13 +3,22 @@
 On CUDA the figure is ``torch.cuda.max_memory_allocated`` above what was allocated at the start. On a
 Linux CPU the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``) and ``VmHWM`` read afterwards:
 the figure is the peak resident set above the resident set at the start. That counts everything the
-process touched, allocator caches included, so it is a peak-RSS delta rather than an allocator count.
+process touched, allocator caches included, so it is a peak-RSS delta rather than an allocator count. The C
+allocator is first asked to return the memory it keeps from earlier work (glibc's ``malloc_trim``), which would
+otherwise be reused unseen.
 Elsewhere the figure is None.
+
+Work inside :func:`excluded` is left out of the figure: the harness's own measurements within a forward pass
+(the fidelity probe's exact attention and attention graph, O(N²) where the method is not) are not the method's
+memory. The peak reached before the block is kept, and the mark is reset after it, so the figure is the larger
+of the peaks outside such blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import sys
 import tempfile
@@ -20,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PeakMemory", "allocation_peak"]
+__all__ = ["PeakMemory", "allocation_peak", "excluded"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -36,6 +45,23 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def _trim() -> None:
+    """Hand the C allocator's free memory back to the system (glibc's ``malloc_trim``), so that memory freed is no
+    longer resident; nothing where the C library has no such call."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None  # the C library, once loaded (False: none with malloc_trim)
+
+
 def _reset_cpu_peak() -> bool:
     try:
         _CLEAR.write_text("5")
@@ -44,8 +70,13 @@ def _reset_cpu_peak() -> bool:
         return False
 
 
+# the PeakMemory blocks open in this process, innermost last (excluded() pauses them all)
+_OPEN: list[PeakMemory] = []
+
+
 class PeakMemory:
-    """``with PeakMemory(device) as m: ...`` then ``m.mib`` (peak extra MiB, or None) and ``m.seconds``."""
+    """``with PeakMemory(device) as m: ...`` then ``m.mib`` (peak extra MiB, or None) and ``m.seconds``; work in
+    an :func:`excluded` block within it is not counted."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -54,26 +85,66 @@ class PeakMemory:
         self.method = "cuda max_memory_allocated" if self.device.type == "cuda" else "peak RSS delta (VmHWM, Linux)"
 
     def __enter__(self) -> PeakMemory:
+        self._kept: float | None = None  # the largest peak of the parts before an excluded block
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._before = torch.cuda.memory_allocated(self.device)
-        else:
+        else:  # from the resident set without memory the C allocator kept from earlier work
+            _trim()
             self._ok = _reset_cpu_peak()
             self._before = _status_kib("VmRSS")
+        _OPEN.append(self)
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def _peak(self) -> float | None:
+        """The peak above the start since the mark was last reset, in MiB (None where it cannot be read)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.seconds = time.perf_counter() - self._start
-            self.mib = (torch.cuda.max_memory_allocated(self.device) - self._before) / 2**20
-            return
-        self.seconds = time.perf_counter() - self._start
+            return (torch.cuda.max_memory_allocated(self.device) - self._before) / 2**20
         peak = _status_kib("VmHWM")
         if self._ok and peak is not None and self._before is not None:
-            self.mib = max(peak - self._before, 0) / 1024
+            return max(peak - self._before, 0) / 1024
+        return None
+
+    def _pause(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        peak = self._peak()
+        self._kept = peak if self._kept is None else max(self._kept, peak or 0.0)
+
+    def _resume(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # the mark restarts at what is allocated now
+        else:  # what the block freed, given back, and the mark restarted at the resident set now
+            _trim()
+            self._ok = self._ok and _reset_cpu_peak()
+
+    def __exit__(self, *exc) -> None:
+        if self in _OPEN:
+            _OPEN.remove(self)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - self._start
+        peak = self._peak()
+        self.mib = peak if self._kept is None or peak is None else max(peak, self._kept)
+
+
+@contextlib.contextmanager
+def excluded():
+    """A block whose memory the open :class:`PeakMemory` measurements leave out (the harness's own work inside a
+    measured forward pass). What the block leaves allocated counts from then on. On a CPU the figure is the resident
+    set's, and the C allocator keeps memory it was given back: after the block it is asked to return it (glibc's
+    ``malloc_trim``), and what it still keeps counts."""
+    open_ = list(_OPEN)
+    for m in open_:
+        m._pause()
+    try:
+        yield
+    finally:
+        for m in open_:
+            m._resume()
 
 
 def _allocations(prof) -> list[tuple[int, int, int]]:

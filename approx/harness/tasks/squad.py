@@ -173,6 +173,25 @@ def doc_stride(max_length: int) -> int:
     return min(DOC_STRIDE, max_length // 3)
 
 
+def _check_room(examples, tokenizer, max_length: int) -> None:
+    """Refuse a ``max_length`` that leaves the longest question's windows no more context than their overlap (the
+    tokenizer would panic, an error no ``except Exception`` catches), naming the length that is enough."""
+    if not examples:
+        return
+    questions = tokenizer([ex["question"].lstrip() for ex in examples], add_special_tokens=False)["input_ids"]
+    longest = max(range(len(examples)), key=lambda i: len(questions[i]))
+    specials = tokenizer.num_special_tokens_to_add(pair=True)
+    room = max_length - len(questions[longest]) - specials
+    if room <= doc_stride(max_length):
+        # the least length whose room exceeds its stride (the stride grows with the length up to DOC_STRIDE)
+        need = next(n for n in range(max_length + 1, 10**6) if n - len(questions[longest]) - specials > doc_stride(n))
+        raise ValueError(
+            f"squad: max_length {max_length} leaves question {examples[longest].get('id', longest)!r} "
+            f"({len(questions[longest])} tokens) {room} tokens of context, not more than the {doc_stride(max_length)} "
+            f"that consecutive windows share; use max_length {need} or more, or fewer examples (--limit)"
+        )
+
+
 @register_task
 class Squad(Task):
     """SQuAD v1.1: extractive question answering; exact match and F1 (official normalisation)."""
@@ -211,6 +230,7 @@ class Squad(Task):
             raise ValueError("squad needs a fast tokenizer (token offsets); this model's tokenizer is not one")
         if max_length < 32:
             raise ValueError(f"squad: max_length must be at least 32 tokens, got {max_length}")
+        _check_room(examples, tokenizer, max_length)
         feats = []
         chunk = 256
         for start in range(0, len(examples), chunk):
