@@ -500,8 +500,10 @@ def markdown(record: dict[str, Any]) -> str:
             first = c["tunings"][0]["calibration"]
             lines.append(
                 f"Calibration of `{Path(c['checkpoint']).name}` on {c['calibration_split']}: {first['fit_inputs']} inputs "
-                f"measured, {first['check_inputs']} held out; every candidate on every layer measured in "
-                f"{c['measure_seconds']:.0f} s; the cheapest assignment's {c.get('measure', 'kl')} "
+                f"measured, {first['check_inputs']} held out"
+                + (f"; costs at the lengths of {c['cost_inputs']} training inputs" if c.get("cost_examples") else "")
+                + f"; every candidate on every layer measured in {c['measure_seconds']:.0f} s; the cheapest "
+                f"assignment's {c.get('measure', 'kl')} "
                 f"{c.get('cheapest_fidelity', c.get('cheapest_kl')):.4g}."
             )
         lines.append("")

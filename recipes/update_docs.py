@@ -277,8 +277,15 @@ def harness_block(paths: list[str]) -> str:
         f"(`python recipes/minilm_harness_report.py`; {_provenance_line(prov)}). Wall time of each run, all "
         "methods included: "
         + ", ".join(f"{r[0]['task']} {r[0]['provenance']['wall_seconds']:.0f} s" for r in runs)
-        + ". *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta, "
-        "which reads low when a method reuses memory the allocator kept from earlier runs.\n\n"
+        + ". *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta"
+        + (
+            " above the resident set after the C allocator returned what it kept, the harness's own measurements "
+            "left out"
+            if "limit" in runs[0][0]  # results written after the fix of 2026-11-25 record their limit too
+            else ", which reads low when a method reuses memory the allocator kept from earlier runs, and counted "
+            "the harness's attention graph (O(N²)) for the sparse-pattern methods"
+        )
+        + ".\n\n"
     )
     return text + "\n\n".join(_report(r) for r in runs) + "\n"
 

@@ -236,3 +236,18 @@ def test_compiled_engine_on_gpu_equals_the_cpu_eager_code(method):
     real = mask[:, None, :].expand(out.shape[:3])
     same = ((out - expected).abs().amax(-1) <= 1e-9 * expected.abs().amax()) | ~real
     assert same.float().mean() >= 0.99, same.float().mean()
+
+
+def test_autotune_on_gpu_takes_cpu_inputs_and_costs_at_the_cost_inputs():
+    """Calibration inputs built on the CPU (token-id lists, cost inputs) tune a model on the GPU: the batches go to
+    the model's device, the costs are taken at the cost inputs, and the tuned model runs there."""
+    model = tiny_model("bert", num_hidden_layers=2).to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(5, 99, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (8,), generator=g)]
+    cost = [[5] * n for n in (90, 120, 150)]
+    tuning = approx.autotune(model, data, cost_data=cost, target=None, budget=0.8, batch_size=4, progress=False,
+                             methods=["efficient", "nystrom:landmarks=4"])  # fmt: skip
+    assert tuning.met and tuning.cost <= 0.8 and tuning.calibration["cost_inputs"] == len(cost)
+    inputs = {k: t.to(CUDA) for k, t in batch(seq_len=48, pad=11).items()}
+    with torch.no_grad():
+        assert torch.isfinite(model_output(model, **inputs)).all()

@@ -262,6 +262,7 @@ class _Calibration:
         self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per batch: (attention mask, question)
         for inputs in batches:
             self.masks.append(_masks(model, inputs))  # refuses a batch without input_ids and attention_mask
+            inputs = {k: v.to(self.device) for k, v in inputs.items()}
             out = model(**inputs, output_hidden_states=True)
             logits = _output_logits(out, inputs["attention_mask"])
             if target.measure == "kl" and not logits:
