@@ -274,7 +274,8 @@ def harness_block(paths: list[str]) -> str:
     prov = runs[0][0]["provenance"]
     text = (
         "**Evaluation harness**, MiniLM-L6 zero-shot, every method against the unpatched model on the same batches "
-        f"(`python recipes/minilm_harness_report.py`; {_provenance_line(prov)}). Wall time of each run, all "
+        f"(`python recipes/minilm_harness_report.py`; {_provenance_line(prov)}; {prov.get('torch_threads', '?')} torch "
+        "thread(s)). Wall time of each run, all "
         "methods included: "
         + ", ".join(f"{r[0]['task']} {r[0]['provenance']['wall_seconds']:.0f} s" for r in runs)
         + ". *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta"
