@@ -188,7 +188,7 @@ def tune_checkpoint(
                            max_length=args.doc_length if long else None, seed=args.seed, data_dir=args.data_dir,
                            source=args.source)  # fmt: skip
     measure = MEASURE.get(task, "kl")
-    # the costs at the lengths of more of the same training data, batched as the evaluation batches (squad-doc: every
+    # the costs at the lengths of more of the same training data (batching does not change a cost; squad-doc: every
     # input is as long as the calibration's already)
     cost_examples = None if long else _cost_examples(args)
     cost_data = None

@@ -283,8 +283,7 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
         (["--target", "f1>=3"], "target"),
         (["--method", "efficient:nosuch=1"], "unknown option"),
         (["--cost-examples", "64"], "give --task too"),
-        (["--task", "rte", "--cost-examples", "0"], "--cost-examples is at least 1"),
-        (["--task", "rte", "--cost-batch-size", "-1"], "--cost-batch-size is at least 1"),
+        (["--task", "rte", "--cost-examples", "1"], "--cost-examples is at least 2"),
     ],
 )
 def test_cli_autotune_refuses_bad_arguments_before_loading(tmp_path, capsys, args, words):
@@ -490,17 +489,18 @@ def test_budget_alone_means_the_same_in_python_and_on_the_command_line(bert):
                         methods=CANDIDATES, progress=False)  # fmt: skip
 
 
-def _flops_ratio(choices: list[str], lengths: list[int]) -> float:
-    """The attention FLOPs of ``choices`` (one label per layer) over inputs of ``lengths``, relative to full attention,
-    summed here from each method's cost model (head size 8, as the tiny model's)."""
+def _flops_ratio(choices: list[str], lengths: list[int], convention: str = "flops", d: int = 8) -> float:
+    """The attention FLOPs (or matmul MACs) of ``choices`` (one label per layer) over inputs of ``lengths``, relative
+    to full attention, summed here from each method's cost model (head size ``d``: 8 is the tiny model's)."""
     full = approx.get_method("full")
+    field = "flops" if convention == "flops" else "matmul_macs"
     mine = total = 0.0
     for label in choices:
         setup = as_setup(label)
         method = approx.get_method(setup.method)
         config = method.make_config(**setup.options)
-        mine += sum(method.cost(config, n=n, s=n, d=8, dv=8).flops for n in lengths)
-        total += sum(full.cost(full.config_class(), n=n, s=n, d=8, dv=8).flops for n in lengths)
+        mine += sum(getattr(method.cost(config, n=n, s=n, d=d, dv=d), field) for n in lengths)
+        total += sum(getattr(full.cost(full.config_class(), n=n, s=n, d=d, dv=d), field) for n in lengths)
     return mine / total
 
 
@@ -524,14 +524,29 @@ def test_costs_are_taken_at_the_cost_inputs_lengths_and_the_model_never_runs_on_
         approx.autotune(copy.deepcopy(bert), fit, cost_data=[], budget=0.7, methods=CANDIDATES, progress=False)
 
 
-def test_cli_cost_examples_are_the_splits_first_examples_batched_as_asked(tmp_path, fixture_dir):
+def test_cli_cost_examples_are_the_splits_first_examples(tmp_path, fixture_dir):
+    """The costs at the lengths of the split's first N examples: the reported cost is the chosen layers' cost model
+    summed here over those examples' tokenised lengths (not over the calibration inputs')."""
     from evalfixtures import write_checkpoint
 
     out, checkpoint = tmp_path / "tuned", str(write_checkpoint(tmp_path / "mrpc", "sequence-classification"))
     argv = ["autotune", "--model", checkpoint, "--data-dir", str(fixture_dir), "--task", "mrpc", "--split", "train",
-            "--limit", "8", "--batch-size", "2", "--cost-examples", "12", "--cost-batch-size", "3", "--method",
-            "efficient", "--budget", "2", "--output-dir", str(out), "--quiet"]  # fmt: skip
+            "--limit", "4", "--batch-size", "2", "--cost-examples", "12", "--method", "efficient", "--budget", "2",
+            "--output-dir", str(out), "--quiet"]  # fmt: skip
     assert main(argv) == 0
     record = json.loads((out / "approx_autotune.json").read_text())
-    assert record["calibration_data"]["cost_examples"] == 12 and record["calibration_data"]["cost_batch_size"] == 3
-    assert record["tuning"]["calibration"]["cost_inputs"] == 12
+    assert record["calibration_data"]["cost_examples"] == 12 and record["tuning"]["calibration"]["cost_inputs"] == 12
+    from transformers import AutoTokenizer
+
+    from approx.harness.tasks import get_task
+
+    task = get_task("mrpc")
+    examples, _ = task.load("train", source="local", data_dir=str(fixture_dir), limit=12)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    lengths = [len(f.input_ids) for f in task.features(examples, tok, max_length=128, mode="fine-tuned")]
+    assert len(set(lengths)) > 1  # lengths that differ, so that a wrong sample would show
+    for convention, key in (("flops", "flops_vs_full"), ("matmul", "matmul_vs_softmax")):
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+        d = config["hidden_size"] // config["num_attention_heads"]
+        expected = _flops_ratio(record["tuning"]["choices"], lengths, convention, d=d)
+        assert record["tuning"]["costs"][key] == pytest.approx(expected, rel=1e-9)

@@ -539,6 +539,9 @@ def test_a_squad_length_too_short_for_the_longest_question_is_refused_with_the_l
     assert task.features(examples, tok, max_length=need, mode="fidelity")
     with pytest.raises(ValueError, match="question 'long'"):
         task.features(examples, tok, max_length=need - 1, mode="fidelity")
+    # the same question with a context short enough for one window needs no cutting: read, not refused
+    short_context = [{**examples[1], "context": " ".join(words[:3])}]
+    assert len(task.features(short_context, tok, max_length=40, mode="fidelity")) == 1
 
 
 @pytest.mark.parametrize(

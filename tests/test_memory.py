@@ -196,3 +196,41 @@ def test_the_fidelity_probe_does_not_count_in_a_methods_peak_memory():
         pytest.skip("peak RSS not readable here (Linux /proc/self/clear_refs)")
     without, probed = max(peaks[0], peaks[2]), max(peaks[1], peaks[3])
     assert probed < without + 16, peaks
+
+
+def test_nested_excluded_blocks_pause_a_measurement_once():
+    from approx.harness.memory import PeakMemory, excluded
+
+    with PeakMemory("cpu") as m:
+        with excluded():
+            outer = _touched(192)  # the outer block's own work, before an inner block
+            del outer
+            with excluded():  # the inner block must not read the outer block's peak as the measurement's
+                inner = _touched(64)
+                del inner
+        small = _touched(16)
+        del small
+    if m.mib is None:
+        pytest.skip("peak RSS not readable here (Linux /proc/self/clear_refs)")
+    assert m.mib < 96
+
+
+def test_the_harness_times_and_measures_a_method_without_the_probe(base_model, fixture_dir, monkeypatch):
+    """The fidelity probe (exact attention and the O(N^2) graph on the same inputs) runs in a pass of its own: never
+    while a time or memory measurement is open, whose figures would then carry its work."""
+    import approx
+    from approx.harness import fidelity, memory
+
+    calls, inside = [], []
+    real = fidelity.AttentionProbe.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        inside.append(bool(memory._OPEN))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(fidelity.AttentionProbe, "__call__", spy)
+    results = approx.evaluate(base_model, "wikitext2", ["window:window=4", "efficient"], data_dir=str(fixture_dir),
+                              source="local", limit=2, max_length=24, progress=False)  # fmt: skip
+    assert calls and not any(inside)
+    assert all(r["fidelity"]["attention_relative_error"]["mean"] > 0 for r in results)  # the probe did measure

@@ -27,8 +27,10 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    is the measured one, never the additive estimate. Costs on the path, the budget and the report are the cost
    models at the real lengths of the *cost inputs*, and their data where a cost depends on it (window's global
    question tokens, found as a patched forward finds them). The cost inputs are the check inputs unless
-   ``cost_data`` is given: inputs as the tuned model will be run (e.g. a few hundred of the task's training inputs,
-   batched as they will be), whose lengths alone are read. A few dozen check inputs are a small sample of lengths,
+   ``cost_data`` is given: inputs like those the tuned model will run on (e.g. a few hundred of the task's training
+   inputs), of which only the lengths (and, for a cost that depends on the question, the tokens) are read; every
+   registered cost model counts each input at its own length, so how they are batched does not matter. A few dozen
+   check inputs are a small sample of lengths,
    and a cost that falls or rises steeply with the length (MonarchAttention's blocks, a window wider than most
    inputs) can then rank the candidates otherwise than the inputs the model will meet.
 
@@ -301,11 +303,16 @@ class _Calibration:
         return num / max(den, 1), probe
 
 
-def _masks(model, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _masks(
+    model, inputs: dict[str, torch.Tensor], what: str = "a calibration batch"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What a batch's attention cost depends on besides its shape: its attention mask, and its question tokens (None
     without any) as a patched forward finds them."""
-    if "input_ids" not in inputs or "attention_mask" not in inputs:
-        raise ValueError(f"a calibration batch needs input_ids and attention_mask; got {sorted(inputs)}")
+    if not isinstance(inputs, dict) or "input_ids" not in inputs or "attention_mask" not in inputs:
+        got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(
+            f"{what} needs input_ids and attention_mask; got {got} (give batches, or token-id lists, not both)"
+        )
     question = question_positions(model, inputs["input_ids"], inputs.get("token_type_ids"))
     return inputs["attention_mask"].bool().cpu(), None if question is None else question.cpu()
 
@@ -359,7 +366,7 @@ class Tuning:
         lines.append(
             f"{what}: {'met' if self.met else 'NOT met'}; measured fidelity {self.fidelity:.5f} on "
             f"{self.calibration['check_inputs']} held-out inputs; attention cost {self.cost:.3f} of full "
-            f"({self.cost_convention})"
+            f"({self.cost_convention}, at the lengths of {self.calibration.get('cost_inputs', '?')} inputs)"
         )
         return "\n".join(lines)
 
@@ -497,8 +504,20 @@ class Search:
         fit = _Calibration(model, fit_batches, self.measure)
         self.check = _Calibration(model, check_batches, self.measure)
         self.loss = [[0.0] * (len(labels) + 1) for _ in range(n_layers)]
-        # per convention: costs[convention][layer][option], option 0 full attention
+        # per convention: costs[convention][layer][option], option 0 full attention. The costs the path, the budget and
+        # the report use: each layer's cost model at the cost inputs' lengths (the check inputs', where the
+        # verification runs, unless cost_data was given; the table below: the fit inputs'), taken before the long
+        # measurement so that inputs they cannot be taken at are refused first
         self.costs = {k: [[0.0] * (len(labels) + 1) for _ in range(n_layers)] for k in COSTS}
+        self.cost_inputs = self.check.inputs if cost_batches is None else _inputs(cost_batches)
+        masks = self.check.masks if cost_batches is None else [_masks(model, b, "a cost batch") for b in cost_batches]
+        if not any(bool(mask.any()) for mask, _ in masks):
+            raise ValueError("the cost inputs hold no real token (every attention mask is 0): nothing to take costs at")
+        for convention in COSTS:
+            for i in range(n_layers):
+                self.costs[convention][i][0] = _cost(self.full[i], masks, convention)
+                for c in range(1, len(labels) + 1):
+                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], masks, convention)
         self.table = []
         bar = tqdm(total=n_layers * len(labels), disable=not progress, desc="autotune: each layer alone", unit="run")
         with bar:
@@ -518,15 +537,6 @@ class Search:
                         **{RATIO_NAMES[k]: _share(probe.cost[COSTS[k][0]], probe.cost[COSTS[k][1]]) for k in COSTS},
                     })  # fmt: skip
                     bar.update(1)
-        # the costs the path, the budget and the report use: each layer's cost model at the cost inputs' lengths (the
-        # check inputs', where the verification runs, unless cost_data was given; the table above: the fit inputs')
-        self.cost_inputs = self.check.inputs if cost_batches is None else _inputs(cost_batches)
-        masks = self.check.masks if cost_batches is None else [_masks(model, b) for b in cost_batches]
-        for convention in COSTS:
-            for i in range(n_layers):
-                self.costs[convention][i][0] = _cost(self.full[i], masks, convention)
-                for c in range(1, len(labels) + 1):
-                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], masks, convention)
         self.fit_inputs, self.fit_forwards = fit.inputs, fit.forwards
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
@@ -707,10 +717,10 @@ def autotune(
     ``attention_mask``, e.g. a task's inputs or text windows): shuffled with ``seed`` and halved into the inputs
     measured per layer and the held-out inputs the choice is verified on (dicts are taken as batches and
     alternate); ``check_data``: the held-out inputs given separately (then all of ``data`` is measured);
-    ``cost_data``: inputs as the tuned model will run them (token-id lists batched by ``batch_size``, or batches),
-    at whose real lengths the costs of the search, the budget and the report are taken; the model never runs on them
-    (default: the check inputs). Give a few hundred of the task's inputs when a few dozen check inputs would
-    misrepresent the lengths the model meets.
+    ``cost_data``: inputs like those the tuned model will run on (token-id lists or batches), at whose real lengths
+    the costs of the search, the budget and the report are taken; the model never runs on them (default: the check
+    inputs). Give a few hundred of the task's inputs when a few dozen check inputs would misrepresent the lengths
+    the model meets.
     ``target``: ``"cosine>=X"`` (last hidden states, mean over real tokens), ``"kl<=X"`` (the output
     distributions of a model with a task head) or a float (a cosine); by default ``"cosine>=0.99"``, or none when a
     ``budget`` is given (as ``approx autotune`` takes them). ``methods``: the

@@ -105,9 +105,10 @@ def _check_output(output: str | None) -> None:
 def _write_results(results: list[dict], output: str | None) -> None:
     """``--output``: the result JSON (one object for one method, a list for several)."""
     if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(output).expanduser()  # as _check_output read it
+        path.parent.mkdir(parents=True, exist_ok=True)
         payload = results[0] if len(results) == 1 else results
-        Path(output).write_text(json.dumps(payload, indent=2) + "\n")
+        path.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {output}", file=sys.stderr)
 
 
@@ -444,11 +445,10 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         parse_setup(spec)
     target = None if args.target is None and args.budget is not None else parse_target(args.target or DEFAULT_TARGET)
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
-    if (args.cost_examples is not None or args.cost_batch_size is not None) and args.task is None:
-        raise ValueError("--cost-examples and --cost-batch-size read a task's split: give --task too")
-    for flag, value in (("--cost-examples", args.cost_examples), ("--cost-batch-size", args.cost_batch_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} is at least 1, got {value}")
+    if args.cost_examples is not None and args.task is None:
+        raise ValueError("--cost-examples reads a task's split: give --task too")
+    if args.cost_examples is not None and args.cost_examples < 2:
+        raise ValueError(f"--cost-examples is at least 2 (a sample of the lengths), got {args.cost_examples}")
     task = None if args.task is None else get_task(args.task)
     set_threads(args.threads)
     wall = time.perf_counter()
@@ -472,10 +472,10 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         if args.cost_examples is not None:  # the same split, read again for its lengths (the model never runs on them)
             cost_data = task_batches(
                 model, tokenizer, args.task, split=described["split"], limit=args.cost_examples,
-                max_length=args.max_length, batch_size=args.cost_batch_size or args.batch_size, seed=args.seed,
-                data_dir=args.data_dir, source=args.source,
+                max_length=args.max_length, batch_size=args.batch_size, seed=args.seed, data_dir=args.data_dir,
+                source=args.source,
             )  # fmt: skip
-            described.update(cost_examples=args.cost_examples, cost_batch_size=args.cost_batch_size or args.batch_size)
+            described.update(cost_examples=args.cost_examples)
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
@@ -524,10 +524,9 @@ def _add_autotune_parser(sub) -> None:
         "--cost-examples",
         type=int,
         help="with --task: take the costs (of the search, the budget and the report) at the lengths of the split's "
-        "first N examples, batched by --cost-batch-size, rather than at the held-out calibration inputs' (a few dozen "
-        "inputs are a small sample of lengths)",
+        "first N examples (at least 2; the model does not run on them) rather than at the held-out calibration "
+        "inputs' (a few dozen inputs are a small sample of lengths)",
     )
-    p.add_argument("--cost-batch-size", type=int, help="inputs per batch of --cost-examples (default --batch-size)")
     p.add_argument(
         "--method",
         action="append",

@@ -86,6 +86,7 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         self._kept: float | None = None  # the largest peak of the parts before an excluded block
+        self._paused = 0  # excluded blocks open within this measurement (nested ones pause it once)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -139,12 +140,16 @@ def excluded():
     ``malloc_trim``), and what it still keeps counts."""
     open_ = list(_OPEN)
     for m in open_:
-        m._pause()
+        if m._paused == 0:
+            m._pause()
+        m._paused += 1
     try:
         yield
     finally:
         for m in open_:
-            m._resume()
+            m._paused -= 1
+            if m._paused == 0:
+                m._resume()
 
 
 def _allocations(prof) -> list[tuple[int, int, int]]:

@@ -174,22 +174,28 @@ def doc_stride(max_length: int) -> int:
 
 
 def _check_room(examples, tokenizer, max_length: int) -> None:
-    """Refuse a ``max_length`` that leaves the longest question's windows no more context than their overlap (the
-    tokenizer would panic, an error no ``except Exception`` catches), naming the length that is enough."""
+    """Refuse a ``max_length`` that leaves a question whose input must be cut into windows no more context than their
+    overlap (the tokenizer would panic, an error no ``except Exception`` catches), naming the length that is enough."""
     if not examples:
         return
-    questions = tokenizer([ex["question"].lstrip() for ex in examples], add_special_tokens=False)["input_ids"]
-    longest = max(range(len(examples)), key=lambda i: len(questions[i]))
     specials = tokenizer.num_special_tokens_to_add(pair=True)
-    room = max_length - len(questions[longest]) - specials
-    if room <= doc_stride(max_length):
-        # the least length whose room exceeds its stride (the stride grows with the length up to DOC_STRIDE)
-        need = next(n for n in range(max_length + 1, 10**6) if n - len(questions[longest]) - specials > doc_stride(n))
-        raise ValueError(
-            f"squad: max_length {max_length} leaves question {examples[longest].get('id', longest)!r} "
-            f"({len(questions[longest])} tokens) {room} tokens of context, not more than the {doc_stride(max_length)} "
-            f"that consecutive windows share; use max_length {need} or more, or fewer examples (--limit)"
-        )
+    questions = tokenizer([ex["question"].lstrip() for ex in examples], add_special_tokens=False)["input_ids"]
+    tight = [i for i, q in enumerate(questions) if max_length - len(q) - specials <= doc_stride(max_length)]
+    if not tight:
+        return
+    contexts = tokenizer([examples[i]["context"] for i in tight], add_special_tokens=False)["input_ids"]
+    cut = [i for i, c in zip(tight, contexts, strict=True) if len(questions[i]) + len(c) + specials > max_length]
+    if not cut:  # each fits in one window: nothing to cut, nothing to overlap
+        return
+    longest = max(cut, key=lambda i: len(questions[i]))
+    q = len(questions[longest])
+    # the least length whose room exceeds its stride (the stride grows with the length up to DOC_STRIDE)
+    need = next(n for n in range(max_length + 1, 10**6) if n - q - specials > doc_stride(n))
+    raise ValueError(
+        f"squad: max_length {max_length} leaves question {examples[longest].get('id', longest)!r} ({q} tokens) "
+        f"{max_length - q - specials} tokens of context per window, not more than the {doc_stride(max_length)} that "
+        f"consecutive windows share; use max_length {need} or more, or fewer examples (--limit)"
+    )
 
 
 @register_task
