@@ -8,10 +8,10 @@ allocator is first asked to return the memory it keeps from earlier work (glibc'
 otherwise be reused unseen.
 Elsewhere the figure is None.
 
-Work inside :func:`excluded` is left out of the figure: the harness's own measurements within a forward pass
-(the fidelity probe's exact attention and attention graph, O(N²) where the method is not) are not the method's
-memory. The peak reached before the block is kept, and the mark is reset after it, so the figure is the larger
-of the peaks outside such blocks.
+Work inside :func:`excluded` is left out of the figure: the peak reached before the block is kept, and the mark
+is reset after it, so the figure is the larger of the peaks outside such blocks. The fidelity probe runs its exact
+attention and attention graph (O(N²) where the method is not) in one, for a caller who measures a pass the probe
+runs in; the harness itself times and measures each method in a pass without the probe.
 """
 
 from __future__ import annotations
