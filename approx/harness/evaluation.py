@@ -511,13 +511,7 @@ def evaluate(
         data_source=run.source.describe(),
         **({"positions": run.positions} if run.positions else {}),
     )
-    settings = {
-        "max_length": max_length,
-        "batch_size": batch_size,
-        "limit": limit,
-        "warmup": warmup,
-        "allocations": allocations,
-    }
+    settings = dict(max_length=max_length, batch_size=batch_size, limit=limit, warmup=warmup, allocations=allocations)
     return _results(run, setups, records, settings, prov, predictions)
 
 
