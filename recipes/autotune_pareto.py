@@ -36,6 +36,9 @@ the halves' predictions as the clustered table does.
                                                                   # SQuAD with today's clustering (refine=1)
     python recipes/autotune_pareto.py --tasks squad --question-global --output OTHER.json --figure OTHER.png
                                                                   # SQuAD with the question-global windows too
+    python recipes/autotune_pareto.py --tasks squad --score --output OTHER.json --figure OTHER.png
+                                                                  # SQuAD tuned to keep a share of its F1 (score
+                                                                  # targets, scored on labelled training questions)
     python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output recipes/results/autotune_pareto_squad_doc.json
         --figure recipes/results/figures/autotune_pareto_squad_doc.png --tuned-dir runs/autotune_doc
                                                                   # the long reader at 4096 tokens, in its own files
@@ -61,6 +64,7 @@ import approx
 from approx.harness.autotune import Search, task_batches
 from approx.harness.crossfit import merge_halves
 from approx.harness.provenance import provenance
+from approx.harness.scoring import task_scorer
 from approx.harness.spec import PER_LAYER, short_label
 from approx.harness.tasks import get_task
 from approx.integration import checkpoint_heads, load_pretrained
@@ -99,8 +103,9 @@ def conventions(task: str) -> dict[str, str]:
     return {c: CONVENTIONS[c] for c in TASK_CONVENTIONS.get(task, CONVENTIONS)}
 
 
-def fractions(task: str) -> tuple[float, ...]:
-    return TASK_FRACTIONS.get(task, FRACTIONS)
+def fractions(task: str, score: bool = False) -> tuple[float, ...]:
+    """The target fractions: of the cheapest assignment's loss, or with ``score`` of the unpatched model's score."""
+    return SCORE_FRACTIONS if score else TASK_FRACTIONS.get(task, FRACTIONS)
 
 
 # Targets as fractions of the KL divergence of the cheapest assignment (every layer at its cheapest candidate),
@@ -132,6 +137,11 @@ DOC_CANDIDATES = [
     c for c in long_methods("squad-doc", ["window", "bigbird", "monarch", "linear", "linformer"])
     if not (c.method == "linformer" and c.projections != 64)
 ]  # fmt: skip
+# --score (squad only): targets that keep these fractions of the unpatched reader's F1, verified by a scorer on
+# SCORE_EXAMPLES labelled questions of its training half past the calibration's (never the evaluation's data); the
+# search path is still the KL one
+SCORE_FRACTIONS = (0.99, 0.98, 0.97, 0.95, 0.9, 0.8)
+SCORE_EXAMPLES = 400
 # per task: the cost conventions tuned for (default both) and the target fractions (default FRACTIONS)
 TASK_CONVENTIONS = {"squad-doc": ("flops",)}
 TASK_FRACTIONS = {"squad-doc": (1.0, *(0.5**k for k in range(1, 6)))}
@@ -208,11 +218,17 @@ def tune_checkpoint(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cheapest point misses a zero budget's target by construction
         cheapest = search.choose(None, budget=1e-12, progress=False).fidelity
+    score = getattr(args, "score", False)
+    scorer = None
+    if score:  # labelled questions of the training half past the calibration's
+        scorer = task_scorer(model, tokenizer, task, split=train_split, skip=calibration, limit=SCORE_EXAMPLES,
+                             batch_size=EVAL_BATCH, data_dir=args.data_dir, source=args.source,
+                             progress=not args.quiet)  # fmt: skip
     folders, tunings, saved = [], [], {}
     for convention in conventions(task):
-        for fraction in fractions(task):
-            target = _target(measure, cheapest, fraction)
-            tuning = search.choose(target, cost=convention, progress=False)
+        for fraction in fractions(task, score):
+            target = f"score>={fraction}" if score else _target(measure, cheapest, fraction)
+            tuning = search.choose(target, cost=convention, score=scorer, progress=False)
             key = tuple(tuning.choices)
             if key not in saved:
                 saved[key] = args.tuned_dir / task / folder.name / f"{convention}-{len(saved)}"
@@ -232,6 +248,7 @@ def tune_checkpoint(
         **({"max_length": args.doc_length} if long else {}),
         "measure": measure,
         "cheapest_fidelity": cheapest,
+        **({"scorer": scorer.describe(), "reference_score": tunings[0]["score"]["reference"]} if score else {}),
         "measure_seconds": search.seconds,
         "table": search.table,
         "tunings": tunings,
@@ -266,18 +283,16 @@ def _fraction_text(fraction: float) -> str:
     return "1/" + str(round(1 / fraction)) if 0 < fraction < 1 else str(int(fraction))
 
 
-def _labels(task: str) -> list[tuple[str, float]]:
-    return [(c, f) for c in conventions(task) for f in fractions(task)]
+def _labels(task: str, score: bool = False) -> list[tuple[str, float]]:
+    return [(c, f) for c in conventions(task) for f in fractions(task, score)]
 
 
-def _relabel(results: list[dict[str, Any]], task: str) -> None:
+def _relabel(results: list[dict[str, Any]], task: str, score: bool = False) -> None:
     """One name per target fraction and convention, the same in both halves (their layers differ: kept per half)."""
-    for r, (convention, fraction) in zip(results, _labels(task), strict=False):
+    for r, (convention, fraction) in zip(results, _labels(task, score), strict=False):
         r["tuned_layers"] = r["method"]["layers"]
-        r["method"] = {
-            "name": PER_LAYER,
-            "label": f"autotune {_fraction_text(fraction)} of the cheapest loss, {convention} cost",
-        }
+        what = f"score>={fraction:g}" if score else f"{_fraction_text(fraction)} of the cheapest loss"
+        r["method"] = {"name": PER_LAYER, "label": f"autotune {what}, {convention} cost"}
 
 
 def _evaluate_once(folder: Path, task: str, folders: list[Path], extra: list, **options) -> list[dict[str, Any]]:
@@ -290,10 +305,17 @@ def _evaluate_once(folder: Path, task: str, folders: list[Path], extra: list, **
     return [copy.deepcopy(by_folder[f]) for f in folders] + results[len(unique) :]
 
 
-def refuse_variants(tasks: list[str], clustering: str, question_global: bool, output: Path | None = None) -> None:
-    """Exit, before anything runs, on a variant of the candidates that a task cannot take, or that would overwrite
-    the main run's results (``output`` is :data:`OUTPUT`)."""
+def refuse_variants(
+    tasks: list[str], clustering: str, question_global: bool, output: Path | None = None, score: bool = False
+) -> None:
+    """Exit, before anything runs, on a variant of the candidates or targets that a task cannot take, or that would
+    overwrite the main run's results (``output`` is :data:`OUTPUT`)."""
     for task in tasks:
+        if score and task != "squad":
+            raise SystemExit(
+                f"--score keeps a share of SQuAD's F1 on labelled questions of its training half; {task} is not "
+                "supported by this recipe's score variant (approx.autotune's score targets take any task)"
+            )
         if clustering != "paper" and task not in ("squad", "squad-doc"):
             raise SystemExit(
                 f"--clustering {clustering}: {task}'s uniform rows come from the clustered table, measured with the "
@@ -304,7 +326,8 @@ def refuse_variants(tasks: list[str], clustering: str, question_global: bool, ou
                 f"--question-global adds the question-global windows to squad's candidates; {task} takes none "
                 "(squad-doc's candidates have windows of 64-256 with the question global; GLUE inputs have no question)"
             )
-    if (clustering != "paper" or question_global) and output is not None and output.resolve() == OUTPUT.resolve():
+    variant = clustering != "paper" or question_global or score
+    if variant and output is not None and output.resolve() == OUTPUT.resolve():
         raise SystemExit(
             f"{_relative(OUTPUT)} holds the run with the default candidates; write this variant to its own --output "
             "(and --figure, --tuned-dir)"
@@ -315,10 +338,11 @@ def run_task(task: str, args) -> dict[str, Any]:
     start = time.perf_counter()
     clustering = getattr(args, "clustering", "paper")
     question_global = getattr(args, "question_global", False)
+    score = getattr(args, "score", False)
     side_by_side = (
         task in ("squad", "squad-doc") or getattr(args, "uniform", "table") == "here"
     )  # uniform rows evaluated in this run
-    refuse_variants([task], clustering, question_global)
+    refuse_variants([task], clustering, question_global, score=score)
     methods = candidates(clustering, task, question_global)
     checkpoints = _checkpoints(task, args)
     limit = _limit(task, args, len(checkpoints))
@@ -333,12 +357,12 @@ def run_task(task: str, args) -> dict[str, Any]:
         calibrations.append(calibration)
         results = _evaluate_once(folder, task, folders, methods if side_by_side else [], split=eval_split,
                                  limit=limit, predictions=len(checkpoints) > 1, **common)  # fmt: skip
-        _relabel(results, task)
+        _relabel(results, task, score)
         halves.append(results)
         examples.append(get_task(task).load(eval_split, source=args.source, data_dir=args.data_dir, limit=limit)[0])
     results = halves[0] if len(halves) == 1 else merge_halves(halves, examples)
-    tuned = results[: len(_labels(task))]
-    for k, (r, (convention, fraction)) in enumerate(zip(tuned, _labels(task), strict=True)):
+    tuned = results[: len(_labels(task, score))]
+    for k, (r, (convention, fraction)) in enumerate(zip(tuned, _labels(task, score), strict=True)):
         targets = [c["tunings"][k]["target"] for c in calibrations]
         r.update(autotune={"fraction": fraction, "cost": convention, "targets": targets})
     if side_by_side:
@@ -359,8 +383,9 @@ def run_task(task: str, args) -> dict[str, Any]:
         "uniform_source": source,
         "clustering": clustering,
         "question_global": question_global,
+        "score_targets": score,
         "candidates": [short_label({"name": c.method, **c.to_dict()}) for c in methods],
-        "target_fractions": list(fractions(task)),
+        "target_fractions": list(fractions(task, score)),
         "seconds": time.perf_counter() - start,
     }
 
@@ -444,10 +469,17 @@ def squad_targets(task_record: dict[str, Any]) -> list[dict[str, Any]]:
             "target": f"F1 within 1 % of full ({full:.2f}, so at least {floor:.2f}) at {what}",
             "cheapest_within_1pct": None if best is None else {
                 "target": " / ".join(best["autotune"]["targets"]), "f1": best["metrics"]["f1"], "cost": cost,
+                "exact": _all_exact(best),
             },
             "met": met,
         })  # fmt: skip
     return checks
+
+
+def _all_exact(r: dict[str, Any]) -> bool:
+    """Whether a tuned row is exact attention on every layer (of every half)."""
+    layers = [r["tuned_layers"]] if "tuned_layers" in r else [h["tuned_layers"] for h in r.get("halves", [])]
+    return bool(layers) and all(x["method"] == "full" for half in layers for x in half)
 
 
 def doc_target(task_record: dict[str, Any]) -> dict[str, Any]:
@@ -504,7 +536,15 @@ def markdown(record: dict[str, Any]) -> str:
                 + (f"; costs at the lengths of {c['cost_inputs']} training inputs" if c.get("cost_examples") else "")
                 + f"; every candidate on every layer measured in {c['measure_seconds']:.0f} s; the cheapest "
                 f"assignment's {c.get('measure', 'kl')} "
-                f"{c.get('cheapest_fidelity', c.get('cheapest_kl')):.4g}."
+                f"{c.get('cheapest_fidelity', c.get('cheapest_kl')):.4g}"
+                + (
+                    f"; score targets verified on {c['scorer']['count']} labelled examples of {c['scorer']['split']} "
+                    f"(examples {c['scorer']['examples'].split(' (')[0]}), where the unpatched model's "
+                    f"{c['scorer']['metric']} is {c['reference_score']:.2f}"
+                    if c.get("scorer")
+                    else ""
+                )
+                + "."
             )
         lines.append("")
         timed = task == "squad-doc"  # its target is a time: seconds per example in the tables
@@ -541,6 +581,11 @@ def markdown(record: dict[str, Any]) -> str:
             got = "no tuned model within 1 %" if best is None else (
                 f"cheapest within 1 %: {best['target']}, F1 {best['f1']:.2f} at {best['cost']:.3f}")  # fmt: skip
             verdict = {True: "met", False: "not met", None: "not judged"}[check["met"]]
+            exact = best is not None and best.get("exact", any(  # records from before the field: from the rows
+                _all_exact(r) for r in t["tuned"] if " / ".join(r["autotune"]["targets"]) == best["target"]
+            ))  # fmt: skip
+            if check["met"] and exact:  # no approximate assignment within 1 %: exact attention meets it
+                verdict = "met only by exact attention on every layer"
             lines.append(f"\n- {check['target']}: **{verdict}** ({got})")
         if "doc_target" in t:
             check = t["doc_target"]
@@ -634,6 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "paper's (0, as the clustered table) or today's default; 'default' for squad and squad-doc only")  # fmt: skip
     p.add_argument("--question-global", action="store_true", help="squad only: the window with the question's "
                    "tokens global (w = 32, 64) among the candidates, Longformer's setting for QA")  # fmt: skip
+    p.add_argument("--score", action="store_true", help="squad only: targets that keep a share of the reader's F1 "
+                   f"({', '.join(map(str, SCORE_FRACTIONS))}), scored on {SCORE_EXAMPLES} labelled questions of its "
+                   "training half, instead of KL targets")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
@@ -663,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     args.uniform_dir = args.uniform_dir or (RESULTS / "cpu" if args.profile == "cpu" else RESULTS)
     record = json.loads(args.output.read_text()) if args.output.is_file() else {"tasks": {}}
     if not args.report:
-        refuse_variants(args.tasks, args.clustering, args.question_global, args.output)
+        refuse_variants(args.tasks, args.clustering, args.question_global, args.output, args.score)
         for task in args.tasks:
             for kept in record["tasks"].values():  # tasks of an earlier run keep that run's provenance
                 kept.setdefault("provenance", record.get("provenance"))

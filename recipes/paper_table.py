@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import approx
+from approx.harness.tasks import get_task
 
 __all__ = ["PAPER", "load_results", "markdown_table", "pattern_checks", "method_label"]
 
@@ -78,18 +79,8 @@ TASK_NAMES = {
     "wnli": "WNLI",
     "squad": "SQuAD",
 }
-PRIMARY_METRIC = {
-    "cola": "matthews_correlation",
-    "mnli": "accuracy_matched",
-    "mrpc": "accuracy",
-    "qnli": "accuracy",
-    "qqp": "accuracy",
-    "rte": "accuracy",
-    "sst2": "accuracy",
-    "stsb": "pearson",
-    "wnli": "accuracy",
-    "squad": "f1",
-}
+# the metric each task's table row reports: the task's own primary metric (approx tasks)
+PRIMARY_METRIC = {t: get_task(t).primary_metric for t in TASK_NAMES}
 WITHIN = 0.01  # i-clustered-25 must stay within 1 % (relative) of full
 CLEARLY_WORSE = 0.05  # clustered-25 "clearly worse": more than 5 % (relative) below full
 RESULT_GLOB = "clustered_table_*.json"

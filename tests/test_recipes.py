@@ -660,6 +660,69 @@ def test_autotune_pareto_question_global_adds_the_windows_for_squad_only(tmp_pat
     assert not out.exists()
 
 
+def test_autotune_pareto_score_targets_on_squad(base_model, fixture_dir, tmp_path, monkeypatch):
+    """``--score``: SQuAD tuned to keep shares of its F1, scored on labelled questions of its training half past the
+    calibration's (never the evaluation half); each tuned row carries its score record, and the variant is refused for
+    other tasks and over the main run's JSON before anything runs."""
+    pareto = _recipe("autotune_pareto")
+    few = [approx.get_method("efficient").make_config(), approx.get_method("nystrom").make_config(landmarks=4)]
+    monkeypatch.setattr(pareto, "CANDIDATES", few)
+    monkeypatch.setattr(pareto, "SCORE_FRACTIONS", (0.9, 0.5))
+    monkeypatch.setattr(pareto, "SCORE_EXAMPLES", 3)
+    out, fig = tmp_path / "score.json", tmp_path / "score.png"
+    argv = [
+        *("--tasks", "squad", "--score", "--profile", "cpu", "--calibration", "4", "--cost-examples", "0"),
+        *("--tuned-dir", str(tmp_path / "tuned"), "--output", str(out), "--figure", str(fig)),
+        *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local"),
+        *("--limit", "4", "--max-steps", "1", "--checkpoints", str(tmp_path / "ck"), "--quiet"),
+    ]
+    assert pareto.main(argv) == 0
+    squad = json.loads(out.read_text())["tasks"]["squad"]
+    assert squad["score_targets"] and squad["target_fractions"] == [0.9, 0.5]
+    (c,) = squad["calibration"]
+    assert c["scorer"]["split"] == "dev/0" and c["scorer"]["examples"].startswith("4 to ")
+    assert c["scorer"]["metric"] == "f1" and c["scorer"]["task"] == "squad"
+    assert [t["target"] for t in c["tunings"]] == ["score>=0.9", "score>=0.5"] * 2
+    assert all(t["score"]["reference"] == c["reference_score"] for t in c["tunings"])
+    assert [r["method"]["label"] for r in squad["tuned"]][:2] == [
+        "autotune score>=0.9, flops cost", "autotune score>=0.5, flops cost"
+    ]  # fmt: skip
+    assert "score targets verified on" in pareto.markdown({"tasks": {"squad": squad}})
+    for tasks in (["rte"], ["squad", "rte"]):
+        with pytest.raises(SystemExit, match="--score"):
+            pareto.main(["--tasks", *tasks, "--score", "--quiet", "--output", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="its own --output"):
+        pareto.main(["--tasks", "squad", "--score", "--quiet"])
+
+
+def test_autotune_pareto_squad_target_met_by_exact_attention_alone_says_so():
+    """A SQuAD target whose cheapest tuned model within 1 % is exact attention on every layer reads "met only by exact
+    attention", from the check's own flag or, in records from before it, from the rows."""
+    pareto = _recipe("autotune_pareto")
+    exact = {"tuned_layers": [{"layer": i, "method": "full", "config": {}} for i in range(2)]}
+    mixed = {"tuned_layers": [{"layer": 0, "method": "full", "config": {}}, {"layer": 1, "method": "linear", "config": {}}]}
+    assert pareto._all_exact(exact) and not pareto._all_exact(mixed)
+    assert pareto._all_exact({"halves": [exact, exact]}) and not pareto._all_exact({"halves": [exact, mixed]})
+
+    def row(target, f1, cost, layers=None, method=None):
+        return {**(layers or {}), "method": method or {"name": "per-layer"}, "metrics": {"f1": f1},
+                "autotune": {"cost": "flops", "targets": [target]}, "reference_metrics": {"f1": 50.0},
+                "fidelity": {"cost": {"flops_vs_full": cost, "matmul_vs_softmax_model": cost}}}  # fmt: skip
+
+    icl25 = pareto.candidates("paper")[1]
+    uniform = row("-", 49.0, 2.0, method={"name": icl25.method, **icl25.to_dict()})
+    for cheap_f1, verdict in ((40.0, "met only by exact attention on every layer"), (49.9, "met")):
+        t = {"task": "squad", "metric": "f1", "tuned": [row("kl<=0", 50.0, 1.0, exact), row("kl<=1", cheap_f1, 0.5,
+             mixed)], "uniform": [uniform], "calibration": [], "uniform_source": "here", "dominance": {}}  # fmt: skip
+        t["targets"] = pareto.squad_targets(t)
+        flops = t["targets"][0]
+        assert flops["met"] and flops["cheapest_within_1pct"]["exact"] == (cheap_f1 == 40.0)
+        for record in (t, {**t, "targets": [{**flops, "cheapest_within_1pct": {
+                k: v for k, v in flops["cheapest_within_1pct"].items() if k != "exact"}}]}):  # fmt: skip
+            line = next(x for x in pareto.markdown({"tasks": {"squad": record}}).splitlines() if "full cost" in x)
+            assert f"**{verdict}**" in line
+
+
 def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_percent():
     """Judged on hand-made rows: the fastest tuned and uniform rows at >= 99 % of exact F1 are compared by seconds per
     example; a faster uniform row that loses F1 does not count; a reader under MIN_EXACT_F1 is not judged."""

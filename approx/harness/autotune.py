@@ -49,7 +49,7 @@ import random
 import re
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ from ..integration import (
     attention_modules,
     attention_probe,
     is_patched,
+    model_head_from_name,
     patch,
     patched_layers,
     question_positions,
@@ -73,6 +74,7 @@ from ..layer import ApproxAttention
 from ..registry import get_method
 from .fidelity import AttentionProbe
 from .fitting import as_batches, input_list
+from .scoring import relative
 from .spec import Setup, as_setup, short_label
 
 __all__ = [
@@ -82,6 +84,7 @@ __all__ = [
     "Tuning",
     "autotune",
     "check_goal",
+    "default_measure",
     "hull_path",
     "parse_target",
     "task_batches",
@@ -106,7 +109,7 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
 COSTS = {"flops": (0, 2), "matmul": (4, 5)}  # the convention -> (method, full) slots of AttentionProbe.cost
 RATIO_NAMES = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax"}  # as the harness's cost block names them
 
-_TARGET = re.compile(r"^\s*(cosine|kl)\s*(>=|<=)\s*([0-9.eE+-]+)\s*$")
+_TARGET = re.compile(r"^\s*(cosine|kl|score)\s*(>=|<=)\s*([0-9.eE+-]+)\s*$")
 _NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
 
 
@@ -119,16 +122,19 @@ DEFAULT_TARGET = _DefaultTarget("cosine>=0.99")
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """End-to-end fidelity to the unpatched model: ``cosine >= value`` (mean over real tokens of the cosine
-    between the last hidden states) or ``kl <= value`` (mean KL(unpatched || patched) of the output
-    distributions: per input for classification and each of a QA head's start and end, per real token for a
-    masked-LM head)."""
+    """What the tuned model must keep. End-to-end fidelity to the unpatched model: ``cosine >= value`` (mean over real
+    tokens of the cosine between the last hidden states) or ``kl <= value`` (mean KL(unpatched || patched) of the
+    output distributions: per input for classification and each of a QA head's start and end, per real token for a
+    masked-LM head). Or a task's metric: ``score >= value``, the tuned model's score at least ``value`` times the
+    unpatched model's on the labelled examples of a scorer (:func:`~approx.harness.scoring.task_scorer`)."""
 
     measure: str
     value: float
 
     def met(self, fidelity: float) -> bool:
-        return fidelity >= self.value if self.measure == "cosine" else fidelity <= self.value
+        """Whether ``fidelity`` (in this target's measure; for ``score``, the score as a fraction of the unpatched
+        model's) meets the target."""
+        return fidelity <= self.value if self.measure == "kl" else fidelity >= self.value
 
     def loss(self, fidelity: float) -> float:
         """What the search adds up per layer: 1 − cosine, or the KL divergence (never below 0; infinite when the
@@ -138,28 +144,40 @@ class Target:
         return max(1.0 - fidelity if self.measure == "cosine" else fidelity, 0.0)
 
     def __str__(self) -> str:
-        return f"{self.measure}{'>=' if self.measure == 'cosine' else '<='}{self.value:g}"
+        return f"{self.measure}{'<=' if self.measure == 'kl' else '>='}{self.value:g}"
 
 
 def parse_target(target: str | float | Target) -> Target:
-    """``"cosine>=0.99"``, ``"kl<=0.01"`` or a float (a cosine) -> :class:`Target`; ``ValueError`` otherwise."""
+    """``"cosine>=0.99"``, ``"kl<=0.01"``, ``"score>=0.99"`` or a float (a cosine) -> :class:`Target`; ``ValueError``
+    otherwise."""
     if isinstance(target, Target):
         return target
     if isinstance(target, (int, float)) and not isinstance(target, bool):
         target = f"cosine>={target}"
-    expected = f"target {target!r}: expected 'cosine>=X' (X at most 1), 'kl<=X' (X >= 0) or a number (a cosine)"
+    expected = (
+        f"target {target!r}: expected 'cosine>=X' (X at most 1), 'kl<=X' (X >= 0), 'score>=X' (a fraction of the "
+        "unpatched model's score, above 0) or a number (a cosine)"
+    )
     if isinstance(target, str) and _NUMBER.match(target):  # "0.99" as a command line gives it
         target = f"cosine>={target.strip()}"
     m = _TARGET.match(target) if isinstance(target, str) else None
-    if m is None or (m.group(1) == "cosine") != (m.group(2) == ">="):
+    if m is None or (m.group(1) == "kl") == (m.group(2) == ">="):
         raise ValueError(expected)
     try:
         value = float(m.group(3))
     except ValueError:
         raise ValueError(expected) from None
-    if (m.group(1) == "cosine" and not -1.0 <= value <= 1.0) or (m.group(1) == "kl" and value < 0):
-        raise ValueError(f"target {target!r}: a cosine lies in [-1, 1] and a KL divergence is at least 0")
-    return Target(m.group(1), value)
+    measure = m.group(1)
+    if (
+        (measure == "cosine" and not -1.0 <= value <= 1.0)
+        or (measure == "kl" and not value >= 0)
+        or (measure == "score" and not (value > 0 and math.isfinite(value)))
+    ):
+        raise ValueError(
+            f"target {target!r}: a cosine lies in [-1, 1], a KL divergence is at least 0 and a score target is a "
+            "fraction of the unpatched model's score above 0 (0.99: within 1 %)"
+        )
+    return Target(measure, value)
 
 
 def check_goal(target, budget: float | None) -> Target | None:
@@ -172,6 +190,20 @@ def check_goal(target, budget: float | None) -> Target | None:
     if budget is not None and not budget > 0:
         raise ValueError(f"budget is a cost relative to full attention, above 0; got {budget!r}")
     return goal
+
+
+def check_score(goal: Target | None, score) -> bool:
+    """Whether ``goal`` is a score target; a score target needs a ``score`` callable, and only a score target takes
+    one."""
+    scoring = goal is not None and goal.measure == "score"
+    if scoring and not callable(score):
+        raise ValueError(
+            f"target {goal} keeps a task's score: pass score=, a callable giving the metric of the model as it is "
+            "(approx.harness.scoring.task_scorer(model, tokenizer, task, split=...))"
+        )
+    if score is not None and not scoring:
+        raise ValueError(f"score= is read by a score target (e.g. 'score>=0.99') only; the target is {goal}")
+    return scoring
 
 
 # ----------------------------------------------------------------------------------------------------- search
@@ -336,11 +368,13 @@ class Tuning:
     """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
     ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost at the cost
     inputs (the check inputs unless ``cost_data`` was given), relative to full attention in the tuning's convention
-    (``costs``: in both). ``met``: whether ``fidelity`` meets the target and ``cost`` the budget. ``table``: per layer
-    and candidate, the loss, attention error and cost ratios measured with that layer alone replaced (on the fit
-    inputs); ``path``: the search's assignments (cost ratio at the cost inputs, estimated loss, and the measured
-    fidelity of the ones verified); ``calibration``: the numbers of fit, check and cost inputs, the forward passes
-    and the seconds taken."""
+    (``costs``: in both). ``met``: whether ``fidelity`` (a score target: ``score``) meets the target and ``cost`` the
+    budget. ``table``: per layer and candidate, the loss, attention error and cost ratios measured with that layer
+    alone replaced (on the fit inputs); ``path``: the search's assignments (cost ratio at the cost inputs, estimated loss, and the measured
+    fidelity of the ones verified, or with a score target the score of the ones scored, as a fraction of the unpatched
+    model's); ``calibration``: the numbers of fit, check and cost inputs, the forward passes and the seconds taken;
+    ``score`` (a score target only): the tuned model's score (``value``), the unpatched model's (``reference``), their
+    ratio (``relative``, what the target judges) and what the scorer reads (``scorer``)."""
 
     choices: list[str]
     fidelity: float
@@ -355,6 +389,7 @@ class Tuning:
     path: list[dict[str, Any]]
     calibration: dict[str, Any]
     seed: int
+    score: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -363,8 +398,16 @@ class Tuning:
         """A few lines for a terminal: each layer's choice, then fidelity and cost."""
         lines = [f"layer {i}: {c}" for i, c in enumerate(self.choices)]
         what = f"target {self.target}" if self.target else f"budget {self.budget:g}"
+        if self.score is not None:
+            scorer = self.score["scorer"]
+            where = f" ({scorer['metric']} on {scorer['count']} labelled examples)" if isinstance(scorer, dict) else ""
+            what += (
+                f": {'met' if self.met else 'NOT met'}; score {self.score['value']:.4g}{where}, "
+                f"{self.score['relative']:.4f} of the unpatched model's {self.score['reference']:.4g}"
+            )
         lines.append(
-            f"{what}: {'met' if self.met else 'NOT met'}; measured fidelity {self.fidelity:.5f} on "
+            f"{what}{'' if self.score is not None else ': met' if self.met else ': NOT met'}; measured fidelity "
+            f"{self.fidelity:.5f} on "
             f"{self.calibration['check_inputs']} held-out inputs; attention cost {self.cost:.3f} of full "
             f"({self.cost_convention}, at the lengths of {self.calibration.get('cost_inputs', '?')} inputs)"
         )
@@ -541,6 +584,8 @@ class Search:
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
         self.measured: dict[tuple[int, ...], tuple[float, AttentionProbe]] = {}  # by assignment, shared by paths
+        # per scorer (by id, the scorer kept beside): its raw scores by assignment, None the unpatched model's
+        self.scores: dict[int, tuple[Callable, dict[tuple[int, ...] | None, float]]] = {}
 
     def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
@@ -578,24 +623,46 @@ class Search:
             log.info("autotune: %s: %.5f", key, self.measured[key][0])
         return self.measured[key][0]
 
+    def _scored(self, assignment: Sequence[int] | None, score) -> float:
+        """``score`` of an assignment (None: the unpatched model) as a fraction of the unpatched model's score, each
+        run once per scorer, then remembered."""
+        cache = self.scores.setdefault(id(score), (score, {}))[1]  # the scorer kept: its id stays its own
+        key = None if assignment is None else tuple(assignment)
+        if None not in cache:
+            cache[None] = float(score(self.model))  # the model is unpatched here (choose unpatches it first)
+            relative(cache[None], cache[None])  # refuses a reference of 0, below or not a number
+        if key not in cache:
+            attach(self.model, self._layers(assignment))
+            try:
+                cache[key] = float(score(self.model))
+            finally:
+                unpatch(self.model)
+            log.info("autotune: %s: score %.5f", key, cache[key])
+        return relative(cache[key], cache[None])
+
     def choose(
         self,
         target: str | float | Target | None = None,
         budget: float | None = None,
         *,
         cost: str | None = None,
+        score: Callable[[torch.nn.Module], float] | None = None,
         progress: bool = True,
     ) -> Tuning:
-        """Step 3: patch the model with the cheapest path point whose measured fidelity meets ``target`` (by
-        bisection along the path, as if fidelity fell monotonically along it), or with ``budget`` alone the dearest
-        point within it (the lowest estimated loss); returns the :class:`Tuning`. ``cost``: the convention of the path
-        and the budget (default: the search's). The model is unpatched first (a patch of this search's or any)."""
+        """Step 3: patch the model with the cheapest path point that meets ``target`` (by bisection along the path,
+        as if fidelity fell monotonically along it), or with ``budget`` alone the dearest point within it (the lowest
+        estimated loss); returns the :class:`Tuning`. ``cost``: the convention of the path and the budget (default:
+        the search's). ``score``: with a ``score>=X`` target, a callable giving the task's metric of the model as it
+        is (:func:`~approx.harness.scoring.task_scorer`): the target is met where it is at least X times the unpatched
+        model's (the path is still the search's, built from its fidelity measure). The model is unpatched first (a
+        patch of this search's or any)."""
         wall = time.perf_counter()
         goal = check_goal(target, budget)
         convention = cost or self.cost_convention
         if convention not in COSTS:
             raise ValueError(f"cost convention {convention!r} unknown; choose one of: {', '.join(COSTS)}")
-        if goal is not None and goal.measure != self.measure.measure:
+        scoring = check_score(goal, score)
+        if goal is not None and not scoring and goal.measure != self.measure.measure:
             raise ValueError(
                 f"target {goal} is a {goal.measure} target, and this search measured {self.measure.measure}"
             )
@@ -605,30 +672,46 @@ class Search:
         within = [j for j, p in enumerate(points) if budget is None or p["cost"] <= budget + 1e-12]
         last = len(points) - 1  # the bisection's runs: the path's end, then ceil(log2(last)) halvings (a budget: one)
         steps = 1 if goal is None or last < 2 else 1 + math.ceil(math.log2(last))
+
+        def value(j: int) -> float:  # what the target judges at path point j
+            return self._scored(path[j], score) if scoring else self._verify(path[j])
+
         with _evaluating(self.model), torch.inference_mode():
             with tqdm(total=steps, disable=not progress, desc="autotune: verify", unit="run") as bar:
-                chosen = self._bisect(path, goal, within, bar)
+                chosen = self._bisect(path, None if goal is None else lambda j: goal.met(value(j)), within, bar)
                 bar.total = bar.n  # the path's end may meet the target: fewer runs than the bracket allows
                 bar.refresh()
-            fidelity = self.measured[tuple(path[chosen])][0]
-            met = goal.met(fidelity) if goal else True
+            met = goal.met(value(chosen)) if goal else True
             if goal is not None and not met:
+                what = "of the unpatched model's score" if scoring else "end to end"
                 warnings.warn(
-                    f"autotune: even full attention on every layer measures {fidelity:.5f}, short of {goal}",
+                    f"autotune: even full attention on every layer measures {value(chosen):.5f} {what}, short of "
+                    f"{goal}",
                     stacklevel=2,
                 )
             if budget is not None and points[chosen]["cost"] > budget + 1e-12:
                 met = False
                 if goal is not None and within:
                     chosen = within[0]
-                    fidelity = self._verify(path[chosen])
                 warnings.warn(
                     f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along the "
-                    f"search path; kept the assignment at cost {points[chosen]['cost']:.3f} (fidelity {fidelity:.5f})",
+                    f"search path; kept the assignment at cost {points[chosen]['cost']:.3f} (measures "
+                    f"{value(chosen) if goal else self._verify(path[chosen]):.5f})",
                     stacklevel=2,
                 )
+            fidelity = self._verify(path[chosen])  # the search's fidelity measure, for a score target too
+            scored = None
+            if scoring:
+                cache = self.scores[id(score)][1]
+                scored = {
+                    "value": cache[tuple(path[chosen])],
+                    "reference": cache[None],
+                    "relative": value(chosen),
+                    "scorer": score.describe() if hasattr(score, "describe") else _name(score),
+                }
         attach(self.model, self._layers(path[chosen]))
         costs = {RATIO_NAMES[k]: self._ratio(path[chosen], k) for k in COSTS}
+        relative_scores = self.scores[id(score)][1] if scoring else {}
         tuning = Tuning(
             choices=points[chosen]["choices"],
             fidelity=fidelity,
@@ -641,7 +724,15 @@ class Search:
             candidates=list(self.labels),
             table=self.table,
             path=[
-                {**p, **({"measured_fidelity": self.measured[tuple(a)][0]} if tuple(a) in self.measured else {})}
+                {
+                    **p,
+                    **({"measured_fidelity": self.measured[tuple(a)][0]} if tuple(a) in self.measured else {}),
+                    **(
+                        {"measured_score": relative(relative_scores[tuple(a)], relative_scores[None])}
+                        if tuple(a) in relative_scores
+                        else {}
+                    ),
+                }
                 for a, p in zip(path, points, strict=True)
             ],
             calibration={
@@ -653,31 +744,39 @@ class Search:
                 "choose_seconds": time.perf_counter() - wall,
             },
             seed=self.seed,
+            score=scored,
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
 
-    def _bisect(self, path: list[list[int]], goal: Target | None, within: list[int], bar) -> int:
+    def _bisect(self, path: list[list[int]], meets: Callable[[int], bool] | None, within: list[int], bar) -> int:
+        """The chosen path point: with ``meets`` (whether point j meets the target, measured), the cheapest that
+        does, by bisection; without (a budget alone), the first within the budget, measured."""
         last = len(path) - 1
-        if goal is None:  # budget alone: the most faithful point (by the estimate) within it, measured
+        if meets is None:  # budget alone: the most faithful point (by the estimate) within it, measured
             chosen = within[0] if within else last
             self._verify(path[chosen])
             bar.update(1)
             return chosen
-        met = goal.met(self._verify(path[last]))
+        met = meets(last)
         bar.update(1)
         if met:
             return last
         lo, hi = 0, last  # as if fidelity fell monotonically along the path: hi misses the target
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if goal.met(self._verify(path[mid])):
+            if meets(mid):
                 lo = mid
             else:
                 hi = mid
             bar.update(1)
-        self._verify(path[lo])
+        meets(lo)
         return lo
+
+
+def _name(fn) -> str:
+    """A callable's name for a record (no memory address)."""
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 class _evaluating:  # noqa: N801
@@ -702,6 +801,8 @@ def autotune(
     methods: Sequence[str | Setup | MethodConfig] | None = None,
     budget: float | None = None,
     cost: str = "flops",
+    score: Callable[[torch.nn.Module], float] | None = None,
+    measure: str | None = None,
     check_data: Iterable | None = None,
     cost_data: Iterable | None = None,
     batch_size: int = 8,
@@ -723,7 +824,11 @@ def autotune(
     the model meets.
     ``target``: ``"cosine>=X"`` (last hidden states, mean over real tokens), ``"kl<=X"`` (the output
     distributions of a model with a task head) or a float (a cosine); by default ``"cosine>=0.99"``, or none when a
-    ``budget`` is given (as ``approx autotune`` takes them). ``methods``: the
+    ``budget`` is given (as ``approx autotune`` takes them). ``"score>=X"`` keeps X times the unpatched model's
+    task metric instead, as ``score`` (a callable giving the metric of the model as it is, e.g.
+    :func:`~approx.harness.scoring.task_scorer` on labelled examples the model will not be evaluated on) measures
+    it; the path is then searched with ``measure`` (``"kl"`` or ``"cosine"``; default: ``"kl"`` for a model whose head
+    gives distributions, else ``"cosine"``) and verified by the score. ``methods``: the
     candidate methods with their budgets (``"i-clustered:clusters=50"``, Setups or configs; default
     :data:`DEFAULT_CANDIDATES`); full attention is always one. ``budget``: the highest attention cost allowed,
     relative to full attention in the ``cost`` convention (``"flops"``: approx's full cost model;
@@ -735,11 +840,25 @@ def autotune(
     if isinstance(target, _DefaultTarget) and budget is not None:  # a budget alone, as on the command line
         target = None
     goal = check_goal(target, budget)  # refused before anything is measured
+    scoring = check_score(goal, score)
+    if measure is not None and goal is not None and not scoring and measure != goal.measure:
+        raise ValueError(f"measure {measure!r} given with target {goal}: a {goal.measure} target is measured so")
+    if measure is None:
+        measure = default_measure(model) if scoring else goal.measure if goal else "cosine"
     search = Search(
-        model, data, measure=goal.measure if goal else "cosine", methods=methods, cost=cost, check_data=check_data,
+        model, data, measure=measure, methods=methods, cost=cost, check_data=check_data,
         cost_data=cost_data, batch_size=batch_size, pad_id=pad_id, seed=seed, progress=progress,
     )  # fmt: skip
-    return search.choose(goal, budget, progress=progress)
+    return search.choose(goal, budget, score=score, progress=progress)
+
+
+def default_measure(model: torch.nn.Module) -> str:
+    """The search's fidelity measure under a score target: ``"kl"`` when the model's head gives distributions
+    (classification, QA, masked LM), ``"cosine"`` for a bare encoder or a regression head (one score per input)."""
+    head = model_head_from_name(type(model).__name__)
+    if head == "base" or (head == "sequence-classification" and getattr(model.config, "num_labels", 2) == 1):
+        return "cosine"
+    return "kl"
 
 
 def _full_layers(model) -> dict[int, ApproxAttention]:

@@ -149,17 +149,27 @@ def tasks_markdown() -> str:
     from .tasks import get_task, tasks
 
     rows = [
-        "| task | version | metrics | modes (checkpoint head: mode) | max length | splits |",
+        "| task | version | metrics (primary in bold; lower is better: ↓) | modes (checkpoint head: mode) | max length "
+        "| splits |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in tasks():
         t = get_task(name).describe()
         modes = ", ".join(f"{h}: {m}" for h, m in t["modes"].items())
         rows.append(
-            f"| `{name}` | {t['version']} | {', '.join(t['metrics'])} | {modes} | {t['default_max_length']} | "
+            f"| `{name}` | {t['version']} | {_metrics_text(t, '**')} | {modes} | {t['default_max_length']} | "
             f"{', '.join(t['splits'])} |"
         )
     return "\n".join(rows)
+
+
+def _metrics_text(t: dict, mark: str = "") -> str:
+    """A task's metrics, the primary one marked (``mark`` around it, or "(primary)"), lower-is-better ones with ↓."""
+    out = []
+    for m in t["metrics"]:
+        text = f"{m} ↓" if m in t["lower_is_better"] else m
+        out.append((f"{mark}{text}{mark}" if mark else f"{text} (primary)") if m == t["primary_metric"] else text)
+    return ", ".join(out)
 
 
 def _cmd_tasks(args: argparse.Namespace) -> int:
@@ -172,7 +182,7 @@ def _cmd_tasks(args: argparse.Namespace) -> int:
         t = get_task(name).describe()
         print(f"{name} (v{t['version']}): {t['summary']}")
         print(
-            f"    metrics: {', '.join(t['metrics'])}; max length {t['default_max_length']}; splits: {', '.join(t['splits'])}"
+            f"    metrics: {_metrics_text(t)}; max length {t['default_max_length']}; splits: {', '.join(t['splits'])}"
         )
         print("    modes: " + ", ".join(f"{m} (checkpoint head: {h})" for h, m in t["modes"].items()))
     return 0
@@ -438,6 +448,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     from .autotune import DEFAULT_CANDIDATES, DEFAULT_TARGET, autotune, check_goal, parse_target, task_batches
     from .data import wikitext_windows
     from .provenance import provenance
+    from .scoring import task_scorer
     from .tasks import get_task
 
     candidates = args.method or list(DEFAULT_CANDIDATES)
@@ -450,6 +461,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     if args.cost_examples is not None and args.cost_examples < 2:
         raise ValueError(f"--cost-examples is at least 2 (a sample of the lengths), got {args.cost_examples}")
     task = None if args.task is None else get_task(args.task)
+    score_split = _score_split(args, target, task)  # a score target's data checked before loading anything
     set_threads(args.threads)
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
@@ -457,7 +469,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     head = heads[0] if heads else None
     model, tokenizer = load_pretrained(model_path, task=head, progress=not args.quiet)
     model.eval()
-    cost_data = None
+    cost_data = score = None
     if args.task is not None:
         data = task_batches(
             model, tokenizer, args.task, split=args.split, limit=args.limit, max_length=args.max_length,
@@ -476,12 +488,20 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
                 source=args.source,
             )  # fmt: skip
             described.update(cost_examples=args.cost_examples)
+        if score_split is not None:  # labelled examples past the calibration's when both read one split
+            score = task_scorer(
+                model, tokenizer, args.task, split=score_split, metric=args.metric,
+                skip=args.limit if score_split == described["split"] else 0, limit=args.score_examples,
+                max_length=args.max_length, batch_size=args.batch_size, data_dir=args.data_dir, source=args.source,
+                progress=not args.quiet,
+            )  # fmt: skip
+            described.update(score=score.describe())
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
     tuning = autotune(
         model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost, cost_data=cost_data,
-        batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
+        score=score, batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
     )  # fmt: skip
     out = save(model, args.output_dir, tokenizer=tokenizer)
     record = {
@@ -497,6 +517,28 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
     print(f"wrote {out} (evaluate it with `approx eval {model_flag}{task_flag} --method {folder}`)", file=sys.stderr)
     return 0
+
+
+def _score_split(args: argparse.Namespace, target, task) -> str | None:
+    """The split a score target scores on (None without one); the score flags checked against the target."""
+    scoring = target is not None and target.measure == "score"
+    if not scoring:
+        given = [f for f, v in (("--score-examples", args.score_examples), ("--score-split", args.score_split),
+                                ("--metric", args.metric)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(f"{', '.join(given)}: for a score target only (--target score>=X)")
+        return None
+    if task is None:
+        raise ValueError("a score target keeps a task's metric: give --task, and --score-examples N")
+    if args.score_examples is None or args.score_examples < 1:
+        raise ValueError("a score target needs --score-examples N (at least 1): the labelled examples it scores on")
+    split = args.score_split or args.split or task.default_split
+    if split == (args.split or task.default_split) and args.limit is None:
+        raise ValueError(
+            "--score-examples reads the calibration split past its first --limit examples: give --limit, or "
+            "--score-split (another split the model will not be evaluated on)"
+        )
+    return split
 
 
 def _add_autotune_parser(sub) -> None:
@@ -516,8 +558,17 @@ def _add_autotune_parser(sub) -> None:
     p.add_argument(
         "--target",
         help="end-to-end fidelity to reach: cosine>=X (last hidden states), kl<=X (the head's outputs) or a number "
-        "(a cosine) (default cosine>=0.99; none when only --budget is given)",
+        "(a cosine) (default cosine>=0.99; none when only --budget is given); or score>=X: X times the unpatched "
+        "model's task metric on --score-examples labelled examples",
     )
+    p.add_argument(
+        "--score-examples",
+        type=int,
+        help="with a score target: the labelled examples scored, the calibration split's after its first --limit "
+        "(or --score-split's first)",
+    )
+    p.add_argument("--score-split", help="with a score target: the split to score on (default: the calibration split)")
+    p.add_argument("--metric", help="with a score target: the task's metric to keep (default: its primary metric)")
     p.add_argument("--budget", type=float, help="highest attention cost allowed, relative to full attention")
     p.add_argument("--cost", default="flops", choices=list(COSTS), help="cost convention (default flops)")
     p.add_argument(

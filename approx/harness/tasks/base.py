@@ -146,11 +146,19 @@ class Task:
     name: ClassVar[str]
     version: ClassVar[int]
     metrics: ClassVar[tuple[str, ...]]
+    # the metric one number reports (default: the first of ``metrics``), and the metrics where lower is better
+    primary: ClassVar[str | None] = None
+    lower_is_better: ClassVar[frozenset[str]] = frozenset()
     default_max_length: ClassVar[int]
     # checkpoint heads the task can use, best first, with the mode each one runs; "base" is any encoder
     modes: ClassVar[dict[str, str]]
     splits: ClassVar[tuple[str, ...]] = ("dev",)
     default_split: ClassVar[str] = "dev"
+
+    @property
+    def primary_metric(self) -> str:
+        """The metric a single number reports (what a ``score`` target of ``approx.autotune`` keeps)."""
+        return self.primary or self.metrics[0]
 
     # ------------------------------------------------------------------------------------------ data
     def local_files(self, split: str) -> list[str | tuple[str, ...]]:
@@ -312,6 +320,8 @@ class Task:
             "name": self.name,
             "version": self.version,
             "metrics": list(self.metrics),
+            "primary_metric": self.primary_metric,
+            "lower_is_better": sorted(self.lower_is_better),
             "default_max_length": self.default_max_length,
             "modes": dict(self.modes),
             "splits": list(self.splits),

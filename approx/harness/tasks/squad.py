@@ -205,6 +205,7 @@ class Squad(Task):
     name = "squad"
     version = 1
     metrics = ("exact_match", "f1")
+    primary = "f1"
     default_max_length = 384
     modes: ClassVar[dict[str, str]] = {"question-answering": "fine-tuned"}
     splits = ("dev", "train")

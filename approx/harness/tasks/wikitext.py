@@ -196,6 +196,7 @@ class WikiText2(WikiText):
 
     name, folder, hub_config = "wikitext2", "wikitext-2", "wikitext-2-v1"
     metrics = ("mlm_loss", "perplexity", "bits_per_token")
+    lower_is_better = frozenset(metrics)
 
 
 @register_task
@@ -204,3 +205,4 @@ class WikiText103(WikiText):
 
     name, folder, hub_config = "wikitext103", "wikitext-103", "wikitext-103-v1"
     metrics = ("mlm_loss", "perplexity", "bits_per_token")
+    lower_is_better = frozenset(metrics)

@@ -1,0 +1,141 @@
+"""A task's metric on labelled examples for the model as it is, patched or not: what a ``score`` target of
+:func:`approx.autotune` verifies its choice against.
+
+::
+
+    score = task_scorer(model, tok, "squad", split="dev/0", skip=64, limit=400)   # F1, SQuAD's primary metric
+    score(model)                   # the unpatched model's F1 on those 400 questions
+    tuning = approx.autotune(model, inputs, target="score>=0.99", score=score)   # keep 99 % of it
+
+A fidelity target (cosine of the hidden states, KL of the head's outputs) is a proxy: on a QA reader, a KL of 0.02
+on a few dozen held-out inputs can cost one point of F1 or none. A scorer measures what the user reports instead,
+on labelled examples the tuning may read (the model's training data, never the data it will be evaluated on). The
+examples are read and tokenised once; each call runs the model over them in batches, longest first, and scores the
+predictions with the task's own ``predict`` and ``score``, as the harness does (``approx.evaluate`` gives the same
+number for the same examples, settings and model: ``tests/test_autotune_score.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..integration import model_head_from_name
+from .evaluation import _collate
+from .tasks import Feature, Task, get_task
+
+__all__ = ["TaskScorer", "task_scorer"]
+
+
+@dataclasses.dataclass
+class TaskScorer:
+    """Callable: ``scorer(model)`` is ``metric`` of ``task`` on the examples, for ``model`` as it is (patched or
+    not; it runs in eval mode without gradients, its training flag restored). :meth:`describe` says what it reads."""
+
+    task: Task
+    mode: str
+    metric: str
+    split: str
+    skip: int
+    examples: list[dict[str, Any]]
+    features: list[Feature]
+    max_length: int
+    batch_size: int
+    pad_id: int
+    progress: bool = False
+
+    def __call__(self, model: torch.nn.Module) -> float:
+        device = next(model.parameters()).device
+        order = sorted(range(len(self.features)), key=lambda i: -len(self.features[i].input_ids))
+        outputs: list[Any] = [None] * len(self.features)
+        training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                bar = tqdm(total=len(order), disable=not self.progress, desc=f"score {self.task.name}", unit="input")
+                with bar:
+                    for start in range(0, len(order), self.batch_size):
+                        idx = order[start : start + self.batch_size]
+                        feats = [self.features[i] for i in idx]
+                        inputs = _collate(feats, self.pad_id, device)
+                        out = model(**inputs, output_hidden_states=True)
+                        for i, o in zip(idx, self.task.outputs(out, inputs, feats, self.mode), strict=True):
+                            outputs[i] = o
+                        bar.update(len(idx))
+        finally:
+            model.train(training)
+        predictions = self.task.predict(self.examples, self.features, outputs, self.mode)
+        return float(self.task.score(self.examples, predictions, self.mode)[self.metric])
+
+    def describe(self) -> dict[str, Any]:
+        """What the scorer reads, for a tuning's record."""
+        return {
+            "task": self.task.name,
+            "task_version": self.task.version,
+            "mode": self.mode,
+            "metric": self.metric,
+            "split": self.split,
+            "examples": f"{self.skip} to {self.skip + len(self.examples)} (of the split, in its order)",
+            "count": len(self.examples),
+            "max_length": self.max_length,
+        }
+
+
+def task_scorer(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: str | Task,
+    *,
+    split: str,
+    metric: str | None = None,
+    skip: int = 0,
+    limit: int | None = None,
+    max_length: int | None = None,
+    batch_size: int = 32,
+    data_dir: str | None = None,
+    source: str | None = None,
+    progress: bool = False,
+) -> TaskScorer:
+    """A :class:`TaskScorer` of ``task``'s ``metric`` (default: the task's primary metric) on the labelled examples
+    ``skip`` to ``skip + limit`` of ``split``, for the head ``model`` has. Use the data the model was trained on (or
+    other labelled data it will not be evaluated on), past the examples the tuning calibrates on: ``skip`` = the
+    calibration's ``limit`` when both read the same split.
+
+    Only a metric where higher is better can be kept as a fraction (``score>=0.99``); a loss or perplexity is refused
+    (use a ``kl`` target instead)."""
+    spec = get_task(task) if isinstance(task, str) else task
+    chosen = spec.primary_metric if metric is None else metric
+    if chosen not in spec.metrics:
+        raise ValueError(f"{spec.name} has no metric {chosen!r}; its metrics: {', '.join(spec.metrics)}")
+    if chosen in spec.lower_is_better:
+        raise ValueError(
+            f"{spec.name}'s {chosen} is lower when better: a score target keeps a fraction of a metric where higher "
+            f"is better ({', '.join(m for m in spec.metrics if m not in spec.lower_is_better) or 'none here'}); use a "
+            "kl target for this task"
+        )
+    if skip < 0 or (limit is not None and limit < 1) or batch_size < 1:
+        raise ValueError(f"skip >= 0, limit >= 1 and batch_size >= 1 expected; got {skip}, {limit}, {batch_size}")
+    mode = spec.mode_for(model_head_from_name(type(model).__name__))
+    examples, _ = spec.load(split, source=source, data_dir=data_dir, limit=None if limit is None else skip + limit)
+    examples = examples[skip:]
+    if not examples:
+        raise ValueError(f"{spec.name} {split}: no examples past the first {skip}; read fewer for calibration")
+    spec.prepare(model, mode)
+    length = spec.default_max_length if max_length is None else max_length
+    features = spec.features(examples, tokenizer, max_length=length, mode=mode)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TaskScorer(spec, mode, chosen, split, skip, examples, features, length, batch_size, pad, progress)
+
+
+def relative(score: float, reference: float) -> float:
+    """``score`` as a fraction of the unpatched model's ``reference``; refused where that is meaningless."""
+    if not (math.isfinite(reference) and reference > 0):
+        raise ValueError(
+            f"the unpatched model scores {reference} on the scorer's examples: a score target keeps a fraction of a "
+            "positive score; give more examples, another metric, or a kl or cosine target"
+        )
+    return score / reference
