@@ -410,6 +410,13 @@ AUTOTUNE_QGLOBAL_CAL256_COMMAND = (
 )
 
 
+AUTOTUNE_SCORE = "recipes/results/autotune_pareto_squad_score.json"
+AUTOTUNE_SCORE_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks squad --score --threads 2 --output "
+    f"{AUTOTUNE_SCORE} --figure recipes/results/figures/autotune_pareto_squad_score.png --tuned-dir runs/autotune_score"
+)
+
+
 AUTOTUNE_DOC = "recipes/results/autotune_pareto_squad_doc.json"
 AUTOTUNE_DOC_COMMAND = (
     "python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output "
@@ -714,6 +721,9 @@ def blocks() -> dict[Path, dict[str, str]]:
             ),
             "autotune-pareto-qglobal-cal256": autotune_block(
                 AUTOTUNE_QGLOBAL_CAL256, AUTOTUNE_QGLOBAL_CAL256_COMMAND, "autotune_pareto_squad_qglobal_cal256.png"
+            ),
+            "autotune-pareto-score": autotune_block(
+                AUTOTUNE_SCORE, AUTOTUNE_SCORE_COMMAND, "autotune_pareto_squad_score.png"
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
         },

@@ -700,7 +700,9 @@ def test_autotune_pareto_squad_target_met_by_exact_attention_alone_says_so():
     attention", from the check's own flag or, in records from before it, from the rows."""
     pareto = _recipe("autotune_pareto")
     exact = {"tuned_layers": [{"layer": i, "method": "full", "config": {}} for i in range(2)]}
-    mixed = {"tuned_layers": [{"layer": 0, "method": "full", "config": {}}, {"layer": 1, "method": "linear", "config": {}}]}
+    mixed = {
+        "tuned_layers": [{"layer": 0, "method": "full", "config": {}}, {"layer": 1, "method": "linear", "config": {}}]
+    }
     assert pareto._all_exact(exact) and not pareto._all_exact(mixed)
     assert pareto._all_exact({"halves": [exact, exact]}) and not pareto._all_exact({"halves": [exact, mixed]})
 

