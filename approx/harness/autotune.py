@@ -712,18 +712,8 @@ class Search:
                         stacklevel=2,
                     )
             fidelity = self._verify(path[chosen])  # the search's fidelity measure, for a score target too
-            scored = None
-            if scoring:
-                cache = self.scores[_scorer_key(score)][1]
-                scored = {
-                    "value": cache[tuple(path[chosen])],
-                    "reference": cache[None],
-                    "relative": value(chosen),
-                    "scorer": score.describe() if hasattr(score, "describe") else _name(score),
-                }
         attach(self.model, self._layers(path[chosen]))
         costs = {RATIO_NAMES[k]: self._ratio(path[chosen], k) for k in COSTS}
-        relative_scores = self.scores[_scorer_key(score)][1] if scoring else {}
         tuning = Tuning(
             choices=points[chosen]["choices"],
             fidelity=fidelity,
@@ -735,18 +725,7 @@ class Search:
             cost_convention=convention,
             candidates=list(self.labels),
             table=self.table,
-            path=[
-                {
-                    **p,
-                    **({"measured_fidelity": self.measured[tuple(a)][0]} if tuple(a) in self.measured else {}),
-                    **(
-                        {"measured_score": relative(relative_scores[tuple(a)], relative_scores[None])}
-                        if tuple(a) in relative_scores
-                        else {}
-                    ),
-                }
-                for a, p in zip(path, points, strict=True)
-            ],
+            path=self._path_records(path, points, score if scoring else None),
             calibration={
                 "fit_inputs": self.fit_inputs,
                 "check_inputs": self.check.inputs,
@@ -756,11 +735,36 @@ class Search:
                 "choose_seconds": time.perf_counter() - wall,
             },
             seed=self.seed,
-            score=scored,
+            score=self._score_record(path[chosen], score) if scoring else None,
             measure=self.measure.measure,
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
+
+    def _path_records(self, path: list[list[int]], points: list[dict[str, Any]], score) -> list[dict[str, Any]]:
+        """The path's points for a :class:`Tuning`: with the measured fidelity of the ones verified, and the score (a
+        fraction of the unpatched model's) of the ones ``score`` scored."""
+        scores = {} if score is None else self.scores[_scorer_key(score)][1]
+        records = []
+        for a, p in zip(path, points, strict=True):
+            key = tuple(a)
+            record = dict(p)
+            if key in self.measured:
+                record["measured_fidelity"] = self.measured[key][0]
+            if key in scores:
+                record["measured_score"] = relative(scores[key], scores[None])
+            records.append(record)
+        return records
+
+    def _score_record(self, assignment: Sequence[int], score) -> dict[str, Any]:
+        """:attr:`Tuning.score` of a scored assignment."""
+        cache = self.scores[_scorer_key(score)][1]
+        return {
+            "value": cache[tuple(assignment)],
+            "reference": cache[None],
+            "relative": relative(cache[tuple(assignment)], cache[None]),
+            "scorer": score.describe() if hasattr(score, "describe") else _name(score),
+        }
 
     def _bisect(self, path: list[list[int]], meets: Callable[[int], bool] | None, within: list[int], bar) -> int:
         """The chosen path point: with ``meets`` (whether point j meets the target, measured), the cheapest that
