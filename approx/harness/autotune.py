@@ -373,9 +373,9 @@ class Tuning:
     inputs (the check inputs unless ``cost_data`` was given), relative to full attention in the tuning's convention
     (``costs``: in both). ``met``: whether ``fidelity`` (a score target: ``score``) meets the target and ``cost`` the
     budget. ``table``: per layer and candidate, the loss, attention error and cost ratios measured with that layer
-    alone replaced (on the fit inputs); ``path``: the search's assignments (cost ratio at the cost inputs, estimated loss, and the measured
-    fidelity of the ones verified, or with a score target the score of the ones scored, as a fraction of the unpatched
-    model's); ``calibration``: the numbers of fit, check and cost inputs, the forward passes and the seconds taken;
+    alone replaced (on the fit inputs); ``path``: the search's assignments (cost ratio at the cost inputs, estimated
+    loss, and the measured fidelity of the ones verified, or with a score target the score of the ones scored, as a
+    fraction of the unpatched model's); ``calibration``: the numbers of fit, check and cost inputs, the forward passes and the seconds taken;
     ``score`` (a score target only): the tuned model's score (``value``), the unpatched model's (``reference``), their
     ratio (``relative``, what the target judges) and what the scorer reads (``scorer``); ``measure``: what
     ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure)."""
