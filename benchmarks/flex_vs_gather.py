@@ -7,15 +7,19 @@ Usage::
     python benchmarks/flex_vs_gather.py --device cuda                     # a GPU, when one is lent
 
 The pattern is the ``window`` method's (one-sided window 256, the CLS token global; ``--window``,
-``--global-tokens``), run four ways: ``band`` (``kernel="band"``: the banded kernel, every query block's keys a
+``--global-tokens``), run these ways: ``band`` (``kernel="band"``: the banded kernel, every query block's keys a
 strided view of one buffer, plain torch), ``gather`` (``approx.ApproxAttention("window", kernel="gather")``: key
 blocks gathered per query block, plain torch), ``approx-flex`` (the same layer with ``kernel="flex"``: approx's generic
-translation of a pattern to FlexAttention, table look-ups in its ``mask_mod``) and ``flex`` (raw
-``torch.nn.attention.flex_attention`` compiled, on the same block lists with a hand-written ``mask_mod``:
-``|i - j| <= w`` or a global token). Inputs (1, 12, N, 64) float32, no padding, forward. Times interleave SDPA,
-the four in one process (one warm-up each, ``--repeats`` timed calls, median); flex's first call (its
-compilation) is timed apart. The outputs are compared (max absolute difference). Whether flex has a backward pass
-on the device is tried and recorded. Results: stdout (markdown) and ``--output`` (JSON, with provenance).
+translation of a pattern to FlexAttention, table look-ups in its ``mask_mod``; the pattern and its block mask kept
+after the first call, the global queries' rows computed apart, ``_flex.GLOBAL_ROWS``), ``approx-flex-unkept`` (the
+same with nothing kept: pattern and block mask built at every call, as before they were kept),
+``approx-flex-rows-in-mask`` (the global queries' rows inside the block mask, their query block visiting every key
+block) and ``flex`` (raw ``torch.nn.attention.flex_attention`` compiled, on the same block lists with a
+hand-written ``mask_mod``: ``|i - j| <= w`` or a global token, the global rows in the mask). Inputs (1, 12, N, 64)
+in ``--dtype`` (float32 by default), no padding, forward. Times interleave SDPA and the others in one process (one
+warm-up each, ``--repeats`` timed calls, median); flex's first call (its compilation) is timed apart. The outputs
+are compared (max absolute difference). Whether flex has a backward pass on the device is tried and recorded.
+Results: stdout (markdown) and ``--output`` (JSON, with provenance).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from approx import ApproxAttention
-from approx.attention import _flex
+from approx.attention import _blocksparse, _flex
 from approx.attention import window as window_mod
 from approx.attention.window import WindowConfig
 from approx.harness.provenance import provenance
@@ -49,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "flex_vs_gather_cpu.json")
     return p.parse_args(argv)
@@ -121,11 +126,30 @@ def flex_backward(flex, config: WindowConfig, device: str) -> str:
         return f"{type(err).__name__}: {str(err).splitlines()[0]}"
 
 
+def _unkept(call):
+    """``call()`` with nothing kept between calls (pattern and block mask built anew, as before they were kept)."""
+    size, _blocksparse.CACHE_SIZE = _blocksparse.CACHE_SIZE, 0
+    try:
+        return call()
+    finally:
+        _blocksparse.CACHE_SIZE = size
+
+
+def _rows_in_mask(call):
+    """``call()`` with the global queries' rows inside FlexAttention's block mask (``_flex.GLOBAL_ROWS``)."""
+    rows, _flex.GLOBAL_ROWS = _flex.GLOBAL_ROWS, "mask"
+    try:
+        return call()
+    finally:
+        _flex.GLOBAL_ROWS = rows
+
+
 def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: WindowConfig) -> dict:
     """One length: SDPA, approx's three kernels and raw flex interleaved (medians), flex's first call, the outputs'
     largest difference."""
     g = torch.Generator(device="cpu").manual_seed(args.seed)
-    q, k, v = (torch.randn(1, 12, n, 64, generator=g).to(args.device) for _ in range(3))
+    dtype = getattr(torch, args.dtype)
+    q, k, v = (torch.randn(1, 12, n, 64, generator=g).to(args.device, dtype) for _ in range(3))
     with torch.no_grad():
         mask = flex_block_mask(config, n, args.device)
         compile_s = timed(lambda: layers["flex"](q, k, v), args.device)  # approx's first: see _flex.py
@@ -134,17 +158,19 @@ def measure(n: int, args: argparse.Namespace, flex, layers: dict, config: Window
             "band": lambda: layers["band"](q, k, v),
             "gather": lambda: layers["gather"](q, k, v),
             "approx-flex": lambda: layers["flex"](q, k, v),
+            "approx-flex-unkept": lambda: _unkept(lambda: layers["flex"](q, k, v)),
+            "approx-flex-rows-in-mask": lambda: _rows_in_mask(lambda: layers["flex"](q, k, v)),
             "flex": lambda: flex(q, k, v, block_mask=mask),
         }
         med, times = interleaved(fns, args.repeats, args.device, f"N={n}")
-        ref = layers["gather"](q, k, v)
-        others = (layers["band"](q, k, v), layers["flex"](q, k, v), flex(q, k, v, block_mask=mask))
-        diff = max(float((ref - o).abs().max()) for o in others)
+        ref = layers["gather"](q, k, v).float()
+        others = [f() for c, f in fns.items() if c not in ("sdpa", "gather")]
+        diff = max(float((ref - o.float()).abs().max()) for o in others)
     return {
         "n": n,
         "median_s": med,
         "times_s": times,
-        "ratio_to_sdpa": {c: med["sdpa"] / med[c] for c in ("band", "gather", "approx-flex", "flex")},
+        "ratio_to_sdpa": {c: med["sdpa"] / med[c] for c in fns if c != "sdpa"},
         "flex_over_gather": med["gather"] / med["approx-flex"],
         "flex_first_call_s": compile_s,
         "max_abs_diff": diff,
@@ -169,7 +195,7 @@ def main(argv=None) -> None:
         "benchmark": "flex_vs_gather",
         "pattern": {"method": "window", **config.to_dict()},
         "shape": [1, 12, "N", 64],
-        "dtype": "float32",
+        "dtype": args.dtype,
         "repeats": args.repeats,
         "flex_backward": backward,
         "rows": rows,
@@ -181,22 +207,30 @@ def main(argv=None) -> None:
     print(markdown(result))
 
 
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def markdown(result: dict) -> str:
+    rows = result["rows"]
+    names = [c for c in rows[0]["median_s"] if c != "sdpa"] if rows else []
     lines = [
         f"approx's band and gather kernels vs FlexAttention, window pattern {result['pattern']['window']} one-sided, "
-        f"block {result['pattern']['block']}, {result['provenance']['torch_threads']} threads, "
-        f"{result['provenance']['device']}; flex backward: {result['flex_backward']}",
+        f"block {result['pattern']['block']}, {result.get('dtype', 'float32')}, "
+        f"{result['provenance']['torch_threads']} threads, {result['provenance']['device']}; "
+        f"flex backward: {result['flex_backward']}",
         "",
-        "| N | SDPA ms | band ms | gather ms | approx on flex ms | raw flex ms | band vs SDPA | gather vs SDPA | "
-        "approx on flex vs SDPA | raw flex vs SDPA | flex vs gather | flex first call s | max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | SDPA ms | " + " | ".join(f"{c} ms (x SDPA)" for c in names) + " | flex vs gather | flex first call s "
+        "| max diff |",
+        "|---|---|" + "---|" * len(names) + "---|---|---|",
     ]
-    for r in result["rows"]:
+    for r in rows:
         m, x = r["median_s"], r["ratio_to_sdpa"]
+        cells = [f"{_ms(m[c])} ({x[c]:.2f}×)" for c in names]
         lines.append(
-            f"| {r['n']} | {m['sdpa'] * 1e3:.0f} | {m['band'] * 1e3:.0f} | {m['gather'] * 1e3:.0f} | "
-            f"{m['approx-flex'] * 1e3:.0f} | {m['flex'] * 1e3:.0f} | {x['band']:.2f}× | {x['gather']:.2f}× | {x['approx-flex']:.2f}× | {x['flex']:.2f}× | "
-            f"{r['flex_over_gather']:.2f}× | {r['flex_first_call_s']:.1f} | {r['max_abs_diff']:.1e} |"
+            f"| {r['n']} | {_ms(m['sdpa'])} | " + " | ".join(cells) + f" | {r['flex_over_gather']:.2f}× | "
+            f"{r['flex_first_call_s']:.1f} | {r['max_abs_diff']:.1e} |"
         )
     return "\n".join(lines)
 

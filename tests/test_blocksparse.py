@@ -155,9 +155,12 @@ def test_flex_says_why_it_cannot_run():
         _blocksparse.attend(q.double(), k.double(), v.double(), p, key_mask=None, scale=1.0, kernel="flex")
 
 
-def test_flex_gives_the_gather_output():
+@pytest.mark.parametrize("rows", ["apart", "mask"])
+def test_flex_gives_the_gather_output(rows, monkeypatch):
     """Compiled FlexAttention on the window pattern (global tokens, dilation, a padded row, N not a multiple of the
-    block) gives the gather kernel's output; skipped with the reason where it cannot compile (no C++ compiler)."""
+    block) gives the gather kernel's output, the global queries' rows computed after the kernel or inside its block
+    mask; skipped with the reason where it cannot compile (no C++ compiler)."""
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", rows)
     n = 300
     q, k, v = qkv(n, 5, dtype=torch.float32)
     mask = torch.ones(B, n, dtype=torch.bool)

@@ -184,6 +184,29 @@ def test_kernels_on_gpu_equal_float64_dense_weights(method, kernel, options):
         assert err <= tol, (method, options, dtype, err)
 
 
+@pytest.mark.parametrize("rows", ["apart", "mask"])
+@pytest.mark.parametrize("method,options", FLEX_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(FLEX_CASES)])
+def test_flex_kept_block_masks_on_gpu_equal_float64_dense_weights(method, options, rows, monkeypatch):
+    """Inputs without padding: the pattern and FlexAttention's block mask are kept after the first call
+    (``_blocksparse.cached``); the second call gives the float64 dense weights' output too, with the global queries'
+    rows computed apart or inside the block mask (``_flex.GLOBAL_ROWS``)."""
+    from approx.attention import _blocksparse, _flex
+
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", rows)
+    _blocksparse.clear_cache()
+    q, k, v = make_qkv(FLEX_N, dtype=torch.float64, sharp=1.0)
+    lyr = _flex_layer(method, "flex", **options)
+    expected = lyr.weights(q, k, None) @ v
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        gpu = lyr.to(CUDA)
+        with torch.no_grad():
+            outs = [gpu(*cuda(q.to(dtype), k.to(dtype), v.to(dtype)), None).double().cpu() for _ in range(2)]
+        for out in outs:
+            err = ((out - expected).norm() / expected.norm()).item()
+            assert torch.isfinite(out).all() and err <= tol, (method, options, rows, dtype, err)
+    _blocksparse.clear_cache()
+
+
 # the backward's tiles must divide the blocks (64 rows on an H100 below head dim 64): the cases with blocks of 64
 FLEX_GRAD_CASES = [(m, o) for m, o in FLEX_CASES if o.get("block", 64) % 64 == 0]
 

@@ -36,6 +36,7 @@ would count a repeated block twice).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -47,7 +48,18 @@ import torch.nn.functional as F
 from ..config import option
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
-__all__ = ["Pattern", "attend", "combine", "dense_mask", "dense_weights", "range_blocks", "token_rows"]
+__all__ = [
+    "Pattern",
+    "attend",
+    "cached",
+    "clear_cache",
+    "combine",
+    "dense_mask",
+    "dense_weights",
+    "no_padding",
+    "range_blocks",
+    "token_rows",
+]
 
 # the kernels that run a pattern (the sparse-pattern methods' ``kernel`` option): see :func:`attend`
 KERNELS = ("auto", "gather", "flex")
@@ -114,6 +126,60 @@ class Pattern:
     # can run it, with the neighbours as views, when the order is one per batch row (or none) and puts each row's
     # real tokens first (``_blockband.unusable`` checks it); None: they are not
     neighbours: int | None = None
+    # built by :func:`cached` (a function of the shapes, the device and the method's options and state alone): the
+    # kernels may then keep what they derive from it for inputs without key padding (FlexAttention's block mask)
+    static: bool = dataclasses.field(default=False, compare=False)
+    derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+
+# Patterns kept by :func:`cached`, most recently used last; at most :data:`CACHE_SIZE` of them
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+CACHE_SIZE = 32
+
+
+def cached(key: tuple | None, build: Callable[[], Any], *, pins: tuple[torch.Tensor, ...] = ()) -> Any:
+    """``build()`` (a :class:`Pattern`, or lists and tuples holding some), kept and returned again for the same
+    ``key``: the pattern of inputs without key padding is a function of the shapes, the device and the method's
+    options, so a model's layers and calls share it instead of rebuilding it (on a GPU, building it is many small
+    kernel launches and host synchronisations, more time than a long call's attention). ``key``: hashable, every
+    input of ``build`` but ``pins``; None: not kept (padding, data-dependent positions). ``pins``: state tensors the
+    pattern is drawn from (BigBird's random key), matched by identity and in-place version, so that a redraw or
+    ``load_state`` builds it anew. Patterns built under ``torch.inference_mode`` are kept apart (autograd refuses
+    them). The patterns found in the result are marked ``static``: :mod:`._flex` keeps its block mask on them."""
+    if key is None:
+        return build()
+    full = (key, torch.is_inference_mode_enabled(), tuple((id(t), t._version) for t in pins))
+    hit = _CACHE.get(full)
+    if hit is not None and all(a is b for a, b in zip(hit[0], pins, strict=True)):
+        _CACHE.move_to_end(full)
+        return hit[1]
+    made = build()
+    _mark_static(made)
+    _CACHE[full] = (pins, made)  # the pins are held: their ids cannot be reused while the entry lives
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return made
+
+
+def clear_cache() -> None:
+    """Forget the patterns kept by :func:`cached` (and the block masks derived from them)."""
+    _CACHE.clear()
+
+
+def _mark_static(obj) -> None:
+    if isinstance(obj, Pattern):
+        obj.static = True
+    elif isinstance(obj, list | tuple):
+        for item in obj:
+            _mark_static(item)
+
+
+def no_padding(key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """None for a key-padding mask with every key real (one host synchronisation), else the mask: such inputs
+    take the pattern kept by :func:`cached`."""
+    if key_mask is not None and bool(key_mask.all()):
+        return None
+    return key_mask
 
 
 def _batch_index(b: int, device) -> torch.Tensor:
@@ -350,20 +416,22 @@ def _band_unusable(q, k, v, pattern: Pattern, *, key_mask, dropout: float, with_
     return _band.unusable(q, k, v, reach=pattern.band, block=pattern.block, shared=g, dropout=dropout)
 
 
-def _unsort(out, lse, order, n):
-    """Back from sorted slots to original positions: (B, H, N, dv) and (B, H, N)."""
+def _unsort(out, lse, order, n, inv=None):
+    """Back from sorted slots to original positions: (B, H, N, dv) and (B, H, N); ``inv``: ``order.argsort(-1)``
+    when the caller has it."""
     if order is None:
         return out[:, :, :n], None if lse is None else lse[:, :, :n]
-    inv = order.argsort(-1).expand(out.shape[0], out.shape[1], n)
+    inv = (order.argsort(-1) if inv is None else inv).expand(out.shape[0], out.shape[1], n)
     out = out.gather(2, inv[..., None].expand(-1, -1, -1, out.shape[-1]))
     return out, None if lse is None else lse.gather(2, inv)
 
 
-def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *, inplace=False):
+def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *, inplace=False, rows=None):
     """Replace the rows of global queries by dense attention to every real key: each batch row's global queries
-    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query). ``inplace``: ``out``
-    is the caller's own (no gradient), written in place."""
-    pos, real = token_rows(global_queries)  # (B, G)
+    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query), the softmax in the
+    compute dtype (float32 for half inputs). ``inplace``: ``out`` is the caller's own (no gradient), written in place.
+    ``rows``: ``token_rows(global_queries)`` when the caller has it."""
+    pos, real = token_rows(global_queries) if rows is None else rows  # (B, G)
     b, h, _, d = q.shape
     s = k.shape[2]
     ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, None, :]
@@ -373,13 +441,14 @@ def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *,
     for g0 in range(0, pos.shape[1], step):
         idx = pos[:, g0 : g0 + step]  # (B, g)
         qg = q.gather(2, idx[:, None, :, None].expand(b, h, -1, d)) * scale  # (B, H, g, d)
-        p, lse_g = _normalise(qg @ k.transpose(-1, -2), ok.expand(b, h, idx.shape[1], s), lse is not None)
+        scores = (qg @ k.transpose(-1, -2)).to(compute_dtype(qg.dtype))
+        p, lse_g = _normalise(scores, ok.expand(b, h, idx.shape[1], s), lse is not None)
         if dropout > 0.0:
             p = F.dropout(p, dropout)
         keep = real[:, None, g0 : g0 + step, None]  # (B, 1, g, 1): padding entries of the left-aligned list
-        rows = idx[:, None, :, None].expand(b, h, -1, out.shape[-1])
-        new = torch.where(keep, p @ v, out.gather(2, rows))
-        out = out.scatter_(2, rows, new) if inplace else out.scatter(2, rows, new)
+        slots = idx[:, None, :, None].expand(b, h, -1, out.shape[-1])
+        new = torch.where(keep, (p.to(v.dtype) @ v).to(out.dtype), out.gather(2, slots))
+        out = out.scatter_(2, slots, new) if inplace else out.scatter(2, slots, new)
         if lse is not None:
             lse = lse.scatter(
                 2,

@@ -27,6 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from ._blocksparse import token_rows
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
 from ._compiled import compile_errors
 
@@ -37,6 +38,11 @@ __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
 MIN_LENGTH = 1024
 # the largest forward tile asked of the GPU kernel; blocks must be multiples of 16 there (Triton's matrix tiles)
 GPU_TILE = 64
+# where the rows of global queries (which attend every key) are computed: "apart", as dense rows after the kernel
+# (small matrix products over every key, spread over the whole device), or "mask", inside the block mask, where
+# their query block visits every key block (on a GPU, one thread block per head then walks the whole sequence while
+# the others are done)
+GLOBAL_ROWS = "apart"
 _COMPILED = None
 _RAISE = False  # debugging: let a compilation error through
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there once (then the gather kernel is used)
@@ -134,10 +140,11 @@ def _bucket(n: int, blk: int) -> int:
     return -(-n // step) * step
 
 
-def _block_lists(pattern, b, h, tq, tk, qpos, kpos, key_ok, device):
-    """(B, H, Tq, Tk) bool each: the pattern's own key blocks, the visited ones (shared keys' and global queries'
-    blocks too) and the *full* ones, where every pair is in without looking (FlexAttention skips ``mask_mod`` there):
-    own blocks the pattern marks full (``kv_full``; every own block when it has no ``allow``) with only real keys."""
+def _block_lists(pattern, b, h, tq, tk, qpos, kpos, key_ok, device, *, global_blocks=True):
+    """(B, H, Tq, Tk) bool each: the pattern's own key blocks, the visited ones (shared keys' and, with
+    ``global_blocks``, global queries' blocks too) and the *full* ones, where every pair is in without looking
+    (FlexAttention skips ``mask_mod`` there): own blocks the pattern marks full (``kv_full``; every own block when
+    it has no ``allow``) with only real keys."""
     from ._blocksparse import _batch_index  # noqa: PLC0415
 
     kvb = pattern.kv_blocks.expand(b, h, tq, -1)
@@ -162,7 +169,7 @@ def _block_lists(pattern, b, h, tq, tk, qpos, kpos, key_ok, device):
     if pattern.shared_keys is not None:
         shared_slot = (kpos >= 0) & pattern.shared_keys[batch, kpos.clamp(min=0)]  # (B, H, Tk * blk)
         visit |= shared_slot.view(b, h, tk, -1).any(-1)[:, :, None, :]
-    if pattern.global_queries is not None:
+    if pattern.global_queries is not None and global_blocks:
         global_slot = (qpos >= 0) & pattern.global_queries[batch, qpos.clamp(min=0)]
         visit |= global_slot.view(b, h, tq, -1).any(-1)[..., None]
     return own, visit, full
@@ -220,37 +227,29 @@ def _mods(pattern, qpos, kpos, key_ok, own, batch):
     return mask_mod, score_mod
 
 
-def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
-    """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning)."""
+def _prepare(pattern, b, h, n, s, key_mask, device):
+    """What a call derives from the pattern and the key padding alone: the bucketed block counts, the original
+    position at every sorted slot, the ``BlockMask``, the ``score_mod`` and the inverse of the query order."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from ._blocksparse import _batch_index, _sorted_positions, _take, _unsort
+    from ._blocksparse import _batch_index, _sorted_positions
 
-    key_mask = safe_key_mask(key_mask)
-    b, h, n, _ = q.shape
-    s, blk, device = k.shape[2], pattern.block, q.device
+    blk = pattern.block
     tq0, tk0 = math.ceil(n / blk), math.ceil(s / blk)
     tq, tk = _bucket(n, blk) // blk, _bucket(s, blk) // blk  # a few lengths per octave: few compilations
     qpos = _sorted_positions(pattern.q_order, b, h, n, tq * blk, device)
     kpos = _sorted_positions(pattern.k_order, b, h, s, tk * blk, device)
-    v = zero_padded_values(v, key_mask)
-
-    def slots(x, order, length):  # in the sorted order and padded to the bucket (a copy only when sorted)
-        if order is None:
-            return F.pad(x, (0, 0, 0, length - x.shape[2]))
-        return _take(x, qpos if x is q else kpos)
-
-    qs, ks, vs = (
-        slots(q, pattern.q_order, tq * blk),
-        slots(k, pattern.k_order, tk * blk),
-        slots(v, pattern.k_order, tk * blk),
-    )
     batch = _batch_index(b, device)
     key_ok = kpos >= 0
     if key_mask is not None:
         key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
+    apart = _rows_apart(pattern)
     lists = _block_lists(
-        pattern, b, h, tq0, tk0, qpos[..., : tq0 * blk], kpos[..., : tk0 * blk], key_ok[..., : tk0 * blk], device
+        pattern,
+        *(b, h, tq0, tk0),
+        *(qpos[..., : tq0 * blk], kpos[..., : tk0 * blk], key_ok[..., : tk0 * blk]),
+        device,
+        global_blocks=not apart,
     )
     own, visit, full = (F.pad(m, (0, tk - tk0, 0, tq - tq0)) for m in lists)  # the bucket's extra blocks: none
     mask_mod, score_mod = _mods(pattern, qpos, kpos, key_ok, own, batch)
@@ -264,6 +263,47 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
         BLOCK_SIZE=blk,
         mask_mod=mask_mod,
         seq_lengths=(tq * blk, tk * blk),
+    )
+    inv = None if pattern.q_order is None else pattern.q_order.argsort(-1)  # sorted slot -> original position
+    rows = token_rows(pattern.global_queries) if apart else None  # the global queries, computed after the kernel
+    return tq, tk, qpos, kpos, mask, score_mod, inv, rows
+
+
+def _rows_apart(pattern) -> bool:
+    """Whether the global queries' rows are computed after the kernel (:data:`GLOBAL_ROWS`)."""
+    glob = pattern.global_queries
+    return GLOBAL_ROWS == "apart" and glob is not None and bool(glob.any())
+
+
+def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
+    """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning).
+
+    A pattern kept by ``_blocksparse.cached`` (``pattern.static``) keeps its block mask for inputs without key
+    padding: the next call with the same shapes is the compiled kernel alone, no mask to rebuild."""
+    from ._blocksparse import _global_rows, _take, _unsort
+
+    key_mask = safe_key_mask(key_mask)
+    b, h, n, _ = q.shape
+    s, blk = k.shape[2], pattern.block
+    if pattern.static and key_mask is None:
+        key = ("flex", b, h, n, s, GLOBAL_ROWS)
+        prepared = pattern.derived.get(key)
+        if prepared is None:
+            prepared = pattern.derived[key] = _prepare(pattern, b, h, n, s, None, q.device)
+    else:
+        prepared = _prepare(pattern, b, h, n, s, key_mask, q.device)
+    tq, tk, qpos, kpos, mask, score_mod, inv, rows = prepared
+    v = zero_padded_values(v, key_mask)
+
+    def slots(x, order, pos, length):  # in the sorted order and padded to the bucket (a copy only when needed)
+        if order is not None:
+            return _take(x, pos)
+        return x if x.shape[2] == length else F.pad(x, (0, 0, 0, length - x.shape[2]))
+
+    qs, ks, vs = (
+        slots(q, pattern.q_order, qpos, tq * blk),
+        slots(k, pattern.k_order, kpos, tk * blk),
+        slots(v, pattern.k_order, kpos, tk * blk),
     )
     try:
         limits = torch._dynamo.config.patch(
@@ -284,5 +324,8 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
         )
         return None
     out, lse = (res[0], res[1].float()) if with_lse else (res, None)
-    out, lse = _unsort(out, lse, pattern.q_order, n)
+    out, lse = _unsort(out, lse, pattern.q_order, n, inv)
+    if rows is not None:  # dense rows for the global queries (their kernel rows saw only the visited blocks)
+        glob, inplace = pattern.global_queries, not out.requires_grad  # autograd keeps the kernel's output
+        out, lse = _global_rows(q, scale, k, v, key_mask, glob, out, lse, 0.0, inplace=inplace, rows=rows)
     return (out.to(compute_dtype(v.dtype)), lse) if with_lse else out.to(v.dtype)

@@ -304,9 +304,17 @@ def bigbird_attention(
 ) -> torch.Tensor:
     """BigBird (ITC) block-sparse attention: sliding, global and random blocks, O(N (5 + r) block)."""
     b, h, n, _ = q.shape
+    key_mask = _blocksparse.no_padding(key_mask)
+    query_mask = query_mask if key_mask is not None else None
 
     def approximate() -> torch.Tensor:
-        pat = pattern(config, state, b=b, h=h, n=n, s=k.shape[2], key_mask=key_mask, device=q.device)
+        # without key padding the pattern is a function of the shapes, the options and the random key
+        key = None if key_mask is not None else ("bigbird", config, b, h, n, k.shape[2], q.device)
+        pat = _blocksparse.cached(
+            key,
+            lambda: pattern(config, state, b=b, h=h, n=n, s=k.shape[2], key_mask=key_mask, device=q.device),
+            pins=(state["rand_key"],),
+        )
         return _blocksparse.attend(q, k, v, pat, key_mask=key_mask, scale=scale, dropout=dropout, kernel=config.kernel)
 
     return _fallback.with_fallback(

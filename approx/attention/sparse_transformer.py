@@ -354,10 +354,17 @@ def sparse_transformer_attention(
 ) -> torch.Tensor:
     """Sparse Transformer attention (strided or fixed factorised pattern), O(N (l + N / l)) or O(N (l + c N / l))."""
     b, h, n, _ = q.shape
+    s = k.shape[2]
+    key_mask = _blocksparse.no_padding(key_mask)
 
     def approximate() -> torch.Tensor:
         out = v.new_empty(b, h, n, v.shape[-1])  # (B, H, N, dv)
-        for heads, parts, has_key in head_groups(config, key_mask=key_mask, b=b, n=n, s=k.shape[2], device=q.device):
+        # without key padding the patterns are a function of the shapes and options
+        key = None if key_mask is not None else ("sparse-transformer", config, b, n, s, q.device)
+        groups = _blocksparse.cached(
+            key, lambda: head_groups(config, key_mask=key_mask, b=b, n=n, s=s, device=q.device)
+        )
+        for heads, parts, has_key in groups:
             qh, kh, vh = q[:, heads], k[:, heads], v[:, heads]
             if qh.shape[1] == 0:
                 continue

@@ -235,10 +235,14 @@ def window_attention(
 ) -> torch.Tensor:
     """Sliding-window attention with global tokens (Longformer), O(N window)."""
     b, _, n, _ = q.shape
+    s = k.shape[2]
+    key_mask = _blocksparse.no_padding(key_mask)
     _check_padding(config, key_mask)
 
     def approximate() -> torch.Tensor:
-        pat = pattern(config, b=b, n=n, s=k.shape[2], device=q.device)
+        # the pattern is a function of the shapes and options, unless the question's tokens are global (data)
+        key = None if config.question_global else ("window", config, b, n, s, q.device)
+        pat = _blocksparse.cached(key, lambda: pattern(config, b=b, n=n, s=s, device=q.device))
         return _blocksparse.attend(q, k, v, pat, key_mask=key_mask, scale=scale, dropout=dropout, kernel=config.kernel)
 
     return _fallback.with_fallback(
