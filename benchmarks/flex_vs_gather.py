@@ -25,6 +25,7 @@ Results: stdout (markdown) and ``--output`` (JSON, with provenance).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
@@ -128,11 +129,11 @@ def flex_backward(flex, config: WindowConfig, device: str) -> str:
 
 def _unkept(call):
     """``call()`` with nothing kept between calls (pattern and block mask built anew, as before they were kept)."""
-    size, _blocksparse.CACHE_SIZE = _blocksparse.CACHE_SIZE, 0
+    kept, _blocksparse._CACHE = _blocksparse._CACHE, collections.OrderedDict()  # the others' entries stay
     try:
         return call()
     finally:
-        _blocksparse.CACHE_SIZE = size
+        _blocksparse._CACHE = kept
 
 
 def _rows_in_mask(call):
