@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import option
-from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._common import chunk_elements, compute_dtype, safe_key_mask, zero_padded_values
 
 __all__ = [
     "Pattern",
@@ -89,7 +89,8 @@ def check_kernel(config, *, band: bool = False) -> None:
     config.require(config.kernel in kernels, "kernel", f"choose one of {', '.join(kernels)}")
 
 
-# Largest score tensor of one chunk of query blocks, in elements (B * H * c * block * keys).
+# Largest score tensor of one chunk of query blocks, in elements (B * H * c * block * keys), on the CPU (16 times more
+# on an accelerator: ``_common.chunk_elements``).
 _CHUNK_ELEMENTS = 1 << 22
 
 PairFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -294,7 +295,7 @@ def attend(
     n_sh = 0 if shared is None else shared[0].shape[2]
     out = qs.new_empty(b, h, tq * blk, dv)
     lse = qs.new_empty(b, h, tq * blk) if with_lse else None
-    per = max(1, _CHUNK_ELEMENTS // max(1, b * h * blk * (n_kv * blk + n_sh)))
+    per = max(1, chunk_elements(_CHUNK_ELEMENTS, q.device) // max(1, b * h * blk * (n_kv * blk + n_sh)))
     for t0 in range(0, tq, per):
         t1 = min(tq, t0 + per)
         c, rows = t1 - t0, slice(t0 * blk, t1 * blk)
@@ -437,7 +438,7 @@ def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *,
     ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, None, :]
     if not inplace:
         out, lse = out.clone(), None if lse is None else lse.clone()
-    step = max(1, _CHUNK_ELEMENTS // max(1, b * h * s))
+    step = max(1, chunk_elements(_CHUNK_ELEMENTS, q.device) // max(1, b * h * s))
     for g0 in range(0, pos.shape[1], step):
         idx = pos[:, g0 : g0 + step]  # (B, g)
         qg = q.gather(2, idx[:, None, :, None].expand(b, h, -1, d)) * scale  # (B, H, g, d)
