@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._blocksparse import token_rows
-from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from ._common import chunk_elements, compute_dtype, safe_key_mask, zero_padded_values
 from ._compiled import compile_errors
 
 __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
@@ -265,8 +265,29 @@ def _prepare(pattern, b, h, n, s, key_mask, device):
         seq_lengths=(tq * blk, tk * blk),
     )
     inv = None if pattern.q_order is None else pattern.q_order.argsort(-1)  # sorted slot -> original position
-    rows = token_rows(pattern.global_queries) if apart else None  # the global queries, computed after the kernel
+    rows = None  # the global queries, computed after the kernel: positions, which are real, whether all are
+    if apart:
+        pos, real = token_rows(pattern.global_queries)
+        rows = (pos, real, bool(real.all()))
     return tq, tk, qpos, kpos, mask, score_mod, inv, rows
+
+
+def _unpadded_rows(q, k, v, out, pos, scale: float, *, inplace: bool):
+    """The rows of the global queries at ``pos`` (B, G) of an input without key padding: softmax(q k^T) v over every
+    key, in chunks of queries, a few launches each (on a GPU each launch costs more than this arithmetic): matrix
+    products in the inputs' dtype, the softmax in float32, the rows scattered into ``out``."""
+    from ._blocksparse import _CHUNK_ELEMENTS
+
+    b, h, _, d = q.shape
+    step = max(1, chunk_elements(_CHUNK_ELEMENTS, q.device) // max(1, b * h * k.shape[2]))
+    for g0 in range(0, pos.shape[1], step):
+        idx = pos[:, None, g0 : g0 + step, None]  # (B, 1, g, 1)
+        qg = q.gather(2, idx.expand(b, h, -1, d)) * scale
+        p = torch.softmax(qg @ k.transpose(-1, -2), dim=-1, dtype=torch.float32)
+        rows = (p.to(v.dtype) @ v).to(out.dtype)
+        slots = idx.expand(b, h, -1, out.shape[-1])
+        out = out.scatter_(2, slots, rows) if inplace else out.scatter(2, slots, rows)
+    return out
 
 
 def _rows_apart(pattern) -> bool:
@@ -327,5 +348,8 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     out, lse = _unsort(out, lse, pattern.q_order, n, inv)
     if rows is not None:  # dense rows for the global queries (their kernel rows saw only the visited blocks)
         glob, inplace = pattern.global_queries, not out.requires_grad  # autograd keeps the kernel's output
-        out, lse = _global_rows(q, scale, k, v, key_mask, glob, out, lse, 0.0, inplace=inplace, rows=rows)
+        if key_mask is None and lse is None and rows[2]:  # every key and every listed query real
+            out = _unpadded_rows(q, k, v, out, rows[0], scale, inplace=inplace)
+        else:
+            out, lse = _global_rows(q, scale, k, v, key_mask, glob, out, lse, 0.0, inplace=inplace, rows=rows[:2])
     return (out.to(compute_dtype(v.dtype)), lse) if with_lse else out.to(v.dtype)
