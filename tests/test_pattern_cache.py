@@ -5,6 +5,7 @@ random key and inference mode each get their own; outputs match a float64 refere
 kept."""
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -161,10 +162,13 @@ def test_sparse_transformer_keeps_its_head_groups(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("rows", ["auto", "apart", "mask"])
 @pytest.mark.parametrize("method", ["window", "bigbird"])
-def test_flex_keeps_its_block_mask_for_unpadded_inputs(method, monkeypatch):
+def test_flex_keeps_its_block_mask_for_unpadded_inputs(method, rows, monkeypatch):
     """kernel='flex' prepares the BlockMask once per shape on a kept pattern, every call with key padding; the
-    output stays the gather kernel's. Skipped where FlexAttention cannot compile (no C++ compiler)."""
+    output stays the gather kernel's, the global queries' rows computed after the kernel (unpadded: in a few
+    launches, ``_flex._unpadded_rows``) or inside the block mask. Skipped where FlexAttention cannot compile."""
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", rows)
     prepared = count_calls(monkeypatch, _flex, "_prepare")
     options = {"window": {"window": 9, "block": 32}, "bigbird": {"block": 16, "random_blocks": 2}}[method]
     gather, flex = make(method, kernel="gather", **options), make(method, kernel="flex", **options)
@@ -187,3 +191,21 @@ def test_flex_keeps_its_block_mask_for_unpadded_inputs(method, monkeypatch):
     for out in padded:
         torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out[1, :, :200], ref[1, :, :200], rtol=1e-5, atol=1e-5)
+
+
+def test_global_rows_auto_takes_them_apart_from_a_length(monkeypatch):
+    """GLOBAL_ROWS='auto' computes the global queries' rows after the kernel from ROWS_APART_FROM keys, inside the
+    block mask below; a pattern without global queries has none to take apart; an unknown setting is refused."""
+    glob = torch.zeros(1, 256, dtype=torch.bool)
+    glob[:, 0] = True
+    pat = _blocksparse.Pattern(64, torch.zeros(1, 1, 4, 1, dtype=torch.long), global_queries=glob)
+    monkeypatch.setattr(_flex, "ROWS_APART_FROM", 200)
+    assert _flex._rows_apart(pat, 256) and not _flex._rows_apart(pat, 199)
+    assert not _flex._rows_apart(dataclasses.replace(pat, global_queries=None), 256)
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", "mask")
+    assert not _flex._rows_apart(pat, 256)
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", "apart")
+    assert _flex._rows_apart(pat, 10)
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", "sideways")
+    with pytest.raises(ValueError, match="'auto', 'apart' or 'mask'"):
+        _flex._rows_apart(pat, 256)

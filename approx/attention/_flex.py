@@ -6,10 +6,16 @@ fuses the scores, the online softmax and the value sum. Measured against the gat
 (``benchmarks/flex_vs_gather.py``; docs' Speed page) it is several times faster on long CPU inputs, but on the CPU
 it has **no backward pass**, it needs a C++ compiler and a first compilation of seconds per dtype, and it does not
 take float64. So ``kernel="auto"`` (the sparse-pattern methods' default) uses it only where it can run the call and
-repay the compilation: no gradient (on a GPU its backward is untested: ``kernel="flex"`` asks for it), no dropout,
+repay the compilation: no gradient (on a GPU its backward runs and the GPU tests check it against the gather
+kernel's autograd, but its speed is unmeasured: ``kernel="flex"`` asks for it), no dropout,
 float32 / float16 / bfloat16, at least :data:`MIN_LENGTH` keys; everything else runs the gather kernel, which gives
 the same output to float rounding (a test checks it). A compilation failure is reported once (a warning naming the
 reason) and the gather kernel is used from then on.
+
+A pattern kept by ``_blocksparse.cached`` (inputs without key padding: a function of the shapes and options) keeps
+the block mask built for it, so that a steady call is the compiled kernel and a few small operations; on a GPU,
+rebuilding them cost more than the kernel (docs' Speed page, "On a GPU"). The rows of global queries, which attend
+every key, run inside the block mask or after the kernel as dense rows (:data:`GLOBAL_ROWS`).
 
 The pattern is translated as it is: queries and keys are put in the pattern's sorted order, every query block's
 key blocks (its own, the blocks holding shared keys, every block for a block holding a global query) form the
@@ -39,10 +45,13 @@ MIN_LENGTH = 1024
 # the largest forward tile asked of the GPU kernel; blocks must be multiples of 16 there (Triton's matrix tiles)
 GPU_TILE = 64
 # where the rows of global queries (which attend every key) are computed: "apart", as dense rows after the kernel
-# (small matrix products over every key, spread over the whole device), or "mask", inside the block mask, where
-# their query block visits every key block (on a GPU, one thread block per head then walks the whole sequence while
-# the others are done)
-GLOBAL_ROWS = "apart"
+# (matrix products over every key, spread over the whole device, a few more launches), "mask", inside the block
+# mask, where their query block visits every key block (on a GPU one thread block per head then walks the whole
+# sequence while the others are done), or "auto": apart from ROWS_APART_FROM keys. Measured on an H200 (bfloat16,
+# window 256 with CLS global, docs' Speed page): in the mask 0.34 / 0.62 / 1.81 ms at N = 4096 / 16384 / 65536,
+# apart 0.67 / 0.87 / 1.14 ms; the threshold lies between the two lengths measured on either side of the crossover
+GLOBAL_ROWS = "auto"
+ROWS_APART_FROM = 32768
 _COMPILED = None
 _RAISE = False  # debugging: let a compilation error through
 _BROKEN: dict[str, str] = {}  # device type -> why compiling failed there once (then the gather kernel is used)
@@ -243,7 +252,7 @@ def _prepare(pattern, b, h, n, s, key_mask, device):
     key_ok = kpos >= 0
     if key_mask is not None:
         key_ok = key_ok & key_mask[batch, kpos.clamp(min=0)]
-    apart = _rows_apart(pattern)
+    apart = _rows_apart(pattern, s)
     lists = _block_lists(
         pattern,
         *(b, h, tq0, tk0),
@@ -290,10 +299,13 @@ def _unpadded_rows(q, k, v, out, pos, scale: float, *, inplace: bool):
     return out
 
 
-def _rows_apart(pattern) -> bool:
-    """Whether the global queries' rows are computed after the kernel (:data:`GLOBAL_ROWS`)."""
+def _rows_apart(pattern, s: int) -> bool:
+    """Whether the global queries' rows are computed after the kernel (:data:`GLOBAL_ROWS`) for ``s`` keys."""
+    if GLOBAL_ROWS not in ("auto", "apart", "mask"):
+        raise ValueError(f"_flex.GLOBAL_ROWS is {GLOBAL_ROWS!r}; choose 'auto', 'apart' or 'mask'")
     glob = pattern.global_queries
-    return GLOBAL_ROWS == "apart" and glob is not None and bool(glob.any())
+    apart = GLOBAL_ROWS == "apart" or (GLOBAL_ROWS == "auto" and s >= ROWS_APART_FROM)
+    return apart and glob is not None and bool(glob.any())
 
 
 def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
