@@ -25,7 +25,7 @@ from torch import nn
 
 from . import saved
 from ._version import __version__
-from .attention import _context
+from .attention import _blocksparse, _context
 from .attention._common import dense_softmax, exact_attention
 from .config import MethodConfig
 from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, layer_seed, select_layers
@@ -360,6 +360,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     model.__dict__.pop(_HOOKS, None)
     model.__dict__.pop("save_pretrained", None)
     model.__dict__.pop(_TUNING, None)
+    _blocksparse.clear_cache()  # the sparse patterns kept for unpadded inputs (their block masks: MiB to GiB on a GPU)
     return model
 
 

@@ -55,27 +55,39 @@ def window_reference(q, k, v, window, global_tokens, key_mask=None):
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()
 
 
-def test_cached_keeps_one_pattern_per_key_pins_and_mode(monkeypatch):
+def test_cached_keeps_one_pattern_per_key_and_mode_within_its_limits(monkeypatch):
     built = []
 
     def build():
         built.append(1)
-        return [(slice(None), [_blocksparse.Pattern(4, torch.zeros(1, 1, 1, 1, dtype=torch.long))], None)]
+        return [(slice(None), [_blocksparse.Pattern(4, torch.zeros(1, 1, 1, 1000, dtype=torch.long))], None)]
 
-    pin = torch.zeros(1)
-    first = _blocksparse.cached(("k",), build, pins=(pin,))
-    assert _blocksparse.cached(("k",), build, pins=(pin,)) is first and len(built) == 1
-    assert first[0][1][0].static, "a kept pattern is marked static (FlexAttention keeps its block mask on it)"
-    _blocksparse.cached(("k",), build, pins=(torch.zeros(1),))  # another state tensor
-    pin.add_(1)  # the same one, changed in place
-    _blocksparse.cached(("k",), build, pins=(pin,))
+    first = _blocksparse.cached(("k", 1), build)
+    assert _blocksparse.cached(("k", 1), build) is first and len(built) == 1
+    assert first[0][1][0].static, "a kept pattern carries its key (FlexAttention keeps its block mask on it)"
+    _blocksparse.cached(("k", 2), build)  # another key (BigBird: another random key value)
     with torch.inference_mode():
-        _blocksparse.cached(("k",), build, pins=(pin,))
-    assert len(built) == 4
-    assert not _blocksparse.cached(None, build)[0][1][0].static and len(built) == 5  # None: never kept
+        _blocksparse.cached(("k", 1), build)
+    assert len(built) == 3
+    assert not _blocksparse.cached(None, build)[0][1][0].static and len(built) == 4  # None: never kept
     monkeypatch.setattr(_blocksparse, "CACHE_SIZE", 2)
     _blocksparse.cached(("other",), build)
     assert len(_blocksparse._CACHE) == 2, "the least recently used entries are dropped past CACHE_SIZE"
+    assert [k[0] for k in _blocksparse._CACHE] == [("k", 1), ("other",)], "kept: the most recently used"
+    # bytes: each entry holds 8000 bytes of block ids; a limit under two entries keeps the newest alone
+    monkeypatch.setattr(_blocksparse, "CACHE_BYTES", 12000)
+    _blocksparse.cached(("third",), build)
+    assert [k[0] for k in _blocksparse._CACHE] == [("third",)]
+    monkeypatch.setattr(_blocksparse, "CACHE_BYTES", 10)
+    kept = _blocksparse.cached(("fourth",), build)
+    assert [k[0] for k in _blocksparse._CACHE] == [("fourth",)], "the newest entry stays, whatever its size"
+    # what a kernel derives is counted when it says so
+    monkeypatch.setattr(_blocksparse, "CACHE_BYTES", 1 << 30)
+    pattern = kept[0][1][0]
+    before = _blocksparse._CACHE[pattern.cache_key][1]
+    pattern.derived["x"] = (torch.zeros(500), lambda: pattern)
+    _blocksparse.account(pattern)
+    assert _blocksparse._CACHE[pattern.cache_key][1] == before + 2000
 
 
 def test_window_builds_its_pattern_once_per_shape(monkeypatch):
@@ -98,8 +110,15 @@ def test_window_builds_its_pattern_once_per_shape(monkeypatch):
     ref = window_reference(q, k, v, 5, 2, mask)
     torch.testing.assert_close(out[0], ref[0], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out[1, :, :50], ref[1, :, :50], rtol=1e-10, atol=1e-10)
-    # a padded batch is not kept (its pattern would be the same here, but the kernels derive masks from padding)
+    # the window's pattern does not depend on padding: a padded batch takes the kept one (the kernels derive their
+    # masks from the padding at every call)
     assert len(calls) == 2 and len(_blocksparse._CACHE) == 2
+    other = make("window", window=7, global_tokens=2, block=8, kernel="gather")  # other options, same shape
+    torch.testing.assert_close(other(q, k, v), window_reference(q, k, v, 7, 2), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(layer(q, k, v), window_reference(q, k, v, 5, 2), rtol=1e-10, atol=1e-10)
+    one = tuple(t[:1, :2] for t in (q, k, v))  # another batch size and head count
+    torch.testing.assert_close(layer(*one), window_reference(*one, 5, 2), rtol=1e-10, atol=1e-10)
+    assert len(calls) == 4
 
 
 def test_window_with_the_question_global_builds_every_call(monkeypatch):
@@ -127,15 +146,15 @@ def test_pattern_built_under_inference_mode_is_not_given_to_autograd():
 
 
 def test_bigbird_rebuilds_after_a_redraw_or_a_changed_key(monkeypatch):
-    """The random blocks come from the layer's key: a redraw, load_state or in-place change must not reuse the
-    pattern of the old key. Oracle: the same layer with nothing kept (the cache emptied before the call)."""
+    """The random blocks come from the layer's key: a redraw, load_state or in-place change (through ``.data`` too)
+    must not reuse the pattern of the old key. Oracle: the same layer with nothing kept (the cache emptied)."""
     calls = count_calls(monkeypatch, bigbird_mod, "pattern")
     layer = make("bigbird", block=4, random_blocks=1, full_fallback=False)
     q, k, v = qkv(64, seed=3)
 
-    def fresh():
+    def fresh(*inputs):
         _blocksparse.clear_cache()
-        return layer(q, k, v)
+        return layer(*(inputs or (q, k, v)))
 
     before = layer(q, k, v)
     torch.testing.assert_close(layer(q, k, v), before, rtol=0, atol=0)
@@ -144,10 +163,33 @@ def test_bigbird_rebuilds_after_a_redraw_or_a_changed_key(monkeypatch):
     after = layer(q, k, v)
     assert len(calls) == 2 and not torch.allclose(after, before), "the redrawn key picks other random blocks"
     torch.testing.assert_close(after, fresh(), rtol=0, atol=0)
-    layer.rand_key.add_(12345)
-    changed = layer(q, k, v)
-    assert not torch.allclose(changed, after)
-    torch.testing.assert_close(changed, fresh(), rtol=0, atol=0)
+    for change in (lambda: layer.rand_key.add_(12345), lambda: layer.rand_key.data.add_(999)):
+        old = layer(q, k, v)
+        change()
+        changed = layer(q, k, v)
+        assert not torch.allclose(changed, old)
+        torch.testing.assert_close(changed, fresh(), rtol=0, atol=0)
+    layer.load_state({"rand_key": torch.tensor([5])})
+    torch.testing.assert_close(layer(q, k, v), fresh(), rtol=0, atol=0)
+    fewer = tuple(t[:, :2] for t in (q, k, v))  # another head count: other random blocks per head
+    torch.testing.assert_close(layer(*fewer), fresh(*fewer), rtol=0, atol=0)
+    unmasked = layer(q, k, v)
+    built = len(calls)
+    torch.testing.assert_close(layer(q, k, v, torch.ones(B, 64, dtype=torch.bool)), unmasked, rtol=0, atol=0)
+    assert len(calls) == built, "a mask with every key real takes the kept pattern"
+
+
+def test_bigbird_with_a_key_made_in_inference_mode():
+    """A layer made (or redrawn) under torch.inference_mode, as approx.autotune builds its candidates, holds an
+    inference tensor as its key, which has no version counter: the pattern is kept by the key's value."""
+    q, k, v = qkv(64, seed=5)
+    with torch.inference_mode():
+        layer = make("bigbird", block=4, random_blocks=1, full_fallback=False)
+        layer.redraw(seed=3)
+        first = layer(q, k, v)
+        torch.testing.assert_close(layer(q, k, v), first, rtol=0, atol=0)
+    _blocksparse.clear_cache()
+    torch.testing.assert_close(layer(q, k, v), first, rtol=0, atol=0)
 
 
 def test_sparse_transformer_keeps_its_head_groups(monkeypatch):
@@ -156,10 +198,16 @@ def test_sparse_transformer_keeps_its_head_groups(monkeypatch):
     q, k, v = qkv(50)
     first = layer(q, k, v)
     torch.testing.assert_close(layer(q, k, v), first, rtol=0, atol=0)
+    torch.testing.assert_close(layer(q, k, v, torch.ones(B, 50, dtype=torch.bool)), first, rtol=0, atol=0)
     assert len(calls) == 1
+    other = make("sparse-transformer", stride=5, block=8, kernel="gather")  # other options, same shape
+    out = other(q, k, v)
+    _blocksparse.clear_cache()
+    torch.testing.assert_close(other(q, k, v), out, rtol=0, atol=0)
+    assert len(calls) == 3
     _blocksparse.clear_cache()
     torch.testing.assert_close(layer(q, k, v), first, rtol=0, atol=0)
-    assert len(calls) == 2
+    assert len(calls) == 4
 
 
 @pytest.mark.parametrize("rows", ["auto", "apart", "mask"])
@@ -185,8 +233,11 @@ def test_flex_keeps_its_block_mask_for_unpadded_inputs(method, rows, monkeypatch
         assert len(prepared) == 1
         for out in outs:
             torch.testing.assert_close(out, gather(q, k, v), rtol=1e-5, atol=1e-5)
+        fewer = tuple(t[:, :2] for t in (q, k, v))  # another head count, same pattern: another block mask
+        torch.testing.assert_close(flex(*fewer), gather(*fewer), rtol=1e-5, atol=1e-5)
+        assert len(prepared) == 2
         padded = [flex(q, k, v, mask) for _ in range(2)]
-        assert len(prepared) == 3
+        assert len(prepared) == 4
         ref = gather(q, k, v, mask)
     for out in padded:
         torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
@@ -209,3 +260,36 @@ def test_global_rows_auto_takes_them_apart_from_a_length(monkeypatch):
     monkeypatch.setattr(_flex, "GLOBAL_ROWS", "sideways")
     with pytest.raises(ValueError, match="'auto', 'apart' or 'mask'"):
         _flex._rows_apart(pat, 256)
+
+
+def test_unpadded_rows_in_several_chunks(monkeypatch):
+    """The global queries' rows computed after the kernel, a few queries per chunk (small chunks forced): the gather
+    kernel's output. Skipped where FlexAttention cannot compile."""
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", "apart")
+    monkeypatch.setattr(_blocksparse, "_CHUNK_ELEMENTS", 2 * B * H * 256)  # two global queries per chunk
+    options = {"window": 9, "global_tokens": 5, "block": 32}
+    q, k, v = qkv(256, seed=6, dtype=torch.float32)
+    with torch.no_grad():
+        ref = make("window", kernel="gather", **options)(q, k, v)
+        try:
+            out = make("window", kernel="flex", **options)(q, k, v)
+        except RuntimeError:
+            if _flex._BROKEN.get("cpu"):
+                pytest.skip(f"FlexAttention cannot compile here: {_flex._BROKEN.get('cpu')}")
+            raise
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unpatch_forgets_the_kept_patterns():
+    from conftest import batch, tiny_model
+
+    import approx
+
+    model = tiny_model("bert", num_hidden_layers=2)
+    approx.patch(model, "window", window=4, block=8)
+    inputs = batch(seq_len=40, pad=0)
+    with torch.no_grad():
+        model(**{n: t for n, t in inputs.items() if n != "attention_mask"})
+    assert _blocksparse._CACHE
+    approx.unpatch(model)
+    assert not _blocksparse._CACHE

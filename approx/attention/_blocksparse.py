@@ -127,52 +127,110 @@ class Pattern:
     # can run it, with the neighbours as views, when the order is one per batch row (or none) and puts each row's
     # real tokens first (``_blockband.unusable`` checks it); None: they are not
     neighbours: int | None = None
-    # built by :func:`cached` (a function of the shapes, the device and the method's options and state alone): the
-    # kernels may then keep what they derive from it for inputs without key padding (FlexAttention's block mask)
-    static: bool = dataclasses.field(default=False, compare=False)
+    # the key under which :func:`cached` keeps the pattern (a function of the shapes, the device and the method's
+    # options and state alone), None when it is not kept: the kernels may then keep what they derive from it for
+    # inputs without key padding (FlexAttention's block mask) in ``derived``
+    cache_key: tuple | None = dataclasses.field(default=None, compare=False)
     derived: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def static(self) -> bool:
+        return self.cache_key is not None
 
-# Patterns kept by :func:`cached`, most recently used last; at most :data:`CACHE_SIZE` of them
+
+# Patterns kept by :func:`cached`, most recently used last, with the bytes their tensors take: at most
+# :data:`CACHE_SIZE` entries and :data:`CACHE_BYTES` bytes (on every device together), the least recently used
+# dropped first. FlexAttention's block mask at N = 65536, 12 heads, takes about 230 MiB, at 16384 about 20 MiB.
 _CACHE: collections.OrderedDict = collections.OrderedDict()
-CACHE_SIZE = 32
+CACHE_SIZE = 64
+CACHE_BYTES = 1 << 30
 
 
-def cached(key: tuple | None, build: Callable[[], Any], *, pins: tuple[torch.Tensor, ...] = ()) -> Any:
+def cached(key: tuple | None, build: Callable[[], Any]) -> Any:
     """``build()`` (a :class:`Pattern`, or lists and tuples holding some), kept and returned again for the same
     ``key``: the pattern of inputs without key padding is a function of the shapes, the device and the method's
-    options, so a model's layers and calls share it instead of rebuilding it (on a GPU, building it is many small
-    kernel launches and host synchronisations, more time than a long call's attention). ``key``: hashable, every
-    input of ``build`` but ``pins``; None: not kept (padding, data-dependent positions). ``pins``: state tensors the
-    pattern is drawn from (BigBird's random key), matched by identity and in-place version, so that a redraw or
-    ``load_state`` builds it anew. Patterns built under ``torch.inference_mode`` are kept apart (autograd refuses
-    them). The patterns found in the result are marked ``static``: :mod:`._flex` keeps its block mask on them."""
+    options and state, so a model's layers and calls share it instead of rebuilding it (on a GPU, building it is
+    many small kernel launches and host synchronisations, more time than a long call's attention). ``key``:
+    hashable, every input of ``build`` (state by value, e.g. BigBird's random key: a redraw, ``load_state`` or an
+    in-place change then builds anew); None: not kept (padding, data-dependent positions). Patterns built under
+    ``torch.inference_mode`` are kept apart (autograd refuses them). The patterns found in the result get the key
+    (``Pattern.cache_key``): :mod:`._flex` keeps its block mask on them (see :func:`account`)."""
     if key is None:
         return build()
-    full = (key, torch.is_inference_mode_enabled(), tuple((id(t), t._version) for t in pins))
+    full = (key, torch.is_inference_mode_enabled())
     hit = _CACHE.get(full)
-    if hit is not None and all(a is b for a, b in zip(hit[0], pins, strict=True)):
+    if hit is not None:
         _CACHE.move_to_end(full)
-        return hit[1]
+        return hit[0]
     made = build()
-    _mark_static(made)
-    _CACHE[full] = (pins, made)  # the pins are held: their ids cannot be reused while the entry lives
-    while len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    _mark(made, full)
+    _CACHE[full] = [made, _nbytes(made)]
+    _trim()
     return made
 
 
+def account(pattern: Pattern) -> None:
+    """Count again the bytes of the entry that keeps ``pattern`` (a kernel added to its ``derived``), dropping the
+    least recently used entries past the limits."""
+    entry = _CACHE.get(pattern.cache_key) if pattern.cache_key is not None else None
+    if entry is not None:
+        entry[1] = _nbytes(entry[0])
+        _trim()
+
+
 def clear_cache() -> None:
-    """Forget the patterns kept by :func:`cached` (and the block masks derived from them)."""
+    """Forget the patterns kept by :func:`cached` and the block masks derived from them (``approx.unpatch`` does)."""
     _CACHE.clear()
 
 
-def _mark_static(obj) -> None:
+def _trim() -> None:
+    total = sum(size for _, size in _CACHE.values())
+    while len(_CACHE) > 1 and (len(_CACHE) > CACHE_SIZE or total > CACHE_BYTES):  # the newest entry stays
+        _, (_, size) = _CACHE.popitem(last=False)
+        total -= size
+
+
+def _mark(obj, key) -> None:
     if isinstance(obj, Pattern):
-        obj.static = True
+        obj.cache_key = key
     elif isinstance(obj, list | tuple):
         for item in obj:
-            _mark_static(item)
+            _mark(item, key)
+
+
+def _nbytes(obj, seen: set | None = None) -> int:
+    """Bytes of the tensors in ``obj``: patterns' fields and what kernels derived from them (tuples, lists, dicts,
+    objects with ``as_tuple``, functions' closures), each storage once."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        ptr = (obj.device, obj.untyped_storage().data_ptr())
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return obj.untyped_storage().nbytes()
+    if id(obj) in seen:  # a cycle (a closure holding its pattern), or an object met before
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, Pattern):
+        fields = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        return sum(_nbytes(x, seen) for x in fields)
+    if isinstance(obj, dict):
+        return sum(_nbytes(x, seen) for x in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(x, seen) for x in obj)
+    if hasattr(obj, "as_tuple"):  # FlexAttention's BlockMask
+        return _nbytes(obj.as_tuple(), seen)
+    if callable(obj) and getattr(obj, "__closure__", None):
+        return sum(_nbytes(c.cell_contents, seen) for c in obj.__closure__ if _filled(c))
+    return 0
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def no_padding(key_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -33,7 +33,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ._blocksparse import token_rows
+from ._blocksparse import account, token_rows
 from ._common import chunk_elements, compute_dtype, safe_key_mask, zero_padded_values
 from ._compiled import compile_errors
 
@@ -283,17 +283,20 @@ def _prepare(pattern, b, h, n, s, key_mask, device):
 
 def _unpadded_rows(q, k, v, out, pos, scale: float, *, inplace: bool):
     """The rows of the global queries at ``pos`` (B, G) of an input without key padding: softmax(q k^T) v over every
-    key, in chunks of queries, a few launches each (on a GPU each launch costs more than this arithmetic): matrix
-    products in the inputs' dtype, the softmax in float32, the rows scattered into ``out``."""
+    key, in chunks of queries, a few launches each (on a GPU each launch costs more than this arithmetic): the
+    scores and the softmax in the compute dtype (float32 for half inputs), the value product in the values' dtype,
+    the rows scattered into ``out``."""
     from ._blocksparse import _CHUNK_ELEMENTS
 
     b, h, _, d = q.shape
+    dt = compute_dtype(q.dtype)
+    kt = k.to(dt).transpose(-1, -2)  # the scores in float32 for half inputs (one copy of K): not rounded to 8 bits
     step = max(1, chunk_elements(_CHUNK_ELEMENTS, q.device) // max(1, b * h * k.shape[2]))
     for g0 in range(0, pos.shape[1], step):
         idx = pos[:, None, g0 : g0 + step, None]  # (B, 1, g, 1)
-        qg = q.gather(2, idx.expand(b, h, -1, d)) * scale
-        p = torch.softmax(qg @ k.transpose(-1, -2), dim=-1, dtype=torch.float32)
-        rows = (p.to(v.dtype) @ v).to(out.dtype)
+        qg = q.gather(2, idx.expand(b, h, -1, d)).to(dt) * scale
+        p = torch.softmax(qg @ kt, dim=-1)
+        rows = (p.to(v.dtype) @ v).to(out.dtype)  # P in the values' dtype, as FlexAttention's kernel does
         slots = idx.expand(b, h, -1, out.shape[-1])
         out = out.scatter_(2, slots, rows) if inplace else out.scatter(2, slots, rows)
     return out
@@ -319,10 +322,11 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     b, h, n, _ = q.shape
     s, blk = k.shape[2], pattern.block
     if pattern.static and key_mask is None:
-        key = ("flex", b, h, n, s, GLOBAL_ROWS)
+        key = ("flex", b, h, n, s, GLOBAL_ROWS, ROWS_APART_FROM)
         prepared = pattern.derived.get(key)
         if prepared is None:
             prepared = pattern.derived[key] = _prepare(pattern, b, h, n, s, None, q.device)
+            account(pattern)  # the entry that keeps the pattern holds the mask too: counted against its limits
     else:
         prepared = _prepare(pattern, b, h, n, s, key_mask, q.device)
     tq, tk, qpos, kpos, mask, score_mod, inv, rows = prepared

@@ -308,12 +308,13 @@ def bigbird_attention(
     query_mask = query_mask if key_mask is not None else None
 
     def approximate() -> torch.Tensor:
-        # without key padding the pattern is a function of the shapes, the options and the random key
-        key = None if key_mask is not None else ("bigbird", config, b, h, n, k.shape[2], q.device)
+        # without key padding the pattern is a function of the shapes, the options and the random key (by value:
+        # a redraw, load_state or in-place change builds anew)
+        key = None
+        if key_mask is None:
+            key = ("bigbird", config, int(state["rand_key"]), b, h, n, k.shape[2], q.device)
         pat = _blocksparse.cached(
-            key,
-            lambda: pattern(config, state, b=b, h=h, n=n, s=k.shape[2], key_mask=key_mask, device=q.device),
-            pins=(state["rand_key"],),
+            key, lambda: pattern(config, state, b=b, h=h, n=n, s=k.shape[2], key_mask=key_mask, device=q.device)
         )
         return _blocksparse.attend(q, k, v, pat, key_mask=key_mask, scale=scale, dropout=dropout, kernel=config.kernel)
 
