@@ -11,10 +11,10 @@ The pattern is the ``window`` method's (one-sided window 256, the CLS token glob
 strided view of one buffer, plain torch), ``gather`` (``approx.ApproxAttention("window", kernel="gather")``: key
 blocks gathered per query block, plain torch), ``approx-flex`` (the same layer with ``kernel="flex"``: approx's generic
 translation of a pattern to FlexAttention, table look-ups in its ``mask_mod``; the pattern and its block mask kept
-after the first call, the global queries' rows computed apart, ``_flex.GLOBAL_ROWS``), ``approx-flex-unkept`` (the
-same with nothing kept: pattern and block mask built at every call, as before they were kept),
-``approx-flex-rows-in-mask`` (the global queries' rows inside the block mask, their query block visiting every key
-block) and ``flex`` (raw ``torch.nn.attention.flex_attention`` compiled, on the same block lists with a
+after the first call, the global queries' rows where ``_flex.GLOBAL_ROWS`` puts them), ``approx-flex-unkept`` (the
+same with nothing kept: pattern and block mask built at every call), ``approx-flex-rows-apart`` and
+``approx-flex-rows-in-mask`` (the global queries' rows computed after the kernel, or inside the block mask, their
+query block visiting every key block) and ``flex`` (raw ``torch.nn.attention.flex_attention`` compiled, on the same block lists with a
 hand-written ``mask_mod``: ``|i - j| <= w`` or a global token, the global rows in the mask). Inputs (1, 12, N, 64)
 in ``--dtype`` (float32 by default), no padding, forward. Times interleave SDPA and the others in one process (one
 warm-up each, ``--repeats`` timed calls, median); flex's first call (its compilation) is timed apart. The outputs
@@ -137,9 +137,9 @@ def _unkept(call):
         _blocksparse._CACHE = kept
 
 
-def _rows_in_mask(call):
-    """``call()`` with the global queries' rows inside FlexAttention's block mask (``_flex.GLOBAL_ROWS``)."""
-    rows, _flex.GLOBAL_ROWS = _flex.GLOBAL_ROWS, "mask"
+def _rows(where: str, call):
+    """``call()`` with the global queries' rows ``where`` (``_flex.GLOBAL_ROWS``: "apart" or "mask")."""
+    rows, _flex.GLOBAL_ROWS = _flex.GLOBAL_ROWS, where
     try:
         return call()
     finally:
@@ -161,7 +161,8 @@ def measure(n: int, args: argparse.Namespace, layers: dict, config: WindowConfig
             "gather": lambda: layers["gather"](q, k, v),
             "approx-flex": lambda: layers["flex"](q, k, v),
             "approx-flex-unkept": lambda: _unkept(lambda: layers["flex"](q, k, v)),
-            "approx-flex-rows-in-mask": lambda: _rows_in_mask(lambda: layers["flex"](q, k, v)),
+            "approx-flex-rows-apart": lambda: _rows("apart", lambda: layers["flex"](q, k, v)),
+            "approx-flex-rows-in-mask": lambda: _rows("mask", lambda: layers["flex"](q, k, v)),
             "flex": lambda: _flex._call(q, k, v, None, mask, 64**-0.5, False, config.block),  # approx's tiles
         }
         med, times = interleaved(fns, args.repeats, args.device, f"N={n}")

@@ -215,9 +215,13 @@ FLEX_GRAD_CASES = [(m, o) for m, o in FLEX_CASES if o.get("block", 64) % 64 == 0
     "method,options", FLEX_GRAD_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(FLEX_GRAD_CASES)]
 )
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-def test_flex_gradients_on_gpu_equal_the_gather_kernel(method, options, padded):
+def test_flex_gradients_on_gpu_equal_the_gather_kernel(method, options, padded, monkeypatch):
     """FlexAttention's backward (CUDA only, asked for with kernel="flex") against the plain-torch gather kernel's
-    autograd, float32; without padding the global queries' rows take the unpadded path (``_flex._unpadded_rows``)."""
+    autograd, float32; the global queries' rows computed after the kernel (without padding by
+    ``_flex._unpadded_rows``)."""
+    from approx.attention import _flex
+
+    monkeypatch.setattr(_flex, "GLOBAL_ROWS", "apart")
     q, k, v = make_qkv(FLEX_N, sharp=1.0)
     mask = padded_mask(FLEX_N, FLEX_REAL if padded else FLEX_N).to(CUDA)
     grads = {}

@@ -140,7 +140,7 @@ class Pattern:
 
 # Patterns kept by :func:`cached`, most recently used last, with the bytes their tensors take: at most
 # :data:`CACHE_SIZE` entries and :data:`CACHE_BYTES` bytes (on every device together), the least recently used
-# dropped first. FlexAttention's block mask at N = 65536, 12 heads, takes about 230 MiB, at 16384 about 20 MiB.
+# dropped first (the newest entry stays, even alone above the limits). FlexAttention's block mask at N = 65536, 12 heads, takes about 230 MiB, at 16384 about 20 MiB.
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 CACHE_SIZE = 64
 CACHE_BYTES = 1 << 30
@@ -487,21 +487,22 @@ def _unsort(out, lse, order, n, inv=None):
 
 def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *, inplace=False, rows=None):
     """Replace the rows of global queries by dense attention to every real key: each batch row's global queries
-    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query), the softmax in the
-    compute dtype (float32 for half inputs). ``inplace``: ``out`` is the caller's own (no gradient), written in place.
+    left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query), the scores and the
+    softmax in the compute dtype (float32 for half inputs), the value product in the values' dtype. ``inplace``: ``out`` is the caller's own (no gradient), written in place.
     ``rows``: ``token_rows(global_queries)`` when the caller has it."""
     pos, real = token_rows(global_queries) if rows is None else rows  # (B, G)
     b, h, _, d = q.shape
     s = k.shape[2]
+    dt = compute_dtype(q.dtype)
+    kt = k.to(dt).transpose(-1, -2)  # scores in float32 for half inputs (one copy of K): not rounded to 8 bits
     ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, None, :]
     if not inplace:
         out, lse = out.clone(), None if lse is None else lse.clone()
     step = max(1, chunk_elements(_CHUNK_ELEMENTS, q.device) // max(1, b * h * s))
     for g0 in range(0, pos.shape[1], step):
         idx = pos[:, g0 : g0 + step]  # (B, g)
-        qg = q.gather(2, idx[:, None, :, None].expand(b, h, -1, d)) * scale  # (B, H, g, d)
-        scores = (qg @ k.transpose(-1, -2)).to(compute_dtype(qg.dtype))
-        p, lse_g = _normalise(scores, ok.expand(b, h, idx.shape[1], s), lse is not None)
+        qg = q.gather(2, idx[:, None, :, None].expand(b, h, -1, d)).to(dt) * scale  # (B, H, g, d)
+        p, lse_g = _normalise(qg @ kt, ok.expand(b, h, idx.shape[1], s), lse is not None)
         if dropout > 0.0:
             p = F.dropout(p, dropout)
         keep = real[:, None, g0 : g0 + step, None]  # (B, 1, g, 1): padding entries of the left-aligned list

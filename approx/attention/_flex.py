@@ -12,9 +12,9 @@ float32 / float16 / bfloat16, at least :data:`MIN_LENGTH` keys; everything else 
 the same output to float rounding (a test checks it). A compilation failure is reported once (a warning naming the
 reason) and the gather kernel is used from then on.
 
-A pattern kept by ``_blocksparse.cached`` (inputs without key padding: a function of the shapes and options) keeps
-the block mask built for it, so that a steady call is the compiled kernel and a few small operations; on a GPU,
-rebuilding them cost more than the kernel (docs' Speed page, "On a GPU"). The rows of global queries, which attend
+A pattern kept by ``_blocksparse.cached`` (a function of the shapes and options) keeps the block mask built for it
+for inputs without key padding, so that a steady call rebuilds no mask; on a GPU, rebuilding them cost more than
+the kernel (docs' Speed page, "On a GPU"). The rows of global queries, which attend
 every key, run inside the block mask or after the kernel as dense rows (:data:`GLOBAL_ROWS`).
 
 The pattern is translated as it is: queries and keys are put in the pattern's sorted order, every query block's
@@ -46,8 +46,8 @@ MIN_LENGTH = 1024
 GPU_TILE = 64
 # where the rows of global queries (which attend every key) are computed: "apart", as dense rows after the kernel
 # (matrix products over every key, spread over the whole device, a few more launches), "mask", inside the block
-# mask, where their query block visits every key block (on a GPU one thread block per head then walks the whole
-# sequence while the others are done), or "auto": apart from ROWS_APART_FROM keys. Measured on an H200 (bfloat16,
+# mask, where their query block visits every key block (our reading of the timings: on a GPU that block's thread
+# blocks walk the whole sequence while the others are done), or "auto": apart from ROWS_APART_FROM keys. Measured on an H200 (bfloat16,
 # window 256 with CLS global, docs' Speed page): in the mask 0.34 / 0.62 / 1.81 ms at N = 4096 / 16384 / 65536,
 # apart 0.67 / 0.87 / 1.14 ms; the threshold lies between the two lengths measured on either side of the crossover
 GLOBAL_ROWS = "auto"
