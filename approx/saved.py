@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import _json
 from .layer import ApproxAttention, select_layers
 from .registry import get_method
 
@@ -40,7 +41,7 @@ FORMAT = 1
 def write_settings(folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
     """Write ``meta`` (without ``format``, which is added) to ``folder/approx_config.json``."""
     file = Path(folder) / SETTINGS_FILE
-    file.write_text(json.dumps({"format": FORMAT, **meta}, indent=2) + "\n")
+    file.write_text(_json.dumps({"format": FORMAT, **meta}))
     return file
 
 

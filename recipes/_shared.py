@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import approx
+from approx import _json
 from approx.config import MethodConfig
 from approx.harness.crossfit import merge_halves
 from approx.harness.finetune import finetune
@@ -124,7 +125,7 @@ def evaluate_checkpoints(
 
 def write_json(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(_json.dumps(payload))
 
 
 def protocol_main(argv, build_parser, run, figure, markdown) -> int:

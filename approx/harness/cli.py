@@ -16,13 +16,12 @@ Mistakes in the arguments, the model, the method or the data end with one line o
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from .. import __version__, methods
+from .. import __version__, _json, methods
 from ..config import MethodConfig, did_you_mean
 from ..registry import get_method
 from .argcheck import Once, check_device, looks_like_path, set_threads
@@ -110,7 +109,7 @@ def _write_results(results: list[dict], output: str | None) -> None:
         path = Path(output).expanduser()  # as _check_output read it
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = results[0] if len(results) == 1 else results
-        path.write_text(json.dumps(payload, indent=2) + "\n")
+        path.write_text(_json.dumps(payload))
         print(f"wrote {output}", file=sys.stderr)
 
 
@@ -385,7 +384,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         test = wikitext_windows(tokenizer, args.data_dir, split="test", length=args.length, count=args.stats_windows)
         result["graph_on_test"] = graph_stats(model, test, batch_size=args.batch_size, progress=not args.quiet)
     result["provenance"] = provenance(seed=setup.config().get("seed"), wall_seconds=time.perf_counter() - wall)
-    (out / "approx_fit.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "approx_fit.json").write_text(_json.dumps(result))
     print(f"fitted {len(report['layers'])} layers on {len(windows)} {args.split} windows in {report['seconds']:.1f} s")
     if "graph_on_test" in result:
         g = result["graph_on_test"]
@@ -512,7 +511,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         "tuning": tuning.to_dict(),
         "provenance": provenance(seed=args.seed, wall_seconds=time.perf_counter() - wall),
     }
-    (out / "approx_autotune.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "approx_autotune.json").write_text(_json.dumps(record))
     print(tuning.summary())
     model_flag = f"--model {args.model} " if args.model else ""
     task_flag = f"--task {args.task}" if args.task else "--task wikitext2"

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import torch
 from tqdm.auto import tqdm
 
+from .. import _json
 from ..config import MethodConfig, option
 from ..integration import (
     checkpoint_heads,
@@ -482,7 +483,7 @@ def finetune(
         wall_seconds=time.perf_counter() - wall,
     )
     if tr.accelerator.is_main_process:
-        (output_dir / "finetune.json").write_text(json.dumps(record, indent=2) + "\n")
+        (output_dir / "finetune.json").write_text(_json.dumps(record))
     return record
 
 
