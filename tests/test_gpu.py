@@ -218,7 +218,7 @@ FLEX_GRAD_CASES = [(m, o) for m, o in FLEX_CASES if o.get("block", 64) % 64 == 0
 def test_flex_gradients_on_gpu_equal_the_gather_kernel(method, options, padded, monkeypatch):
     """FlexAttention's backward (CUDA only, asked for with kernel="flex") against the plain-torch gather kernel's
     autograd, float32; the global queries' rows computed after the kernel (without padding by
-    ``_flex._unpadded_rows``)."""
+    the dense rows' unmasked path, ``_blocksparse._global_rows``)."""
     from approx.attention import _flex
 
     monkeypatch.setattr(_flex, "GLOBAL_ROWS", "apart")

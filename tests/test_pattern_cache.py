@@ -215,7 +215,7 @@ def test_sparse_transformer_keeps_its_head_groups(monkeypatch):
 def test_flex_keeps_its_block_mask_for_unpadded_inputs(method, rows, monkeypatch):
     """kernel='flex' prepares the BlockMask once per shape on a kept pattern, every call with key padding; the
     output stays the gather kernel's, the global queries' rows computed after the kernel (unpadded: in a few
-    launches, ``_flex._unpadded_rows``) or inside the block mask. Skipped where FlexAttention cannot compile."""
+    launches, ``_blocksparse._global_rows``) or inside the block mask. Skipped where FlexAttention cannot compile."""
     monkeypatch.setattr(_flex, "GLOBAL_ROWS", rows)
     prepared = count_calls(monkeypatch, _flex, "_prepare")
     options = {"window": {"window": 9, "block": 32}, "bigbird": {"block": 16, "random_blocks": 2}}[method]

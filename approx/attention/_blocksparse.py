@@ -488,13 +488,16 @@ def _unsort(out, lse, order, n, inv=None):
 def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *, inplace=False, rows=None):
     """Replace the rows of global queries by dense attention to every real key: each batch row's global queries
     left-aligned, (B, H, G, S) scores in chunks of queries (no copy of K or V per global query), the scores and the
-    softmax in the compute dtype (float32 for half inputs), the value product in the values' dtype. ``inplace``: ``out`` is the caller's own (no gradient), written in place.
-    ``rows``: ``token_rows(global_queries)`` when the caller has it."""
-    pos, real = token_rows(global_queries) if rows is None else rows  # (B, G)
+    softmax in the compute dtype (float32 for half inputs), the value product in the values' dtype. Without key
+    padding, log-sum-exp or dropout, and with every listed query real, a chunk is five launches (no masks: on a GPU
+    each launch costs more than this arithmetic), the same numbers. ``inplace``: ``out`` is the caller's own (no
+    gradient), written in place. ``rows``: :func:`global_rows` of ``global_queries`` when the caller has it."""
+    pos, real, every = global_rows(global_queries) if rows is None else rows  # (B, G), (B, G), bool
     b, h, _, d = q.shape
     s = k.shape[2]
     dt = compute_dtype(q.dtype)
     kt = k.to(dt).transpose(-1, -2)  # scores in float32 for half inputs (one copy of K): not rounded to 8 bits
+    plain = key_mask is None and lse is None and dropout == 0.0 and every
     ok = torch.ones(b, 1, 1, s, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, None, :]
     if not inplace:
         out, lse = out.clone(), None if lse is None else lse.clone()
@@ -502,11 +505,15 @@ def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *,
     for g0 in range(0, pos.shape[1], step):
         idx = pos[:, g0 : g0 + step]  # (B, g)
         qg = q.gather(2, idx[:, None, :, None].expand(b, h, -1, d)).to(dt) * scale  # (B, H, g, d)
+        slots = idx[:, None, :, None].expand(b, h, -1, out.shape[-1])
+        if plain:  # every key and every listed query real: no masks to apply
+            new = (torch.softmax(qg @ kt, -1).to(v.dtype) @ v).to(out.dtype)
+            out = out.scatter_(2, slots, new) if inplace else out.scatter(2, slots, new)
+            continue
         p, lse_g = _normalise(qg @ kt, ok.expand(b, h, idx.shape[1], s), lse is not None)
         if dropout > 0.0:
             p = F.dropout(p, dropout)
         keep = real[:, None, g0 : g0 + step, None]  # (B, 1, g, 1): padding entries of the left-aligned list
-        slots = idx[:, None, :, None].expand(b, h, -1, out.shape[-1])
         new = torch.where(keep, (p.to(v.dtype) @ v).to(out.dtype), out.gather(2, slots))
         out = out.scatter_(2, slots, new) if inplace else out.scatter(2, slots, new)
         if lse is not None:
@@ -516,6 +523,13 @@ def _global_rows(q, scale, k, v, key_mask, global_queries, out, lse, dropout, *,
                 torch.where(keep[..., 0], lse_g, lse.gather(2, idx[:, None, :].expand(b, h, -1))),
             )
     return out, lse
+
+
+def global_rows(global_queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The global queries (B, N) as :func:`_global_rows` takes them: their positions left-aligned (B, G), which of
+    those are real, and whether all are (one host synchronisation)."""
+    pos, real = token_rows(global_queries)
+    return pos, real, bool(real.all())
 
 
 def combine(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:

@@ -14,8 +14,8 @@ reason) and the gather kernel is used from then on.
 
 A pattern kept by ``_blocksparse.cached`` (a function of the shapes and options) keeps the block mask built for it
 for inputs without key padding, so that a steady call rebuilds no mask; on a GPU, rebuilding them cost more than
-the kernel (docs' Speed page, "On a GPU"). The rows of global queries, which attend
-every key, run inside the block mask or after the kernel as dense rows (:data:`GLOBAL_ROWS`).
+the kernel (docs' Speed page, "On a GPU"). The rows of global queries, which attend every key, run inside the block
+mask or after the kernel as dense rows (:data:`GLOBAL_ROWS`).
 
 The pattern is translated as it is: queries and keys are put in the pattern's sorted order, every query block's
 key blocks (its own, the blocks holding shared keys, every block for a block holding a global query) form the
@@ -33,8 +33,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ._blocksparse import account, token_rows
-from ._common import chunk_elements, compute_dtype, safe_key_mask, zero_padded_values
+from ._blocksparse import account, global_rows
+from ._common import compute_dtype, safe_key_mask, zero_padded_values
 from ._compiled import compile_errors
 
 __all__ = ["MIN_LENGTH", "attend", "unusable", "worth_it"]
@@ -47,9 +47,10 @@ GPU_TILE = 64
 # where the rows of global queries (which attend every key) are computed: "apart", as dense rows after the kernel
 # (matrix products over every key, spread over the whole device, a few more launches), "mask", inside the block
 # mask, where their query block visits every key block (our reading of the timings: on a GPU that block's thread
-# blocks walk the whole sequence while the others are done), or "auto": apart from ROWS_APART_FROM keys. Measured on an H200 (bfloat16,
-# window 256 with CLS global, docs' Speed page): in the mask 0.34 / 0.62 / 1.81 ms at N = 4096 / 16384 / 65536,
-# apart 0.67 / 0.87 / 1.14 ms; the threshold lies between the two lengths measured on either side of the crossover
+# blocks walk the whole sequence while the others are done), or "auto": apart from ROWS_APART_FROM keys. Measured
+# on an H200 (bfloat16, window 256 with CLS global, docs' Speed page): in the mask 0.34 / 0.62 / 1.81 ms at
+# N = 4096 / 16384 / 65536, apart 0.67 / 0.87 / 1.14 ms; the threshold lies between the two lengths measured on
+# either side of the crossover
 GLOBAL_ROWS = "auto"
 ROWS_APART_FROM = 32768
 _COMPILED = None
@@ -274,32 +275,8 @@ def _prepare(pattern, b, h, n, s, key_mask, device):
         seq_lengths=(tq * blk, tk * blk),
     )
     inv = None if pattern.q_order is None else pattern.q_order.argsort(-1)  # sorted slot -> original position
-    rows = None  # the global queries, computed after the kernel: positions, which are real, whether all are
-    if apart:
-        pos, real = token_rows(pattern.global_queries)
-        rows = (pos, real, bool(real.all()))
+    rows = global_rows(pattern.global_queries) if apart else None  # the global queries, computed after the kernel
     return tq, tk, qpos, kpos, mask, score_mod, inv, rows
-
-
-def _unpadded_rows(q, k, v, out, pos, scale: float, *, inplace: bool):
-    """The rows of the global queries at ``pos`` (B, G) of an input without key padding: softmax(q k^T) v over every
-    key, in chunks of queries, a few launches each (on a GPU each launch costs more than this arithmetic): the
-    scores and the softmax in the compute dtype (float32 for half inputs), the value product in the values' dtype,
-    the rows scattered into ``out``."""
-    from ._blocksparse import _CHUNK_ELEMENTS
-
-    b, h, _, d = q.shape
-    dt = compute_dtype(q.dtype)
-    kt = k.to(dt).transpose(-1, -2)  # the scores in float32 for half inputs (one copy of K): not rounded to 8 bits
-    step = max(1, chunk_elements(_CHUNK_ELEMENTS, q.device) // max(1, b * h * k.shape[2]))
-    for g0 in range(0, pos.shape[1], step):
-        idx = pos[:, None, g0 : g0 + step, None]  # (B, 1, g, 1)
-        qg = q.gather(2, idx.expand(b, h, -1, d)).to(dt) * scale
-        p = torch.softmax(qg @ kt, dim=-1)
-        rows = (p.to(v.dtype) @ v).to(out.dtype)  # P in the values' dtype, as FlexAttention's kernel does
-        slots = idx.expand(b, h, -1, out.shape[-1])
-        out = out.scatter_(2, slots, rows) if inplace else out.scatter(2, slots, rows)
-    return out
 
 
 def _rows_apart(pattern, s: int) -> bool:
@@ -315,7 +292,7 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     """The pattern's attention through compiled FlexAttention; None when compiling fails (after a warning).
 
     A pattern kept by ``_blocksparse.cached`` (``pattern.static``) keeps its block mask for inputs without key
-    padding: the next call with the same shapes is the compiled kernel alone, no mask to rebuild."""
+    padding: the next call with the same shapes rebuilds no mask."""
     from ._blocksparse import _global_rows, _take, _unsort
 
     key_mask = safe_key_mask(key_mask)
@@ -364,8 +341,5 @@ def attend(q, k, v, pattern, *, key_mask, scale: float, with_lse: bool):
     out, lse = _unsort(out, lse, pattern.q_order, n, inv)
     if rows is not None:  # dense rows for the global queries (their kernel rows saw only the visited blocks)
         glob, inplace = pattern.global_queries, not out.requires_grad  # autograd keeps the kernel's output
-        if key_mask is None and lse is None and rows[2]:  # every key and every listed query real
-            out = _unpadded_rows(q, k, v, out, rows[0], scale, inplace=inplace)
-        else:
-            out, lse = _global_rows(q, scale, k, v, key_mask, glob, out, lse, 0.0, inplace=inplace, rows=rows[:2])
+        out, lse = _global_rows(q, scale, k, v, key_mask, glob, out, lse, 0.0, inplace=inplace, rows=rows)
     return (out.to(compute_dtype(v.dtype)), lse) if with_lse else out.to(v.dtype)
