@@ -14,8 +14,9 @@ translation of a pattern to FlexAttention, table look-ups in its ``mask_mod``; t
 after the first call, the global queries' rows where ``_flex.GLOBAL_ROWS`` puts them), ``approx-flex-unkept`` (the
 same with nothing kept: pattern and block mask built at every call), ``approx-flex-rows-apart`` and
 ``approx-flex-rows-in-mask`` (the global queries' rows computed after the kernel, or inside the block mask, their
-query block visiting every key block) and ``flex`` (raw ``torch.nn.attention.flex_attention`` compiled, on the same block lists with a
-hand-written ``mask_mod``: ``|i - j| <= w`` or a global token, the global rows in the mask). Inputs (1, 12, N, 64)
+query block visiting every key block) and ``flex`` (raw ``torch.nn.attention.flex_attention`` compiled, on the
+same block lists with a hand-written ``mask_mod``: ``|i - j| <= w`` or a global token, the global rows in the
+mask). Inputs (1, 12, N, 64)
 in ``--dtype`` (float32 by default), no padding, forward. Times interleave SDPA and the others in one process (one
 warm-up each, ``--repeats`` timed calls, median); flex's first call (its compilation) is timed apart. The outputs
 are compared (max absolute difference). Whether flex has a backward pass on the device is tried and recorded.

@@ -50,12 +50,14 @@ from ._common import chunk_elements, compute_dtype, safe_key_mask, zero_padded_v
 
 __all__ = [
     "Pattern",
+    "account",
     "attend",
     "cached",
     "clear_cache",
     "combine",
     "dense_mask",
     "dense_weights",
+    "global_rows",
     "no_padding",
     "range_blocks",
     "token_rows",
@@ -140,7 +142,8 @@ class Pattern:
 
 # Patterns kept by :func:`cached`, most recently used last, with the bytes their tensors take: at most
 # :data:`CACHE_SIZE` entries and :data:`CACHE_BYTES` bytes (on every device together), the least recently used
-# dropped first (the newest entry stays, even alone above the limits). FlexAttention's block mask at N = 65536, 12 heads, takes about 230 MiB, at 16384 about 20 MiB.
+# dropped first (the newest entry stays, even alone above the limits). FlexAttention's block mask at N = 65536,
+# 12 heads, takes about 230 MiB, at 16384 about 20 MiB.
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 CACHE_SIZE = 64
 CACHE_BYTES = 1 << 30
