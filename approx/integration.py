@@ -28,7 +28,7 @@ from ._version import __version__
 from .attention import _blocksparse, _context
 from .attention._common import dense_softmax, exact_attention
 from .config import MethodConfig
-from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, layer_seed, select_layers
+from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, check_heads, layer_seed, select_layers
 from .layer import PROBES as _PROBES
 from .layer import key_mask_of as _key_mask
 from .registry import get_method
@@ -287,6 +287,12 @@ def _head_dim(module: nn.Module, model: nn.Module) -> int:
     return model.config.hidden_size // model.config.num_attention_heads
 
 
+def _num_heads(model: nn.Module) -> int | None:
+    """The attention heads per layer of ``model`` (None where its config does not say)."""
+    count = getattr(model.config, "num_attention_heads", None) or getattr(model.config, "n_heads", None)
+    return count if isinstance(count, int) else None
+
+
 def _device(module: nn.Module) -> torch.device:
     for p in module.parameters():
         return p.device
@@ -297,20 +303,31 @@ def _device(module: nn.Module) -> torch.device:
 # public API
 
 
-def patch(model: nn.Module, method: str, *, layers: int | Iterable[int] | None = None, **options: Any) -> nn.Module:
+def patch(
+    model: nn.Module,
+    method: str,
+    *,
+    layers: int | Iterable[int] | None = None,
+    on_heads: int | Iterable[int] | None = None,
+    **options: Any,
+) -> nn.Module:
     """Replace the self-attention of a loaded Hugging Face model by ``method``, in place; returns the model.
 
     ``layers`` selects attention layers by index (default: all); patch again with other ``layers`` to mix
-    methods. ``options`` are the fields of the method's config class (see ``approx methods``). Raises
-    ``ValueError`` on an unknown method or option and :class:`UnsupportedModelError` (a ``ValueError``)
-    listing the reasons when the model cannot be patched; on any error the model is left as it was.
+    methods. ``on_heads`` runs the method on those heads of each selected layer only (default: every head), the
+    other heads keeping exact attention (not with fitted state; ``heads`` is an option of some methods, e.g. the
+    Sparse Transformer's). ``options`` are the fields of the method's
+    config class (see ``approx methods``). Raises ``ValueError`` on an unknown method, option, layer or head and
+    :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on
+    any error the model is left as it was.
     """
     spec = get_method(method)
     config = spec.make_config(**options)
     modules = attention_modules(model)
     indices = select_layers(layers, len(modules))
+    chosen = check_heads(on_heads, _num_heads(model))
     new = {
-        i: ApproxAttention(spec.name, config, head_dim=_head_dim(modules[i], model), layer_index=i).to(
+        i: ApproxAttention(spec.name, config, head_dim=_head_dim(modules[i], model), layer_index=i, heads=chosen).to(
             _device(modules[i])
         )
         for i in indices
@@ -445,11 +462,9 @@ class RedrawSchedule:
 
 
 def settings(model: nn.Module) -> list[dict[str, Any]]:
-    """What each patched layer runs: ``[{"layer": i, "method": name, "config": {...}}, ...]``."""
-    return [
-        {"layer": i, "method": layer.method.name, "config": layer.config.to_dict()}
-        for i, layer in patched_layers(model).items()
-    ]
+    """What each patched layer runs: ``[{"layer": i, "method": name, "config": {...}}, ...]``, with ``"heads"`` on a
+    layer whose method runs on some heads only."""
+    return [saved.layer_record(i, layer) for i, layer in patched_layers(model).items()]
 
 
 def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **save_pretrained_kwargs: Any) -> Path:
@@ -528,7 +543,7 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 
 
 def _saved_layers(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> dict[int, ApproxAttention]:
-    _, layers = saved.build_layers(path, [_head_dim(m, model) for m in modules])
+    _, layers = saved.build_layers(path, [_head_dim(m, model) for m in modules], heads=_num_heads(model))
     return {i: layer.to(_device(modules[i])) for i, layer in layers.items()}
 
 
@@ -590,6 +605,13 @@ def attach(model: nn.Module, layers: dict[int, ApproxAttention]) -> nn.Module:
     :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is."""
     modules = attention_modules(model)
     select_layers(list(layers), len(modules))
+    count = _num_heads(model)
+    for i, layer in layers.items():
+        if getattr(layer, "heads", None) is not None:
+            try:
+                check_heads(layer.heads, count)
+            except ValueError as e:
+                raise ValueError(f"layer {i}: {e}") from None
     return _install(model, modules, layers)
 
 

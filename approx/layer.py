@@ -10,6 +10,10 @@ without any model, e.g. by the benchmarks::
 
     layer = ApproxAttention("i-clustered", IClusteredConfig(clusters=100), head_dim=64)
     out = layer(q, k, v, key_mask=mask)   # q, k, v: (B, H, N, d); mask: (B, S) bool, True = real token
+
+``heads`` restricts the method to some of a layer's heads; the others get exact attention (``approx.patch(...,
+on_heads=[0, 3])``, and :func:`approx.autotune` when it tunes heads). The method then sees only its heads, as if the layer
+had no others: a pattern split across heads (the Sparse Transformer's ``split``) is split across them.
 """
 
 from __future__ import annotations
@@ -21,13 +25,22 @@ import torch
 from torch import nn
 
 from .config import MethodConfig, as_integer
-from .registry import get_method
+from .registry import Cost, get_method
 
-__all__ = ["ApproxAttention", "attention_probe", "key_mask_of", "layer_seed", "select_layers"]
+__all__ = ["ApproxAttention", "attention_probe", "check_heads", "key_mask_of", "layer_seed", "select_layers"]
 
 # Called after an ApproxAttention is unpickled (``torch.load`` of a patched model): approx.integration puts
 # the registration of its attention function here, so a model pickled while patched runs in a fresh process.
 ON_UNPICKLE: list = []
+
+
+def _items(value, refusal: str) -> list:
+    """An integer as a list of one, an iterable (not a string) as a list; ``ValueError(refusal)`` otherwise."""
+    if as_integer(value) is not None:
+        return [value]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(refusal)
+    return list(value)
 
 
 def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
@@ -36,12 +49,8 @@ def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
     naming ``name`` on anything else or on an index the model does not have."""
     if layers is None:
         return list(range(count))
-    if as_integer(layers) is not None:
-        layers = [layers]
-    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
-        raise ValueError(f"{name} must be an integer, a list of integers or None, got {layers!r}")
     chosen = []
-    for item in layers:
+    for item in _items(layers, f"{name} must be an integer, a list of integers or None, got {layers!r}"):
         i = as_integer(item)
         if i is None:
             raise ValueError(f"{name} must be integers, got {item!r}")
@@ -52,6 +61,24 @@ def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
     if not chosen:
         raise ValueError(f"{name} is empty: name at least one layer, or pass None for all")
     return sorted(set(chosen))
+
+
+def check_heads(heads, count: int | None = None) -> tuple[int, ...] | None:
+    """The heads a method runs on, as a sorted tuple without repeats (None: every head). ``ValueError`` on anything
+    but a non-empty list of integers at least 0, and, with ``count`` (the layer's heads), on one it does not have."""
+    if heads is None:
+        return None
+    chosen = []
+    for item in _items(heads, f"heads must be a list of head indices or None (every head), got {heads!r}"):
+        h = as_integer(item)
+        if h is None or h < 0:
+            raise ValueError(f"heads must be head indices (integers from 0), got {item!r}")
+        if count is not None and h >= count:
+            raise ValueError(f"head {h} does not exist: the layer has {count} heads (0..{count - 1})")
+        chosen.append(h)
+    if not chosen:
+        raise ValueError("heads is empty: name at least one head, or pass None for every head")
+    return tuple(sorted(set(chosen)))
 
 
 def layer_seed(seed: int, layer_index: int) -> int:
@@ -80,7 +107,15 @@ def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torc
 
 
 class ApproxAttention(nn.Module):
-    def __init__(self, method: str, config: MethodConfig | None = None, *, head_dim: int, layer_index: int = 0) -> None:
+    def __init__(
+        self,
+        method: str,
+        config: MethodConfig | None = None,
+        *,
+        head_dim: int,
+        layer_index: int = 0,
+        heads=None,
+    ) -> None:
         super().__init__()
         self.method = get_method(method)
         if config is None:
@@ -90,6 +125,12 @@ class ApproxAttention(nn.Module):
         self.config = config
         self.head_dim = head_dim
         self.layer_index = layer_index
+        self.heads = check_heads(heads)
+        if self.heads is not None and self.method.needs_fit and self.method.requires_fit(config):
+            raise ValueError(
+                f"{method}: a method on some heads only is not available with fitted state (learned for all the "
+                "layer's heads); use a method without fitted state, or every head"
+            )
         if self.method.init_state is not None:
             seed = layer_seed(getattr(config, "seed", 0), layer_index)
             for name, tensor in self.method.init_state(config, head_dim=head_dim, seed=seed).items():
@@ -99,7 +140,8 @@ class ApproxAttention(nn.Module):
         return {**self.__dict__, "method": self.method.name}  # pickled by name: the registry holds the functions
 
     def __setstate__(self, state: dict) -> None:
-        super().__setstate__({**state, "method": get_method(state["method"])})
+        # pickled before heads existed: every head
+        super().__setstate__({"heads": None, **state, "method": get_method(state["method"])})
         for hook in ON_UNPICKLE:
             hook()
 
@@ -162,16 +204,87 @@ class ApproxAttention(nn.Module):
         for name, t in self.method.fit(self.config, old, samples, **options).items():
             setattr(self, name, t.to(device=old[name].device))
 
+    def with_heads(self, heads) -> ApproxAttention:
+        """This layer (the same config and state tensors, shared) with its method on ``heads`` only (None: every
+        head), the other heads exact."""
+        if heads is not None and self.method.needs_fit and self.method.requires_fit(self.config):
+            raise ValueError(f"{self.method.name}: a method on some heads only is not available with fitted state")
+        other = ApproxAttention.__new__(ApproxAttention)
+        nn.Module.__init__(other)
+        other.method, other.config, other.head_dim, other.layer_index = (
+            self.method, self.config, self.head_dim, self.layer_index,
+        )  # fmt: skip
+        other.heads = check_heads(heads)
+        for name, tensor in self.state().items():
+            other.register_buffer(name, tensor)
+        return other
+
+    def _split(self, count: int) -> tuple[list[int], list[int]] | None:
+        """The method's heads and the exact ones of a call with ``count`` heads; None when the method has them all."""
+        if self.heads is None:
+            return None
+        if self.heads[-1] >= count:
+            raise ValueError(
+                f"layer {self.layer_index}: the method is set on heads {list(self.heads)}, and this call has {count} "
+                f"heads (0..{count - 1})"
+            )
+        if len(self.heads) == count:
+            return None
+        return list(self.heads), [h for h in range(count) if h not in self.heads]
+
+    @staticmethod
+    def _join(mine: torch.Tensor, exact: torch.Tensor, split: tuple[list[int], list[int]]) -> torch.Tensor:
+        """The method's heads and the exact heads back in the layer's head order (dim 1)."""
+        order = torch.tensor(split[0] + split[1], device=mine.device).argsort()
+        return torch.cat([mine, exact], dim=1).index_select(1, order)
+
     def graph_stats(self, q, k, key_mask=None, *, scale=None) -> dict[str, torch.Tensor] | None:
-        """Counts of the method's predicted attention graph against its gold graph (None if it has none)."""
+        """Counts of the method's predicted attention graph against its gold graph, per head (None if it has none).
+        With ``heads``, a head left exact predicts every real pair: its recall is 1 and every query exact."""
         if self.method.stats is None:
             return None
         if scale is None:
             scale = q.shape[-1] ** -0.5
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
-        return self.method.stats(
-            q, k, key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config, state=self.state()
-        )
+
+        def stats(heads):
+            return self.method.stats(
+                q[:, heads], k[:, heads], key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config,
+                state=self.state(),
+            )  # fmt: skip
+
+        split = self._split(q.shape[1])
+        if split is None:
+            return stats(slice(None))
+        mine, exact = stats(split[0]), stats(split[1])  # the exact heads' gold graph and real pairs
+        exact = {**exact, "predicted": exact["valid"], "hit": exact["gold"], "exact": exact["queries"]}
+        order = torch.tensor(split[0] + split[1]).argsort()
+        return {
+            name: torch.cat([mine[name], exact[name]]).index_select(0, order.to(mine[name].device)) for name in mine
+        }
+
+    def costs(self, *, b: int, n: int, key_mask: torch.Tensor | None, d: int, dv: int, heads: int) -> list[Cost]:
+        """The cost of one self-attention call with ``heads`` heads, per batch row, summed over the heads: the
+        method's cost model on its heads, exact attention's on the others (``matmul_macs`` None where the method
+        does not count it). Call it where the forward's context is set, as :meth:`Method.costs`."""
+        split = self._split(heads)
+        mine = self.method.costs(self.config, b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        if split is None:
+            return [
+                Cost(c.flops * heads, c.qk_pairs * heads, None if c.matmul_macs is None else c.matmul_macs * heads)
+                for c in mine
+            ]
+        full = get_method("full")
+        exact = full.costs(full.config_class(), b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        m, e = len(split[0]), len(split[1])
+        return [
+            Cost(
+                c.flops * m + f.flops * e,
+                c.qk_pairs * m + f.qk_pairs * e,
+                None if c.matmul_macs is None else c.matmul_macs * m + f.matmul_macs * e,
+            )
+            for c, f in zip(mine, exact, strict=True)
+        ]
 
     def forward(
         self,
@@ -185,22 +298,29 @@ class ApproxAttention(nn.Module):
     ) -> torch.Tensor:
         """Self-attention over (B, H, N, d) tensors with a (B, S) key-padding mask; returns (B, H, N, dv).
 
-        Queries are the same positions as keys, so the key-padding mask is also the query mask.
+        Queries are the same positions as keys, so the key-padding mask is also the query mask. With ``heads``,
+        the method runs on those heads and exact attention on the others.
         """
         if scale is None:
             scale = q.shape[-1] ** -0.5
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
-        return self.method.attend(
-            q,
-            k,
-            v,
-            key_mask=key_mask,
-            query_mask=query_mask,
-            scale=scale,
-            config=self.config,
-            state=self.state(),
-            dropout=dropout,
-        )
+        split = self._split(q.shape[1])
+        if split is None:
+            return self.method.attend(
+                q, k, v, key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config,
+                state=self.state(), dropout=dropout,
+            )  # fmt: skip
+        mine, rest = split
+        out = self.method.attend(
+            q[:, mine], k[:, mine], v[:, mine], key_mask=key_mask, query_mask=query_mask, scale=scale,
+            config=self.config, state=self.state(), dropout=dropout,
+        )  # fmt: skip
+        full = get_method("full")
+        exact = full.attend(
+            q[:, rest], k[:, rest], v[:, rest], key_mask=key_mask, query_mask=query_mask, scale=scale,
+            config=full.config_class(), state={}, dropout=dropout,
+        )  # fmt: skip
+        return self._join(out, exact, split)
 
     def weights(self, q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None = None, *, scale=None):
         """The dense (B, H, N, S) attention matrix this layer implies (analysis only: O(N * S))."""
@@ -211,13 +331,25 @@ class ApproxAttention(nn.Module):
         if scale is None:
             scale = q.shape[-1] ** -0.5
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
-        return self.method.weights(
-            q, k, key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config, state=self.state()
-        )
+        split = self._split(q.shape[1])
+        heads = split[0] if split is not None else slice(None)
+        mine = self.method.weights(
+            q[:, heads], k[:, heads], key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config,
+            state=self.state(),
+        )  # fmt: skip
+        if split is None:
+            return mine
+        full = get_method("full")
+        exact = full.weights(
+            q[:, split[1]], k[:, split[1]], key_mask=key_mask, query_mask=query_mask, scale=scale,
+            config=full.config_class(), state={},
+        )  # fmt: skip
+        return self._join(mine, exact, split)
 
     def extra_repr(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config.to_dict().items())
-        return f"method={self.method.name!r}, layer={self.layer_index}" + (f", {opts}" if opts else "")
+        heads = "" if self.heads is None else f", heads={list(self.heads)}"
+        return f"method={self.method.name!r}, layer={self.layer_index}{heads}" + (f", {opts}" if opts else "")
 
 
 # Callables run after every patched layer: probe(layer, q, k, v, key_mask, scale, out); see attention_probe.

@@ -1,7 +1,8 @@
 """The saved-folder format of a patched model, beside its Hugging Face checkpoint (no transformers here).
 
 ``approx_config.json`` records what every patched layer runs (``{"format": 1, "approx_version",
-"original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``) and
+"original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``, with ``"heads"`` on a layer whose
+method runs on some of its heads only) and
 ``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
 fitted projections), written only when some layer has state. :mod:`approx.integration` writes and reads the
 checkpoint around them (``approx.save``, ``approx.load``).
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from . import _json
-from .layer import ApproxAttention, select_layers
+from .layer import ApproxAttention, check_heads, select_layers
 from .registry import get_method
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "check_tokenizer_folder",
     "check_vocabulary",
     "is_saved_setting",
+    "layer_record",
     "read_settings",
     "read_state",
     "saved_settings",
@@ -36,6 +38,15 @@ __all__ = [
 SETTINGS_FILE = "approx_config.json"
 STATE_FILE = "approx_state.safetensors"
 FORMAT = 1
+
+
+def layer_record(i: int, layer: ApproxAttention) -> dict[str, Any]:
+    """One patched layer as ``approx_config.json`` lists it: ``{"layer", "method", "config"}``, and ``"heads"`` when
+    its method runs on some heads only."""
+    record = {"layer": i, "method": layer.method.name, "config": layer.config.to_dict()}
+    if getattr(layer, "heads", None) is not None:
+        record["heads"] = list(layer.heads)
+    return record
 
 
 def write_settings(folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
@@ -64,22 +75,28 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(layers, list) or not layers:
         raise ValueError(f"{file}: 'layers' must be a non-empty list of {{layer, method, config}}, got {layers!r}")
     for n, entry in enumerate(layers):
-        ok = isinstance(entry, dict) and set(entry) == {"layer", "method", "config"}
+        ok = isinstance(entry, dict) and set(entry) - {"heads"} == {"layer", "method", "config"}
         if not (ok and isinstance(entry["method"], str) and isinstance(entry["config"], dict)):
             raise ValueError(
-                f"{file}: layers[{n}] must be {{'layer': int, 'method': str, 'config': {{...}}}}, got {entry!r}"
+                f"{file}: layers[{n}] must be {{'layer': int, 'method': str, 'config': {{...}}}} (and 'heads': "
+                f"[int, ...] when the method runs on some heads only), got {entry!r}"
             )
+        if "heads" in entry and not isinstance(entry["heads"], list):
+            raise ValueError(f"{file}: layers[{n}]['heads'] must be a list of head indices, got {entry['heads']!r}")
     for key in ("original_attn_implementation", "state_sha256"):
         if not isinstance(meta.get(key), (str, type(None))):
             raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")
     return meta
 
 
-def build_layers(folder: str | os.PathLike, head_dims: list[int]) -> tuple[dict[str, Any], dict[int, ApproxAttention]]:
+def build_layers(
+    folder: str | os.PathLike, head_dims: list[int], *, heads: int | None = None
+) -> tuple[dict[str, Any], dict[int, ApproxAttention]]:
     """The settings of ``folder`` and the layers they describe, state loaded, for a model whose attention layers
-    have ``head_dims``: everything checked before any model is touched. ``ValueError`` (or
-    ``FileNotFoundError``) naming the file on anything wrong: a method, option or layer index the model does not
-    have, a layer given twice, state that is missing, unreadable, of another shape or not finite."""
+    have ``head_dims`` (and ``heads`` heads each, when known): everything checked before any model is touched.
+    ``ValueError`` (or ``FileNotFoundError``) naming the file on anything wrong: a method, option, layer or head
+    index the model does not have, a layer given twice, state that is missing, unreadable, of another shape or not
+    finite."""
     meta = read_settings(folder)
     file = Path(folder) / SETTINGS_FILE
     layers: dict[int, ApproxAttention] = {}
@@ -88,11 +105,12 @@ def build_layers(folder: str | os.PathLike, head_dims: list[int]) -> tuple[dict[
             (i,) = select_layers(entry["layer"], len(head_dims), name="layer")
             spec = get_method(entry["method"])
             config = spec.config_class.from_record(entry["config"])  # options it predates: as it was saved
+            chosen = check_heads(entry.get("heads"), heads)
+            if i in layers:
+                raise ValueError(f"layer {entry['layer']} is given twice")
+            layers[i] = ApproxAttention(spec.name, config, head_dim=head_dims[i], layer_index=i, heads=chosen)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{file}: {e}") from None
-        if i in layers:
-            raise ValueError(f"{file}: layer {entry['layer']} is given twice")
-        layers[i] = ApproxAttention(spec.name, config, head_dim=head_dims[i], layer_index=i)
     read_state(layers, folder, meta.get("state_sha256"))
     return meta, layers
 
@@ -104,7 +122,8 @@ def is_saved_setting(path: Any) -> bool:
 
 
 def saved_settings(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The per-layer settings recorded in ``path`` (``[{"layer", "method", "config"}, ...]``)."""
+    """The per-layer settings recorded in ``path`` (``[{"layer", "method", "config"}, ...]``, with ``"heads"`` where a
+    method runs on some heads only)."""
     return read_settings(path)["layers"]
 
 

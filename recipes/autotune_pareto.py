@@ -39,6 +39,9 @@ the halves' predictions as the clustered table does.
     python recipes/autotune_pareto.py --tasks squad --score --output OTHER.json --figure OTHER.png
                                                                   # SQuAD tuned to keep a share of its F1 (score
                                                                   # targets, scored on labelled training questions)
+    python recipes/autotune_pareto.py --tasks squad --head-counts 3 6 9 --output OTHER.json --figure OTHER.png
+                                                                  # each candidate also on 3, 6 and 9 of a layer's
+                                                                  # heads (the others exact)
     python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output recipes/results/autotune_pareto_squad_doc.json
         --figure recipes/results/figures/autotune_pareto_squad_doc.png --tuned-dir runs/autotune_doc
                                                                   # the long reader at 4096 tokens, in its own files
@@ -211,6 +214,7 @@ def tune_checkpoint(
         measure=measure,
         methods=methods,
         cost_data=cost_data,
+        head_counts=getattr(args, "head_counts", None) or (),
         batch_size=batch,
         seed=args.seed,
         progress=not args.quiet,
@@ -247,6 +251,7 @@ def tune_checkpoint(
         "cost_inputs": search.cost_inputs,
         **({"max_length": args.doc_length} if long else {}),
         "measure": measure,
+        "head_counts": list(search.head_counts),
         "cheapest_fidelity": cheapest,
         **({"scorer": scorer.describe(), "reference_score": tunings[0]["score"]["reference"]} if score else {}),
         "measure_seconds": search.seconds,
@@ -306,7 +311,12 @@ def _evaluate_once(folder: Path, task: str, folders: list[Path], extra: list, **
 
 
 def refuse_variants(
-    tasks: list[str], clustering: str, question_global: bool, output: Path | None = None, score: bool = False
+    tasks: list[str],
+    clustering: str,
+    question_global: bool,
+    output: Path | None = None,
+    score: bool = False,
+    head_counts: list[int] | None = None,
 ) -> None:
     """Exit, before anything runs, on a variant of the candidates or targets that a task cannot take, or that would
     overwrite the main run's results (``output`` is :data:`OUTPUT`)."""
@@ -326,7 +336,7 @@ def refuse_variants(
                 f"--question-global adds the question-global windows to squad's candidates; {task} takes none "
                 "(squad-doc's candidates have windows of 64-256 with the question global; GLUE inputs have no question)"
             )
-    variant = clustering != "paper" or question_global or score
+    variant = clustering != "paper" or question_global or score or bool(head_counts)
     if variant and output is not None and output.resolve() == OUTPUT.resolve():
         raise SystemExit(
             f"{_relative(OUTPUT)} holds the run with the default candidates; write this variant to its own --output "
@@ -521,6 +531,12 @@ def doc_target(task_record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _counts(counts: list[int]) -> str:
+    """``[3, 6, 9]`` -> ``"3, 6 and 9"``."""
+    words = [str(k) for k in counts]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 def markdown(record: dict[str, Any]) -> str:
     lines = []
     for task in [t for t in TASK_ORDER if t in record["tasks"]]:
@@ -534,6 +550,11 @@ def markdown(record: dict[str, Any]) -> str:
                 f"Calibration of `{Path(c['checkpoint']).name}` on {c['calibration_split']}: {first['fit_inputs']} inputs "
                 f"measured, {first['check_inputs']} held out"
                 + (f"; costs at the lengths of {c['cost_inputs']} training inputs" if c.get("cost_examples") else "")
+                + (
+                    f"; each candidate also on {_counts(c['head_counts'])} heads a layer"
+                    if c.get("head_counts")
+                    else ""
+                )
                 + f"; every candidate on every layer measured in {c['measure_seconds']:.0f} s; the cheapest "
                 f"assignment's {c.get('measure', 'kl')} "
                 f"{c.get('cheapest_fidelity', c.get('cheapest_kl')):.4g}"
@@ -683,6 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", action="store_true", help="squad only: targets that keep a share of the reader's F1 "
                    f"({', '.join(map(str, SCORE_FRACTIONS))}), scored on {SCORE_EXAMPLES} labelled questions of its "
                    "training half, instead of KL targets")  # fmt: skip
+    p.add_argument("--head-counts", type=int, nargs="+", metavar="K", help="also try each candidate on only K heads "
+                   "of each layer (approx.autotune's head_counts), for each K given")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
@@ -712,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     args.uniform_dir = args.uniform_dir or (RESULTS / "cpu" if args.profile == "cpu" else RESULTS)
     record = json.loads(args.output.read_text()) if args.output.is_file() else {"tasks": {}}
     if not args.report:
-        refuse_variants(args.tasks, args.clustering, args.question_global, args.output, args.score)
+        refuse_variants(args.tasks, args.clustering, args.question_global, args.output, args.score, args.head_counts)
         for task in args.tasks:
             for kept in record["tasks"].values():  # tasks of an earlier run keep that run's provenance
                 kept.setdefault("provenance", record.get("provenance"))

@@ -36,7 +36,12 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    and a cost that falls or rises steeply with the length (MonarchAttention's blocks, a window wider than most
    inputs) can then rank the candidates otherwise than the inputs the model will meet.
 
-Heads are not tuned separately: no registered method takes per-head settings yet. The random state of each
+Heads: with ``head_counts`` (e.g. ``(6, 9)``), each candidate is also tried on only that many heads of each layer, the
+others exact (``approx.patch(..., on_heads=...)``): the heads where the candidate, run on the whole layer in step 1,
+changed the attention output least (the squared error of each head's output, summed over the fit inputs). These are
+options of the layer like the others, each measured alone in step 1 (one more run per layer, candidate and count),
+and a choice reads ``"bigbird:block=16[heads 0,3,5]"``. Without it the heads of a layer share its method. The random
+state of each
 candidate (hash planes, random blocks) is drawn from ``seed`` and the layer index, as :func:`approx.patch`
 draws it, so the tuned model's layers are the ones measured. Methods with fitted state (Sparsefinder,
 Linformer ``fitted``) are refused as candidates: fit them and evaluate the folder instead.
@@ -59,11 +64,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..attention import _context
-from ..config import MethodConfig
+from ..config import MethodConfig, as_integer
 from ..integration import (
     attach,
     attention_modules,
     attention_probe,
+    attention_shape,
     is_patched,
     model_head_from_name,
     patch,
@@ -77,7 +83,7 @@ from ..registry import get_method
 from .fidelity import AttentionProbe
 from .fitting import as_batches, input_list
 from .scoring import relative
-from .spec import Setup, as_setup, short_label
+from .spec import Setup, as_setup, heads_label, short_label
 
 __all__ = [
     "DEFAULT_CANDIDATES",
@@ -395,6 +401,7 @@ class Tuning:
     seed: int
     score: dict[str, Any] | None = None
     measure: str | None = None
+    head_counts: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -465,21 +472,40 @@ def _share(value: float | None, full: float | None) -> float | None:
     return value / full if value is not None and full and math.isfinite(value) else None
 
 
-def _cost(layer: ApproxAttention, masks: list[tuple[torch.Tensor, torch.Tensor | None]], convention: str) -> float:
-    """A layer's attention cost per head over batches (their attention masks and question tokens, :func:`_masks`),
-    from its method's cost model at their real lengths (as the harness's probe counts it; with the batches' data for
-    a method whose cost depends on it); infinite for a method that does not count this convention."""
+def _cost(
+    layer: ApproxAttention, masks: list[tuple[torch.Tensor, torch.Tensor | None]], convention: str, heads: int
+) -> float:
+    """A layer's attention cost over batches (their attention masks and question tokens, :func:`_masks`), summed over
+    its ``heads`` heads, from its method's cost model at their real lengths (as the harness's probe counts it; with the
+    batches' data for a method whose cost depends on it; exact attention's on heads the method leaves exact); infinite
+    for a method that does not count this convention."""
     total = 0.0
     for mask, question in masks:
         with _context.tokens(question_mask=question):
-            costs = layer.method.costs(layer.config, b=mask.shape[0], n=mask.shape[1], key_mask=mask,
-                                       d=layer.head_dim, dv=layer.head_dim)  # fmt: skip
+            costs = layer.costs(b=mask.shape[0], n=mask.shape[1], key_mask=mask, d=layer.head_dim,
+                                dv=layer.head_dim, heads=heads)  # fmt: skip
         for c in costs:
             value = c.flops if convention == "flops" else c.matmul_macs
             if value is None:
                 return math.inf
             total += value
     return total
+
+
+def _head_counts(counts: Sequence[int], heads: int) -> list[int]:
+    """The head counts to try each candidate on, checked against the model's ``heads``: sorted, without repeats."""
+    if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+        raise ValueError(f"head_counts must be a list of integers, got {counts!r}")
+    chosen = []
+    for k in counts:
+        n = as_integer(k)
+        if n is None or not 1 <= n < heads:
+            raise ValueError(
+                f"head_counts: {k!r} is not a number of heads from 1 to {heads - 1} (the model has {heads} heads a "
+                "layer; every head is the candidate itself)"
+            )
+        chosen.append(n)
+    return sorted(set(chosen))
 
 
 class Search:
@@ -498,6 +524,7 @@ class Search:
         cost: str = "flops",
         check_data: Iterable | None = None,
         cost_data: Iterable | None = None,
+        head_counts: Sequence[int] = (),
         batch_size: int = 8,
         pad_id: int | None = None,
         seed: int = 0,
@@ -518,6 +545,8 @@ class Search:
         if not given:
             raise ValueError("name at least one candidate method (see `approx methods`)")
         setups = [as_setup(m, seed) for m in given]
+        self.heads = attention_shape(model)[1]
+        self.head_counts = _head_counts(head_counts, self.heads)
         self.labels = [short_label({"name": s.method, **s.config()}) for s in setups]
         if len(set(self.labels)) != len(self.labels):
             raise ValueError(f"candidates named twice: {sorted({x for x in self.labels if self.labels.count(x) > 1})}")
@@ -547,44 +576,44 @@ class Search:
     def _measure(self, setups, fit_batches, check_batches, cost_batches, progress: bool) -> None:
         model, labels = self.model, self.labels
         n_layers = len(attention_modules(model))
-        self.options = _candidate_layers(model, setups)
+        self.options = _candidate_layers(model, setups)  # per column (candidate), layer -> its layer
+        self.bases = list(range(len(labels)))  # per column, the candidate it runs (a column on some heads: its own)
         self.full = _full_layers(model)
         fit = _Calibration(model, fit_batches, self.measure)
         self.check = _Calibration(model, check_batches, self.measure)
-        self.loss = [[0.0] * (len(labels) + 1) for _ in range(n_layers)]
-        # per convention: costs[convention][layer][option], option 0 full attention. The costs the path, the budget and
-        # the report use: each layer's cost model at the cost inputs' lengths (the check inputs', where the
-        # verification runs, unless cost_data was given; the table below: the fit inputs'), taken before the long
-        # measurement so that inputs they cannot be taken at are refused first
-        self.costs = {k: [[0.0] * (len(labels) + 1) for _ in range(n_layers)] for k in COSTS}
+        # per layer, per option (option 0 full attention, option c column c - 1): the loss, and per convention the
+        # costs the path, the budget and the report use: each layer's cost model at the cost inputs' lengths (the
+        # check inputs', where the verification runs, unless cost_data was given; the table below: the fit inputs'),
+        # taken before the long measurement so that inputs they cannot be taken at are refused first
+        self.loss = [[0.0] for _ in range(n_layers)]
+        self.costs = {k: [[0.0] for _ in range(n_layers)] for k in COSTS}
         self.cost_inputs = self.check.inputs if cost_batches is None else _inputs(cost_batches)
-        masks = self.check.masks if cost_batches is None else [_masks(model, b, "a cost batch") for b in cost_batches]
-        if not any(bool(mask.any()) for mask, _ in masks):
+        self._cost_masks = (
+            self.check.masks if cost_batches is None else [_masks(model, b, "a cost batch") for b in cost_batches]
+        )
+        if not any(bool(mask.any()) for mask, _ in self._cost_masks):
             raise ValueError("the cost inputs hold no real token (every attention mask is 0): nothing to take costs at")
         for convention in COSTS:
             for i in range(n_layers):
-                self.costs[convention][i][0] = _cost(self.full[i], masks, convention)
-                for c in range(1, len(labels) + 1):
-                    self.costs[convention][i][c] = _cost(self.options[c - 1][i], masks, convention)
+                self.costs[convention][i][0] = _cost(self.full[i], self._cost_masks, convention, self.heads)
+        for c in range(len(labels)):
+            self._add_costs(c)
         self.table = []
-        bar = tqdm(total=n_layers * len(labels), disable=not progress, desc="autotune: each layer alone", unit="run")
+        runs = n_layers * len(labels) * (1 + len(self.head_counts))
+        bar = tqdm(total=runs, disable=not progress, desc="autotune: each layer alone", unit="run")
         with bar:
-            for c, label in enumerate(labels, start=1):
-                for i in range(n_layers):
-                    bar.set_postfix_str(f"layer {i}, {label}", refresh=False)
-                    fidelity, probe = fit.run({i: self.options[c - 1][i]})
-                    self.loss[i][c] = self.measure.loss(fidelity)
-                    if not math.isfinite(self.loss[i][c]):
-                        warnings.warn(
-                            f"autotune: {label} on layer {i} gives fidelity {fidelity}: never chosen", stacklevel=3
-                        )
-                    err = math.sqrt(probe.err_num[str(i)] / max(probe.err_den[str(i)], 1e-30))
-                    self.table.append({
-                        "layer": i, "candidate": label, "fidelity": fidelity, "loss": self.loss[i][c],
-                        "attention_relative_error": err,
-                        **{RATIO_NAMES[k]: _share(probe.cost[COSTS[k][0]], probe.cost[COSTS[k][1]]) for k in COSTS},
+            candidates = len(labels)
+            errors = [self._measure_column(fit, c, bar) for c in range(candidates)]
+            for k in self.head_counts:  # each candidate on the k heads of each layer where it changes least
+                for c in range(candidates):
+                    self.options.append({
+                        i: layer.with_heads(errors[c][i].argsort(stable=True)[:k].tolist())
+                        for i, layer in self.options[c].items()
                     })  # fmt: skip
-                    bar.update(1)
+                    self.labels.append(f"{self.labels[c]} on {k} heads")
+                    self.bases.append(c)
+                    self._add_costs(len(self.labels) - 1)
+                    self._measure_column(fit, len(self.labels) - 1, bar)
         self.fit_inputs, self.fit_forwards = fit.inputs, fit.forwards
         self.paths: dict[str, list[list[int]]] = {}
         self.points: dict[str, list[dict[str, Any]]] = {}
@@ -592,6 +621,41 @@ class Search:
         # per scorer (:func:`_scorer_key`, the scorer kept beside): its raw scores by assignment, None the unpatched
         # model's
         self.scores: dict[tuple, tuple[Callable, dict[tuple[int, ...] | None, float]]] = {}
+
+    def _add_costs(self, column: int) -> None:
+        """Each layer's costs of one column (as option ``column + 1``), in both conventions."""
+        for convention in COSTS:
+            for i, row in enumerate(self.costs[convention]):
+                row.append(_cost(self.options[column][i], self._cost_masks, convention, self.heads))
+
+    def _measure_column(self, fit: _Calibration, column: int, bar) -> list[torch.Tensor]:
+        """Every layer alone with one column's layer (as option ``column + 1``): its loss and a row of the table each.
+        Returns per layer the squared attention-output error of each head, summed over the fit inputs."""
+        label, errors = self.labels[column], []
+        for i, layer in self.options[column].items():
+            bar.set_postfix_str(f"layer {i}, {label}", refresh=False)
+            fidelity, probe = fit.run({i: layer})
+            loss = self.measure.loss(fidelity)
+            self.loss[i].append(loss)
+            if not math.isfinite(loss):
+                warnings.warn(f"autotune: {label} on layer {i} gives fidelity {fidelity}: never chosen", stacklevel=4)
+            err = math.sqrt(probe.err_num[str(i)] / max(probe.err_den[str(i)], 1e-30))
+            self.table.append({
+                "layer": i, "candidate": label, "fidelity": fidelity, "loss": loss, "attention_relative_error": err,
+                **({} if layer.heads is None else {"heads": list(layer.heads)}),
+                **{RATIO_NAMES[k]: _share(probe.cost[COSTS[k][0]], probe.cost[COSTS[k][1]]) for k in COSTS},
+            })  # fmt: skip
+            errors.append(probe.head_err_num[str(i)])
+            bar.update(1)
+        return errors
+
+    def _choice(self, layer: int, option: int) -> str:
+        """What a layer runs at an option, for :attr:`Tuning.choices`: ``"full"``, a candidate's label, or on some
+        heads the label and those heads (``"bigbird:block=16[heads 0,3,5]"``)."""
+        if option == 0:
+            return "full"
+        heads = self.options[option - 1][layer].heads
+        return self.labels[option - 1] if heads is None else self.labels[self.bases[option - 1]] + heads_label(heads)
 
     def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
@@ -602,7 +666,7 @@ class Search:
             self.paths[convention] = path
             self.points[convention] = [
                 {
-                    "choices": ["full" if a == 0 else self.labels[a - 1] for a in p],
+                    "choices": [self._choice(i, a) for i, a in enumerate(p)],
                     "cost": sum(costs[i][a] for i, a in enumerate(p)) / total_full,
                     "estimated_loss": sum(self.loss[i][a] for i, a in enumerate(p)),
                 }
@@ -737,6 +801,7 @@ class Search:
             seed=self.seed,
             score=self._score_record(path[chosen], score) if scoring else None,
             measure=self.measure.measure,
+            head_counts=list(self.head_counts),
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
@@ -829,6 +894,7 @@ def autotune(
     measure: str | None = None,
     check_data: Iterable | None = None,
     cost_data: Iterable | None = None,
+    head_counts: Sequence[int] = (),
     batch_size: int = 8,
     pad_id: int | None = None,
     seed: int = 0,
@@ -858,6 +924,9 @@ def autotune(
     relative to full attention in the ``cost`` convention (``"flops"``: approx's full cost model;
     ``"matmul"``: the attention matmul multiply-accumulates of the literature); with a target too, a target
     not reachable within it is reported (``met`` false, a warning) and the best assignment within it is kept.
+    ``head_counts``: also try each candidate on only that many heads of a layer (e.g. ``(6, 9)`` of 12), the
+    heads where it changed the layer's attention output least when it ran on all of them, the other heads exact
+    (``approx.patch(..., on_heads=...)``): one more run per layer, candidate and count.
     ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
     targets on the same measurements, use :class:`Search` and its ``choose``.
     """
@@ -871,7 +940,8 @@ def autotune(
         measure = default_measure(model) if scoring else goal.measure if goal else "cosine"
     search = Search(
         model, data, measure=measure, methods=methods, cost=cost, check_data=check_data,
-        cost_data=cost_data, batch_size=batch_size, pad_id=pad_id, seed=seed, progress=progress,
+        cost_data=cost_data, head_counts=head_counts, batch_size=batch_size, pad_id=pad_id, seed=seed,
+        progress=progress,
     )  # fmt: skip
     return search.choose(goal, budget, score=score, progress=progress)
 

@@ -457,6 +457,8 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         parse_setup(spec)
     target = None if args.target is None and args.budget is not None else parse_target(args.target or DEFAULT_TARGET)
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
+    if any(k < 1 for k in args.head_counts):
+        raise ValueError(f"--head-counts are numbers of heads, at least 1; got {' '.join(map(str, args.head_counts))}")
     if args.cost_examples is not None and args.task is None:
         raise ValueError("--cost-examples reads a task's split: give --task too")
     if args.cost_examples is not None and args.cost_examples < 2:
@@ -502,7 +504,8 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
     tuning = autotune(
         model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost, cost_data=cost_data,
-        score=score, batch_size=args.batch_size, seed=args.seed, progress=not args.quiet,
+        head_counts=args.head_counts, score=score, batch_size=args.batch_size, seed=args.seed,
+        progress=not args.quiet,
     )  # fmt: skip
     out = save(model, args.output_dir, tokenizer=tokenizer)
     record = {
@@ -604,6 +607,15 @@ def _add_autotune_parser(sub) -> None:
         action="append",
         metavar="METHOD[:OPT=VAL,...]",
         help=f"a candidate, repeatable (default: {' '.join(DEFAULT_CANDIDATES)}); full attention is always one",
+    )
+    p.add_argument(
+        "--head-counts",
+        type=int,
+        nargs="+",
+        metavar="K",
+        default=(),
+        help="also try each candidate on only K heads of a layer (those it changes least; the others exact), for "
+        "each K given (e.g. 6 9 of 12 heads): one more run per layer, candidate and K",
     )
     p.add_argument("--task", action=Once, help="calibrate on this task's inputs (default: WikiText-2 windows)")
     p.add_argument(

@@ -69,6 +69,9 @@ class AttentionProbe:
     def __init__(self, total_layers: int | None = None) -> None:
         self.err_num: dict[str, float] = {}
         self.err_den: dict[str, float] = {}
+        # the same sums per head, (H,) float64 tensors: which heads a method changes least (approx.autotune)
+        self.head_err_num: dict[str, torch.Tensor] = {}
+        self.head_err_den: dict[str, torch.Tensor] = {}
         # method FLOPs, method pairs, full FLOPs, full pairs, method matmul MACs, full matmul MACs
         self.cost = [0, 0, 0, 0, 0, 0]
         self.total_layers = total_layers  # attention layers of the model, patched or not
@@ -102,18 +105,24 @@ class AttentionProbe:
         i = str(layer.layer_index)
         self.err_num[i] = self.err_num.get(i, 0.0) + float(diff.sum())
         self.err_den[i] = self.err_den.get(i, 0.0) + float(ref.sum())
+        per_head = diff.sum((0, 2)).double().cpu(), ref.sum((0, 2)).double().cpu()
+        for sums, add in zip((self.head_err_num, self.head_err_den), per_head, strict=True):
+            sums[i] = sums[i] + add if i in sums else add
         heads, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
         b, n = q.shape[0], k.shape[-2]
-        # per row at its real length; a method whose cost depends on the data (window's global question) reads it
-        # from the forward's context, set while this runs
-        mine = layer.method.costs(layer.config, b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        # per row at its real length, summed over the heads (the method's and, with heads=, exact attention's on
+        # the others); a method whose cost depends on the data (window's global question) reads it from the forward's
+        # context, set while this runs
+        mine = layer.costs(b=b, n=n, key_mask=key_mask, d=d, dv=dv, heads=heads)
         full = self._full.costs(self._full.config_class(), b=b, n=n, key_mask=key_mask, d=d, dv=dv)
         for c, f in zip(mine, full, strict=True):
-            for j, value in enumerate((c.flops, c.qk_pairs, f.flops, f.qk_pairs, c.matmul_macs, f.matmul_macs)):
+            for j, value in enumerate(
+                (c.flops, c.qk_pairs, heads * f.flops, heads * f.qk_pairs, c.matmul_macs, heads * f.matmul_macs)
+            ):
                 if value is None or self.cost[j] is None:  # a method that does not count matmuls (yet): none
                     self.cost[j] = None
                 else:
-                    self.cost[j] += heads * value
+                    self.cost[j] += value
         if k.shape[-2] <= GRAPH_MAX_KEYS:
             self.graph(layer, q, k, v, key_mask, scale, out)
         elif layer.method.stats is not None:

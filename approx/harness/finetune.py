@@ -216,7 +216,7 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     head = _head(net, model, head_name)
     if setup is not None and setup.method == PER_LAYER:  # a saved per-layer model (approx.autotune): layer by layer
         for entry in setup.options["layers"]:
-            patch(net, entry["method"], layers=[entry["layer"]], **entry["config"])
+            patch(net, entry["method"], layers=[entry["layer"]], on_heads=entry.get("heads"), **entry["config"])
     elif setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)

@@ -17,13 +17,14 @@ from typing import Any
 
 from ..config import MethodConfig, did_you_mean
 from ..registry import get_method, methods
-from ..saved import SETTINGS_FILE, is_saved_setting, read_settings
+from ..saved import SETTINGS_FILE, is_saved_setting, layer_record, read_settings
 
 __all__ = [
     "PER_LAYER",
     "Setup",
     "as_setup",
     "check_not_a_folder",
+    "heads_label",
     "option_types",
     "parse_setup",
     "parse_value",
@@ -34,7 +35,8 @@ __all__ = [
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 # The name under which a result records a saved model whose layers run different methods or options (e.g. one
-# tuned by approx.autotune): its options are ``layers``, the saved ``[{"layer", "method", "config"}, ...]``.
+# tuned by approx.autotune): its options are ``layers``, the saved ``[{"layer", "method", "config"}, ...]`` (and
+# ``"heads"`` on a layer whose method runs on some heads only).
 PER_LAYER = "per-layer"
 
 
@@ -173,12 +175,12 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
 
 def layer_entries(method: Any) -> list[dict[str, Any]] | None:
     """Patched layers (``approx.patched_layers(model)``) or a folder written by :func:`approx.save` as their entries,
-    ``{"layer", "method", "config"}`` per patched layer (only those layers: a folder may hold some); None for a
-    method given by name, setup or config."""
+    ``{"layer", "method", "config"}`` per patched layer (and ``"heads"`` where its method runs on some heads only;
+    only those layers: a folder may hold some); None for a method given by name, setup or config."""
     if isinstance(method, dict):  # existing layers: their own method and options, state as it is
         if not method:
             raise ValueError("no patched layers given (approx.patched_layers of an unpatched model is empty)")
-        return [{"layer": i, "method": x.method.name, "config": x.config.to_dict()} for i, x in sorted(method.items())]
+        return [layer_record(i, x) for i, x in sorted(method.items())]
     if saved_folder(method):  # a folder written by approx.save / `approx fit`
         return [  # options the folder predates: as it was saved
             {**x, "config": get_method(x["method"]).config_class.recorded_options(x["config"])}
@@ -191,9 +193,15 @@ def _layers_setup(entries: list[dict[str, Any]], *, tuned: bool) -> Setup:
     """Patched layers as one setup: their method when every layer runs the same method and options (and they
     were not tuned per layer), else a :data:`PER_LAYER` setup listing them."""
     first = entries[0]
-    if not tuned and all((x["method"], x["config"]) == (first["method"], first["config"]) for x in entries):
+    same = all((x["method"], x["config"], x.get("heads")) == (first["method"], first["config"], None) for x in entries)
+    if not tuned and same:
         return Setup(first["method"], dict(first["config"]))
     return Setup(PER_LAYER, {"layers": [dict(x) for x in entries]})
+
+
+def heads_label(heads) -> str:
+    """``"[heads 0,3,5]"`` for a method on some heads only; empty for every head (None)."""
+    return "" if heads is None else "[heads " + ",".join(str(h) for h in heads) + "]"
 
 
 def short_label(method: dict[str, Any]) -> str:
@@ -206,7 +214,7 @@ def short_label(method: dict[str, Any]) -> str:
     if name == PER_LAYER:  # "per-layer[0-1 i-clustered:clusters=25; 2 full; ...]", runs of layers merged
         runs: list[tuple[list[int], str]] = []
         for x in sorted(method["layers"], key=lambda x: x["layer"]):
-            label = short_label({"name": x["method"], **x["config"]})
+            label = short_label({"name": x["method"], **x["config"]}) + heads_label(x.get("heads"))
             if runs and runs[-1][1] == label and runs[-1][0][-1] == x["layer"] - 1:
                 runs[-1][0].append(x["layer"])
             else:
