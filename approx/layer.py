@@ -12,8 +12,10 @@ without any model, e.g. by the benchmarks::
     out = layer(q, k, v, key_mask=mask)   # q, k, v: (B, H, N, d); mask: (B, S) bool, True = real token
 
 ``heads`` restricts the method to some of a layer's heads; the others get exact attention (``approx.patch(...,
-on_heads=[0, 3])``, and :func:`approx.autotune` when it tunes heads). The method then sees only its heads, as if the layer
-had no others: a pattern split across heads (the Sparse Transformer's ``split``) is split across them.
+on_heads=[0, 3])``, and :func:`approx.autotune` when it tunes heads). The method is called with its heads alone, inside
+:func:`approx.attention._context.heads`, so that what it draws or assigns per head (BigBird's random blocks, the
+clustering's random starts, the Sparse Transformer's even and odd heads) follows the head's index in the layer: a head
+computes the same alone as beside the others.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import _context
 from .config import MethodConfig, as_integer
 from .registry import Cost, get_method
 
@@ -248,10 +251,11 @@ class ApproxAttention(nn.Module):
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
 
         def stats(heads):
-            return self.method.stats(
-                q[:, heads], k[:, heads], key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config,
-                state=self.state(),
-            )  # fmt: skip
+            with _context.heads(None if isinstance(heads, slice) else heads):
+                return self.method.stats(
+                    q[:, heads], k[:, heads], key_mask=key_mask, query_mask=query_mask, scale=scale,
+                    config=self.config, state=self.state(),
+                )  # fmt: skip
 
         split = self._split(q.shape[1])
         if split is None:
@@ -311,10 +315,11 @@ class ApproxAttention(nn.Module):
                 state=self.state(), dropout=dropout,
             )  # fmt: skip
         mine, rest = split
-        out = self.method.attend(
-            q[:, mine], k[:, mine], v[:, mine], key_mask=key_mask, query_mask=query_mask, scale=scale,
-            config=self.config, state=self.state(), dropout=dropout,
-        )  # fmt: skip
+        with _context.heads(mine):  # what the method draws per head follows the layer's head index
+            out = self.method.attend(
+                q[:, mine], k[:, mine], v[:, mine], key_mask=key_mask, query_mask=query_mask, scale=scale,
+                config=self.config, state=self.state(), dropout=dropout,
+            )  # fmt: skip
         full = get_method("full")
         exact = full.attend(
             q[:, rest], k[:, rest], v[:, rest], key_mask=key_mask, query_mask=query_mask, scale=scale,
@@ -333,10 +338,11 @@ class ApproxAttention(nn.Module):
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
         split = self._split(q.shape[1])
         heads = split[0] if split is not None else slice(None)
-        mine = self.method.weights(
-            q[:, heads], k[:, heads], key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config,
-            state=self.state(),
-        )  # fmt: skip
+        with _context.heads(split[0] if split is not None else None):
+            mine = self.method.weights(
+                q[:, heads], k[:, heads], key_mask=key_mask, query_mask=query_mask, scale=scale, config=self.config,
+                state=self.state(),
+            )  # fmt: skip
         if split is None:
             return mine
         full = get_method("full")

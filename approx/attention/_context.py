@@ -1,5 +1,6 @@
 """What an attention function cannot read from q, k and v: which positions are the question of a QA input
-(plain torch; set by the model integration, or by hand for plain tensors).
+(plain torch; set by the model integration, or by hand for plain tensors), and which of the layer's heads the call
+holds.
 
 Longformer makes the question tokens global on QA inputs ("every token before the first SEP"). A patched model
 computes that mask from its inputs at every forward (``approx.integration`` registers the hook) and the
@@ -7,6 +8,11 @@ computes that mask from its inputs at every forward (``approx.integration`` regi
 
     with approx.tokens(question_mask=mask):   # (B, N) bool
         out = layer(q, k, v, key_mask)
+
+A method run on some heads of a layer only (``approx.patch(..., on_heads=...)``) is called with those heads alone;
+``ApproxAttention`` sets :func:`heads` around the call, so that whatever a method draws or assigns per head (BigBird's
+random blocks, the clustering's random starts, the Sparse Transformer's two patterns) follows the head's index in the
+layer (:func:`head_indices`), and a head computes the same alone as beside the others.
 """
 
 from __future__ import annotations
@@ -17,9 +23,37 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["question_mask", "question_of", "tokens"]
+__all__ = ["head_indices", "head_key", "heads", "question_mask", "question_of", "tokens"]
 
 _QUESTION: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("approx_question_mask", default=None)
+_HEADS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("approx_heads", default=None)
+
+
+@contextlib.contextmanager
+def heads(indices: tuple[int, ...] | None) -> Iterator[None]:
+    """Within the block, attention calls hold the layer's heads ``indices`` (in order), not heads 0, 1, ...; None:
+    the call holds every head of its layer."""
+    token = _HEADS.set(None if indices is None else tuple(int(h) for h in indices))
+    try:
+        yield
+    finally:
+        _HEADS.reset(token)
+
+
+def head_key() -> tuple[int, ...] | None:
+    """The layer's heads the current call holds, for a cache key (None: heads 0, 1, ... of the call)."""
+    return _HEADS.get()
+
+
+def head_indices(count: int, device=None) -> torch.Tensor:
+    """The layer's index of each of a call's ``count`` heads, (count,) int64: ``arange(count)`` unless :func:`heads`
+    says otherwise. ``ValueError`` when the heads set do not number ``count``."""
+    given = _HEADS.get()
+    if given is None:
+        return torch.arange(count, device=device)
+    if len(given) != count:
+        raise ValueError(f"the call holds {count} heads, and the layer's heads set for it are {list(given)}")
+    return torch.tensor(given, dtype=torch.int64, device=device)
 
 
 @contextlib.contextmanager

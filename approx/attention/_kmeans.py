@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _context
 from ._hashing import hash_ints, pack_bits
 
 
@@ -44,7 +45,7 @@ class _FreshCodes:
 def fresh_draws(salt: torch.Tensor, first: int, stop: int, heads: int, clusters: int, nbits: int, device):
     """The fresh codes of draws ``first`` .. ``stop - 1`` at once (see :class:`_FreshCodes`): (draws, 1, H, C, B)."""
     t = torch.arange(first, stop, device=device)[:, None, None, None]
-    h = torch.arange(heads, device=device)[:, None, None]
+    h = _context.head_indices(heads, device)[:, None, None]  # the layer's head index: the same on some heads alone
     c = torch.arange(clusters, device=device)[None, :, None]
     b = torch.arange(nbits, device=device)[None, None, :]
     return ((hash_ints(salt.to(device), t, h, c, b) & 1).float() * 2 - 1)[:, None]
@@ -85,7 +86,7 @@ def _initial_centroids(
     bits), put wherever codes are missing."""
     batch, heads, n, nbits = signs.shape
     pos = torch.arange(n, device=signs.device)
-    head = torch.arange(heads, device=signs.device)
+    head = _context.head_indices(heads, signs.device)  # the layer's head index: the same on some heads alone
     rank = torch.where(real, real.long().cumsum(-1) - 1, pos)  # (B, N): a real query's rank among the real ones
     prio = hash_ints(salt.to(signs.device), head[None, :, None], rank[:, None, :]).expand(batch, heads, n)
     prio = prio.masked_fill(~real[:, None, :], 2**40)  # padded queries last

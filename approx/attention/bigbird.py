@@ -59,7 +59,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _blocksparse, _fallback
+from . import _blocksparse, _context, _fallback
 from ._blocksparse import Pattern
 from ._common import exact_rows, exact_weight_rows, safe_key_mask
 
@@ -123,7 +123,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def _uniform32(key: torch.Tensor, heads: int, tq: int, slot: int) -> torch.Tensor:
     """A 32-bit hash of (key, head, query block, slot) for every head and query block: (H, Tq) int64."""
     device = key.device
-    h = torch.arange(heads, device=device)[:, None]
+    h = _context.head_indices(heads, device)[:, None]  # the layer's head index: the same blocks on some heads alone
     t = torch.arange(tq, device=device)[None, :]
     x = _mix(key.reshape(()).to(torch.int64) & _M32)
     return _mix(_mix(_mix(x ^ h) ^ t) ^ slot)
@@ -312,7 +312,7 @@ def bigbird_attention(
         # a redraw, load_state or in-place change builds anew)
         key = None
         if key_mask is None:
-            key = ("bigbird", config, int(state["rand_key"]), b, h, n, k.shape[2], q.device)
+            key = ("bigbird", config, int(state["rand_key"]), b, h, _context.head_key(), n, k.shape[2], q.device)
         pat = _blocksparse.cached(
             key, lambda: pattern(config, state, b=b, h=h, n=n, s=k.shape[2], key_mask=key_mask, device=q.device)
         )

@@ -57,7 +57,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _blocksparse, _fallback
+from . import _blocksparse, _context, _fallback
 from ._blocksparse import Pattern
 from ._common import compute_dtype, exact_rows, exact_weight_rows, refuse_left_padding, safe_key_mask
 
@@ -242,8 +242,8 @@ def _has_key(config: SparseTransformerConfig, key_mask, n: int, s: int, device) 
 
 
 def head_groups(config: SparseTransformerConfig, *, key_mask, b: int, n: int, s: int, device):
-    """[(heads, [patterns], has_key)]: the heads (a slice), the disjoint patterns whose union they attend and
-    which queries hold a real key in that union ((B|1, N) bool)."""
+    """[(heads, [patterns], has_key)]: the heads (a slice, or positions: :func:`_halves`), the disjoint patterns whose
+    union they attend and which queries hold a real key in that union ((B|1, N) bool)."""
     stride, blk = config.stride, config.block
     if config.pattern == "fixed":  # its blocks and summary columns are absolute positions, counted from the row's start
         refuse_left_padding(
@@ -259,20 +259,31 @@ def head_groups(config: SparseTransformerConfig, *, key_mask, b: int, n: int, s:
             a2 = _residues(blk, stride, key_mask, n, s, device, skip_self=True)
             return [(slice(None), [a1, a2], in_a1 | in_a2)]
         a2 = _residues(blk, stride, key_mask, n, s, device, skip_self=False)
-        return [(slice(0, None, 2), [a1], in_a1), (slice(1, None, 2), [a2], in_a2)]
+        even, odd = _halves()
+        return [(even, [a1], in_a1), (odd, [a2], in_a2)]
     if config.heads == "union":
         return [(slice(None), [_blocks(config, b, n, s, device, local=True, summary=True)], in_a1 | in_a2)]
+    even, odd = _halves()
     return [
-        (slice(0, None, 2), [_blocks(config, b, n, s, device, local=True, summary=False)], in_a1),
-        (slice(1, None, 2), [_blocks(config, b, n, s, device, local=False, summary=True)], in_a2),
+        (even, [_blocks(config, b, n, s, device, local=True, summary=False)], in_a1),
+        (odd, [_blocks(config, b, n, s, device, local=False, summary=True)], in_a2),
     ]
+
+
+def _halves() -> tuple[slice | list[int], slice | list[int]]:
+    """The call's heads that attend A1 and A2 in ``"split"`` mode: the layer's even and odd heads. Slices of the
+    call's heads, or their positions in the call when it holds some of its layer's heads only (:mod:`._context`)."""
+    given = _context.head_key()
+    if given is None:
+        return slice(0, None, 2), slice(1, None, 2)
+    return [i for i, h in enumerate(given) if h % 2 == 0], [i for i, h in enumerate(given) if h % 2 == 1]
 
 
 def pattern_mask(config: SparseTransformerConfig, *, key_mask, b: int, h: int, n: int, s: int, device):
     """The pattern as a dense (B, H, N, S) bool mask (real keys only), from the kernel's own block lists."""
     mask = torch.zeros(b, h, n, s, dtype=torch.bool, device=device)
     for heads, parts, _ in head_groups(config, key_mask=key_mask, b=b, n=n, s=s, device=device):
-        count = len(range(h)[heads])
+        count = len(range(h)[heads]) if isinstance(heads, slice) else len(heads)
         for part in parts if count else []:
             mask[:, heads] |= _blocksparse.dense_mask(part, b=b, h=count, n=n, s=s, key_mask=key_mask, device=device)[0]
     return mask
@@ -360,7 +371,7 @@ def sparse_transformer_attention(
     def approximate() -> torch.Tensor:
         out = v.new_empty(b, h, n, v.shape[-1])  # (B, H, N, dv)
         # without key padding the patterns are a function of the shapes and options
-        key = None if key_mask is not None else ("sparse-transformer", config, b, n, s, q.device)
+        key = None if key_mask is not None else ("sparse-transformer", config, _context.head_key(), b, n, s, q.device)
         groups = _blocksparse.cached(
             key, lambda: head_groups(config, key_mask=key_mask, b=b, n=n, s=s, device=q.device)
         )
