@@ -428,6 +428,13 @@ AUTOTUNE_SCORE_COMMAND = (
 )
 
 
+AUTOTUNE_HEADS = "recipes/results/autotune_pareto_squad_heads.json"
+AUTOTUNE_HEADS_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks squad --head-counts 3 6 9 --threads 2 --output "
+    f"{AUTOTUNE_HEADS} --figure recipes/results/figures/autotune_pareto_squad_heads.png --tuned-dir runs/autotune_heads"
+)
+
+
 AUTOTUNE_DOC = "recipes/results/autotune_pareto_squad_doc.json"
 AUTOTUNE_DOC_COMMAND = (
     "python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output "
@@ -739,6 +746,9 @@ def blocks() -> dict[Path, dict[str, str]]:
             ),
             "autotune-pareto-score": autotune_block(
                 AUTOTUNE_SCORE, AUTOTUNE_SCORE_COMMAND, "autotune_pareto_squad_score.png"
+            ),
+            "autotune-pareto-heads": autotune_block(
+                AUTOTUNE_HEADS, AUTOTUNE_HEADS_COMMAND, "autotune_pareto_squad_heads.png"
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
         },
