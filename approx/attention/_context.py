@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["head_indices", "head_key", "heads", "question_mask", "question_of", "tokens"]
+__all__ = ["given_head_indices", "head_indices", "head_key", "heads", "question_mask", "question_of", "tokens"]
 
 _QUESTION: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("approx_question_mask", default=None)
 _HEADS: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar("approx_heads", default=None)
@@ -43,6 +43,12 @@ def heads(indices: tuple[int, ...] | None) -> Iterator[None]:
 def head_key() -> tuple[int, ...] | None:
     """The layer's heads the current call holds, for a cache key (None: heads 0, 1, ... of the call)."""
     return _HEADS.get()
+
+
+def given_head_indices(count: int, device=None) -> torch.Tensor | None:
+    """:func:`head_indices` when :func:`heads` set them, else None (read it outside compiled code, and pass it in:
+    a context variable read inside a compiled function breaks its graph)."""
+    return None if _HEADS.get() is None else head_indices(count, device)
 
 
 def head_indices(count: int, device=None) -> torch.Tensor:

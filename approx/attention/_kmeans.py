@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _context
 from ._hashing import hash_ints, pack_bits
 
 
@@ -31,24 +30,32 @@ class _FreshCodes:
     Draw 0 seeds clusters that found no distinct code; draw t > 0 replaces clusters left empty by iteration t.
     """
 
-    def __init__(self, salt: torch.Tensor, heads: int, clusters: int, nbits: int, device) -> None:
-        self.args = (salt, heads, clusters, nbits, device)
+    def __init__(self, salt: torch.Tensor, heads: int, clusters: int, nbits: int, device, head_index=None) -> None:
+        self.args = (salt, heads, clusters, nbits, device, head_index)
         self.draws: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, draw: int) -> torch.Tensor:  # (1, H, C, B)
         if draw not in self.draws:
-            salt, heads, clusters, nbits, device = self.args
-            self.draws[draw] = fresh_draws(salt, draw, draw + 1, heads, clusters, nbits, device)[0]
+            salt, heads, clusters, nbits, device, head_index = self.args
+            self.draws[draw] = fresh_draws(salt, draw, draw + 1, heads, clusters, nbits, device, head_index)[0]
         return self.draws[draw]
 
 
-def fresh_draws(salt: torch.Tensor, first: int, stop: int, heads: int, clusters: int, nbits: int, device):
-    """The fresh codes of draws ``first`` .. ``stop - 1`` at once (see :class:`_FreshCodes`): (draws, 1, H, C, B)."""
+def fresh_draws(
+    salt: torch.Tensor, first: int, stop: int, heads: int, clusters: int, nbits: int, device, head_index=None
+):
+    """The fresh codes of draws ``first`` .. ``stop - 1`` at once (see :class:`_FreshCodes`): (draws, 1, H, C, B).
+    ``head_index``: each head's index in its layer (default 0 .. H - 1; see :func:`kmeans`)."""
     t = torch.arange(first, stop, device=device)[:, None, None, None]
-    h = _context.head_indices(heads, device)[:, None, None]  # the layer's head index: the same on some heads alone
+    h = _heads(heads, device, head_index)[:, None, None]
     c = torch.arange(clusters, device=device)[None, :, None]
     b = torch.arange(nbits, device=device)[None, None, :]
     return ((hash_ints(salt.to(device), t, h, c, b) & 1).float() * 2 - 1)[:, None]
+
+
+def _heads(heads: int, device, head_index: torch.Tensor | None) -> torch.Tensor:
+    """Each head's index in its layer: ``head_index``, or 0 .. ``heads`` - 1."""
+    return torch.arange(heads, device=device) if head_index is None else head_index.to(device)
 
 
 def _distinct_by_priority(codes: torch.Tensor, real: torch.Tensor, clusters: int):
@@ -75,6 +82,7 @@ def _initial_centroids(
     fresh: _FreshCodes | torch.Tensor,
     *,
     sync: bool = True,
+    head_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """C distinct codes of real queries, taken in a padding-independent pseudo-random order: (B, H, C, bits).
 
@@ -86,7 +94,7 @@ def _initial_centroids(
     bits), put wherever codes are missing."""
     batch, heads, n, nbits = signs.shape
     pos = torch.arange(n, device=signs.device)
-    head = _context.head_indices(heads, signs.device)  # the layer's head index: the same on some heads alone
+    head = _heads(heads, signs.device, head_index)
     rank = torch.where(real, real.long().cumsum(-1) - 1, pos)  # (B, N): a real query's rank among the real ones
     prio = hash_ints(salt.to(signs.device), head[None, :, None], rank[:, None, :]).expand(batch, heads, n)
     prio = prio.masked_fill(~real[:, None, :], 2**40)  # padded queries last
@@ -158,11 +166,12 @@ def hamming_kmeans(
     salt: torch.Tensor,
     *,
     sync_free: bool | None = None,
+    head_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cluster index of every query from its code bits (B, H, N, bits) bool: (B, H, N) long (see :func:`kmeans`)."""
     signs = torch.ones(*bits.shape[:-1], bits.shape[-1] + 1, device=bits.device)
     signs[..., :-1].masked_fill_(~bits, -1.0)
-    return kmeans(signs, query_mask, clusters, iterations, salt, sync_free=sync_free)
+    return kmeans(signs, query_mask, clusters, iterations, salt, sync_free=sync_free, head_index=head_index)
 
 
 def kmeans(
@@ -173,6 +182,7 @@ def kmeans(
     salt: torch.Tensor,
     *,
     sync_free: bool | None = None,
+    head_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cluster index of every query, (B, H, N) long. Padded queries take no part (their index is arbitrary).
 
@@ -182,7 +192,9 @@ def kmeans(
     batch of matrix products. On the CPU, :func:`_kmeans_incremental` does only the work that the centroids
     which moved require; on a GPU, where the host synchronisations this needs cost more than the arithmetic
     they save, :func:`_kmeans_fixed_iterations` runs every iteration in full. Both give the same assignment
-    (tested). ``sync_free``: force one or the other (default: by device).
+    (tested). ``sync_free``: force one or the other (default: by device). ``head_index``: each head's index in its
+    layer, (H,) int64, by which the random starts are drawn (default 0 .. H - 1; a call holding some of its layer's
+    heads passes theirs, so that a head clusters alike alone or beside the others).
     """
     batch, heads, n, width = signs.shape
     g, nbits, dev = batch * heads, width - 1, signs.device
@@ -191,11 +203,11 @@ def kmeans(
         sync_free = dev.type != "cpu"
     sync_free = sync_free or not _exact_keys(clusters, nbits)
     if sync_free:  # every fresh code up front: draw 0 for the start, draw t + 1 for iteration t
-        codes = fresh_draws(salt, 0, iterations + 1, heads, clusters, nbits, dev)
-        cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, codes[0], sync=False)
+        codes = fresh_draws(salt, 0, iterations + 1, heads, clusters, nbits, dev, head_index)
+        cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, codes[0], sync=False, head_index=head_index)
     else:
-        fresh = _FreshCodes(salt, heads, clusters, nbits, dev)
-        cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, fresh)
+        fresh = _FreshCodes(salt, heads, clusters, nbits, dev, head_index)
+        cent = _initial_centroids(signs[..., :nbits], real, clusters, salt, fresh, head_index=head_index)
     cent = cent.reshape(g, clusters, nbits)
     signs = signs.reshape(g, n, width)
     # one row per query: its +-1 vote on every bit and, last, its weight; the last column counts the members.

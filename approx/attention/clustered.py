@@ -47,7 +47,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _compiled, _fallback
+from . import _compiled, _context, _fallback
 from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, softmax_, zero_padded_values
 from ._fallback import exact_for_length
 from ._hashing import hash_signs
@@ -132,7 +132,8 @@ def cluster_queries(
 ) -> torch.Tensor:
     """Hash, Hamming K-means, then ``refine`` Euclidean Lloyd steps: the cluster index of every query, (B, H, N)."""
     signs = hash_signs(q, state["planes"], offsets(config, state), query_mask)
-    assign = kmeans(signs, query_mask, config.clusters, config.iterations, state["salt"])
+    head_index = _context.given_head_indices(q.shape[1], q.device)  # a call on some of the layer's heads: theirs
+    assign = kmeans(signs, query_mask, config.clusters, config.iterations, state["salt"], head_index=head_index)
     return refine_clusters(q, assign, query_mask, config.clusters, config.refine)
 
 
@@ -186,12 +187,12 @@ def _lloyd_steps(q, assign, query_mask, clusters: int, steps: int, chunked: bool
 _REFINE_ROWS = 256
 
 
-def _clusters(q, query_mask, planes, offsets, salt, clusters: int, iterations: int, refine: int):
+def _clusters(q, query_mask, planes, offsets, salt, clusters: int, iterations: int, refine: int, head_index=None):
     """Hash, K-means without host synchronisation, the Euclidean steps, centroids: the cluster index of every query
     (B, H, N) and the centroids Q^c (B, H, C, d). One function, so that ``engine="compiled"`` makes it one compiled
-    graph."""
+    graph (``head_index``: see :func:`kmeans`, read by the caller)."""
     signs = hash_signs(q, planes, offsets, query_mask)
-    assign = kmeans(signs, query_mask, clusters, iterations, salt, sync_free=True)
+    assign = kmeans(signs, query_mask, clusters, iterations, salt, sync_free=True, head_index=head_index)
     assign = refine_clusters(q, assign, query_mask, clusters, refine, chunked=False)
     return assign, centroids(q, assign, query_mask, clusters)[0]
 
@@ -258,6 +259,7 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
             config.clusters,
             config.iterations,
             config.refine,
+            _context.given_head_indices(q.shape[1], q.device),
         )
         assign, qc = _compiled.call(_clusters, *args, method=config.method)
     else:
