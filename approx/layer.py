@@ -128,12 +128,7 @@ class ApproxAttention(nn.Module):
         self.config = config
         self.head_dim = head_dim
         self.layer_index = layer_index
-        self.heads = check_heads(heads)
-        if self.heads is not None and self.method.needs_fit and self.method.requires_fit(config):
-            raise ValueError(
-                f"{method}: a method on some heads only is not available with fitted state (learned for all the "
-                "layer's heads); use a method without fitted state, or every head"
-            )
+        self.heads = self._checked_heads(heads)
         if self.method.init_state is not None:
             seed = layer_seed(getattr(config, "seed", 0), layer_index)
             for name, tensor in self.method.init_state(config, head_dim=head_dim, seed=seed).items():
@@ -210,17 +205,27 @@ class ApproxAttention(nn.Module):
     def with_heads(self, heads) -> ApproxAttention:
         """This layer (the same config and state tensors, shared) with its method on ``heads`` only (None: every
         head), the other heads exact."""
-        if heads is not None and self.method.needs_fit and self.method.requires_fit(self.config):
-            raise ValueError(f"{self.method.name}: a method on some heads only is not available with fitted state")
+        chosen = self._checked_heads(heads)
         other = ApproxAttention.__new__(ApproxAttention)
         nn.Module.__init__(other)
         other.method, other.config, other.head_dim, other.layer_index = (
             self.method, self.config, self.head_dim, self.layer_index,
         )  # fmt: skip
-        other.heads = check_heads(heads)
+        other.heads = chosen
         for name, tensor in self.state().items():
             other.register_buffer(name, tensor)
         return other
+
+    def _checked_heads(self, heads) -> tuple[int, ...] | None:
+        """``heads`` as :func:`check_heads` gives them, refused for a method with fitted state (learned for every
+        head of the layer)."""
+        chosen = check_heads(heads)
+        if chosen is not None and self.method.needs_fit and self.method.requires_fit(self.config):
+            raise ValueError(
+                f"{self.method.name}: a method on some heads only is not available with fitted state (learned for all "
+                "the layer's heads); use a method without fitted state, or every head"
+            )
+        return chosen
 
     def _split(self, count: int) -> tuple[list[int], list[int]] | None:
         """The method's heads and the exact ones of a call with ``count`` heads; None when the method has them all."""
