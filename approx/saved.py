@@ -81,8 +81,13 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
                 f"{file}: layers[{n}] must be {{'layer': int, 'method': str, 'config': {{...}}}} (and 'heads': "
                 f"[int, ...] when the method runs on some heads only), got {entry!r}"
             )
-        if "heads" in entry and not isinstance(entry["heads"], list):
-            raise ValueError(f"{file}: layers[{n}]['heads'] must be a list of head indices, got {entry['heads']!r}")
+        if "heads" in entry:
+            if not isinstance(entry["heads"], list):
+                raise ValueError(f"{file}: layers[{n}]['heads'] must be a list of head indices, got {entry['heads']!r}")
+            try:  # indices the model may lack are checked where its heads are known (build_layers, fine-tuning)
+                check_heads(entry["heads"])
+            except ValueError as e:
+                raise ValueError(f"{file}: layers[{n}]: {e}") from None
     for key in ("original_attn_implementation", "state_sha256"):
         if not isinstance(meta.get(key), (str, type(None))):
             raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")

@@ -200,8 +200,11 @@ class _Training:
     losses: list[float] = dataclasses.field(default_factory=list)
 
 
-def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneConfig, state_dir: Path, progress):
-    """Load the model with the task's head, patch it, make the data loader, optimizer and schedule."""
+def _start(
+    model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneConfig, state_dir: Path, progress, origin=None
+):
+    """Load the model with the task's head, patch it (a per-layer ``setup`` from ``origin``, the folder or layers it
+    was read from, named in errors), make the data loader, optimizer and schedule."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -216,7 +219,10 @@ def _start(model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneC
     head = _head(net, model, head_name)
     if setup is not None and setup.method == PER_LAYER:  # a saved per-layer model (approx.autotune): layer by layer
         for entry in setup.options["layers"]:
-            patch(net, entry["method"], layers=[entry["layer"]], on_heads=entry.get("heads"), **entry["config"])
+            try:  # a folder's head or layer the model lacks: say which folder and layer
+                patch(net, entry["method"], layers=[entry["layer"]], on_heads=entry.get("heads"), **entry["config"])
+            except ValueError as e:
+                raise ValueError(f"{origin}: layer {entry['layer']}: {e}") from None
     elif setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
@@ -457,7 +463,8 @@ def finetune(
     if resume and not (state_dir / PROGRESS_FILE).is_file():
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)
-    tr = _start(model, task_def, examples, setup, cfg, state_dir, progress)
+    origin = "the patched layers given" if isinstance(method, dict) else method
+    tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin)
     if resume:
         _resume(tr)
     stop = tr.total if stop_after is None else min(tr.total, tr.step + stop_after)
