@@ -277,23 +277,13 @@ class ApproxAttention(nn.Module):
         method's cost model on its heads, exact attention's on the others (``matmul_macs`` None where the method
         does not count it). Call it where the forward's context is set, as :meth:`Method.costs`."""
         split = self._split(heads)
-        mine = self.method.costs(self.config, b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        at = dict(b=b, n=n, key_mask=key_mask, d=d, dv=dv)
+        mine = self.method.head_costs(self.config, heads=range(heads) if split is None else split[0], **at)
         if split is None:
-            return [
-                Cost(c.flops * heads, c.qk_pairs * heads, None if c.matmul_macs is None else c.matmul_macs * heads)
-                for c in mine
-            ]
+            return mine
         full = get_method("full")
-        exact = full.costs(full.config_class(), b=b, n=n, key_mask=key_mask, d=d, dv=dv)
-        m, e = len(split[0]), len(split[1])
-        return [
-            Cost(
-                c.flops * m + f.flops * e,
-                c.qk_pairs * m + f.qk_pairs * e,
-                None if c.matmul_macs is None else c.matmul_macs * m + f.matmul_macs * e,
-            )
-            for c, f in zip(mine, exact, strict=True)
-        ]
+        exact = full.costs(full.config_class(), **at)
+        return [c + f.scaled(len(split[1])) for c, f in zip(mine, exact, strict=True)]
 
     def forward(
         self,

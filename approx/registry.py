@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -93,6 +93,19 @@ class Cost:
     qk_pairs: int
     matmul_macs: int | None = None
 
+    def scaled(self, k: int) -> Cost:
+        """This cost ``k`` times (over ``k`` heads, say)."""
+        return Cost(self.flops * k, self.qk_pairs * k, None if self.matmul_macs is None else self.matmul_macs * k)
+
+    def __add__(self, other: Cost) -> Cost:
+        macs = None if self.matmul_macs is None or other.matmul_macs is None else self.matmul_macs + other.matmul_macs
+        return Cost(self.flops + other.flops, self.qk_pairs + other.qk_pairs, macs)
+
+    @staticmethod
+    def total(costs: Iterable[Cost]) -> Cost:
+        """The sum of ``costs`` (``matmul_macs`` None when any of them lacks it)."""
+        return sum(costs, Cost(0, 0, 0))
+
 
 # attend(q, k, v, *, key_mask, query_mask, scale, config, state) -> output
 #   q: (B, H, N, d), k: (B, H, S, d), v: (B, H, S, dv); key_mask: (B, S) bool, True = real token, or None;
@@ -106,6 +119,10 @@ CostFn = Callable[..., Cost]
 #   a method whose cost depends on the data beyond the lengths (window's global question tokens, read from
 #   ``attention._context``, which the forward sets); key_mask: (B, N) bool, True = real token, or None.
 BatchCostFn = Callable[..., list[Cost]]
+# head_cost(config, *, n, s, d, dv, head) -> Cost: one head's cost when the heads of a layer differ (the Sparse
+#   Transformer's "split" heads: even heads attend one half of the pattern, odd heads the other); ``head`` is the
+#   head's index in its layer.
+HeadCostFn = Callable[..., Cost]
 # weights(q, k, *, key_mask, query_mask, scale, config, state) -> (B, H, N, S): the dense attention matrix the
 # method implies, for analysis and plots on short inputs (it is O(N * S) by construction).
 WeightsFn = Callable[..., torch.Tensor]
@@ -172,6 +189,8 @@ class Method:
     fit_when: Callable[[MethodConfig], bool] | None = None
     # the per-row cost of a call when it depends on the data, not only the lengths (see ``costs``); None: ``cost``
     batch_cost: BatchCostFn | None = None
+    # one head's cost by its index in the layer, when heads differ (see ``head_costs``); None: ``cost`` on every head
+    head_cost: HeadCostFn | None = None
 
     @property
     def needs_fit(self) -> bool:
@@ -201,6 +220,19 @@ class Method:
         at = {m: self.cost(config, n=m, s=m, d=d, dv=dv) for m in set(lengths)}
         return [at[m] for m in lengths]
 
+    def head_costs(
+        self, config: MethodConfig, *, heads: Sequence[int], b: int, n: int, key_mask: torch.Tensor | None, d: int,
+        dv: int,
+    ) -> list[Cost]:  # fmt: skip
+        """The cost of one self-attention call on a batch, per row, summed over ``heads`` (the heads' indices in
+        their layer): each head's own cost where the method's heads differ (``head_cost``), else :meth:`costs`
+        times the number of heads."""
+        if self.head_cost is None:
+            return [c.scaled(len(heads)) for c in self.costs(config, b=b, n=n, key_mask=key_mask, d=d, dv=dv)]
+        lengths = [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
+        at = {m: Cost.total(self.head_cost(config, n=m, s=m, d=d, dv=dv, head=h) for h in heads) for m in set(lengths)}
+        return [at[m] for m in lengths]
+
 
 _METHODS: Registry[Method] = Registry("attention method", "approx.attention", plural="methods")
 
@@ -220,6 +252,7 @@ def register(
     fit_config: type[MethodConfig] | None = None,
     fit_when: Callable[[MethodConfig], bool] | None = None,
     batch_cost: BatchCostFn | None = None,
+    head_cost: HeadCostFn | None = None,
 ) -> Callable[[AttendFn], AttendFn]:
     """Decorator registering an attend function as method ``name`` (see :class:`Method` for the fields)."""
 
@@ -245,6 +278,7 @@ def register(
                 fit_config=fit_config,
                 fit_when=fit_when,
                 batch_cost=batch_cost,
+                head_cost=head_cost,
             ),
         )
         return attend

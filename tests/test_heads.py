@@ -6,6 +6,7 @@ formula written out here), the unpatched model, and each head's error computed h
 
 import json
 import pickle
+import re
 
 import pytest
 import torch
@@ -112,6 +113,26 @@ def test_costs_on_some_heads():
         assert row.qk_pairs == 3 * one.qk_pairs + 9 * n * n
     whole = ApproxAttention("nystrom", config, head_dim=16).costs(b=2, n=30, key_mask=mask, d=16, dv=16, heads=12)
     assert [c.flops for c in whole] == [12 * method.cost(config, n=n, s=n, d=16, dv=16).flops for n in (30, 20)]
+
+
+@pytest.mark.parametrize("pattern", ["strided", "fixed"])
+@pytest.mark.parametrize("on_heads", [None, [0, 3, 4], [1], [0, 2, 4]])
+def test_sparse_transformer_split_costs_count_each_heads_own_half(pattern, on_heads):
+    """In "split" mode even heads attend A1 and odd heads A2, so a layer's pairs depend on which heads it holds:
+    counted against the pairs its dense weights give each head (real queries and keys; exact heads every pair)."""
+    torch.manual_seed(0)
+    heads, n = 5, 40
+    q, k = torch.randn(2, heads, n, 8, dtype=torch.float64), torch.randn(2, heads, n, 8, dtype=torch.float64)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, 29:] = False
+    config = approx.get_method("sparse-transformer").make_config(pattern=pattern, stride=6, summary=2, block=8)
+    layer = ApproxAttention("sparse-transformer", config, head_dim=8, heads=on_heads)
+    w = layer.weights(q, k, mask)
+    real = mask[:, None, :, None] & mask[:, None, None, :]
+    pairs = ((w != 0) & real).sum((1, 2, 3))
+    costs = layer.costs(b=2, n=n, key_mask=mask, d=8, dv=8, heads=heads)
+    assert [c.qk_pairs for c in costs] == pairs.tolist()
+    assert [c.matmul_macs for c in costs] == (pairs * 16).tolist()
 
 
 @pytest.mark.parametrize(
@@ -318,3 +339,33 @@ def test_finetune_from_a_folder_keeps_the_heads(tmp_path, base_model, fixture_di
              data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
     trained = json.loads((tmp_path / "ft" / "approx_config.json").read_text())["layers"]
     assert trained == saved and [x["heads"] for x in trained] == [[1], [0, 3]]
+
+
+@pytest.mark.parametrize(("heads", "message"), [([], "empty"), (["x"], "integers from 0"), ([-2], "integers from 0")])
+def test_a_folders_malformed_heads_refused_with_the_file_named(tmp_path, heads, message):
+    model = tiny_model("bert")
+    approx.patch(model, "linear", layers=[0], on_heads=[1])
+    folder = approx.save(model, tmp_path / "some")
+    settings = folder / "approx_config.json"
+    meta = json.loads(settings.read_text())
+    meta["layers"][0]["heads"] = heads
+    settings.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"approx_config\.json: layers\[0\]: .*{message}"):
+        approx.restore(tiny_model("bert"), folder)
+
+
+def test_finetune_from_a_folder_with_a_head_the_model_lacks_names_the_folder(tmp_path, base_model, fixture_dir):
+    from approx.harness.finetune import finetune
+
+    model, tok = approx.integration.load_pretrained(base_model, progress=False)
+    heads = model.config.num_attention_heads
+    approx.patch(model, "linear", layers=[1], on_heads=[0])
+    folder = approx.save(model, tmp_path / "some", tokenizer=tok)
+    settings = folder / "approx_config.json"
+    meta = json.loads(settings.read_text())
+    meta["layers"][0]["heads"] = [0, heads]  # well formed, but one head past the model's
+    settings.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}: layer 1: head {heads} does not exist"):
+        finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), train_split="dev/0",
+                 data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
+    assert not (tmp_path / "ft" / "approx_config.json").exists()

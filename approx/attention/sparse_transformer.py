@@ -144,13 +144,30 @@ def pattern_pairs(config: SparseTransformerConfig, n: int, s: int) -> tuple[int,
 def cost(config: SparseTransformerConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     """Exact pair counts of the pattern over n queries and s keys, all real (a padded batch is counted at its
     padded length): the union in ``"union"`` mode; in ``"split"`` mode the mean of A1 and A2 over two heads
-    (rounded up), exact for an even head count. The kernel evaluates whole blocks, more products than pairs: the
-    count is the pattern's, the literature's convention."""
+    (rounded up; a layer's cost counts each head's own half, :func:`head_cost`). The kernel evaluates whole blocks,
+    more products than pairs: the count is the pattern's, the literature's convention."""
+    return _pairs_cost(config, n=n, s=s, d=d, dv=dv, head=None)
+
+
+def head_cost(config: SparseTransformerConfig, *, n: int, s: int, d: int, dv: int, head: int) -> Cost:
+    """One head's cost as :func:`cost` counts it, by the head's index in its layer: in ``"split"`` mode an even
+    head's A1 and an odd head's A2, so that a layer's cost is exact for any set of heads (an odd count, or
+    ``on_heads``)."""
+    return _pairs_cost(config, n=n, s=s, d=d, dv=dv, head=head)
+
+
+def _pairs_cost(config: SparseTransformerConfig, *, n: int, s: int, d: int, dv: int, head: int | None) -> Cost:
     if _fallback.exact_for_length(n, exact_below=config.exact_below):
         pairs = n * s
     else:
         a1, a2, union = pattern_pairs(config, n, s)
-        pairs = min(n * s, union if config.heads == "union" else -(-(a1 + a2) // 2))
+        if config.heads == "union":
+            pairs = union
+        elif head is None:
+            pairs = -(-(a1 + a2) // 2)
+        else:
+            pairs = a1 if head % 2 == 0 else a2
+        pairs = min(n * s, pairs)
     return Cost(flops=2 * pairs * (d + dv), qk_pairs=pairs, matmul_macs=pairs * (d + dv))
 
 
@@ -345,6 +362,7 @@ def graph_stats(q, k, *, key_mask, query_mask, scale, config, state) -> dict[str
     "sparse-transformer",
     SparseTransformerConfig,
     cost=cost,
+    head_cost=head_cost,
     weights=weights,
     stats=graph_stats,
     test_options={"stride": 6, "block": 8},
