@@ -435,6 +435,14 @@ AUTOTUNE_HEADS_COMMAND = (
 )
 
 
+AUTOTUNE_GLUE_HEADS = "recipes/results/autotune_pareto_glue_heads.json"
+AUTOTUNE_GLUE_HEADS_COMMAND = (
+    "python recipes/autotune_pareto.py --tasks rte mrpc stsb cola sst2 qnli --head-counts 3 6 9 --threads 2 --output "
+    f"{AUTOTUNE_GLUE_HEADS} --figure recipes/results/figures/autotune_pareto_glue_heads.png "
+    "--tuned-dir runs/autotune_glue_heads"
+)
+
+
 AUTOTUNE_DOC = "recipes/results/autotune_pareto_squad_doc.json"
 AUTOTUNE_DOC_COMMAND = (
     "python recipes/autotune_pareto.py --tasks squad-doc --threads 2 --output "
@@ -749,6 +757,9 @@ def blocks() -> dict[Path, dict[str, str]]:
             ),
             "autotune-pareto-heads": autotune_block(
                 AUTOTUNE_HEADS, AUTOTUNE_HEADS_COMMAND, "autotune_pareto_squad_heads.png"
+            ),
+            "autotune-pareto-glue-heads": autotune_block(
+                AUTOTUNE_GLUE_HEADS, AUTOTUNE_GLUE_HEADS_COMMAND, "autotune_pareto_glue_heads.png"
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
         },

@@ -725,6 +725,31 @@ def test_autotune_pareto_squad_target_met_by_exact_attention_alone_says_so():
             assert f"**{verdict}**" in line
 
 
+def test_autotune_pareto_dominance_says_how_near_the_tuned_models_come():
+    """Hand-made rows: a uniform setting is dominated by a tuned model that costs no more and scores no less; for
+    the others the report gives the best tuned score at no more cost (or that none costs as little)."""
+    pareto = _recipe("autotune_pareto")
+
+    def row(f1, cost, name="per-layer"):
+        return {"method": {"name": name}, "metrics": {"f1": f1}, "autotune": {"cost": "flops"},
+                "fidelity": {"cost": {"flops_vs_full": cost, "matmul_vs_softmax_model": cost}}}  # fmt: skip
+
+    tuned = [row(50.0, 1.0), row(48.0, 0.5), row(30.0, 0.2)]
+    uniform = [row(47.0, 0.6, "window"), row(49.0, 0.6, "bigbird"), row(20.0, 0.1, "linear"), row(50.5, 2.0, "lsh")]
+    t = {"task": "mrpc", "metric": "f1", "tuned": tuned, "uniform": uniform}
+    d = pareto.dominance(t)["flops"]
+    assert d["dominated"] == 1 and d["uniform"] == 4
+    got = {r["setting"]: r["best_tuned_at_cost"] for r in d["not_dominated"]}
+    assert got == {"bigbird": 48.0, "linear": None, "lsh": 50.0}
+    assert d["dominated_by_any_search"] == 1  # one search only: the same count
+    matmul_search = {**row(49.5, 0.55), "autotune": {"cost": "matmul"}}
+    pooled = pareto.dominance({**t, "tuned": [*tuned, matmul_search]})["flops"]
+    assert pooled["dominated"] == 1 and pooled["dominated_by_any_search"] == 2  # bigbird, by the other search's model
+    said = {r["setting"]: pareto._best_below(r) for r in d["not_dominated"]}
+    assert said["bigbird"] == "the best tuned model at no more cost: 48.00, 1.00 below"
+    assert said["linear"] == "no tuned model costs as little"
+
+
 def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_percent():
     """Judged on hand-made rows: the fastest tuned and uniform rows at >= 99 % of exact F1 are compared by seconds per
     example; a faster uniform row that loses F1 does not count; a reader under MIN_EXACT_F1 is not judged."""
