@@ -256,6 +256,11 @@ def register(
 ) -> Callable[[AttendFn], AttendFn]:
     """Decorator registering an attend function as method ``name`` (see :class:`Method` for the fields)."""
 
+    if head_cost is not None and batch_cost is not None:  # Method.head_costs reads one or the other, not both
+        raise ValueError(
+            f"method {name!r}: a cost depends on the data (batch_cost) or on the head (head_cost), not both"
+        )
+
     def deco(attend: AttendFn) -> AttendFn:
         if config_class.method != name:
             raise ValueError(f"{config_class.__name__}.method is {config_class.method!r}, expected {name!r}")

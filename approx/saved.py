@@ -83,7 +83,10 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
             )
         if "heads" in entry:
             if not isinstance(entry["heads"], list):
-                raise ValueError(f"{file}: layers[{n}]['heads'] must be a list of head indices, got {entry['heads']!r}")
+                raise ValueError(
+                    f"{file}: layers[{n}]['heads'] must be a list of head indices (leave the key out for every head), "
+                    f"got {entry['heads']!r}"
+                )
             try:  # indices the model may lack are checked where its heads are known (build_layers, fine-tuning)
                 check_heads(entry["heads"])
             except ValueError as e:

@@ -459,8 +459,10 @@ def _best_below(row: dict[str, Any]) -> str:
     """How near the tuned models come to an undominated uniform setting, for the report."""
     best = row["best_tuned_at_cost"]
     if best is None:
-        return "no tuned model costs as little"
-    return f"the best tuned model at no more cost: {best:.2f}, {row['metric'] - best:.2f} below"
+        return "no tuned model of this search costs as little"
+    gap = row["metric"] - best
+    return f"this search's best tuned model at no more cost: {best:.2f}, " + (
+        f"{gap:.2f} below" if gap >= 0.005 else f"{gap:.4f} below")  # fmt: skip
 
 
 def _same(method: dict[str, Any], config) -> bool:

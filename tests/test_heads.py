@@ -117,15 +117,20 @@ def test_costs_on_some_heads():
 
 @pytest.mark.parametrize("pattern", ["strided", "fixed"])
 @pytest.mark.parametrize("on_heads", [None, [0, 3, 4], [1], [0, 2, 4]])
-def test_sparse_transformer_split_costs_count_each_heads_own_half(pattern, on_heads):
+@pytest.mark.parametrize("mode", ["split", "union", "split, exact below 30"])
+def test_sparse_transformer_split_costs_count_each_heads_own_half(pattern, on_heads, mode):
     """In "split" mode even heads attend A1 and odd heads A2, so a layer's pairs depend on which heads it holds:
-    counted against the pairs its dense weights give each head (real queries and keys; exact heads every pair)."""
+    counted against the pairs its dense weights give each head (real queries and keys; exact heads every pair).
+    In "union" mode every head attends A1 ∪ A2; with ``exact_below`` the shorter row is exact on every head."""
     torch.manual_seed(0)
     heads, n = 5, 40
     q, k = torch.randn(2, heads, n, 8, dtype=torch.float64), torch.randn(2, heads, n, 8, dtype=torch.float64)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, 29:] = False
-    config = approx.get_method("sparse-transformer").make_config(pattern=pattern, stride=6, summary=2, block=8)
+    options = {"heads": mode.split(",")[0], "exact_below": 30 if "exact" in mode else 0}
+    config = approx.get_method("sparse-transformer").make_config(
+        pattern=pattern, stride=6, summary=2, block=8, **options
+    )
     layer = ApproxAttention("sparse-transformer", config, head_dim=8, heads=on_heads)
     w = layer.weights(q, k, mask)
     real = mask[:, None, :, None] & mask[:, None, None, :]
@@ -133,6 +138,27 @@ def test_sparse_transformer_split_costs_count_each_heads_own_half(pattern, on_he
     costs = layer.costs(b=2, n=n, key_mask=mask, d=8, dv=8, heads=heads)
     assert [c.qk_pairs for c in costs] == pairs.tolist()
     assert [c.matmul_macs for c in costs] == (pairs * 16).tolist()
+
+
+def test_sparse_transformer_split_counts_no_pair_for_a_query_without_keys():
+    """Fixed A2 on a sequence of at most l - c tokens holds no key: an odd head gives each query the mean of the
+    values (uniform weights) and counts no pair, an even head counts A1 (here every pair)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 20, 8, dtype=torch.float64), torch.randn(1, 2, 20, 8, dtype=torch.float64)
+    config = approx.get_method("sparse-transformer").make_config(pattern="fixed", stride=32, summary=4, block=8)
+    w = ApproxAttention("sparse-transformer", config, head_dim=8).weights(q, k)
+    torch.testing.assert_close(w[0, 1], torch.full((20, 20), 1 / 20, dtype=torch.float64))
+    for on_heads, pairs in (([1], 0), ([0], 400), (None, 400)):
+        layer = ApproxAttention("sparse-transformer", config, head_dim=8, heads=on_heads)
+        exact = 0 if on_heads is None else (2 - len(on_heads)) * 400
+        assert layer.costs(b=1, n=20, key_mask=None, d=8, dv=8, heads=2)[0].qk_pairs == pairs + exact
+
+
+def test_a_method_cannot_register_both_a_batch_and_a_head_cost():
+    from approx.registry import Cost, register
+
+    with pytest.raises(ValueError, match="not both"):
+        register("nope", object, cost=lambda *a, **k: Cost(0, 0), batch_cost=lambda **k: [], head_cost=lambda **k: 0)
 
 
 @pytest.mark.parametrize(

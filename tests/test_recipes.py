@@ -745,9 +745,14 @@ def test_autotune_pareto_dominance_says_how_near_the_tuned_models_come():
     matmul_search = {**row(49.5, 0.55), "autotune": {"cost": "matmul"}}
     pooled = pareto.dominance({**t, "tuned": [*tuned, matmul_search]})["flops"]
     assert pooled["dominated"] == 1 and pooled["dominated_by_any_search"] == 2  # bigbird, by the other search's model
+    strict = {r["setting"]: r["best_tuned_at_cost"] for r in pooled["not_dominated"]}
+    assert strict["bigbird"] == 48.0  # this search's best: the other search's 49.5 at 0.55 is not counted there
     said = {r["setting"]: pareto._best_below(r) for r in d["not_dominated"]}
-    assert said["bigbird"] == "the best tuned model at no more cost: 48.00, 1.00 below"
-    assert said["linear"] == "no tuned model costs as little"
+    assert said["bigbird"] == "this search's best tuned model at no more cost: 48.00, 1.00 below"
+    assert said["linear"] == "no tuned model of this search costs as little"
+    assert pareto._best_below({"metric": 73.1040, "best_tuned_at_cost": 73.1037}) == (
+        "this search's best tuned model at no more cost: 73.10, 0.0003 below"
+    )
 
 
 def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_percent():

@@ -151,8 +151,9 @@ def cost(config: SparseTransformerConfig, *, n: int, s: int, d: int, dv: int) ->
 
 def head_cost(config: SparseTransformerConfig, *, n: int, s: int, d: int, dv: int, head: int) -> Cost:
     """One head's cost as :func:`cost` counts it, by the head's index in its layer: in ``"split"`` mode an even
-    head's A1 and an odd head's A2, so that a layer's cost is exact for any set of heads (an odd count, or
-    ``on_heads``)."""
+    head's A1 and an odd head's A2, so that a layer's count of the pattern's pairs is exact for any set of heads (an
+    odd count, or ``on_heads``). A query whose pattern holds no real key (fixed A2 on a sequence of at most l - c
+    tokens: an odd head there counts 0) gets the mean of the real values, which no pair is counted for."""
     return _pairs_cost(config, n=n, s=s, d=d, dv=dv, head=head)
 
 

@@ -221,8 +221,9 @@ def _start(
         for entry in setup.options["layers"]:
             try:  # a folder's head or layer the model lacks: say which folder and layer
                 patch(net, entry["method"], layers=[entry["layer"]], on_heads=entry.get("heads"), **entry["config"])
-            except ValueError as e:
-                raise ValueError(f"{origin}: layer {entry['layer']}: {e}") from None
+            except ValueError as e:  # "layer 7 does not exist ..." names its layer; a head's error does not
+                where = "" if str(e).startswith(f"layer {entry['layer']}") else f"layer {entry['layer']}: "
+                raise ValueError(f"{origin}: {where}{e}") from None
     elif setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
