@@ -762,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         for task in args.tasks:
             for kept in record["tasks"].values():  # tasks of an earlier run keep that run's provenance
                 kept.setdefault("provenance", record.get("provenance"))
-            made = provenance(seed=args.seed)  # the code as the task starts (not after a commit made meanwhile)
+            made = provenance(seed=args.seed)  # as the task starts; a commit made since the run began is flagged
             t = run_task(task, args)
             t["provenance"] = made
             t["dominance"] = dominance(t)

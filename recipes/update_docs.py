@@ -69,6 +69,9 @@ def _provenance_line(p: dict) -> str:
     if p.get("tree_commit"):  # a device run: the commit whose tree ran, beside what the device's git read
         short = f"{p['tree_commit'][:12]}` (run on a lent device, whose copy of git read `{short}`)"
         return f"commit `{short}, {p.get('date_utc', '?')}, torch {p['libraries']['torch']}"
+    if p.get("git_commit_at_start"):  # committed while the run was going: its modules were loaded before
+        start = p["git_commit_at_start"]
+        short += f"`, committed during the run, which had started at `{start[:12]}{'+dirty' if start.endswith('+dirty') else ''}"
     return f"commit `{short}`, {p.get('date_utc', '?')}, torch {p['libraries']['torch'] if 'libraries' in p else '?'}"
 
 

@@ -928,3 +928,29 @@ def test_provenance_names_the_processor(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", unknown)
     assert prov.cpu_capability() is None and prov.provenance()["cpu_capability"] is None
+
+
+def test_provenance_flags_a_commit_made_while_the_process_ran(monkeypatch):
+    """A run loads its modules when it starts: a later commit (or change to the package) is not the code it runs, so
+    the record keeps the commit of the process's first provenance beside the checkout's (and the docs say so)."""
+    import importlib.util
+    from pathlib import Path
+
+    from approx.harness import provenance as prov
+
+    readings = iter(["aaa", "aaa", "bbb", "aaa+dirty"])
+    monkeypatch.setattr(prov, "git_commit", lambda: next(readings))
+    monkeypatch.setattr(prov, "_AT_START", {})
+    first, same, later, dirty = (prov.provenance() for _ in range(4))
+    assert first["git_commit"] == same["git_commit"] == "aaa"
+    assert "git_commit_at_start" not in first and "git_commit_at_start" not in same
+    assert (later["git_commit"], later["git_commit_at_start"]) == ("bbb", "aaa")
+    assert (dirty["git_commit"], dirty["git_commit_at_start"]) == ("aaa+dirty", "aaa")
+    path = Path(__file__).resolve().parents[1] / "recipes" / "update_docs.py"
+    spec = importlib.util.spec_from_file_location("update_docs_for_test", path)
+    docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs)
+    later["libraries"] = {"torch": "2.x"}
+    assert docs._provenance_line(later).startswith(
+        "commit `bbb`, committed during the run, which had started at `aaa`, "
+    )

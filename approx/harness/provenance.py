@@ -95,10 +95,26 @@ def cpu_capability() -> str | None:
         return None
 
 
+# The checkout's commit when this process first took its provenance (see :func:`provenance`)
+_AT_START: dict[str, str | None] = {}
+
+
 def provenance(seed: int | None = None, device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
+    """How a result is being produced: code and library versions, hardware, seed, time, command.
+
+    ``git_commit`` is what the checkout reads now. A long run loads its modules when it starts, so a commit made
+    while it runs (or an uncommitted change to the package) is not the code it runs: when the checkout's commit or
+    its ``+dirty`` state differ from what they were at this process's first call, ``git_commit_at_start`` gives
+    that first reading (the code of the modules imported before it; a module imported later is read from the
+    checkout as it is then).
+    """
+    commit = git_commit()
+    first = _AT_START.setdefault("commit", commit)
+    moved = {} if commit == first else {"git_commit_at_start": first}
     return {
         "approx_version": __version__,
-        "git_commit": git_commit(),
+        "git_commit": commit,
+        **moved,
         "libraries": {n: _version(n) for n in ("torch", "transformers", "entmax", "datasets", "accelerate")},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
