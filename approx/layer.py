@@ -32,6 +32,25 @@ from .registry import Cost, get_method
 
 __all__ = ["ApproxAttention", "attention_probe", "check_heads", "key_mask_of", "layer_seed", "select_layers"]
 
+# Head index tensors of the layers on some heads, per (heads, device): made once (index_select with a kept index
+# took the heads of q, k and v several times faster than indexing with a list, which builds its index every call)
+_HEAD_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _head_index(heads: list[int], device: torch.device) -> torch.Tensor:
+    key = (tuple(heads), device)
+    index = _HEAD_INDEX.get(key)
+    if index is None:
+        with torch.inference_mode(False):  # an ordinary tensor even when first made under inference mode: autograd
+            index = _HEAD_INDEX[key] = torch.tensor(key[0], dtype=torch.long, device=device)  # saves it for backward
+    return index
+
+
+def _pick(x: torch.Tensor, heads: list[int]) -> torch.Tensor:
+    """``x[:, heads]`` (a copy, in the order given)."""
+    return x.index_select(1, _head_index(heads, x.device))
+
+
 # Called after an ApproxAttention is unpickled (``torch.load`` of a patched model): approx.integration puts
 # the registration of its attention function here, so a model pickled while patched runs in a fresh process.
 ON_UNPICKLE: list = []
@@ -243,8 +262,8 @@ class ApproxAttention(nn.Module):
     @staticmethod
     def _join(mine: torch.Tensor, exact: torch.Tensor, split: tuple[list[int], list[int]]) -> torch.Tensor:
         """The method's heads and the exact heads back in the layer's head order (dim 1)."""
-        order = torch.tensor(split[0] + split[1], device=mine.device).argsort()
-        return torch.cat([mine, exact], dim=1).index_select(1, order)
+        both = split[0] + split[1]
+        return _pick(torch.cat([mine, exact], dim=1), sorted(range(len(both)), key=both.__getitem__))
 
     def graph_stats(self, q, k, key_mask=None, *, scale=None) -> dict[str, torch.Tensor] | None:
         """Counts of the method's predicted attention graph against its gold graph, per head (None if it has none).
@@ -312,12 +331,12 @@ class ApproxAttention(nn.Module):
         mine, rest = split
         with _context.heads(mine):  # what the method draws per head follows the layer's head index
             out = self.method.attend(
-                q[:, mine], k[:, mine], v[:, mine], key_mask=key_mask, query_mask=query_mask, scale=scale,
-                config=self.config, state=self.state(), dropout=dropout,
+                _pick(q, mine), _pick(k, mine), _pick(v, mine), key_mask=key_mask, query_mask=query_mask,
+                scale=scale, config=self.config, state=self.state(), dropout=dropout,
             )  # fmt: skip
         full = get_method("full")
         exact = full.attend(
-            q[:, rest], k[:, rest], v[:, rest], key_mask=key_mask, query_mask=query_mask, scale=scale,
+            _pick(q, rest), _pick(k, rest), _pick(v, rest), key_mask=key_mask, query_mask=query_mask, scale=scale,
             config=full.config_class(), state={}, dropout=dropout,
         )  # fmt: skip
         return self._join(out, exact, split)

@@ -395,3 +395,21 @@ def test_finetune_from_a_folder_with_a_head_the_model_lacks_names_the_folder(tmp
         finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), train_split="dev/0",
                  data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
     assert not (tmp_path / "ft" / "approx_config.json").exists()
+
+
+def test_a_layer_on_some_heads_run_first_under_inference_mode_then_trains(monkeypatch):
+    """The heads' index tensors are kept from call to call: one first made under torch.inference_mode (as
+    approx.autotune builds its candidates) must still serve a call with gradients, which saves it for backward."""
+    import approx.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "_HEAD_INDEX", {})
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 24, 8, dtype=torch.float64) for _ in range(3))
+    layer = ApproxAttention("linear", approx.get_method("linear").make_config(), head_dim=8, heads=[1, 4])
+    with torch.inference_mode():
+        before = layer(q, k, v)
+    q.requires_grad_(True)
+    out = layer(q, k, v)
+    torch.testing.assert_close(out.detach(), before)
+    out.sum().backward()
+    assert q.grad is not None and bool(q.grad[:, [1, 4]].abs().sum() > 0)
