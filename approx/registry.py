@@ -216,7 +216,7 @@ class Method:
         real length."""
         if self.batch_cost is not None:
             return list(self.batch_cost(config, b=b, n=n, key_mask=key_mask, d=d, dv=dv))
-        lengths = [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
+        lengths = _row_lengths(b, n, key_mask)
         at = {m: self.cost(config, n=m, s=m, d=d, dv=dv) for m in set(lengths)}
         return [at[m] for m in lengths]
 
@@ -229,9 +229,14 @@ class Method:
         times the number of heads."""
         if self.head_cost is None:
             return [c.scaled(len(heads)) for c in self.costs(config, b=b, n=n, key_mask=key_mask, d=d, dv=dv)]
-        lengths = [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
+        lengths = _row_lengths(b, n, key_mask)
         at = {m: Cost.total(self.head_cost(config, n=m, s=m, d=d, dv=dv, head=h) for h in heads) for m in set(lengths)}
         return [at[m] for m in lengths]
+
+
+def _row_lengths(b: int, n: int, key_mask: torch.Tensor | None) -> list[int]:
+    """Each batch row's real length (``key_mask``: (B, N) bool, padding at the end, or None: every row n)."""
+    return [n] * b if key_mask is None else [int(m) for m in key_mask.sum(-1).tolist()]
 
 
 _METHODS: Registry[Method] = Registry("attention method", "approx.attention", plural="methods")

@@ -120,6 +120,7 @@ def _per_block(n: int, length: int, blocks: int) -> torch.Tensor:
     return (torch.clamp(start + length, max=float(n)) - start).clamp(min=0)
 
 
+@functools.lru_cache(maxsize=4096)  # the cost model asks per head and per row length, a few small tensor ops each
 def pattern_pairs(config: SparseTransformerConfig, n: int, s: int) -> tuple[int, int, int]:
     """Exact pair counts (i < n, j < s, every token real) of A1, A2 and A1 ∪ A2."""
     if n == 0 or s == 0:
