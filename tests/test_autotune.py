@@ -550,3 +550,123 @@ def test_cli_cost_examples_are_the_splits_first_examples(tmp_path, fixture_dir):
         d = config["hidden_size"] // config["num_attention_heads"]
         expected = _flops_ratio(record["tuning"]["choices"], lengths, convention, d=d)
         assert record["tuning"]["costs"][key] == pytest.approx(expected, rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------ uniform settings (step 4)
+
+
+def _uniform_oracle(bert, search_labels: list[str], check, lengths, convention: str, budget: float | None = None):
+    """Each whole-layer candidate on every layer, patched and measured here: (label, cost, cosine) of those
+    cheaper than full attention and within ``budget``, cheapest first."""
+    batches, out = _batches(check), []
+    for label in search_labels:
+        choices = [label] * 4
+        cost = _flops_ratio(choices, lengths, convention)
+        if cost < 1.0 and (budget is None or cost <= budget + 1e-12):
+            out.append((label, cost, _cosine(bert, _patched_as(bert, choices), batches)))
+    return sorted(out, key=lambda x: x[1])
+
+
+def test_a_uniform_setting_cheaper_than_the_path_point_that_meets_the_target_is_taken(bert):
+    """The additive estimate misjudges a candidate (Efficient Attention's per-layer losses inflated here, as errors
+    that add up otherwise than measured alone would), so the path runs through Nystrom (cheaper on each layer, less
+    faithful) and full attention only, and its point for a target that Efficient Attention on every layer meets costs
+    more than that uniform setting. The tuning takes the cheapest uniform setting meeting the target, found here by
+    patching and measuring each one independently; without ``uniform`` it keeps the path's point."""
+    from approx.harness.autotune import Search
+
+    candidates = ["nystrom:landmarks=4", "efficient"]
+    fit, check = _data(8, 21), _data(8, 22)
+    lengths = [len(r) for r in check]
+    search = Search(copy.deepcopy(bert), fit, check_data=check, methods=candidates, batch_size=4, progress=False)
+    for row in search.loss:
+        row[2] *= 1e6  # option 2: efficient
+    search.paths.clear()
+    oracle = {label: (cost, cos) for label, cost, cos in _uniform_oracle(bert, candidates, check, lengths, "flops")}
+    target = oracle["efficient"][1] - 1e-9  # met by Efficient Attention on every layer, measured here
+    # the premises, measured here: Nystrom on every layer is cheaper and misses the target; the path never takes
+    # Efficient Attention, and its point for the target costs more than Efficient Attention on every layer
+    assert oracle["nystrom:landmarks=4"][0] < oracle["efficient"][0] and oracle["nystrom:landmarks=4"][1] < target
+    path_only = search.choose(target, uniform=False, progress=False)
+    assert path_only.origin == "path" and path_only.uniform == [] and path_only.met
+    assert all("efficient" not in p["choices"] for p in path_only.path)
+    assert path_only.cost > oracle["efficient"][0]
+    tuning = search.choose(target, progress=False)
+    assert tuning.origin == "uniform" and tuning.met and tuning.choices == ["efficient"] * 4
+    assert tuning.cost == pytest.approx(oracle["efficient"][0], rel=1e-9)
+    assert tuning.fidelity == pytest.approx(oracle["efficient"][1], abs=1e-6)
+    # the tuned model is that uniform setting as approx.patch makes it, bit for bit
+    rebuilt = copy.deepcopy(bert)
+    approx.patch(rebuilt, "efficient")
+    with torch.no_grad():
+        for b in _batches(check):
+            assert torch.equal(search.model(**b).last_hidden_state, rebuilt(**b).last_hidden_state)
+    # the record lists every uniform setting with its cost, and the measured fidelity of the ones verified
+    records = {r["choice"]: r for r in tuning.uniform}
+    assert set(records) == set(candidates)
+    for name, (cost, cos) in oracle.items():
+        assert records[name]["cost"] == pytest.approx(cost, rel=1e-9)
+        assert records[name]["measured_fidelity"] == pytest.approx(cos, abs=1e-6)  # both verified, cheapest first
+    assert "a uniform setting (efficient on every layer)" in tuning.summary()
+    assert approx.integration.tuning(search.model)["origin"] == "uniform"
+
+
+def test_a_budget_alone_keeps_the_most_faithful_of_the_path_point_and_the_uniform_settings(bert):
+    """With a budget alone: the path's first point within it and every uniform setting within it, measured here
+    independently; the tuning keeps the most faithful of them."""
+    fit, check = _data(8, 23), _data(8, 24)
+    lengths, budget = [len(r) for r in check], 0.6
+    path_only = approx.autotune(copy.deepcopy(bert), fit, check_data=check, target=None, budget=budget,
+                                methods=CANDIDATES, uniform=False, batch_size=4, progress=False)  # fmt: skip
+    assert path_only.origin == "path"
+    model = copy.deepcopy(bert)
+    tuning = approx.autotune(model, fit, check_data=check, target=None, budget=budget, methods=CANDIDATES,
+                             batch_size=4, progress=False)  # fmt: skip
+    options = [(path_only.choices, _cosine(bert, _patched_as(bert, path_only.choices), _batches(check)))]
+    options += [
+        ([label] * 4, cos) for label, _, cos in _uniform_oracle(bert, CANDIDATES, check, lengths, "flops", budget)
+    ]
+    best = max(options, key=lambda o: o[1])
+    assert tuning.choices == best[0] and tuning.met and tuning.cost <= budget
+    assert tuning.fidelity == pytest.approx(best[1], abs=1e-6)
+    assert tuning.origin == ("path" if best[0] == path_only.choices else "uniform")
+    assert _cosine(bert, model, _batches(check)) == pytest.approx(best[1], abs=1e-6)
+
+
+def test_a_target_out_of_the_paths_reach_within_a_budget_is_met_by_a_uniform_setting(bert):
+    """Target and budget: with Efficient Attention misjudged as above, the path's points within a budget of
+    Efficient Attention's cost on every layer miss the target (measured here); that uniform setting meets it and is
+    taken, and nothing is reported missed. Without ``uniform`` the miss is reported."""
+    from approx.harness.autotune import Search
+
+    candidates = ["nystrom:landmarks=4", "efficient"]
+    fit, check = _data(8, 25), _data(8, 26)
+    lengths = [len(r) for r in check]
+    search = Search(copy.deepcopy(bert), fit, check_data=check, methods=candidates, batch_size=4, progress=False)
+    for row in search.loss:
+        row[2] *= 1e6
+    search.paths.clear()
+    oracle = {label: (cost, cos) for label, cost, cos in _uniform_oracle(bert, candidates, check, lengths, "flops")}
+    target, budget = oracle["efficient"][1] - 1e-9, oracle["efficient"][0] + 1e-9
+    within = [p["choices"] for p in search.choose(target, uniform=False, progress=False).path if p["cost"] <= budget]
+    assert within and all(_cosine(bert, _patched_as(bert, c), _batches(check)) < target for c in within)  # premise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reported missed
+        tuning = search.choose(target, budget, progress=False)
+    assert tuning.met and tuning.origin == "uniform" and tuning.choices == ["efficient"] * 4
+    assert tuning.cost <= budget
+    with pytest.warns(UserWarning, match="cannot be met within cost"):
+        assert not search.choose(target, budget, uniform=False, progress=False).met
+
+
+def test_cli_path_only(tmp_path, base_model, fixture_dir):
+    out = tmp_path / "tuned"
+    argv = ["autotune", "--model", base_model, "--data-dir", str(fixture_dir), "--windows", "4", "--length", "24",
+            "--batch-size", "2", "--method", "efficient", "--target", "cosine>=0.5", "--output-dir", str(out),
+            "--quiet"]  # fmt: skip
+    assert main([*argv, "--path-only"]) == 0
+    record = json.loads((out / "approx_autotune.json").read_text())["tuning"]
+    assert record["origin"] == "path" and record["uniform"] == []
+    assert main(argv) == 0
+    record = json.loads((out / "approx_autotune.json").read_text())["tuning"]
+    assert [r["choice"] for r in record["uniform"]] == ["efficient"]

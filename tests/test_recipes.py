@@ -543,6 +543,7 @@ def test_autotune_pareto_recipe_smoke(base_model, fixture_dir, tmp_path):
     few = [approx.get_method("efficient").make_config(), approx.get_method("nystrom").make_config(landmarks=4)]
     table.METHODS = few
     pareto.CANDIDATES, pareto.FRACTIONS = few, (1.0, 1e-6, 0.0)
+    pareto.TASK_FRACTIONS = {**pareto.TASK_FRACTIONS, "squad": pareto.FRACTIONS}
     common = [
         *("--model", base_model, "--data-dir", str(fixture_dir), "--source", "local"),
         *("--limit", "6", "--max-steps", "1", "--checkpoints", str(tmp_path / "ck"), "--quiet"),
@@ -792,3 +793,15 @@ def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_perce
     assert pareto.doc_target(record)["met"] is True  # no uniform setting keeps 99 %
     weak = {"tuned": [row(5.0, 0.5, exact=5.0)], "uniform": [row(5.0, 0.4, exact=5.0, name="linear")]}
     assert pareto.doc_target(weak)["met"] is None
+
+
+def test_autotune_pareto_fraction_labels():
+    """Halvings read 1/N, other fractions as they are (1/round(1/0.9) would read 1/1), the ends 0 and 1; SQuAD's
+    target fractions fall from the cheapest point to exact attention."""
+    pareto = _recipe("autotune_pareto")
+    assert [pareto._fraction_text(f) for f in (1.0, 0.9, 0.6, 0.5, 0.25, 0.5**11, 0.0)] == [
+        "1", "0.9", "0.6", "1/2", "1/4", "1/2048", "0"
+    ]  # fmt: skip
+    squad = pareto.fractions("squad")
+    assert squad[0] == 1.0 and squad[-1] == 0.0 and all(a > b for a, b in zip(squad, squad[1:], strict=False))
+    assert pareto.fractions("rte") == pareto.FRACTIONS

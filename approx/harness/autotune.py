@@ -35,6 +35,13 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
    check inputs are a small sample of lengths,
    and a cost that falls or rises steeply with the length (MonarchAttention's blocks, a window wider than most
    inputs) can then rank the candidates otherwise than the inputs the model will meet.
+4. **Uniform settings** (``uniform=True``, the default). The additive model can misjudge: layers' errors add up
+   otherwise than measured alone, and a candidate that is mediocre on each layer alone may hold up well on all of
+   them. So the uniform settings, each whole-layer candidate on every layer (what papers and tools run), are
+   verified the same way, cheapest first, among those costing less than the path's point: the first that meets
+   the target replaces it (with ``budget`` alone: the most faithful within the budget, when it measures better).
+   The tuned model then never costs more than a uniform setting that meets the same target on the same check
+   inputs; :attr:`Tuning.origin` says which was taken and :attr:`Tuning.uniform` lists what was verified.
 
 Heads: with ``head_counts`` (e.g. ``(6, 9)``), each candidate is also tried on only that many heads of each layer, the
 others exact (``approx.patch(..., on_heads=...)``): the heads where the candidate, run on the whole layer in step 1,
@@ -384,7 +391,10 @@ class Tuning:
     fraction of the unpatched model's); ``calibration``: the numbers of fit, check and cost inputs, the forward passes and the seconds taken;
     ``score`` (a score target only): the tuned model's score (``value``), the unpatched model's (``reference``), their
     ratio (``relative``, what the target judges) and what the scorer reads (``scorer``); ``measure``: what
-    ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure)."""
+    ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure); ``origin``: ``"path"`` (a point of the search
+    path) or ``"uniform"`` (one candidate on every layer, cheaper than the path's point for the same target, or more
+    faithful within a budget); ``uniform``: each uniform setting's label, cost ratio and, where verified, measured
+    fidelity (and score)."""
 
     choices: list[str]
     fidelity: float
@@ -402,6 +412,8 @@ class Tuning:
     score: dict[str, Any] | None = None
     measure: str | None = None
     head_counts: list[int] = dataclasses.field(default_factory=list)
+    origin: str = "path"
+    uniform: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -423,6 +435,14 @@ class Tuning:
             f"{self.calibration['check_inputs']} held-out inputs; attention cost {self.cost:.3f} of full "
             f"({self.cost_convention}, at the lengths of {self.calibration.get('cost_inputs', '?')} inputs)"
         )
+        if self.origin == "uniform":
+            path = [p for p in self.path if "measured_fidelity" in p]
+            lines.append(
+                f"a uniform setting ({self.choices[0]} on every layer): it "
+                + ("costs less than the search path's point for this target" if self.target else "measures better "
+                   "than the search path's point within the budget")
+                + (f" ({len(path)} path points verified)" if path else "")
+            )  # fmt: skip
         return "\n".join(lines)
 
 
@@ -718,6 +738,7 @@ class Search:
         *,
         cost: str | None = None,
         score: Callable[[torch.nn.Module], float] | None = None,
+        uniform: bool = True,
         progress: bool = True,
     ) -> Tuning:
         """Step 3: patch the model with the cheapest path point that meets ``target`` (by bisection along the path,
@@ -725,8 +746,12 @@ class Search:
         estimated loss); returns the :class:`Tuning`. ``cost``: the convention of the path and the budget (default:
         the search's). ``score``: with a ``score>=X`` target, a callable giving the task's metric of the model as it
         is (:func:`~approx.harness.scoring.task_scorer`): the target is met where it is at least X times the unpatched
-        model's (the path is still the search's, built from its fidelity measure). The model is unpatched first (a
-        patch of this search's or any)."""
+        model's (the path is still the search's, built from its fidelity measure). ``uniform`` (default true): then
+        weigh the uniform settings too, each candidate on every layer, verified end to end the same way: the cheapest
+        that meets the target is taken when it costs less than the path's point (with a budget alone: the most
+        faithful within the budget, when it measures better), so the tuned model never costs more than a uniform
+        setting meeting the same target on the same inputs (:attr:`Tuning.origin` says which was taken). The model
+        is unpatched first (a patch of this search's or any)."""
         wall = time.perf_counter()
         goal = check_goal(target, budget)
         convention = cost or self.cost_convention
@@ -744,42 +769,50 @@ class Search:
         last = len(points) - 1  # the bisection's runs: the path's end, then ceil(log2(last)) halvings (a budget: one)
         steps = 1 if goal is None or last < 2 else 1 + math.ceil(math.log2(last))
 
-        def value(j: int) -> float:  # what the target judges at path point j
-            return self._scored(path[j], score) if scoring else self._verify(path[j])
+        def value(assignment: Sequence[int]) -> float:  # what the target judges of an assignment
+            return self._scored(assignment, score) if scoring else self._verify(assignment)
 
+        meets = None if goal is None else lambda j: goal.met(value(path[j]))
         with _evaluating(self.model), torch.inference_mode():
             with tqdm(total=steps, disable=not progress, desc="autotune: verify", unit="run") as bar:
-                chosen = self._bisect(path, None if goal is None else lambda j: goal.met(value(j)), within, bar)
+                chosen = self._bisect(path, meets, within, bar)
                 bar.total = bar.n  # the path's end may meet the target: fewer runs than the bracket allows
                 bar.refresh()
+            assignment = path[chosen]
             # what a measured value is, for the warnings
             unit = "of the unpatched model's score" if scoring else self.measure.measure
-            met = goal.met(value(chosen)) if goal else True
+            met = goal.met(value(assignment)) if goal else True
             if goal is not None and not met:
                 warnings.warn(
-                    f"autotune: even full attention on every layer measures {value(chosen):.5f} ({unit}), short of "
-                    f"{goal}",
+                    f"autotune: even full attention on every layer measures {value(assignment):.5f} ({unit}), short "
+                    f"of {goal}",
                     stacklevel=2,
                 )
-            if budget is not None and points[chosen]["cost"] > budget + 1e-12:
+            over = budget is not None and points[chosen]["cost"] > budget + 1e-12
+            if over:
                 met = False
                 if goal is not None and within:
-                    chosen = within[0]
+                    assignment = path[within[0]]
                     # beyond the bisection's bracket a point may still meet the target (a noisy score, say)
-                    met = goal.met(value(chosen))
-                if not met:
-                    measured = value(chosen) if goal else self._verify(path[chosen])
-                    warnings.warn(
-                        f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along "
-                        f"the search path; kept the assignment at cost {points[chosen]['cost']:.3f} (it measures "
-                        f"{measured:.5f}, {unit})",
-                        stacklevel=2,
-                    )
-            fidelity = self._verify(path[chosen])  # the search's fidelity measure, for a score target too
-        attach(self.model, self._layers(path[chosen]))
-        costs = {RATIO_NAMES[k]: self._ratio(path[chosen], k) for k in COSTS}
+                    met = goal.met(value(assignment))
+            origin = "path"
+            if uniform and (met or budget is not None):
+                better = self._uniform_choice(assignment, goal, met, budget, convention, value, progress)
+                if better is not None:
+                    assignment, met, origin = better, True, "uniform"
+            if over and not met:
+                measured = value(assignment) if goal else self._verify(assignment)
+                warnings.warn(
+                    f"autotune: the {'target' if goal else 'budget'} cannot be met within cost {budget:g} along "
+                    f"the search path{' or by a uniform setting' if uniform else ''}; kept the assignment at cost "
+                    f"{self._ratio(assignment, convention):.3f} (it measures {measured:.5f}, {unit})",
+                    stacklevel=2,
+                )
+            fidelity = self._verify(assignment)  # the search's fidelity measure, for a score target too
+        attach(self.model, self._layers(assignment))
+        costs = {RATIO_NAMES[k]: self._ratio(assignment, k) for k in COSTS}
         tuning = Tuning(
-            choices=points[chosen]["choices"],
+            choices=[self._choice(i, a) for i, a in enumerate(assignment)],
             fidelity=fidelity,
             cost=costs[RATIO_NAMES[convention]],
             costs=costs,
@@ -799,27 +832,86 @@ class Search:
                 "choose_seconds": time.perf_counter() - wall,
             },
             seed=self.seed,
-            score=self._score_record(path[chosen], score) if scoring else None,
+            score=self._score_record(assignment, score) if scoring else None,
             measure=self.measure.measure,
             head_counts=list(self.head_counts),
+            origin=origin,
+            uniform=self._uniform_records(convention, score if scoring else None) if uniform else [],
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
 
+    def _uniform(self, convention: str, budget: float | None) -> list[tuple[float, list[int]]]:
+        """The uniform settings as assignments (each candidate on every layer, a candidate on some heads excepted)
+        with their cost ratio in ``convention``, cheapest first: those cheaper than full attention and within
+        ``budget``, with a finite loss on every layer (a candidate that broke down on a layer is never chosen)."""
+        n, out = len(self.loss), []
+        for column, base in enumerate(self.bases):
+            if base != column:  # a candidate on some heads
+                continue
+            assignment = [column + 1] * n
+            ratio = self._ratio(assignment, convention)
+            if ratio is None or not ratio < 1.0 or (budget is not None and ratio > budget + 1e-12):
+                continue
+            if all(math.isfinite(self.loss[i][column + 1]) for i in range(n)):
+                out.append((ratio, assignment))
+        return sorted(out, key=lambda item: item[0])
+
+    def _uniform_choice(self, assignment, goal, met, budget, convention, value, progress) -> list[int] | None:
+        """A uniform setting (:meth:`_uniform`) to take instead of ``assignment``, the path's choice, or None. With a
+        target: the cheapest meeting it that costs less than ``assignment`` (any within the budget when
+        ``assignment`` misses the target); with a budget alone: the most faithful as measured, when it measures
+        better than ``assignment`` (or ``assignment`` is over the budget)."""
+        options = self._uniform(convention, budget)
+        if goal is not None and met:
+            current = self._ratio(assignment, convention)
+            options = [o for o in options if current is None or o[0] < current - 1e-12]
+        best, best_loss = None, math.inf
+        if goal is None and met:
+            best_loss = self.measure.loss(self._verify(assignment))
+        with tqdm(total=len(options), disable=not progress or not options, desc="autotune: uniform", unit="run") as bar:
+            for _, option in options:
+                if goal is not None:
+                    found = goal.met(value(option))
+                    bar.update(1)
+                    if found:
+                        return option
+                    continue
+                loss = self.measure.loss(self._verify(option))
+                bar.update(1)
+                if loss < best_loss:
+                    best, best_loss = option, loss
+        return best
+
+    def _uniform_records(self, convention: str, score) -> list[dict[str, Any]]:
+        """The uniform settings for a :class:`Tuning`: each candidate's label, cost ratio in ``convention`` and, where
+        verified, its measured fidelity (and score)."""
+        n = len(self.loss)
+        return [
+            {
+                "choice": self.labels[c],
+                "cost": self._ratio([c + 1] * n, convention),
+                **self._measured([c + 1] * n, score),
+            }
+            for c, base in enumerate(self.bases)
+            if base == c
+        ]
+
     def _path_records(self, path: list[list[int]], points: list[dict[str, Any]], score) -> list[dict[str, Any]]:
         """The path's points for a :class:`Tuning`: with the measured fidelity of the ones verified, and the score (a
         fraction of the unpatched model's) of the ones ``score`` scored."""
+        return [{**p, **self._measured(a, score)} for a, p in zip(path, points, strict=True)]
+
+    def _measured(self, assignment: Sequence[int], score) -> dict[str, float]:
+        """What was measured of an assignment: its fidelity where verified, its score (a fraction of the unpatched
+        model's) where ``score`` scored it."""
+        key, out = tuple(assignment), {}
+        if key in self.measured:
+            out["measured_fidelity"] = self.measured[key][0]
         scores = {} if score is None else self.scores[_scorer_key(score)][1]
-        records = []
-        for a, p in zip(path, points, strict=True):
-            key = tuple(a)
-            record = dict(p)
-            if key in self.measured:
-                record["measured_fidelity"] = self.measured[key][0]
-            if key in scores:
-                record["measured_score"] = relative(scores[key], scores[None])
-            records.append(record)
-        return records
+        if key in scores:
+            out["measured_score"] = relative(scores[key], scores[None])
+        return out
 
     def _score_record(self, assignment: Sequence[int], score) -> dict[str, Any]:
         """:attr:`Tuning.score` of a scored assignment."""
@@ -895,6 +987,7 @@ def autotune(
     check_data: Iterable | None = None,
     cost_data: Iterable | None = None,
     head_counts: Sequence[int] = (),
+    uniform: bool = True,
     batch_size: int = 8,
     pad_id: int | None = None,
     seed: int = 0,
@@ -927,6 +1020,8 @@ def autotune(
     ``head_counts``: also try each candidate on only that many heads of a layer (e.g. ``(6, 9)`` of 12), the
     heads where it changed the layer's attention output least when it ran on all of them, the other heads exact
     (``approx.patch(..., on_heads=...)``): one more run per layer, candidate and count.
+    ``uniform``: also verify the uniform settings (each candidate on every layer) and take the cheapest meeting the
+    target when it costs less than the search path's choice (step 4 of the module docstring); false: the path only.
     ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
     targets on the same measurements, use :class:`Search` and its ``choose``.
     """
@@ -943,7 +1038,7 @@ def autotune(
         cost_data=cost_data, head_counts=head_counts, batch_size=batch_size, pad_id=pad_id, seed=seed,
         progress=progress,
     )  # fmt: skip
-    return search.choose(goal, budget, score=score, progress=progress)
+    return search.choose(goal, budget, score=score, uniform=uniform, progress=progress)
 
 
 def default_measure(model: torch.nn.Module) -> str:

@@ -504,8 +504,8 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
     tuning = autotune(
         model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost, cost_data=cost_data,
-        head_counts=args.head_counts, score=score, batch_size=args.batch_size, seed=args.seed,
-        progress=not args.quiet,
+        head_counts=args.head_counts, score=score, uniform=not args.path_only, batch_size=args.batch_size,
+        seed=args.seed, progress=not args.quiet,
     )  # fmt: skip
     out = save(model, args.output_dir, tokenizer=tokenizer)
     record = {
@@ -616,6 +616,12 @@ def _add_autotune_parser(sub) -> None:
         default=(),
         help="also try each candidate on only K heads of a layer (those it changes least; the others exact), for "
         "each K given (e.g. 6 9 of 12 heads): one more run per layer, candidate and K",
+    )
+    p.add_argument(
+        "--path-only",
+        action="store_true",
+        help="choose among the search path's points only; by default the uniform settings (each candidate on every "
+        "layer) are verified too, and one meeting the target at a lower cost than the path's point is taken",
     )
     p.add_argument("--task", action=Once, help="calibrate on this task's inputs (default: WikiText-2 windows)")
     p.add_argument(
