@@ -25,9 +25,11 @@ measured per layer and the held-out inputs its choice is verified on. One :class
 per checkpoint measures every candidate (:data:`CANDIDATES`: the clustered table's methods plus
 i-clustered with 50 clusters) on every layer, with the KL divergence of the head's outputs (STS-B's regression head:
 the cosine of the last hidden states, :data:`MEASURE`); then for targets at
-each of :data:`FRACTIONS` of the cheapest assignment's loss and both cost conventions (``flops``: approx's
-full cost model; ``matmul``: the literature's attention matmul count) a model is chosen, saved (``runs/autotune/``,
-identical choices once) and evaluated with ``approx.evaluate`` on data no calibration saw. Cross-fitted tasks (SST-2, QNLI) tune each half's checkpoint on its own training half and merge
+each of :data:`FRACTIONS` (SQuAD: :data:`TASK_FRACTIONS`) of the cheapest assignment's loss and both cost conventions
+(``flops``: approx's full cost model; ``matmul``: the literature's attention matmul count) a model is chosen (the
+search path's point, or a uniform setting meeting the target for less: ``approx.autotune``'s step 4; the tables mark
+such rows, and :func:`dominance` also counts without them), saved (``runs/autotune/``, identical choices once) and
+evaluated with ``approx.evaluate`` on data no calibration saw. Cross-fitted tasks (SST-2, QNLI) tune each half's checkpoint on its own training half and merge
 the halves' predictions as the clustered table does.
 
     python recipes/autotune_pareto.py --threads 2                 # every task (CPU: about 40 minutes)
@@ -384,7 +386,8 @@ def run_task(task: str, args) -> dict[str, Any]:
     tuned = results[: len(_labels(task, score))]
     for k, (r, (convention, fraction)) in enumerate(zip(tuned, _labels(task, score), strict=True)):
         targets = [c["tunings"][k]["target"] for c in calibrations]
-        r.update(autotune={"fraction": fraction, "cost": convention, "targets": targets})
+        origins = [c["tunings"][k].get("origin", "path") for c in calibrations]  # per checkpoint (cross-fit: two)
+        r.update(autotune={"fraction": fraction, "cost": convention, "targets": targets, "origins": origins})
     if side_by_side:
         uniform, source = results[len(tuned) :], "evaluated in this run, side by side with the tuned models"
     else:
@@ -438,15 +441,47 @@ def _point(r: dict[str, Any], metric: str, field: str) -> tuple[float, float]:
     return r["fidelity"]["cost"][field], r["metrics"][metric]
 
 
+def _fill_origins(task_record: dict[str, Any]) -> None:
+    """Give each tuned row ``autotune.origins`` (per checkpoint, "path" or "uniform") from the calibration's tunings
+    where it lacks them (records written before the rows carried them; before approx.autotune's step 4: "path")."""
+    for k, r in enumerate(task_record["tuned"]):
+        tunings = [c["tunings"][k] for c in task_record.get("calibration", []) if k < len(c.get("tunings", []))]
+        r["autotune"].setdefault("origins", [x.get("origin", "path") for x in tunings] or ["path"])
+
+
+def _from_path(r: dict[str, Any]) -> bool:
+    """Whether a tuned row is a point of the search path in every checkpoint (not a uniform setting that
+    ``approx.autotune``'s step 4 took instead; records from before that step: always)."""
+    return all(o == "path" for o in r["autotune"].get("origins", ["path"]))
+
+
+def _origin_text(r: dict[str, Any]) -> str:
+    """For the table: whether a tuned row is a uniform setting that ``approx.autotune`` took instead of the path's
+    point, in every checkpoint or in some."""
+    origins = r["autotune"].get("origins", ["path"])
+    some = sum(o == "uniform" for o in origins)
+    if not some:
+        return ""
+    return (
+        " (a uniform setting)" if some == len(origins) else f" (a uniform setting on {some} of {len(origins)} halves)"
+    )
+
+
 def dominance(task_record: dict[str, Any]) -> dict[str, Any]:
     """Per convention: which uniform settings some tuned model of that convention's search dominates (cost no
     higher, metric no lower), and for each the best metric of those tuned models that cost no more
     (``best_tuned_at_cost``; None when none does). ``dominated_by_any_search``: the same count with every tuned model
     of the task, the other convention's search's too, placed at this convention's cost (each is a tuned model with a
-    cost in both conventions; the strict count above is the one the recipe judges by)."""
+    cost in both conventions; the strict count above is the one the recipe judges by). ``dominated_by_path_points``:
+    the strict count with the convention's tuned models that are points of the search path only: a tuned model that
+    is a uniform setting (``approx.autotune`` takes one that meets the target for less) dominates that setting by
+    being it, and this count leaves such models out."""
+    _fill_origins(task_record)
     metric, out = task_record["metric"], {}
     for convention, field in conventions(task_record["task"]).items():
-        own = [_point(r, metric, field) for r in task_record["tuned"] if r["autotune"]["cost"] == convention]
+        mine = [r for r in task_record["tuned"] if r["autotune"]["cost"] == convention]
+        own = [_point(r, metric, field) for r in mine]
+        path = [_point(r, metric, field) for r in mine if _from_path(r)]
         every = [_point(r, metric, field) for r in task_record["tuned"]]
         rows = []
         for u in task_record["uniform"]:
@@ -455,10 +490,13 @@ def dominance(task_record: dict[str, Any]) -> dict[str, Any]:
             rows.append({"setting": short_label(u["method"]), "cost": cost, "metric": value,
                          "dominated": any(m >= value - 1e-9 for m in cheaper),
                          "dominated_by_any_search": any(c <= cost + 1e-12 and m >= value - 1e-9 for c, m in every),
+                         "dominated_by_path_points": any(c <= cost + 1e-12 and m >= value - 1e-9 for c, m in path),
                          "best_tuned_at_cost": max(cheaper, default=None)})  # fmt: skip
         out[convention] = {
             "dominated": sum(r["dominated"] for r in rows),
             "dominated_by_any_search": sum(r["dominated_by_any_search"] for r in rows),
+            "dominated_by_path_points": sum(r["dominated_by_path_points"] for r in rows),
+            "uniform_tuned": sum(not _from_path(r) for r in mine),
             "uniform": len(rows),
             "not_dominated": [r for r in rows if not r["dominated"]],
         }
@@ -570,6 +608,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = []
     for task in [t for t in TASK_ORDER if t in record["tasks"]]:
         t = record["tasks"][task]
+        _fill_origins(t)
         metric = t["metric"]
         full = t["tuned"][0]["reference_metrics"][metric]
         lines += [f"**{task}** ({metric}; full attention {full:.2f}; uniform rows: {t['uniform_source']})", ""]
@@ -603,7 +642,7 @@ def markdown(record: dict[str, Any]) -> str:
                   "| --- | --- | ---: | ---: | ---: |" + (" ---: | ---: |" if timed else "") + " --- |"]  # fmt: skip
         for r in t["tuned"]:
             c = r["fidelity"]["cost"]
-            layers = _layers_text(r)
+            layers = _layers_text(r) + _origin_text(r)
             lines.append(
                 f"| {' / '.join(r['autotune']['targets'])} | {r['autotune']['cost']} | {r['metrics'][metric]:.2f} | "
                 f"{c['flops_vs_full']:.3f} | {c['matmul_vs_softmax_model']:.3f} |{_time_cells(r) if timed else ''} "
@@ -626,6 +665,9 @@ def markdown(record: dict[str, Any]) -> str:
             pooled = d[convention]["dominated_by_any_search"]
             both = "" if len(d) < 2 or pooled == d[convention]["dominated"] else (
                 f" ({pooled} with every tuned model of both searches at its {convention} cost)")  # fmt: skip
+            if d[convention]["uniform_tuned"]:  # tuned models that are uniform settings (approx.autotune's step 4)
+                both += (f"; {d[convention]['uniform_tuned']} of its tuned models are uniform settings, and the points "
+                         f"of the search path alone dominate {d[convention]['dominated_by_path_points']}")  # fmt: skip
             lines.append(
                 f"\n{convention}: the tuned models dominate {d[convention]['dominated']} of {d[convention]['uniform']} "
                 f"uniform settings{both}" + (f"; not: {missed}" if missed else "")

@@ -127,7 +127,7 @@ def test_target_met_measured_independently_and_the_next_cheaper_point_fails(bert
     target = 1 - (1 - cheapest.fidelity) / 4  # between the cheapest point and full attention
     model = copy.deepcopy(bert)
     tuning = approx.autotune(model, fit, check_data=check, target=target, methods=CANDIDATES, batch_size=4,
-                             progress=False)  # fmt: skip
+                             uniform=False, progress=False)  # fmt: skip
     batches = _batches(check)
     measured = _cosine(bert, model, batches)
     assert tuning.met and measured >= target
@@ -150,7 +150,9 @@ def test_target_met_measured_independently_and_the_next_cheaper_point_fails(bert
 def test_budget_alone_keeps_the_first_point_within_it_and_costs_are_the_cost_models(bert):
     model = copy.deepcopy(bert)
     data = _data(16, 3)
-    tuning = approx.autotune(model, data, target=None, budget=0.6, methods=CANDIDATES, batch_size=4, progress=False)
+    tuning = approx.autotune(
+        model, data, target=None, budget=0.6, methods=CANDIDATES, batch_size=4, uniform=False, progress=False
+    )
     within = [p for p in tuning.path if p["cost"] <= 0.6]
     assert tuning.choices == within[0]["choices"] and tuning.met
     # the held-out half (seeded shuffle, halved) and its cost from each layer's cost model, summed here
@@ -567,30 +569,43 @@ def _uniform_oracle(bert, search_labels: list[str], check, lengths, convention: 
     return sorted(out, key=lambda x: x[1])
 
 
-def test_a_uniform_setting_cheaper_than_the_path_point_that_meets_the_target_is_taken(bert):
-    """The additive estimate misjudges a candidate (Efficient Attention's per-layer losses inflated here, as errors
-    that add up otherwise than measured alone would), so the path runs through Nystrom (cheaper on each layer, less
-    faithful) and full attention only, and its point for a target that Efficient Attention on every layer meets costs
-    more than that uniform setting. The tuning takes the cheapest uniform setting meeting the target, found here by
-    patching and measuring each one independently; without ``uniform`` it keeps the path's point."""
+def _misjudged(bert, candidates, inflated, fit, check, **options):
+    """A search whose per-layer losses of the ``inflated`` candidates (on every head, and on some heads) are
+    multiplied by 10^6, as errors that add up otherwise than measured alone would: its path runs through the others
+    and full attention."""
     from approx.harness.autotune import Search
 
-    candidates = ["nystrom:landmarks=4", "efficient"]
+    search = Search(copy.deepcopy(bert), fit, check_data=check, methods=candidates, batch_size=4, progress=False,
+                    **options)  # fmt: skip
+    for row in search.loss:
+        for column, base in enumerate(search.bases):  # on every head, and on some heads with head_counts
+            if candidates[base] in inflated:
+                row[column + 1] *= 1e6
+    search.paths.clear()
+    return search
+
+
+def test_a_uniform_setting_cheaper_than_the_path_point_that_meets_the_target_is_taken(bert):
+    """Efficient Attention and Taylor misjudged: the path runs through Nystrom (cheaper on each layer, less faithful)
+    and full attention, and its point for a target that both meet on every layer costs more than either. The tuning
+    takes the cheapest of them (Efficient Attention), found here by patching and measuring each uniform setting
+    independently; without ``uniform`` it keeps the path's point. A target that the path's cheapest point meets keeps
+    that point (no uniform setting costs less); a candidate with an infinite loss on a layer is never taken; a
+    candidate on some heads is not a uniform setting."""
+    candidates = ["nystrom:landmarks=4", "efficient", "taylor"]
     fit, check = _data(8, 21), _data(8, 22)
     lengths = [len(r) for r in check]
-    search = Search(copy.deepcopy(bert), fit, check_data=check, methods=candidates, batch_size=4, progress=False)
-    for row in search.loss:
-        row[2] *= 1e6  # option 2: efficient
-    search.paths.clear()
+    search = _misjudged(bert, candidates, ["efficient", "taylor"], fit, check, head_counts=(1,))
     oracle = {label: (cost, cos) for label, cost, cos in _uniform_oracle(bert, candidates, check, lengths, "flops")}
-    target = oracle["efficient"][1] - 1e-9  # met by Efficient Attention on every layer, measured here
-    # the premises, measured here: Nystrom on every layer is cheaper and misses the target; the path never takes
-    # Efficient Attention, and its point for the target costs more than Efficient Attention on every layer
-    assert oracle["nystrom:landmarks=4"][0] < oracle["efficient"][0] and oracle["nystrom:landmarks=4"][1] < target
+    target = min(oracle["efficient"][1], oracle["taylor"][1]) - 1e-9  # both meet it, measured here
+    # the premises, measured here: Nystrom on every layer is the cheapest and misses the target, Efficient Attention
+    # is cheaper than Taylor; the path never takes either, and its point costs more than both
+    assert oracle["nystrom:landmarks=4"][0] < oracle["efficient"][0] < oracle["taylor"][0]
+    assert oracle["nystrom:landmarks=4"][1] < target
     path_only = search.choose(target, uniform=False, progress=False)
     assert path_only.origin == "path" and path_only.uniform == [] and path_only.met
-    assert all("efficient" not in p["choices"] for p in path_only.path)
-    assert path_only.cost > oracle["efficient"][0]
+    assert all("efficient" not in c and "taylor" not in c for p in path_only.path for c in p["choices"])
+    assert path_only.cost > oracle["taylor"][0]
     tuning = search.choose(target, progress=False)
     assert tuning.origin == "uniform" and tuning.met and tuning.choices == ["efficient"] * 4
     assert tuning.cost == pytest.approx(oracle["efficient"][0], rel=1e-9)
@@ -601,51 +616,86 @@ def test_a_uniform_setting_cheaper_than_the_path_point_that_meets_the_target_is_
     with torch.no_grad():
         for b in _batches(check):
             assert torch.equal(search.model(**b).last_hidden_state, rebuilt(**b).last_hidden_state)
-    # the record lists every uniform setting with its cost, and the measured fidelity of the ones verified
+    # the record lists the whole-layer candidates only (not those on some heads), with their costs and the measured
+    # fidelity of the ones verified: Nystrom and Efficient Attention, cheapest first, not Taylor
     records = {r["choice"]: r for r in tuning.uniform}
-    assert set(records) == set(candidates)
+    assert list(records) == candidates
+    weighed = [a for _, a in search._uniform("flops", None)]
+    assert len(search.labels) == 2 * len(candidates) and weighed
+    assert all(len(set(a)) == 1 and a[0] <= len(candidates) for a in weighed)  # whole-layer columns only
     for name, (cost, cos) in oracle.items():
         assert records[name]["cost"] == pytest.approx(cost, rel=1e-9)
-        assert records[name]["measured_fidelity"] == pytest.approx(cos, abs=1e-6)  # both verified, cheapest first
+        if name != "taylor":
+            assert records[name]["measured_fidelity"] == pytest.approx(cos, abs=1e-6)
+    assert "measured_fidelity" not in records["taylor"]
     assert "a uniform setting (efficient on every layer)" in tuning.summary()
     assert approx.integration.tuning(search.model)["origin"] == "uniform"
+    # a target the path's cheapest point (Nystrom on every layer) meets: no uniform setting costs less
+    cheapest = search.choose(oracle["nystrom:landmarks=4"][1] - 1e-9, progress=False)
+    assert cheapest.origin == "path" and cheapest.choices == ["nystrom:landmarks=4"] * 4
+    # Efficient Attention broken on layer 0: never taken, Taylor is
+    search.loss[0][candidates.index("efficient") + 1] = math.inf
+    search.paths.clear()
+    tuning = search.choose(target, progress=False)
+    assert tuning.origin == "uniform" and tuning.choices == ["taylor"] * 4
+
+
+def test_a_score_target_weighs_the_uniform_settings_by_their_score(bert):
+    """A score target: the uniform settings are scored, not verified on the fidelity measure. The scorer here is
+    the mean cosine to the unpatched model on the held-out inputs, written in this file."""
+    candidates = ["nystrom:landmarks=4", "efficient"]
+    fit, check = _data(8, 21), _data(8, 22)
+    batches = _batches(check)
+    search = _misjudged(bert, candidates, ["efficient"], fit, check)
+    calls = []
+
+    def score(model):
+        calls.append(1)
+        return _cosine(bert, model, batches)
+
+    oracle = {label: (cost, cos) for label, cost, cos in _uniform_oracle(bert, candidates, check, [len(r) for r in check],
+                                                                         "flops")}  # fmt: skip
+    target = f"score>={oracle['efficient'][1] - 1e-9!r}"
+    tuning = search.choose(target, score=score, progress=False)
+    assert tuning.origin == "uniform" and tuning.choices == ["efficient"] * 4 and tuning.met
+    assert tuning.score["relative"] == pytest.approx(oracle["efficient"][1], abs=1e-6)
+    assert {r["choice"]: r for r in tuning.uniform}["efficient"]["measured_score"] == pytest.approx(
+        oracle["efficient"][1], abs=1e-6
+    )
+    assert not search.choose(target, score=score, uniform=False, progress=False).choices == ["efficient"] * 4
 
 
 def test_a_budget_alone_keeps_the_most_faithful_of_the_path_point_and_the_uniform_settings(bert):
     """With a budget alone: the path's first point within it and every uniform setting within it, measured here
-    independently; the tuning keeps the most faithful of them."""
+    independently; the tuning keeps the most faithful of them, here Efficient Attention on every layer (misjudged,
+    so the path holds only Nystrom and full attention)."""
+    candidates = ["nystrom:landmarks=4", "efficient"]
     fit, check = _data(8, 23), _data(8, 24)
-    lengths, budget = [len(r) for r in check], 0.6
-    path_only = approx.autotune(copy.deepcopy(bert), fit, check_data=check, target=None, budget=budget,
-                                methods=CANDIDATES, uniform=False, batch_size=4, progress=False)  # fmt: skip
-    assert path_only.origin == "path"
-    model = copy.deepcopy(bert)
-    tuning = approx.autotune(model, fit, check_data=check, target=None, budget=budget, methods=CANDIDATES,
-                             batch_size=4, progress=False)  # fmt: skip
+    lengths = [len(r) for r in check]
+    search = _misjudged(bert, candidates, ["efficient"], fit, check)
+    oracle = _uniform_oracle(bert, candidates, check, lengths, "flops")
+    budget = max(cost for _, cost, _ in oracle) + 1e-9
+    path_only = search.choose(None, budget, uniform=False, progress=False)
+    assert path_only.origin == "path" and path_only.cost <= budget
     options = [(path_only.choices, _cosine(bert, _patched_as(bert, path_only.choices), _batches(check)))]
-    options += [
-        ([label] * 4, cos) for label, _, cos in _uniform_oracle(bert, CANDIDATES, check, lengths, "flops", budget)
-    ]
+    options += [([label] * 4, cos) for label, _, cos in oracle]
     best = max(options, key=lambda o: o[1])
-    assert tuning.choices == best[0] and tuning.met and tuning.cost <= budget
+    assert best[0] == ["efficient"] * 4  # the premise, measured here
+    tuning = search.choose(None, budget, progress=False)
+    assert tuning.choices == best[0] and tuning.met and tuning.cost <= budget and tuning.origin == "uniform"
     assert tuning.fidelity == pytest.approx(best[1], abs=1e-6)
-    assert tuning.origin == ("path" if best[0] == path_only.choices else "uniform")
-    assert _cosine(bert, model, _batches(check)) == pytest.approx(best[1], abs=1e-6)
+    assert _cosine(bert, search.model, _batches(check)) == pytest.approx(best[1], abs=1e-6)
+    assert "measures better than the search path's point within the budget" in tuning.summary()
 
 
 def test_a_target_out_of_the_paths_reach_within_a_budget_is_met_by_a_uniform_setting(bert):
     """Target and budget: with Efficient Attention misjudged as above, the path's points within a budget of
     Efficient Attention's cost on every layer miss the target (measured here); that uniform setting meets it and is
     taken, and nothing is reported missed. Without ``uniform`` the miss is reported."""
-    from approx.harness.autotune import Search
-
     candidates = ["nystrom:landmarks=4", "efficient"]
     fit, check = _data(8, 25), _data(8, 26)
     lengths = [len(r) for r in check]
-    search = Search(copy.deepcopy(bert), fit, check_data=check, methods=candidates, batch_size=4, progress=False)
-    for row in search.loss:
-        row[2] *= 1e6
-    search.paths.clear()
+    search = _misjudged(bert, candidates, ["efficient"], fit, check)
     oracle = {label: (cost, cos) for label, cost, cos in _uniform_oracle(bert, candidates, check, lengths, "flops")}
     target, budget = oracle["efficient"][1] - 1e-9, oracle["efficient"][0] + 1e-9
     within = [p["choices"] for p in search.choose(target, uniform=False, progress=False).path if p["cost"] <= budget]

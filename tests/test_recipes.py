@@ -754,6 +754,15 @@ def test_autotune_pareto_dominance_says_how_near_the_tuned_models_come():
     assert pareto._best_below({"metric": 73.1040, "best_tuned_at_cost": 73.1037}) == (
         "this search's best tuned model at no more cost: 73.10, 0.0003 below"
     )
+    # a tuned model that is a uniform setting (approx.autotune's step 4) dominates that setting by being it: the
+    # count by points of the search path alone leaves it out, and the report says so
+    same = {**row(49.0, 0.6), "autotune": {"cost": "flops", "origins": ["uniform"]}}
+    both = pareto.dominance({**t, "tuned": [*tuned, same]})["flops"]
+    assert (both["dominated"], both["dominated_by_path_points"], both["uniform_tuned"]) == (2, 1, 1)
+    assert pareto._origin_text(same) == " (a uniform setting)" and pareto._origin_text(tuned[0]) == ""
+    half = {**same, "autotune": {"cost": "flops", "origins": ["path", "uniform"]}}
+    assert pareto._origin_text(half) == " (a uniform setting on 1 of 2 halves)"
+    assert pareto.dominance({**t, "tuned": [*tuned, half]})["flops"]["dominated_by_path_points"] == 1
 
 
 def test_autotune_pareto_doc_target_compares_the_fastest_points_keeping_99_percent():

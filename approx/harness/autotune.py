@@ -7,7 +7,7 @@
     approx.save(model, "tuned/")    # an ordinary patched model: each layer's choice and how it was tuned
 
 One method and one budget for every layer is what papers and tools do; attention is easy in some layers and
-hard in others, so :func:`autotune` chooses per layer from the model's own attention, in three steps:
+hard in others, so :func:`autotune` chooses per layer from the model's own attention, in four steps:
 
 1. **Measure** (the *fit* half of the calibration inputs). For every candidate and every layer, the model runs
    with that layer alone replaced: the end-to-end loss of fidelity to the unpatched model (1 − cosine of the
@@ -38,8 +38,10 @@ hard in others, so :func:`autotune` chooses per layer from the model's own atten
 4. **Uniform settings** (``uniform=True``, the default). The additive model can misjudge: layers' errors add up
    otherwise than measured alone, and a candidate that is mediocre on each layer alone may hold up well on all of
    them. So the uniform settings, each whole-layer candidate on every layer (what papers and tools run), are
-   verified the same way, cheapest first, among those costing less than the path's point: the first that meets
-   the target replaces it (with ``budget`` alone: the most faithful within the budget, when it measures better).
+   verified the same way (a score target: scored), cheapest first, among those costing less than the path's
+   point: the first that meets the target replaces it (with a budget too, where no path point within it meets the
+   target: the cheapest within it that does; with ``budget`` alone: the most faithful within the budget, when it
+   measures better).
    The tuned model then never costs more than a uniform setting that meets the same target on the same check
    inputs; :attr:`Tuning.origin` says which was taken and :attr:`Tuning.uniform` lists what was verified.
 
@@ -392,9 +394,10 @@ class Tuning:
     ``score`` (a score target only): the tuned model's score (``value``), the unpatched model's (``reference``), their
     ratio (``relative``, what the target judges) and what the scorer reads (``scorer``); ``measure``: what
     ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure); ``origin``: ``"path"`` (a point of the search
-    path) or ``"uniform"`` (one candidate on every layer, cheaper than the path's point for the same target, or more
-    faithful within a budget); ``uniform``: each uniform setting's label, cost ratio and, where verified, measured
-    fidelity (and score)."""
+    path) or ``"uniform"`` (one candidate on every layer: cheaper than the path's point for the same target, meeting
+    a target that the path's points within the budget miss, or more faithful within a budget); ``uniform``: each
+    uniform setting's label, cost ratio and, where verified by this search (for this target or an earlier one),
+    measured fidelity (and score)."""
 
     choices: list[str]
     fidelity: float
@@ -436,13 +439,12 @@ class Tuning:
             f"({self.cost_convention}, at the lengths of {self.calibration.get('cost_inputs', '?')} inputs)"
         )
         if self.origin == "uniform":
-            path = [p for p in self.path if "measured_fidelity" in p]
-            lines.append(
-                f"a uniform setting ({self.choices[0]} on every layer): it "
-                + ("costs less than the search path's point for this target" if self.target else "measures better "
-                   "than the search path's point within the budget")
-                + (f" ({len(path)} path points verified)" if path else "")
-            )  # fmt: skip
+            why = "measures better than the search path's point within the budget"
+            if self.target:
+                why = "meets the target at less cost than the search path's point"
+                if self.budget is not None:
+                    why += " (or within the budget, where the path's points miss it)"
+            lines.append(f"a uniform setting ({self.choices[0]} on every layer): it {why}")
         return "\n".join(lines)
 
 
@@ -531,7 +533,7 @@ def _head_counts(counts: Sequence[int], heads: int) -> list[int]:
 class Search:
     """Steps 1 and 2 of the module docstring, done once: every candidate measured on every layer alone (the *fit*
     inputs), the search path, and the unpatched model's outputs on the *check* inputs. :meth:`choose` then does
-    step 3 for a target or budget, as often as wanted (e.g. for a range of targets) without measuring again.
+    steps 3 and 4 for a target or budget, as often as wanted (e.g. for a range of targets) without measuring again.
     ``measure``: ``"cosine"`` or ``"kl"`` (what the targets will be); the other arguments as :func:`autotune`'s."""
 
     def __init__(
@@ -741,17 +743,18 @@ class Search:
         uniform: bool = True,
         progress: bool = True,
     ) -> Tuning:
-        """Step 3: patch the model with the cheapest path point that meets ``target`` (by bisection along the path,
+        """Steps 3 and 4: patch the model with the cheapest path point that meets ``target`` (by bisection along the path,
         as if fidelity fell monotonically along it), or with ``budget`` alone the dearest point within it (the lowest
         estimated loss); returns the :class:`Tuning`. ``cost``: the convention of the path and the budget (default:
         the search's). ``score``: with a ``score>=X`` target, a callable giving the task's metric of the model as it
         is (:func:`~approx.harness.scoring.task_scorer`): the target is met where it is at least X times the unpatched
         model's (the path is still the search's, built from its fidelity measure). ``uniform`` (default true): then
-        weigh the uniform settings too, each candidate on every layer, verified end to end the same way: the cheapest
-        that meets the target is taken when it costs less than the path's point (with a budget alone: the most
-        faithful within the budget, when it measures better), so the tuned model never costs more than a uniform
-        setting meeting the same target on the same inputs (:attr:`Tuning.origin` says which was taken). The model
-        is unpatched first (a patch of this search's or any)."""
+        weigh the uniform settings too, each candidate on every layer, verified end to end the same way (a score
+        target: scored): the cheapest that meets the target is taken when it costs less than the path's point (with a
+        budget too, where no path point within it meets the target: the cheapest within it that does; with a budget
+        alone: the most faithful within it, when it measures better), so the tuned model never costs more than a
+        uniform setting meeting the same target on the same inputs (:attr:`Tuning.origin` says which was taken). The
+        model is unpatched first (a patch of this search's or any)."""
         wall = time.perf_counter()
         goal = check_goal(target, budget)
         convention = cost or self.cost_convention
@@ -796,7 +799,7 @@ class Search:
                     # beyond the bisection's bracket a point may still meet the target (a noisy score, say)
                     met = goal.met(value(assignment))
             origin = "path"
-            if uniform and (met or budget is not None):
+            if uniform and (met or over):  # (a target that even full attention misses: none)
                 better = self._uniform_choice(assignment, goal, met, budget, convention, value, progress)
                 if better is not None:
                     assignment, met, origin = better, True, "uniform"
