@@ -666,8 +666,8 @@ def markdown(record: dict[str, Any]) -> str:
             both = "" if len(d) < 2 or pooled == d[convention]["dominated"] else (
                 f" ({pooled} with every tuned model of both searches at its {convention} cost)")  # fmt: skip
             if d[convention]["uniform_tuned"]:  # tuned models that are uniform settings (approx.autotune's step 4)
-                both += (f"; {d[convention]['uniform_tuned']} of its tuned models are uniform settings, and the points "
-                         f"of the search path alone dominate {d[convention]['dominated_by_path_points']}")  # fmt: skip
+                both += (f"; tuned models that are uniform settings: {d[convention]['uniform_tuned']}, and without them "
+                         f"the tuned models dominate {d[convention]['dominated_by_path_points']}")  # fmt: skip
             lines.append(
                 f"\n{convention}: the tuned models dominate {d[convention]['dominated']} of {d[convention]['uniform']} "
                 f"uniform settings{both}" + (f"; not: {missed}" if missed else "")
