@@ -752,9 +752,8 @@ class Search:
         weigh the uniform settings too, each candidate on every layer, verified end to end the same way (a score
         target: scored): the cheapest that meets the target is taken when it costs less than the path's point (with a
         budget too, where no path point within it meets the target: the cheapest within it that does; with a budget
-        alone: the most faithful within it, when it measures better), so the tuned model never costs more than a
-        uniform setting meeting the same target on the same inputs (:attr:`Tuning.origin` says which was taken). The
-        model is unpatched first (a patch of this search's or any)."""
+        alone: the most faithful within it, when it measures better): :attr:`Tuning.origin` says which was taken.
+        The model is unpatched first (a patch of this search's or any)."""
         wall = time.perf_counter()
         goal = check_goal(target, budget)
         convention = cost or self.cost_convention
@@ -791,18 +790,9 @@ class Search:
                     f"of {goal}",
                     stacklevel=2,
                 )
-            over = budget is not None and points[chosen]["cost"] > budget + 1e-12
-            if over:
-                met = False
-                if goal is not None and within:
-                    assignment = path[within[0]]
-                    # beyond the bisection's bracket a point may still meet the target (a noisy score, say)
-                    met = goal.met(value(assignment))
-            origin = "path"
-            if uniform and (met or over):  # (a target that even full attention misses: none)
-                better = self._uniform_choice(assignment, goal, met, budget, convention, value, progress)
-                if better is not None:
-                    assignment, met, origin = better, True, "uniform"
+            assignment, met, origin, over = self._settle(
+                path, points, chosen, within, goal, met, budget, convention, value, uniform, progress
+            )
             if over and not met:
                 measured = value(assignment) if goal else self._verify(assignment)
                 warnings.warn(
@@ -843,6 +833,24 @@ class Search:
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
+
+    def _settle(self, path, points, chosen, within, goal, met, budget, convention, value, uniform, progress):
+        """After the bisection: a path point over the budget gives way to the first point within it (measured against
+        the target), then step 4 (:meth:`_uniform_choice`). Returns the assignment, whether it meets the target (and
+        the budget), its origin (``"path"`` or ``"uniform"``) and whether the bisection's point was over the budget."""
+        assignment = path[chosen]
+        over = budget is not None and points[chosen]["cost"] > budget + 1e-12
+        if over:
+            met = False
+            if goal is not None and within:
+                assignment = path[within[0]]
+                # beyond the bisection's bracket a point may still meet the target (a noisy score, say)
+                met = goal.met(value(assignment))
+        if uniform and (met or over):  # (a target that even full attention misses: none)
+            better = self._uniform_choice(assignment, goal, met, budget, convention, value, progress)
+            if better is not None:
+                return better, True, "uniform", over
+        return assignment, met, "path", over
 
     def _uniform(self, convention: str, budget: float | None) -> list[tuple[float, list[int]]]:
         """The uniform settings as assignments (each candidate on every layer, a candidate on some heads excepted)
