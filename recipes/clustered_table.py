@@ -16,12 +16,17 @@ the same batches. The protocol goes into every result.
     python recipes/clustered_table.py                         # every task (CPU / GPU time: see the README)
     python recipes/clustered_table.py --profile gpu           # the longer fine-tuning, every dev example
     python recipes/clustered_table.py --tasks rte mrpc        # some tasks
+    python recipes/clustered_table.py --methods lsh           # evaluate again only the rows of these methods
+                                                              # (after a change to them), kept in each task's JSON
     python recipes/clustered_table.py --hub                   # the paper's setting: RoBERTa-base checkpoints
                                                               # fine-tuned per task and the hub's datasets
     python recipes/clustered_table.py --report                # render recipes/results next to the paper
     python recipes/clustered_table.py --report --json         # the pattern checks as JSON
 
-Writes ``recipes/results/clustered_table_<task>.json`` per task. ``--limit N --max-steps S`` makes a smoke run
+Writes ``recipes/results/clustered_table_<task>.json`` per task. With ``--methods``, only those rows are evaluated
+again (full attention with them, on the same batches) and put in place of the JSON's own; the other rows stay as
+they were, the record lists the re-run under ``reruns``, and a reference metric or a checkpoint that differs from
+the JSON's stops the recipe without writing. ``--limit N --max-steps S`` makes a smoke run
 (write it elsewhere with ``--results-dir``).
 """
 
@@ -167,8 +172,9 @@ def settings_for(task: str, args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Fine-tune (or reuse) the task's checkpoint(s), evaluate every method, return the result record."""
+def run_task(task: str, args: argparse.Namespace, methods: list[Any] | None = None) -> dict[str, Any]:
+    """Fine-tune (or reuse) the task's checkpoint(s), evaluate every method (or ``methods``), return the result
+    record."""
     # the code as the run starts (not after a commit made meanwhile)
     made = provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None)
     common = dict(data_dir=args.data_dir, source=args.source, progress=not args.quiet)
@@ -192,7 +198,7 @@ def run_task(task: str, args: argparse.Namespace) -> dict[str, Any]:
                 summaries.append(checkpoint_summary(folder, record, reused))
             protocol = CROSS_FIT_PROTOCOL if TASKS[task]["cross_fit"] else TRAIN_PROTOCOL
     with Timer() as t_ev:
-        results = evaluate_checkpoints(task, checkpoints, METHODS, limit=limit, **eval_options)
+        results = evaluate_checkpoints(task, checkpoints, methods or METHODS, limit=limit, **eval_options)
     finetune_seconds = sum(s["finetune_wall_seconds"] or 0.0 for s in summaries)
     return {
         "recipe": "recipes/clustered_table.py",
@@ -251,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", choices=["auto", "local", "hub"], help="data source (--hub implies hub)")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="cache of fine-tuned checkpoints")
     p.add_argument("--results-dir", type=Path, default=RESULTS, help="where the result JSON goes")
+    p.add_argument("--methods", nargs="+", metavar="NAME", help="evaluate only the rows of these methods (e.g. lsh) "
+                   "and put them in place of the task's JSON's rows; the others are kept")  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     p.add_argument(
         "--report",
@@ -259,6 +267,53 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="with --report: print the pattern checks as JSON")
     return p
+
+
+def select_methods(names: list[str]) -> list[Any]:
+    """The table's rows of the methods ``names`` (registry names), in the table's order."""
+    known = [m.method for m in METHODS]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--methods: the table has no row of {', '.join(unknown)}; its methods: {', '.join(known)}")
+    return [m for m in METHODS if m.method in names]
+
+
+def _checkpoint_folders(record: dict[str, Any]) -> list[str | None]:
+    return [c.get("folder", c.get("hub_id")) for c in record["checkpoints"]]
+
+
+def splice(old: dict[str, Any], new: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``old`` (a task's record) with its rows of the methods ``names`` replaced by ``new``'s, which were evaluated
+    again on the same checkpoints and batches: the rows of other methods are kept as they are, and ``new``'s run is
+    added to ``reruns``. A different checkpoint or reference metric raises SystemExit (nothing is written)."""
+    task = old["task"]
+    if (old["task"], old["profile"], old.get("evaluation_limit")) != (
+        new["task"],
+        new["profile"],
+        new.get("evaluation_limit"),
+    ):
+        raise SystemExit(f"{task}: the JSON was made with another task, profile or evaluation limit; run every method")
+    if _checkpoint_folders(old) != _checkpoint_folders(new):
+        raise SystemExit(
+            f"{task}: the JSON's checkpoints {_checkpoint_folders(old)} are not this run's {_checkpoint_folders(new)}; "
+            "run every method"
+        )
+    before = {json.dumps(r["reference_metrics"], sort_keys=True) for r in old["results"]}
+    after = {json.dumps(r["reference_metrics"], sort_keys=True) for r in new["results"]}
+    if before != after:
+        raise SystemExit(
+            f"{task}: full attention scores {sorted(after)} in this run against {sorted(before)} in the JSON (another "
+            "checkpoint or other batches); run every method"
+        )
+    fresh = {r["method"]["name"]: r for r in new["results"]}
+    rows = [fresh.pop(r["method"]["name"]) if r["method"]["name"] in names else r for r in old["results"]]
+    rows += list(fresh.values())  # methods the JSON had no row of
+    rerun = {
+        "methods": list(names),
+        "wall_seconds": new["wall_seconds"]["evaluate"],
+        "provenance": new["provenance"],
+    }
+    return {**old, "results": rows, "reruns": [*old.get("reruns", []), rerun]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,9 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     args.profile = args.profile or ("gpu" if cuda else "cpu")
     args.device = args.device or ("cuda" if cuda else "cpu")
-    for task in args.tasks:
-        record = run_task(task, args)
-        out = args.results_dir / f"clustered_table_{task}.json"
+    methods = select_methods(args.methods) if args.methods else None
+    outs = {task: args.results_dir / f"clustered_table_{task}.json" for task in args.tasks}
+    missing = [str(out) for out in outs.values() if methods and not out.exists()]
+    if missing:
+        raise SystemExit(f"--methods replaces rows of results that exist; missing: {', '.join(missing)}")
+    for task, out in outs.items():
+        record = run_task(task, args, methods)
+        if methods:
+            record = splice(json.loads(out.read_text()), record, args.methods)
         write_json(out, record)
         print(markdown_report(record["results"]))
         w = record["wall_seconds"]

@@ -257,6 +257,12 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"- {TASK_NAMES[t]}: {r['protocol']}; {first['examples']} examples; {made}; {_where(r)} wall time "
             f"fine-tuning {_duration(w['finetune'])}, evaluation {_duration(w['evaluate'])} "
-            f"(commit `{_short_commit(prov.get('git_commit'))}`, {prov.get('date_utc', '?')})."
+            f"(commit `{_short_commit(prov.get('git_commit'))}`, {prov.get('date_utc', '?')})"
+            + "".join(
+                f"; {', '.join(x['methods'])} evaluated again in {_duration(x['wall_seconds'])} (`--methods`, commit "
+                f"`{_short_commit(x['provenance'].get('git_commit'))}`, {x['provenance'].get('date_utc', '?')})"
+                for x in r.get("reruns", [])
+            )
+            + "."
         )
     return "\n".join(lines)

@@ -177,6 +177,7 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert recipe.main(["--tasks", "cola", *argv[4:]]) == 0  # second run: the checkpoint comes from the cache
     assert load_results(tmp_path / "res")["cola"]["checkpoints"][0]["reused_from_cache"]
     assert "| attention | CoLA" in markdown_table(load_results(tmp_path / "res"))
+    _check_methods_rerun(recipe, argv, tmp_path / "res" / "clustered_table_cola.json")
     figures = _recipe("figures")
     assert (
         figures.main(
@@ -191,6 +192,37 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert {"quality_vs_cost.png", "squad_attention.png"} <= pngs
     meta = json.loads((tmp_path / "res" / "figures" / "squad_attention.json").read_text())
     assert "squad-dev" in meta["model"]  # the cached SQuAD checkpoint that never saw the example's article
+
+
+def _check_methods_rerun(recipe, argv, path):
+    """``--methods lsh``: only LSH's row is evaluated again and put in place; the other rows are the JSON's; a
+    reference that differs, a method the table lacks or a missing JSON stop the recipe without writing."""
+    made = json.loads(path.read_text())
+    marked = json.loads(path.read_text())
+    for row in marked["results"]:
+        if row["method"]["name"] in ("lsh", "window"):
+            row["metrics"] = {"marked": -1.0}  # a value no evaluation gives
+    path.write_text(json.dumps(marked))
+    common = ["--tasks", "cola", *argv[4:]]
+    assert recipe.main([*common, "--methods", "lsh"]) == 0
+    after = json.loads(path.read_text())
+    by_name = {r["method"]["name"]: r for r in after["results"]}
+    assert [r["method"] for r in after["results"]] == [r["method"] for r in made["results"]]  # same rows, same order
+    assert by_name["lsh"]["metrics"] == next(r for r in made["results"] if r["method"]["name"] == "lsh")["metrics"]
+    assert by_name["window"]["metrics"] == {"marked": -1.0}  # not evaluated again
+    assert [x["methods"] for x in after["reruns"]] == [["lsh"]] and after["provenance"] == made["provenance"]
+    by_name["window"]["metrics"] = next(r for r in made["results"] if r["method"]["name"] == "window")["metrics"]
+    assert "lsh evaluated again" in markdown_table({"cola": after})
+    for row in after["results"]:
+        row["reference_metrics"] = {"matthews_correlation": 123.0}
+    path.write_text(json.dumps(after))
+    with pytest.raises(SystemExit, match="full attention scores"):
+        recipe.main([*common, "--methods", "lsh"])
+    assert json.loads(path.read_text()) == after
+    with pytest.raises(SystemExit, match="no row of nope; its methods: clustered, i-clustered"):
+        recipe.main([*common, "--methods", "nope"])
+    with pytest.raises(SystemExit, match="missing: .*clustered_table_rte.json"):
+        recipe.main(["--tasks", "cola", "rte", *argv[4:], "--methods", "lsh"])
 
 
 def test_clustered_table_profiles():
