@@ -341,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, record)
         print(markdown_report(record["results"]))
         w = record["wall_seconds"]
-        print(f"\n{task}: fine-tuning {w['finetune']:.0f} s, evaluation {w['evaluate']:.0f} s; wrote {out}\n")
+        if methods:
+            done = f"{', '.join(args.methods)} evaluated again in {record['reruns'][-1]['wall_seconds']:.0f} s"
+        else:
+            done = f"fine-tuning {w['finetune']:.0f} s, evaluation {w['evaluate']:.0f} s"
+        print(f"\n{task}: {done}; wrote {out}\n")
     return 0
 
 
