@@ -25,8 +25,10 @@ the same batches. The protocol goes into every result.
 
 Writes ``recipes/results/clustered_table_<task>.json`` per task. With ``--methods``, only those rows are evaluated
 again (full attention with them, on the same batches) and put in place of the JSON's own; the other rows stay as
-they were, the record lists the re-run under ``reruns``, and a reference metric or a checkpoint that differs from
-the JSON's stops the recipe without writing. ``--limit N --max-steps S`` makes a smoke run
+they were and the record lists the re-run under ``reruns``. It reads cached checkpoints only (a missing one, or a
+missing JSON, stops it before anything runs), and a task whose checkpoints, full-attention scores, examples,
+lengths, batch size, seed, device or method settings differ from its JSON's stops it before that task's JSON is
+written (the tasks before it are kept). ``--limit N --max-steps S`` makes a smoke run
 (write it elsewhere with ``--results-dir``).
 """
 
@@ -55,6 +57,7 @@ from _shared import (  # noqa: E402
     RESULTS,
     TRAIN_PROTOCOL,
     Timer,
+    checkpoint_key,
     checkpoint_summary,
     ensure_checkpoint,
     evaluate_checkpoints,
@@ -172,6 +175,11 @@ def settings_for(task: str, args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def checkpoint_plan(task: str) -> tuple[tuple[str, str], ...]:
+    """``(train split, evaluated split)`` of each of ``task``'s checkpoints: train/dev, or the two cross-fitted halves."""
+    return CROSS_FIT if TASKS[task]["cross_fit"] else (("train", "dev"),)
+
+
 def run_task(task: str, args: argparse.Namespace, methods: list[Any] | None = None) -> dict[str, Any]:
     """Fine-tune (or reuse) the task's checkpoint(s), evaluate every method (or ``methods``), return the result
     record."""
@@ -189,8 +197,7 @@ def run_task(task: str, args: argparse.Namespace, methods: list[Any] | None = No
         else:
             base = args.model or default_model()
             settings = settings_for(task, args)
-            plan = CROSS_FIT if TASKS[task]["cross_fit"] else (("train", "dev"),)
-            for train_split, eval_split in plan:
+            for train_split, eval_split in checkpoint_plan(task):
                 folder, record, reused = ensure_checkpoint(
                     base, task, train_split, settings, root=args.checkpoints, **common
                 )
@@ -282,10 +289,31 @@ def _checkpoint_folders(record: dict[str, Any]) -> list[str | None]:
     return [c.get("folder", c.get("hub_id")) for c in record["checkpoints"]]
 
 
+# what a re-run must share with the rows it replaces, beyond the checkpoints and full attention's scores
+SAME_ROWS = ("examples", "max_length", "batch_size", "limit")
+SAME_PROVENANCE = ("seed", "device")
+
+
+def _mismatch(old_row: dict[str, Any], new_row: dict[str, Any]) -> str | None:
+    """What differs between a row of the JSON and its re-run, other than the measurement (None: nothing)."""
+    for key in SAME_ROWS:
+        if old_row.get(key) != new_row.get(key):
+            return f"{key} {new_row.get(key)} against {old_row.get(key)}"
+    for key in SAME_PROVENANCE:
+        if old_row["provenance"].get(key) != new_row["provenance"].get(key):
+            return f"{key} {new_row['provenance'].get(key)} against {old_row['provenance'].get(key)}"
+    old_method, new_method = old_row["method"], new_row["method"]
+    changed = {k for k in old_method if k in new_method and old_method[k] != new_method[k]}
+    if changed or set(old_method) - set(new_method):  # options added since keep their defaults' meaning
+        return f"settings {new_method} against {old_method}"
+    return None
+
+
 def splice(old: dict[str, Any], new: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """``old`` (a task's record) with its rows of the methods ``names`` replaced by ``new``'s, which were evaluated
     again on the same checkpoints and batches: the rows of other methods are kept as they are, and ``new``'s run is
-    added to ``reruns``. A different checkpoint or reference metric raises SystemExit (nothing is written)."""
+    added to ``reruns``. A different checkpoint, full-attention score, row setting (examples, lengths, batch size,
+    seed, device) or method setting raises SystemExit."""
     task = old["task"]
     if (old["task"], old["profile"], old.get("evaluation_limit")) != (
         new["task"],
@@ -293,10 +321,12 @@ def splice(old: dict[str, Any], new: dict[str, Any], names: list[str]) -> dict[s
         new.get("evaluation_limit"),
     ):
         raise SystemExit(f"{task}: the JSON was made with another task, profile or evaluation limit; run every method")
-    if _checkpoint_folders(old) != _checkpoint_folders(new):
+    if _checkpoint_folders(old) != _checkpoint_folders(new) or not all(
+        c.get("reused_from_cache", True) for c in new["checkpoints"]
+    ):
         raise SystemExit(
-            f"{task}: the JSON's checkpoints {_checkpoint_folders(old)} are not this run's {_checkpoint_folders(new)}; "
-            "run every method"
+            f"{task}: the JSON's checkpoints {_checkpoint_folders(old)} are not this run's cached "
+            f"{_checkpoint_folders(new)}; run every method"
         )
     before = {json.dumps(r["reference_metrics"], sort_keys=True) for r in old["results"]}
     after = {json.dumps(r["reference_metrics"], sort_keys=True) for r in new["results"]}
@@ -305,15 +335,41 @@ def splice(old: dict[str, Any], new: dict[str, Any], names: list[str]) -> dict[s
             f"{task}: full attention scores {sorted(after)} in this run against {sorted(before)} in the JSON (another "
             "checkpoint or other batches); run every method"
         )
-    fresh = {r["method"]["name"]: r for r in new["results"]}
-    rows = [fresh.pop(r["method"]["name"]) if r["method"]["name"] in names else r for r in old["results"]]
-    rows += list(fresh.values())  # methods the JSON had no row of
+    fresh = list(new["results"])  # in the table's order, as the JSON's rows of the same method (clustered: 25, 100)
+    rows = []
+    for row in old["results"]:
+        if row["method"]["name"] not in names:
+            rows.append(row)
+            continue
+        match = next((r for r in fresh if r["method"]["name"] == row["method"]["name"]), None)
+        if match is None:
+            raise SystemExit(f"{task}: the JSON has a row of {row['method']} that the table no longer has")
+        problem = _mismatch(row, match)
+        if problem:
+            raise SystemExit(f"{task}, {row['method']['name']}: this run's {problem} in the JSON; run every method")
+        fresh.remove(match)
+        rows.append(match)
+    rows += fresh  # rows the JSON did not have
     rerun = {
         "methods": list(names),
         "wall_seconds": new["wall_seconds"]["evaluate"],
         "provenance": new["provenance"],
     }
     return {**old, "results": rows, "reruns": [*old.get("reruns", []), rerun]}
+
+
+def uncached(args: argparse.Namespace) -> list[str]:
+    """The checkpoints of ``args.tasks`` that are not in the cache (``--methods`` evaluates cached ones only: a
+    checkpoint fine-tuned again would not be the one the JSON's other rows were measured on)."""
+    if args.hub:
+        return []
+    base = args.model or default_model()
+    folders = [
+        args.checkpoints / checkpoint_key(base, task, train_split, settings_for(task, args))
+        for task in args.tasks
+        for train_split, _ in checkpoint_plan(task)
+    ]
+    return [str(f) for f in folders if not (f / "finetune.json").is_file()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -334,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(out) for out in outs.values() if methods and not out.exists()]
     if missing:
         raise SystemExit(f"--methods replaces rows of results that exist; missing: {', '.join(missing)}")
+    missing = uncached(args) if methods else []
+    if missing:
+        raise SystemExit(f"--methods evaluates cached checkpoints only; not in the cache: {', '.join(missing)}")
     for task, out in outs.items():
         record = run_task(task, args, methods)
         if methods:

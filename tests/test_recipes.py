@@ -223,6 +223,25 @@ def _check_methods_rerun(recipe, argv, path):
         recipe.main([*common, "--methods", "nope"])
     with pytest.raises(SystemExit, match="missing: .*clustered_table_rte.json"):
         recipe.main(["--tasks", "cola", "rte", *argv[4:], "--methods", "lsh"])
+    path.write_text(json.dumps(made))
+    elsewhere = [*common, "--checkpoints", str(path.parent / "empty")]  # the last --checkpoints counts
+    with pytest.raises(SystemExit, match="cached checkpoints only; not in the cache: .*cola-train-"):
+        recipe.main([*elsewhere, "--methods", "lsh"])
+    with pytest.raises(SystemExit, match="seed 1 against 0"):  # the seed reaches the methods, not full attention
+        recipe.main([*common, "--seed", "1", "--methods", "lsh"])
+    with pytest.raises(SystemExit, match="batch_size 3 against 4"):  # other padded lengths: other costs
+        recipe.main([*common, "--batch-size", "3", "--methods", "lsh"])
+    assert json.loads(path.read_text()) == made
+    # two rows of one method (clustered with 25 and 100 clusters): each evaluated again and put back in its own place
+    for row in marked["results"]:
+        row["metrics"] = {"matthews_correlation": -1.0}  # a value no evaluation gives
+    path.write_text(json.dumps(marked))
+    assert recipe.main([*common, "--methods", "clustered"]) == 0
+    again = json.loads(path.read_text())
+    assert [r["method"] for r in again["results"]] == [r["method"] for r in made["results"]]
+    for old_row, new_row in zip(made["results"], again["results"], strict=True):
+        clustered = new_row["method"]["name"] == "clustered"
+        assert new_row["metrics"] == (old_row["metrics"] if clustered else {"matthews_correlation": -1.0})
 
 
 def test_clustered_table_profiles():
