@@ -349,6 +349,28 @@ def test_several_methods_share_one_reference_run(fixture_dir, checkpoints):
     assert len({r["fidelity"]["reference_seconds"] for r in res}) == 1
 
 
+def test_each_result_has_its_paired_interval_against_full_attention(fixture_dir, checkpoints):
+    path = checkpoints("sequence-classification")
+    results = _run(path, "cola", ["full", "clustered:clusters=2"], fixture_dir, resamples=200, level=0.9, seed=4)
+    for r in results:
+        iv = r["intervals"]
+        assert (iv["resamples"], iv["level"], iv["seed"], iv["examples"]) == (200, 0.9, 4, r["examples"])
+        entry = iv["metrics"]["matthews_correlation"]
+        metric = r["metrics"]["matthews_correlation"] - r["reference_metrics"]["matthews_correlation"]
+        assert entry["difference"] == pytest.approx(metric, abs=1e-9)
+        assert entry["low"] <= entry["high"]
+    if results[0]["fidelity"]["agreement"] == 1.0:  # exact attention through the patch: the same predictions
+        assert results[0]["intervals"]["metrics"]["matthews_correlation"] == {
+            "difference": 0.0,
+            "low": 0.0,
+            "high": 0.0,
+        }
+    assert "matthews_correlation vs full (90% interval)" in approx.markdown_report(results)
+    assert "intervals" not in _run(path, "cola", ["full"], fixture_dir, resamples=0)[0]
+    with pytest.raises(ValueError, match="resamples must be a positive int"):
+        _run(path, "cola", ["full"], fixture_dir, resamples=-5)
+
+
 def test_model_without_the_needed_head_is_refused(fixture_dir, checkpoints):
     with pytest.raises(ValueError, match="sequence-classification head"):
         _run(checkpoints("base"), "sst2", ["full"], fixture_dir)
@@ -499,10 +521,15 @@ def test_cli_eval_writes_the_contract_json(fixture_dir, checkpoints, tmp_path, c
         "cpu_capability",
     ):
         assert key in r["provenance"]
-    assert "| clustered:clusters=3" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| clustered:clusters=3" in printed
+    assert "accuracy vs full (95% interval)" in printed  # MRPC's primary metric, against full attention
+    assert r["intervals"]["resamples"] == 1000 and r["intervals"]["seed"] == 3  # drawn from --seed
     assert r["warmup"] is True  # the default
-    assert main([*argv, "--no-warmup"]) == 0
-    assert json.loads(out.read_text())["warmup"] is False
+    assert main([*argv, "--no-warmup", "--resamples", "0"]) == 0
+    r = json.loads(out.read_text())
+    assert r["warmup"] is False and "intervals" not in r
+    assert "vs full (" not in capsys.readouterr().out
 
 
 def test_cli_eval_binds_options_to_the_method_they_follow(fixture_dir, checkpoints, tmp_path):

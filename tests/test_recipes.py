@@ -52,6 +52,11 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
         assert cost_m == pytest.approx(cost_w)
         assert "predictions" not in m and len(m["halves"]) == 2 and "predictions" not in m["halves"][0]
         assert "fidelity_sums" not in m and "fidelity_sums" not in m["halves"][0]
+        # one interval over both halves' examples (each half keeps its own), the same difference as the whole's
+        assert m["intervals"]["examples"] == w["intervals"]["examples"] == w["examples"]
+        assert [h["intervals"]["examples"] for h in m["halves"]] == [len(ex) for ex in examples]
+        for metric, entry in w["intervals"]["metrics"].items():
+            assert m["intervals"]["metrics"][metric]["difference"] == pytest.approx(entry["difference"], abs=1e-9)
     # entmax gives every input the same output in any batch: each fidelity quantity of the merge is the whole
     # split's (timings and memory aside), not an average of the halves' own numbers
     m, w = merged[2]["fidelity"], whole[2]["fidelity"]

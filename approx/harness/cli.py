@@ -218,6 +218,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         warmup=not args.no_warmup,
         allocations=args.allocations,
+        resamples=args.resamples,
+        level=args.level,
     )
     if not PartialState().is_main_process:
         return 0
@@ -265,6 +267,14 @@ def _add_eval_parser(sub) -> None:
         help="CPU: also the allocator's peak of full attention and each method on the longest batch, measured "
         "untimed under torch's profiler (fidelity.allocated_peak_mib_per_input); peak-RSS deltas miss reused memory",
     )
+    p.add_argument(
+        "--resamples",
+        type=int,
+        default=1000,
+        help="bootstrap resamples of the examples for each method's interval against full attention (default 1000; "
+        "0: no intervals)",
+    )
+    p.add_argument("--level", type=float, default=0.95, help="the intervals' level (default 0.95)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     method_option_args(p)
     p.set_defaults(func=_cmd_eval)

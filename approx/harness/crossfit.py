@@ -5,7 +5,8 @@ each half of the dev split (``dev/0``, ``dev/1``, see :func:`approx.harness.task
 on the other half. :func:`merge_halves` joins the two evaluations (run with ``approx.evaluate(...,
 predictions=True)``) method by method: the task metrics, under the method and under full attention, are
 computed once over the *union* of the halves' predictions (so F1, Matthews or Pearson are not averages of
-two halves), and the fidelity is computed by the same function as a single evaluation's
+two halves), as is their bootstrap interval against full attention (``"intervals"``, when the halves have one: over
+both halves' examples, with the halves' resamples, level and seed), and the fidelity is computed by the same function as a single evaluation's
 (:func:`approx.harness.fidelity.summarize`) from the sum of the halves' fidelity sums, so it equals what one
 evaluation of both halves would report. The halves' own results are kept under ``"halves"``.
 """
@@ -17,6 +18,7 @@ import json
 from typing import Any
 
 from . import fidelity as fid
+from .resampling import paired_interval
 from .tasks import get_task
 
 __all__ = ["examples_digest", "merge_halves"]
@@ -84,6 +86,9 @@ def merge_halves(
             "task metrics, agreement and every fidelity quantity computed once over both halves (from the sums "
             "of their per-batch records); peak memory the larger"
         )
+        if first.get("intervals"):  # the halves' intervals replaced by one over both halves' examples, drawn alike
+            options = {k: first["intervals"][k] for k in ("resamples", "level", "seed")}
+            result["intervals"] = paired_interval(task, mode, all_examples, preds, ref_preds, **options)
         result.update(
             split="+".join(r["split"] for r in per_method),
             model=[r["model"] for r in per_method],

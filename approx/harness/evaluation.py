@@ -52,6 +52,8 @@ from ..registry import get_method
 from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
+from .resampling import DEFAULT_LEVEL, DEFAULT_RESAMPLES, interval_text, paired_interval
+from .resampling import check as _check_resampling
 from .spec import PER_LAYER, Setup, as_setup, saved_folder, short_label
 from .tasks import Feature, Task, get_task
 
@@ -367,8 +369,11 @@ def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> lis
     return layers
 
 
-def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predictions: bool) -> list[dict[str, Any]]:
-    """One self-describing result per method from the gathered batch records."""
+def _results(
+    run: _Run, setups, records, settings: dict[str, Any], prov, predictions: bool, intervals: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """One self-describing result per method from the gathered batch records; ``intervals``: the options of
+    :func:`~approx.harness.resampling.paired_interval` (resamples, level, seed), or None for none."""
     task, mode, examples, n = run.task, run.mode, run.examples, len(run.features)
     ref_predictions = task.predict(examples, run.features, _in_feature_order(records, n), mode)
     reference_metrics = task.score(examples, ref_predictions, mode)
@@ -399,6 +404,11 @@ def _results(run: _Run, setups, records, settings: dict[str, Any], prov, predict
             "metrics": task.score(examples, method_predictions, mode),
             "reference_metrics": reference_metrics,
             "fidelity": fid.summarize(task, mode, sums, ref_predictions, method_predictions),
+            **(
+                {"intervals": paired_interval(task, mode, examples, method_predictions, ref_predictions, **intervals)}
+                if intervals is not None and len(examples) > 1
+                else {}
+            ),
             "examples": len(ref_predictions),
             "features": n,
             **settings,
@@ -433,6 +443,8 @@ def evaluate(
     predictions: bool = False,
     warmup: bool = True,
     allocations: bool = False,
+    resamples: int | None = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
 ) -> list[dict[str, Any]]:
     """Evaluate ``task`` on ``model`` under each of ``methods`` and under full attention, on the same batches.
 
@@ -457,6 +469,11 @@ def evaluate(
     reuses memory it kept. On CUDA ``peak_memory_mib`` already is the allocator's peak. Under several processes
     each measures the first (longest) batch of its own share and the largest figure per input is kept.
 
+    ``resamples`` (default 1000; 0 or None: none) and ``level`` (default 0.95): each result's ``"intervals"``
+    holds, for every task metric, the method's value minus full attention's with its paired bootstrap interval
+    over the examples (:func:`approx.harness.resampling.paired_interval`, drawn from ``seed``): where the interval
+    holds 0, these examples do not tell the method from full attention at that level.
+
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
     gets its own table back afterwards) and every result says so (``"positions"``, its ``protocol`` and
@@ -475,6 +492,10 @@ def evaluate(
     state = PartialState(cpu=cpu)
     task = get_task(task) if isinstance(task, str) else task
     setups = _setups(methods, seed, batch_size)
+    intervals = None
+    if resamples:
+        _check_resampling(resamples, level)  # before anything is loaded
+        intervals = {"resamples": resamples, "level": level, "seed": seed}
     max_length = task.default_max_length if max_length is None else max_length
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
@@ -512,7 +533,7 @@ def evaluate(
         **({"positions": run.positions} if run.positions else {}),
     )
     settings = dict(max_length=max_length, batch_size=batch_size, limit=limit, warmup=warmup, allocations=allocations)
-    return _results(run, setups, records, settings, prov, predictions)
+    return _results(run, setups, records, settings, prov, predictions, intervals)
 
 
 # hidden-state cosines shown after the last layer's, when every result has them (older result files do not)
@@ -528,7 +549,8 @@ def _fmt(x: Any, digits: int = 4) -> str:
 
 
 def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = None) -> str:
-    """One table: the unpatched model, then every method: task metrics, fidelity, cost, time, memory.
+    """One table: the unpatched model, then every method: task metrics (and, when every result has its interval, the
+    primary metric's difference from full attention with its paired bootstrap interval), fidelity, cost, time, memory.
 
     ``model_label``: the model's name in the heading (default: the results' ``model``). The hidden-state
     columns for the worst input and pooled states are shown when the results have them."""
@@ -539,7 +561,12 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     task_fid = [k for k in ("agreement", "kl_divergence", "mean_abs_difference") if k in first["fidelity"]]
     cosines = [("last", "hidden cos (last)")]
     cosines += [(k, h) for k, h in _EXTRA_COSINES if all(k in r["fidelity"]["hidden_state_cosine"] for r in results)]
-    head = ["method", *metric_names, *task_fid, *(h for _, h in cosines)]
+    primary = first.get("intervals", {}).get("primary")
+    with_interval = all(r.get("intervals", {}).get("metrics", {}).get(primary) for r in results)
+    level = results[0]["intervals"]["level"] if with_interval else None
+    head = ["method", *metric_names]
+    head += [f"{primary} vs full ({level:.0%} interval)"] if with_interval else []
+    head += [*task_fid, *(h for _, h in cosines)]
     matmul = all(r["fidelity"]["cost"].get("matmul_vs_softmax_model") is not None for r in results)
     head += ["attn rel. err", "attn FLOPs vs full", *(["matmul vs softmax (model)"] if matmul else [])]
     head += ["seconds", "speed vs full", "peak MiB"]
@@ -552,13 +579,14 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     ]
     ref_fid = first["fidelity"]
     ref_row = ["full (unpatched)", *(_fmt(first["reference_metrics"][m], 2) for m in metric_names)]
-    ref_row += ["-"] * len(task_fid) + ["1.0000"] * len(cosines)
+    ref_row += ["-"] * (len(task_fid) + with_interval) + ["1.0000"] * len(cosines)
     ref_row += ["0", "1.00", *(["1.00"] if matmul else []), _fmt(ref_fid["reference_seconds"], 2), "1.00x"]
     ref_row.append(_fmt(ref_fid["reference_peak_memory_mib"], 1))
     rows.append("| " + " | ".join(ref_row) + " |")
     for r in results:
         f = r["fidelity"]
         row = [short_label(r["method"]), *(_fmt(r["metrics"].get(m), 2) for m in metric_names)]
+        row += [interval_text(r["intervals"]["metrics"][primary])] if with_interval else []
         row += [_fmt(f[k]) for k in task_fid]
         row += [_fmt(f["hidden_state_cosine"][k]) for k, _ in cosines]
         row += [

@@ -283,6 +283,20 @@ class Task:
     def score(self, examples: list[dict[str, Any]], predictions: list, mode: str) -> dict[str, float]:
         raise NotImplementedError
 
+    def example_values(
+        self, examples: list[dict[str, Any]], predictions: list, mode: str
+    ) -> dict[str, Sequence[float]] | None:
+        """Per-example values whose mean is the metric, for the metrics that are means over examples (accuracy,
+        SQuAD's F1 and exact match), or None (the default): what lets :mod:`approx.harness.resampling` resample a
+        metric without scoring each resample again. A value is NaN for an example its metric does not count (MNLI's
+        matched accuracy on a mismatched example), and the metric is the mean of the others: for each metric named,
+        that mean must equal :meth:`score`'s value (``tests/test_resampling.py`` checks every task that has them)."""
+        return None
+
+    def resampling_unit(self, mode: str) -> str:
+        """What one of :meth:`score`'s examples is, for a bootstrap interval's record (default: ``"example"``)."""
+        return "example"
+
     def divergence(self, reference: Any, output: Any, mode: str) -> float | None:
         """Distance between the unpatched and the patched output of one feature, computed as soon as both
         exist (default: KL(unpatched || patched) of the softmax over the last dimension); None if undefined."""

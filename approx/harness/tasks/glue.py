@@ -184,6 +184,17 @@ class GlueTask(Task):
     def group_metrics(self, preds, gold) -> dict[str, float]:
         return {"accuracy": M.accuracy(preds, gold)}
 
+    def example_values(self, examples, predictions, mode):
+        if type(self).group_metrics is not GlueTask.group_metrics:
+            return None  # Matthews, F1 and correlations are not means over examples
+        values = {}
+        for group in self.groups:  # each group's accuracy: the mean over its own examples (NaN elsewhere)
+            values[f"accuracy_{group}" if group else "accuracy"] = [
+                (100.0 * (p == ex["label"])) if ex["group"] == group else math.nan
+                for p, ex in zip(predictions, examples, strict=True)
+            ]
+        return values
+
     def divergence(self, reference, output, mode):
         if mode == ZERO_SHOT or not self.labels:
             return None  # regression: compared through the predictions (fidelity below)

@@ -305,6 +305,16 @@ class Squad(Task):
         answers = [ex["answers"] for ex in examples]
         return {"exact_match": M.squad_exact_match(predictions, answers), "f1": M.squad_f1(predictions, answers)}
 
+    def example_values(self, examples, predictions, mode):
+        pairs = list(zip(predictions, (ex["answers"] for ex in examples), strict=True))  # each question scored alone
+        return {
+            "exact_match": [M.squad_exact_match([p], [a]) for p, a in pairs],
+            "f1": [M.squad_f1([p], [a]) for p, a in pairs],
+        }
+
+    def resampling_unit(self, mode):
+        return "question (its windows together)"
+
     def protocol(self, mode, max_length):
         return (
             f"question + context windows of {max_length} tokens, document stride {doc_stride(max_length)}; best span (start + end "
