@@ -219,6 +219,17 @@ def entmax_sort_block(path: str = ENTMAX_SORT) -> str:
 SHARPER = "recipes/results/sharper_clustering.json"
 
 
+DOMINANCE_RESOLUTION = "recipes/results/dominance_resolution.json"
+
+
+def dominance_resolution_block(path: str = DOMINANCE_RESOLUTION) -> str:
+    """recipes/dominance_resolution.py's table (issue #20: the undominated uniform settings, judged by interval)."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from dominance_resolution import markdown
+
+    return markdown(json.loads((ROOT / path).read_text())) + "\n"
+
+
 def sharper_clustering_block(path: str = SHARPER) -> str:
     """recipes/sharper_clustering.py's table (issue #20, step 0)."""
     sys.path.insert(0, str(ROOT / "recipes"))
@@ -765,6 +776,7 @@ def blocks() -> dict[Path, dict[str, str]]:
                 AUTOTUNE_GLUE_HEADS, AUTOTUNE_GLUE_HEADS_COMMAND, "autotune_pareto_glue_heads.png"
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
+            "dominance-resolution": dominance_resolution_block(),
         },
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),

@@ -870,3 +870,75 @@ def test_autotune_pareto_fraction_labels():
     squad = pareto.fractions("squad")
     assert squad[0] == 1.0 and squad[-1] == 0.0 and all(a > b for a, b in zip(squad, squad[1:], strict=False))
     assert pareto.fractions("rte") == pareto.FRACTIONS
+
+
+def test_dominance_resolution_recipe_smoke(fixture_dir, tmp_path, monkeypatch):
+    """A hand-made autotune record on a tiny checkpoint, cross-fitted: the recipe takes the best tuned row
+    that costs no more than the uniform one, rebuilds its layers (heads included) from the record, reproduces both
+    metrics half by half, and gives the paired interval of their difference over both halves; a record whose metric
+    the re-evaluation does not reproduce is flagged."""
+    import argparse
+
+    from approx.harness.resampling import paired_interval
+    from approx.harness.spec import short_label
+    from approx.integration import attach, load_pretrained, settings
+
+    recipe = _recipe("dominance_resolution")
+    path = str(write_checkpoint(tmp_path / "m", "sequence-classification", num_labels=1))
+    choices = [
+        {"layer": 0, "method": "clustered", "config": {"clusters": 2}},
+        {"layer": 1, "method": "window", "config": {"window": 1}, "heads": [0]},
+    ]
+    model, _ = load_pretrained(path, task="sequence-classification", progress=False)
+    layers = recipe._tuned_layers(model, choices)
+    attach(model, layers)  # the rebuilt layers are the record's choices, heads and options included
+    built = settings(model)
+    approx.unpatch(model)
+    assert [(s["layer"], s["method"], s.get("heads")) for s in built] == [(0, "clustered", None), (1, "window", [0])]
+    assert built[0]["config"]["clusters"] == 2 and built[1]["config"]["window"] == 1
+    uniform = "window:window=2"
+    opts = dict(data_dir=str(fixture_dir), source="local", progress=False, batch_size=4, resamples=0)
+    halves = {s: approx.evaluate(path, "stsb", [layers, uniform], split=s, **opts) for s in ("dev/1", "dev/0")}
+
+    def row(k, cost, metric=None, tuned=True):
+        parts = [dict(halves[s][k], **({"tuned_layers": choices} if tuned else {})) for s in halves]
+        merged = {"method": parts[0]["method"], "fidelity": {"cost": {"flops_vs_full": cost}}, "halves": parts}
+        merged["metrics"] = {"pearson": metric if metric is not None else 50.0}
+        return dict(merged, autotune={"cost": "flops"}) if tuned else merged
+
+    record = {
+        "tasks": {
+            "stsb": {
+                "metric": "pearson",
+                "uniform": [row(1, 0.6, tuned=False)],
+                # the best at no more cost is the 0.5 row; the dearer one scores more but costs more than the uniform
+                "tuned": [row(0, 0.4, 10.0), row(0, 0.5, 60.0), row(0, 0.7, 1000.0)],
+            }
+        }
+    }
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    monkeypatch.setattr(recipe, "RESULTS", tmp_path)
+    monkeypatch.setattr(recipe, "RESAMPLES", 200)
+    args = argparse.Namespace(quiet=True, data_dir=str(fixture_dir))
+    label = short_label(halves["dev/1"][1]["method"])
+    out = recipe.run_case(("rec.json", "stsb", "flops", label), args)
+    assert out["all_reproduced"] and len(out["reproduced"]) == 4  # two halves, tuned and uniform
+    assert out["tuned"]["cost"] == 0.5 and out["uniform"]["cost"] == 0.6
+    examples = [e for s in halves for e in get_task("stsb").load(s, source="local", data_dir=str(fixture_dir))[0]]
+    task = get_task("stsb")
+    full = [approx.evaluate(path, "stsb", [layers, uniform], split=s, predictions=True, **opts) for s in halves]
+    tuned_preds = [p for h in full for p in h[0]["predictions"]]
+    uniform_preds = [p for h in full for p in h[1]["predictions"]]
+    assert out["tuned"]["metric"] == pytest.approx(task.score(examples, tuned_preds, "fine-tuned")["pearson"])
+    assert out["uniform"]["metric"] == pytest.approx(task.score(examples, uniform_preds, "fine-tuned")["pearson"])
+    expected = paired_interval(task, "fine-tuned", examples, tuned_preds, uniform_preds, resamples=200, level=0.95)
+    assert out["interval"]["metrics"]["pearson"] == pytest.approx(expected["metrics"]["pearson"])
+    assert out["interval"]["metrics"]["pearson"]["difference"] != 0  # the two differ on these inputs
+    assert "| rec.json | stsb (pearson) | flops |" in recipe.markdown(
+        {"level": 0.95, "resamples": 200, "seed": 0, "seconds": 1.0, "cases": [out], "provenance": {}}
+    )
+    record["tasks"]["stsb"]["uniform"][0]["halves"][0]["metrics"]["pearson"] += 1.0  # a record not reproduced
+    (tmp_path / "rec.json").write_text(json.dumps(record))
+    assert not recipe.run_case(("rec.json", "stsb", "flops", label), args)["all_reproduced"]
+    with pytest.raises(ValueError, match="uniform rows named 'nothing'; the record has window"):
+        recipe.run_case(("rec.json", "stsb", "flops", "nothing"), args)
