@@ -294,11 +294,16 @@ def test_wikitext_masked_lm_loss_against_a_plain_forward(fixture_dir, checkpoint
     assert r["reference_metrics"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
     assert r["reference_metrics"]["bits_per_token"] == pytest.approx(total / count / math.log(2), rel=1e-5)
     assert r["fidelity"]["agreement"] == 1.0
+    iv = r["intervals"]  # drawn window by window (the split is one example)
+    assert iv["examples"] == 3 and iv["unit"].startswith("window")
+    loss = iv["metrics"]["mlm_loss"]
+    assert loss["difference"] == pytest.approx(r["metrics"]["mlm_loss"] - r["reference_metrics"]["mlm_loss"], abs=1e-12)
 
 
 def test_wikitext_fidelity_mode_on_a_bare_encoder(fixture_dir, checkpoints):
     (r,) = _run(checkpoints("base"), "wikitext2", ["clustered:clusters=3"], fixture_dir, max_length=32, limit=4)
     assert r["mode"] == "fidelity" and r["metrics"] == {} and r["examples"] == 4
+    assert "intervals" not in r  # no task metric to draw an interval for
     cos = r["fidelity"]["hidden_state_cosine"]
     assert len(cos["per_layer"]) == 2 and 0 < cos["last"] < 1
 

@@ -120,6 +120,29 @@ def test_accuracy_interval_matches_the_normal_approximation():
     assert got["high"] == pytest.approx(hi, abs=0.05 * (hi - lo))
 
 
+def test_masked_lm_loss_interval_matches_the_delta_method_over_windows():
+    """WikiText's loss is a ratio of sums over windows (masked tokens' loss over their count), the same windows and
+    masks for both sides: D = sum(a_i - b_i) / sum(c_i), whose linearised variance is n var(a_i - b_i - D c_i) /
+    (sum c_i)^2. The split is one example; the bootstrap draws its windows."""
+    rng = np.random.default_rng(8)
+    n = 1500
+    counts = rng.integers(60, 80, n)
+    ref_loss = counts * rng.gamma(4.0, 0.5, n)
+    loss = ref_loss * rng.normal(1.03, 0.05, n)
+    preds = [{"loss_sum": float(x), "count": int(c), "top1": []} for x, c in zip(loss, counts)]
+    refs = [{"loss_sum": float(x), "count": int(c), "top1": []} for x, c in zip(ref_loss, counts)]
+    task = get_task("wikitext2")
+    out = resampling.paired_interval(task, "masked-lm", [{"text": ""}], preds, refs, resamples=3000, seed=4)
+    d = (loss - ref_loss).sum() / counts.sum()
+    z = loss - ref_loss - d * counts
+    half = Z95 * math.sqrt(n) * z.std(ddof=1) / counts.sum()
+    got = out["metrics"]["mlm_loss"]
+    assert got["difference"] == pytest.approx(d, rel=1e-9)
+    assert got["low"] == pytest.approx(d - half, abs=0.05 * 2 * half)
+    assert got["high"] == pytest.approx(d + half, abs=0.05 * 2 * half)
+    assert out["examples"] == n and out["unit"].startswith("window") and set(out["metrics"]) == set(task.metrics)
+
+
 def _zou_interval(pred_a, pred_b, y, level=0.95):
     """Zou (2007), "Toward using confidence intervals to compare correlations": r(a, y) - r(b, y), Fisher-z
     intervals of each, combined through the correlation of the two estimates (they share y)."""

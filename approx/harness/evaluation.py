@@ -406,7 +406,7 @@ def _results(
             "fidelity": fid.summarize(task, mode, sums, ref_predictions, method_predictions),
             **(
                 {"intervals": paired_interval(task, mode, examples, method_predictions, ref_predictions, **intervals)}
-                if intervals is not None and len(examples) > 1
+                if intervals is not None and reference_metrics and len(ref_predictions) > 1
                 else {}
             ),
             "examples": len(ref_predictions),

@@ -66,7 +66,7 @@ def paired_interval(
 ) -> dict[str, Any]:
     """The paired bootstrap interval of ``task``'s metrics under ``predictions`` minus under
     ``reference_predictions`` (both per example, in ``examples``' order, as ``approx.evaluate(...,
-    predictions=True)`` returns them), for every metric the task reports.
+    predictions=True)`` returns them; WikiText: per window), for every metric the task reports.
 
     Returns ``{"method", "level", "resamples", "seed", "unit", "examples", "primary", "metrics"}`` with ``metrics[name] =
     {"difference", "low", "high"}``: the difference on the examples as given and the interval's ends. An end is NaN
@@ -75,6 +75,7 @@ def paired_interval(
     from scipy.stats import bootstrap
 
     check(resamples, level)
+    examples = task.resampling_examples(list(examples), list(predictions), mode)
     n = len(examples)
     if len(predictions) != n or len(reference_predictions) != n:
         raise ValueError(

@@ -293,6 +293,11 @@ class Task:
         that mean must equal :meth:`score`'s value (``tests/test_resampling.py`` checks every task that has them)."""
         return None
 
+    def resampling_examples(self, examples: list[dict[str, Any]], predictions: list, mode: str) -> list[dict[str, Any]]:
+        """What a bootstrap draws again: one entry per prediction, the example :meth:`score` reads with it (default:
+        the examples, one prediction each; WikiText scores one prediction per window of its single example)."""
+        return examples
+
     def resampling_unit(self, mode: str) -> str:
         """What one of :meth:`score`'s examples is, for a bootstrap interval's record (default: ``"example"``)."""
         return "example"

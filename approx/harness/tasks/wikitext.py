@@ -170,6 +170,9 @@ class WikiText(Task):
         loss = sum(p["loss_sum"] for p in predictions) / sum(p["count"] for p in predictions)
         return {"mlm_loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2)}
 
+    def resampling_examples(self, examples, predictions, mode):
+        return [examples[0]] * len(predictions)  # the split is one example; score() reads the windows' predictions
+
     def resampling_unit(self, mode):
         return "window (its masked tokens together)"
 
