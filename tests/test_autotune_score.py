@@ -157,6 +157,16 @@ def test_score_target_end_to_end_with_a_task_scorer_measured_independently(check
     assert tuning.met == (tuning.score["value"] >= 0.5 * tuning.score["reference"] - 1e-12)
     assert tuning.score["scorer"]["metric"] == "pearson" and tuning.score["scorer"]["count"] == 6
     assert "of the unpatched model's" in tuning.summary()
+    # the kept share's interval: the paired bootstrap of the harness's own predictions on those six examples
+    from approx.harness.resampling import paired_interval
+    from approx.harness.tasks import get_task
+
+    expected = paired_interval(get_task("stsb"), "fine-tuned", scorer.examples, ours, theirs, seed=tuning.seed)
+    entry, iv = expected["metrics"]["pearson"], tuning.score["interval"]
+    assert iv["difference"] == pytest.approx([entry["low"], entry["high"]], rel=1e-9, abs=1e-9)
+    reference = tuning.score["reference"]
+    assert iv["relative"] == pytest.approx([1 + entry["low"] / reference, 1 + entry["high"] / reference], rel=1e-9)
+    assert iv["level"] == 0.95 and "interval over these examples" in tuning.summary()
     reloaded = approx.restore(copy.deepcopy(original), folder)
     assert approx.integration.tuning(reloaded)["score"] == json.loads(json.dumps(tuning.score))
 
@@ -204,6 +214,9 @@ def test_cli_score_target_scores_the_split_past_the_calibration(tmp_path, checkp
         "accuracy",
     )
     assert record["tuning"]["target"] == "score>=0.5"
+    iv = record["tuning"]["score"]["interval"]  # the kept share's interval, over the 7 scored examples
+    low, high = iv["relative"]
+    assert low <= high and iv["resamples"] == 1000 and iv["level"] == 0.95
 
 
 @pytest.mark.parametrize(

@@ -392,7 +392,11 @@ class Tuning:
     loss, and the measured fidelity of the ones verified, or with a score target the score of the ones scored, as a
     fraction of the unpatched model's); ``calibration``: the numbers of fit, check and cost inputs, the forward passes and the seconds taken;
     ``score`` (a score target only): the tuned model's score (``value``), the unpatched model's (``reference``), their
-    ratio (``relative``, what the target judges) and what the scorer reads (``scorer``); ``measure``: what
+    ratio (``relative``, what the target judges), what the scorer reads (``scorer``) and, with a
+    :class:`~approx.harness.scoring.TaskScorer`, ``interval``: the paired bootstrap interval of the tuned model's score
+    minus the unpatched model's over the scored examples (``difference``) and of their ratio (``relative``): how far
+    the kept share could move with other examples (the cheapest model that passes on them may pass by their luck);
+    ``measure``: what
     ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure); ``origin``: ``"path"`` (a point of the search
     path) or ``"uniform"`` (one candidate on every layer: cheaper than the path's point for the same target, meeting
     a target that the path's points within the budget miss, or more faithful within a budget); ``uniform``: each
@@ -432,6 +436,11 @@ class Tuning:
                 f": {'met' if self.met else 'NOT met'}; score {self.score['value']:.4g}{where}, "
                 f"{self.score['relative']:.4f} of the unpatched model's {self.score['reference']:.4g}"
             )
+            if self.score.get("interval"):
+                low, high = self.score["interval"]["relative"]
+                what += (
+                    f" ({self.score['interval']['level']:.0%} interval over these examples: {low:.4f} to {high:.4f})"
+                )
         lines.append(
             f"{what}{'' if self.score is not None else ': met' if self.met else ': NOT met'}; measured "
             f"{self.measure or 'fidelity'} {self.fidelity:.5f} on "
@@ -643,6 +652,8 @@ class Search:
         # per scorer (:func:`_scorer_key`, the scorer kept beside): its raw scores by assignment, None the unpatched
         # model's
         self.scores: dict[tuple, tuple[Callable, dict[tuple[int, ...] | None, float]]] = {}
+        # per scorer: the predictions behind those scores, where the scorer gives them (a TaskScorer does)
+        self.predictions: dict[tuple, dict[tuple[int, ...] | None, list]] = {}
 
     def _add_costs(self, column: int) -> None:
         """Each layer's costs of one column (as option ``column + 1``), in both conventions."""
@@ -719,19 +730,31 @@ class Search:
         """``score`` of an assignment (None: the unpatched model) as a fraction of the unpatched model's score, each
         run once per scorer, then remembered."""
         cache = self.scores.setdefault(_scorer_key(score), (score, {}))[1]  # the scorer kept: its key stays its own
+        predictions = self.predictions.setdefault(_scorer_key(score), {})
         key = None if assignment is None else tuple(assignment)
         if None not in cache:
-            reference = float(score(self.model))  # the model is unpatched here (choose unpatches it first)
+            reference = self._score_once(
+                score, predictions, None
+            )  # the model is unpatched here (choose unpatches it first)
             relative(reference, reference)  # refuses a reference of 0, below or not a number, before keeping it
             cache[None] = reference
         if key not in cache:
             attach(self.model, self._layers(assignment))
             try:
-                cache[key] = float(score(self.model))
+                cache[key] = self._score_once(score, predictions, key)
             finally:
                 unpatch(self.model)
             log.info("autotune: %s: score %.5f", key, cache[key])
         return relative(cache[key], cache[None])
+
+    def _score_once(self, score, predictions: dict, key) -> float:
+        """``score`` of the model as it is; a scorer that gives its predictions too (``scored``, as
+        :class:`~approx.harness.scoring.TaskScorer` does) has them kept under ``key``, for the chosen model's
+        interval."""
+        if hasattr(score, "scored") and hasattr(score, "interval"):
+            value, predictions[key] = score.scored(self.model)
+            return float(value)
+        return float(score(self.model))
 
     def choose(
         self,
@@ -927,12 +950,28 @@ class Search:
     def _score_record(self, assignment: Sequence[int], score) -> dict[str, Any]:
         """:attr:`Tuning.score` of a scored assignment."""
         cache = self.scores[_scorer_key(score)][1]
-        return {
+        record = {
             "value": cache[tuple(assignment)],
             "reference": cache[None],
             "relative": relative(cache[tuple(assignment)], cache[None]),
             "scorer": score.describe() if hasattr(score, "describe") else _name(score),
         }
+        predictions = self.predictions.get(_scorer_key(score), {})
+        if tuple(assignment) in predictions and None in predictions and len(predictions[None]) > 1:
+            # how far the kept share could move with other examples of the same kind: the cheapest assignment that
+            # passes on these examples may have passed by their luck (the drawn examples' bootstrap, this seed's)
+            iv = score.interval(predictions[tuple(assignment)], predictions[None], seed=self.seed)
+            entry = iv["metrics"][score.metric] if hasattr(score, "metric") else None
+            if entry is not None:
+                reference = cache[None]
+                record["interval"] = {
+                    "level": iv["level"],
+                    "resamples": iv["resamples"],
+                    "seed": iv["seed"],
+                    "difference": [entry["low"], entry["high"]],
+                    "relative": [1 + entry["low"] / reference, 1 + entry["high"] / reference],
+                }
+        return record
 
     def _bisect(self, path: list[list[int]], meets: Callable[[int], bool] | None, within: list[int], bar) -> int:
         """The chosen path point: with ``meets`` (whether point j meets the target, measured), the cheapest that

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..integration import model_head_from_name
 from .evaluation import _collate
+from .resampling import paired_interval
 from .tasks import Feature, Task, get_task
 
 __all__ = ["TaskScorer", "check_metric", "task_scorer"]
@@ -50,6 +51,10 @@ class TaskScorer:
     progress: bool = False
 
     def __call__(self, model: torch.nn.Module) -> float:
+        return self.scored(model)[0]
+
+    def scored(self, model: torch.nn.Module) -> tuple[float, list[Any]]:
+        """The metric and the per-example predictions it was computed from (what :meth:`interval` compares)."""
         device = next(model.parameters()).device
         # the task object is shared (one per registered task) and prepare() keeps what predict() reads (GLUE's label
         # map): prepared again for this model, so that another checkpoint prepared meanwhile changes nothing here
@@ -73,7 +78,13 @@ class TaskScorer:
         finally:
             model.train(training)
         predictions = self.task.predict(self.examples, self.features, outputs, self.mode)
-        return float(self.task.score(self.examples, predictions, self.mode)[self.metric])
+        return float(self.task.score(self.examples, predictions, self.mode)[self.metric]), predictions
+
+    def interval(self, predictions: list[Any], reference_predictions: list[Any], **options: Any) -> dict[str, Any]:
+        """The paired bootstrap interval of the metric under ``predictions`` minus under ``reference_predictions``
+        on the scorer's examples (:func:`approx.harness.resampling.paired_interval`; ``options``: its resamples,
+        level, seed)."""
+        return paired_interval(self.task, self.mode, self.examples, predictions, reference_predictions, **options)
 
     def describe(self) -> dict[str, Any]:
         """What the scorer reads, for a tuning's record."""
