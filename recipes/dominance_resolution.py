@@ -11,7 +11,7 @@ metrics, and gives the paired bootstrap interval of the tuned model's metric min
 (:func:`approx.harness.resampling.paired_interval`, over the evaluation examples). An interval that holds 0 says these
 examples cannot tell the two apart at that level; one entirely below 0 says the uniform setting is better.
 
-    python recipes/dominance_resolution.py --threads 2             # every case (about 8 minutes on 2 threads)
+    python recipes/dominance_resolution.py --threads 2             # every case (about 10 minutes on 2 threads)
     python recipes/dominance_resolution.py --report                # the table from the committed JSON
 
 Needs the records' checkpoints in runs/checkpoints (the autotune recipe fine-tunes them; this recipe never does).
@@ -21,6 +21,7 @@ Writes ``recipes/results/dominance_resolution.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -38,10 +39,11 @@ from approx.harness.tasks import get_task  # noqa: E402
 from approx.integration import checkpoint_heads, load_pretrained  # noqa: E402
 
 OUTPUT = RESULTS / "dominance_resolution.json"
-# (record, task, convention, uniform setting): what issue #20's count leaves undominated (docs/autotune.md), each
-# against the record whose tuned models come nearest; SQuAD in its two main searches (KL targets, score targets), each
-# leftover that some tuned model of the search costs no more than (the score search's uniform linear attention, at
-# 0.189, is cheaper than all of its tuned models)
+# (record, task, convention, uniform setting): what issue #20's count leaves undominated (docs/autotune.md): every
+# leftover of one search per task and convention (STS-B's with heads, SST-2's without, whose leftovers are fewest and
+# nearest), and SQuAD's in its two main searches (KL targets, score targets), each leftover that some tuned model of
+# the search costs no more than (the score search's uniform linear attention, at 0.189, is cheaper than all of its
+# tuned models)
 CASES = [
     ("autotune_pareto.json", "squad", "flops", "efficient"),
     ("autotune_pareto.json", "squad", "flops", "monarch"),
@@ -49,7 +51,10 @@ CASES = [
     ("autotune_pareto_squad_score.json", "squad", "flops", "efficient"),
     ("autotune_pareto_squad_score.json", "squad", "matmul", "i-clustered:clusters=100,refine=0"),
     ("autotune_pareto_glue_heads.json", "stsb", "flops", "bigbird:block=16,random_blocks=1,full_fallback=False"),
+    ("autotune_pareto_glue_heads.json", "stsb", "flops", "i-clustered:refine=0"),
+    ("autotune_pareto_glue_heads.json", "stsb", "flops", "nystrom"),
     ("autotune_pareto.json", "sst2", "matmul", "clustered:refine=0"),
+    ("autotune_pareto.json", "sst2", "matmul", "sparse-transformer:stride=32,heads=union"),
 ]
 COST_FIELD = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax_model"}
 RESAMPLES, LEVEL, SEED = 10000, 0.95, 0
@@ -80,20 +85,26 @@ def _parts(row: dict[str, Any]) -> list[dict[str, Any]]:
     return row.get("halves") or [row]
 
 
+def _recorded(name: str, options: dict[str, Any]):
+    """The config a record describes: an option it lacks means what it meant when the record was written
+    (``MethodConfig.from_record``: e.g. clustering's ``refine``, absent before it existed, is 0), not today's
+    default."""
+    return approx.get_method(name).config_class.from_record({k: v for k, v in options.items() if k != "name"})
+
+
 def _tuned_layers(model, choices: list[dict[str, Any]]) -> dict[int, Any]:
     """The layers of a tuned model from the record's ``tuned_layers`` (method, options and heads per layer)."""
     layers = {}
     for c in choices:
-        approx.patch(model, c["method"], layers=[c["layer"]], on_heads=c.get("heads"), **c["config"])
+        options = dataclasses.asdict(_recorded(c["method"], c["config"]))
+        approx.patch(model, c["method"], layers=[c["layer"]], on_heads=c.get("heads"), **options)
         layers[c["layer"]] = approx.patched_layers(model)[c["layer"]]
         approx.unpatch(model)
     return layers
 
 
 def _config(method: dict[str, Any]):
-    spec = approx.get_method(method["name"])
-    fields = {f for f in spec.config_class.__dataclass_fields__}
-    return spec.make_config(**{k: v for k, v in method.items() if k in fields})
+    return _recorded(method["name"], method)
 
 
 def run_case(case: tuple[str, str, str, str], args) -> dict[str, Any]:

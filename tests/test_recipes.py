@@ -14,6 +14,7 @@ from evalfixtures import write_checkpoint
 import approx
 from approx.harness.cli import main
 from approx.harness.crossfit import merge_halves
+from approx.harness.resampling import paired_interval
 from approx.harness.tasks import get_task
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -42,7 +43,7 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
     examples = [get_task(task).load(s, source="local", data_dir=str(fixture_dir))[0] for s in ("dev/1", "dev/0")]
     merged = merge_halves(halves, examples)
     assert len(merged) == 3
-    for m, w in zip(merged, whole, strict=True):
+    for k, (m, w) in enumerate(zip(merged, whole, strict=True)):
         assert m["examples"] == w["examples"] and m["method"] == w["method"]
         for key in ("metrics", "reference_metrics"):
             assert m[key] == pytest.approx(w[key], abs=1e-9)
@@ -57,6 +58,18 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
         assert [h["intervals"]["examples"] for h in m["halves"]] == [len(ex) for ex in examples]
         for metric, entry in w["intervals"]["metrics"].items():
             assert m["intervals"]["metrics"][metric]["difference"] == pytest.approx(entry["difference"], abs=1e-9)
+        # and it is the interval of both halves' predictions, in the halves' order, drawn with the halves' settings
+        preds = [p for h in halves for p in h[k]["predictions"]]
+        refs = [p for h in halves for p in h[k]["reference_predictions"]]
+        every = [e for ex in examples for e in ex]
+        expected = paired_interval(get_task(task), m["mode"], every, preds, refs, seed=0)
+        assert {k: m["intervals"][k] for k in ("level", "resamples", "seed")} == {
+            "level": 0.95,
+            "resamples": 1000,
+            "seed": 0,
+        }
+        for metric, entry in expected["metrics"].items():
+            assert m["intervals"]["metrics"][metric] == pytest.approx(entry, nan_ok=True)
     # entmax gives every input the same output in any batch: each fidelity quantity of the merge is the whole
     # split's (timings and memory aside), not an average of the halves' own numbers
     m, w = merged[2]["fidelity"], whole[2]["fidelity"]
@@ -895,13 +908,18 @@ def test_dominance_resolution_recipe_smoke(fixture_dir, tmp_path, monkeypatch):
     built = settings(model)
     approx.unpatch(model)
     assert [(s["layer"], s["method"], s.get("heads")) for s in built] == [(0, "clustered", None), (1, "window", [0])]
-    assert built[0]["config"]["clusters"] == 2 and built[1]["config"]["window"] == 1
-    uniform = "window:window=2"
+    # a record written before an option existed means what it meant then: clustering's refine, absent, is 0
+    assert (
+        built[0]["config"]["clusters"] == 2 and built[0]["config"]["refine"] == 0 and built[1]["config"]["window"] == 1
+    )
+    uniform = "clustered:clusters=2,refine=0"
     opts = dict(data_dir=str(fixture_dir), source="local", progress=False, batch_size=4, resamples=0)
     halves = {s: approx.evaluate(path, "stsb", [layers, uniform], split=s, **opts) for s in ("dev/1", "dev/0")}
 
     def row(k, cost, metric=None, tuned=True):
         parts = [dict(halves[s][k], **({"tuned_layers": choices} if tuned else {})) for s in halves]
+        for part in parts:  # as a record from before the option: no refine
+            part["method"] = {key: v for key, v in part["method"].items() if key != "refine"}
         merged = {"method": parts[0]["method"], "fidelity": {"cost": {"flops_vs_full": cost}}, "halves": parts}
         merged["metrics"] = {"pearson": metric if metric is not None else 50.0}
         return dict(merged, autotune={"cost": "flops"}) if tuned else merged
@@ -940,5 +958,5 @@ def test_dominance_resolution_recipe_smoke(fixture_dir, tmp_path, monkeypatch):
     record["tasks"]["stsb"]["uniform"][0]["halves"][0]["metrics"]["pearson"] += 1.0  # a record not reproduced
     (tmp_path / "rec.json").write_text(json.dumps(record))
     assert not recipe.run_case(("rec.json", "stsb", "flops", label), args)["all_reproduced"]
-    with pytest.raises(ValueError, match="uniform rows named 'nothing'; the record has window"):
+    with pytest.raises(ValueError, match="uniform rows named 'nothing'; the record has clustered"):
         recipe.run_case(("rec.json", "stsb", "flops", "nothing"), args)

@@ -38,6 +38,7 @@ from .tasks import Task
 __all__ = ["DEFAULT_LEVEL", "DEFAULT_RESAMPLES", "paired_interval", "interval_text"]
 
 DEFAULT_RESAMPLES = 1000
+_BATCH_ELEMENTS = 1 << 24  # per-example differences gathered at once by the vectorised path (128 MiB of float64)
 DEFAULT_LEVEL = 0.95
 METHOD = (
     "paired bootstrap over examples (Koehn 2004): the examples drawn again with replacement, both sides scored on each "
@@ -120,6 +121,7 @@ def paired_interval(
         statistic,
         n_resamples=resamples,
         vectorized=vectorized,
+        batch=max(1, _BATCH_ELEMENTS // (n * len(names))) if vectorized else None,
         method="percentile",
         confidence_level=level,
         rng=np.random.default_rng(seed),
