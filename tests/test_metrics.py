@@ -55,3 +55,25 @@ def test_squad_exact_match_and_f1_by_hand():
     assert M.squad_exact_match(preds, golds) == pytest.approx(100 / 3)
     # 2nd: vs "denver broncos": common 2, p = 2/3, r = 1 -> 0.8; vs "broncos": p = 1/3, r = 1 -> 0.5; best 0.8
     assert M.squad_f1(preds, golds) == pytest.approx(100 * (1 + 0.8 + 0) / 3)
+
+
+def test_row_metrics_equal_scikit_learn_and_scipy_row_by_row():
+    """What bootstrap resamples are scored with: each row of rows_* against the one-row metric (scikit-learn, scipy),
+    edge cases included (no positive, constant predictions or labels, ties)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    pred, gold = rng.integers(0, 2, (40, 30)), rng.integers(0, 2, (40, 30))
+    pred[0], gold[1], pred[2], gold[2] = 0, 1, 0, 0  # no predicted positive; constant labels; nothing positive at all
+    for name, rows in (("accuracy", M.rows_accuracy), ("binary_f1", M.rows_binary_f1), ("matthews", M.rows_matthews)):
+        got = rows(pred, gold)
+        for b in range(len(pred)):
+            assert got[b] == pytest.approx(getattr(M, name)(pred[b].tolist(), gold[b].tolist()), abs=1e-9), (name, b)
+    x, y = rng.normal(size=(40, 25)), rng.normal(size=(40, 25))
+    x[0], y[1] = 3.0, 1.0  # constant rows: NaN, as pearson() and spearman() give
+    x[2] = np.round(x[2])  # ties: average ranks
+    for name, rows in (("pearson", M.rows_pearson), ("spearman", M.rows_spearman)):
+        got = rows(x, y)
+        for b in range(len(x)):
+            want = getattr(M, name)(x[b].tolist(), y[b].tolist())
+            assert (math.isnan(got[b]) and math.isnan(want)) or got[b] == pytest.approx(want, abs=1e-9), (name, b)

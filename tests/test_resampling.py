@@ -74,29 +74,42 @@ def test_the_per_question_shortcut_draws_and_scores_what_the_tasks_score_would(m
             assert fast["metrics"][m][key] == pytest.approx(slow["metrics"][m][key], abs=1e-9)
 
 
-@pytest.mark.parametrize("name", ["sst2", "qnli", "rte", "wnli", "mnli", "cola", "mrpc", "stsb"])
-def test_glue_per_example_values_average_to_the_metric_and_resample_like_the_score(name, monkeypatch):
-    """Accuracy tasks give per-example values (MNLI's per group, NaN outside it) whose mean is the task's metric,
-    and the shortcut's interval is the one scoring every resample gives; the others have none."""
+@pytest.mark.parametrize("name", ["sst2", "qnli", "rte", "wnli", "mnli", "cola", "mrpc", "qqp", "stsb"])
+def test_glue_shortcuts_give_the_interval_that_scoring_every_resample_gives(name, monkeypatch):
+    """Accuracy tasks give per-example values (MNLI's per group, NaN outside it) whose mean is the task's metric; the
+    others score every resample at once from confusion counts or moments. Either way the interval is the one that
+    scoring every resample with the task's own score gives (the same draws)."""
     task = get_task(name)
     rng = np.random.default_rng(6)
     n, groups = 240, list(task.groups)
-    labels = rng.integers(0, 3 if name == "mnli" else 2, n)
+    if name == "stsb":
+        labels = rng.uniform(0, 5, n)
+        preds, ref = (labels + rng.normal(0, 1.5, n)).tolist(), (labels + rng.normal(0, 1.2, n)).tolist()
+        labels = labels.tolist()
+    else:
+        labels = rng.integers(0, 3 if name == "mnli" else 2, n)
+        preds = np.where(rng.random(n) < 0.3, (labels + 1) % 2, labels).tolist()
+        ref = np.where(rng.random(n) < 0.25, (labels + 1) % 2, labels).tolist()
+        labels = labels.tolist()
     examples = [
-        {"text": "", "text_pair": "", "label": int(y), "group": groups[i % len(groups)]} for i, y in enumerate(labels)
+        {"text": "", "text_pair": "", "label": y, "group": groups[i % len(groups)]} for i, y in enumerate(labels)
     ]
-    preds = np.where(rng.random(n) < 0.3, (labels + 1) % 2, labels).tolist()
-    ref = np.where(rng.random(n) < 0.25, (labels + 1) % 2, labels).tolist()
     values = task.example_values(examples, preds, "fine-tuned")
-    if name in ("cola", "mrpc", "stsb"):  # Matthews, F1, correlations: no per-example shortcut
-        assert values is None
-        return
     scored = task.score(examples, preds, "fine-tuned")
-    assert set(values) == set(scored) == set(task.metrics)
-    for m in task.metrics:
-        assert np.nanmean(values[m]) == pytest.approx(scored[m], abs=1e-9)
+    if values is not None:
+        assert set(values) == set(scored) == set(task.metrics)
+        for m in task.metrics:
+            assert np.nanmean(values[m]) == pytest.approx(scored[m], abs=1e-9)
+    else:  # every row of resample_scores is score() of that resample
+        idx = rng.integers(0, n, (5, n))
+        rows = task.resample_scores(examples, preds, "fine-tuned", idx)
+        for b in range(5):
+            expected = task.score([examples[i] for i in idx[b]], [preds[i] for i in idx[b]], "fine-tuned")
+            for m in task.metrics:
+                assert rows[m][b] == pytest.approx(expected[m], abs=1e-9)
     fast = resampling.paired_interval(task, "fine-tuned", examples, preds, ref, resamples=200, seed=3)
     monkeypatch.setattr(type(task), "example_values", lambda self, *a: None)
+    monkeypatch.setattr(type(task), "resample_scores", lambda self, *a: None)  # every resample scored by score()
     slow = resampling.paired_interval(task, "fine-tuned", examples, preds, ref, resamples=200, seed=3)
     for m in task.metrics:
         for key in ("difference", "low", "high"):

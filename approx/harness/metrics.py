@@ -76,6 +76,59 @@ def spearman(predictions: Sequence[float], labels: Sequence[float]) -> float:
     return 100.0 * float(spearmanr(np.asarray(predictions, float), np.asarray(labels, float))[0])
 
 
+# ------------------------------------------------------------------------ the same metrics, row by row (resampling)
+# What a bootstrap interval scores on each resample (approx.harness.resampling): the metrics above for every row of
+# (B, n) arrays at once, as numpy arithmetic on the rows' confusion counts or moments. Each equals its scikit-learn
+# or scipy counterpart row by row (tests/test_metrics.py checks them against those), for labels 0 and 1.
+
+
+def _binary(*arrays: np.ndarray) -> bool:
+    return all(np.isin(a, (0, 1)).all() for a in arrays)
+
+
+def _confusion(pred: np.ndarray, gold: np.ndarray) -> tuple[np.ndarray, ...]:
+    p, g = pred == 1, gold == 1
+    tp, fp, fn = (p & g).sum(-1), (p & ~g).sum(-1), (~p & g).sum(-1)
+    return tp, fp, fn, pred.shape[-1] - tp - fp - fn
+
+
+def rows_accuracy(pred: np.ndarray, gold: np.ndarray) -> np.ndarray:
+    """:func:`accuracy` of each row."""
+    return 100.0 * (pred == gold).mean(-1)
+
+
+def rows_binary_f1(pred: np.ndarray, gold: np.ndarray) -> np.ndarray:
+    """:func:`binary_f1` of each row (labels 0 and 1; 0 where there is no positive at all, as ``zero_division=0``)."""
+    tp, fp, fn, _ = _confusion(pred, gold)
+    denominator = 2 * tp + fp + fn
+    return 100.0 * np.where(denominator > 0, 2 * tp / np.maximum(denominator, 1), 0.0)
+
+
+def rows_matthews(pred: np.ndarray, gold: np.ndarray) -> np.ndarray:
+    """:func:`matthews` of each row (labels 0 and 1; 0 where a prediction or label column is constant)."""
+    tp, fp, fn, tn = (c.astype(np.float64) for c in _confusion(pred, gold))
+    denominator = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    return 100.0 * np.where(denominator > 0, (tp * tn - fp * fn) / np.where(denominator > 0, denominator, 1.0), 0.0)
+
+
+def rows_pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """:func:`pearson` of each row (NaN where either side is constant)."""
+    xc = x - x.mean(-1, keepdims=True)
+    yc = y - y.mean(-1, keepdims=True)
+    sx, sy = np.sqrt((xc * xc).sum(-1)), np.sqrt((yc * yc).sum(-1))
+    constant = (x == x[..., :1]).all(-1) | (y == y[..., :1]).all(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = (xc * yc).sum(-1) / (sx * sy)
+    return np.where(constant, np.nan, 100.0 * np.clip(r, -1.0, 1.0))
+
+
+def rows_spearman(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """:func:`spearman` of each row: Pearson of the average ranks."""
+    from scipy.stats import rankdata
+
+    return rows_pearson(rankdata(x, axis=-1), rankdata(y, axis=-1))
+
+
 # ------------------------------------------------------------------------------------------------ SQuAD v1.1
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)

@@ -18,7 +18,9 @@ says the examples do not tell the two apart at that level.
 
 Every metric a task reports is resampled the same way, whatever its form: a mean over examples (accuracy, F1, exact
 match), a correlation (Pearson, Spearman, Matthews) or a ratio of sums (masked-LM loss over tokens: the unit
-resampled is the window). What the interval does not cover: the fine-tuning's own randomness (another seed gives
+resampled is the window). Three paths give the same numbers: per-example values for means (``Task.example_values``),
+every resample at once from confusion counts or moments (``Task.resample_scores``: GLUE's F1, Matthews and
+correlations), and otherwise the task's ``score`` on each resample. What the interval does not cover: the fine-tuning's own randomness (another seed gives
 another checkpoint), and a method's random state (another seed draws other projections), both of which move a
 metric too. Examples are taken as independent; SQuAD's windows of one question are one example, as the metric
 counts them.
@@ -104,6 +106,16 @@ def paired_interval(
                 return np.nanmean(diffs[:, idx], axis=-1)
 
         vectorized = True
+    elif _rows_cover(task.resample_scores(list(examples), list(predictions), mode, np.arange(n)[None]), names):
+        # every metric computed for all resamples at once, from their confusion counts or moments
+        examples_, preds, refs = list(examples), list(predictions), list(reference_predictions)
+
+        def statistic(idx, axis=-1):
+            a = task.resample_scores(examples_, preds, mode, idx)
+            b = task.resample_scores(examples_, refs, mode, idx)
+            return np.stack([np.asarray(a[m], float) - np.asarray(b[m], float) for m in names])
+
+        vectorized = True
     else:
         examples_, preds, refs = list(examples), list(predictions), list(reference_predictions)
 
@@ -141,6 +153,10 @@ def paired_interval(
         "primary": task.primary_metric,
         "metrics": metrics,
     }
+
+
+def _rows_cover(rows: dict[str, Any] | None, names: list[str]) -> bool:
+    return rows is not None and set(names) <= set(rows)
 
 
 def interval_text(entry: dict[str, float] | None, digits: int = 2) -> str:

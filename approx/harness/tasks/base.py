@@ -293,6 +293,15 @@ class Task:
         that mean must equal :meth:`score`'s value (``tests/test_resampling.py`` checks every task that has them)."""
         return None
 
+    def resample_scores(
+        self, examples: list[dict[str, Any]], predictions: list, mode: str, idx: Any
+    ) -> dict[str, Any] | None:
+        """:meth:`score` on every resample at once: ``idx`` a (B, n) integer array, each row a resample's example
+        indices; the metrics as arrays of B values. None (the default) where the task has no such shortcut (each
+        resample is then scored by :meth:`score`); for every metric it gives, each row must equal :meth:`score` of that
+        resample (``tests/test_resampling.py`` checks it for every task that has one)."""
+        return None
+
     def resampling_examples(self, examples: list[dict[str, Any]], predictions: list, mode: str) -> list[dict[str, Any]]:
         """What a bootstrap draws again: one entry per prediction, the example :meth:`score` reads with it (default:
         the examples, one prediction each; WikiText scores one prediction per window of its single example)."""

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -184,6 +185,19 @@ class GlueTask(Task):
     def group_metrics(self, preds, gold) -> dict[str, float]:
         return {"accuracy": M.accuracy(preds, gold)}
 
+    def group_metric_rows(self, preds: np.ndarray, gold: np.ndarray) -> dict[str, np.ndarray] | None:
+        """:meth:`group_metrics` of every row of (B, n) arrays at once (None where it cannot be: labels other than 0
+        and 1 for the confusion-count metrics)."""
+        return {"accuracy": M.rows_accuracy(preds, gold)}
+
+    def resample_scores(self, examples, predictions, mode, idx):
+        if len(self.groups) != 1:
+            return None  # MNLI: its accuracies go through example_values
+        gold, preds = np.asarray([ex["label"] for ex in examples]), np.asarray(predictions)
+        if gold.dtype == object or preds.dtype == object:
+            return None
+        return self.group_metric_rows(preds[idx], gold[idx])
+
     def example_values(self, examples, predictions, mode):
         if type(self).group_metrics is not GlueTask.group_metrics:
             return None  # Matthews, F1 and correlations are not means over examples
@@ -234,6 +248,9 @@ class CoLA(GlueTask):
     def group_metrics(self, preds, gold):
         return {"matthews_correlation": M.matthews(preds, gold)}
 
+    def group_metric_rows(self, preds, gold):
+        return {"matthews_correlation": M.rows_matthews(preds, gold)} if M._binary(preds, gold) else None
+
 
 @register_task
 class SST2(GlueTask):
@@ -254,6 +271,11 @@ class _F1AndAccuracy(GlueTask):
 
     def group_metrics(self, preds, gold):
         return {"f1": M.binary_f1(preds, gold), "accuracy": M.accuracy(preds, gold)}
+
+    def group_metric_rows(self, preds, gold):
+        if not M._binary(preds, gold):
+            return None
+        return {"f1": M.rows_binary_f1(preds, gold), "accuracy": M.rows_accuracy(preds, gold)}
 
 
 @register_task
@@ -294,6 +316,10 @@ class STSB(GlueTask):
 
     def group_metrics(self, preds, gold):
         return {"pearson": M.pearson(preds, gold), "spearman": M.spearman(preds, gold)}
+
+    def group_metric_rows(self, preds, gold):
+        preds, gold = preds.astype(np.float64), gold.astype(np.float64)
+        return {"pearson": M.rows_pearson(preds, gold), "spearman": M.rows_spearman(preds, gold)}
 
 
 @register_task
