@@ -57,6 +57,7 @@ def test_squad_exact_match_and_f1_by_hand():
     assert M.squad_f1(preds, golds) == pytest.approx(100 * (1 + 0.8 + 0) / 3)
 
 
+@pytest.mark.filterwarnings("ignore:A single label was found")  # scikit-learn on the all-zero row, as intended
 def test_row_metrics_equal_scikit_learn_and_scipy_row_by_row():
     """What bootstrap resamples are scored with: each row of rows_* against the one-row metric (scikit-learn, scipy),
     edge cases included (no positive, constant predictions or labels, ties)."""
