@@ -52,8 +52,7 @@ from ..registry import get_method
 from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
-from .resampling import DEFAULT_LEVEL, DEFAULT_RESAMPLES, interval_text, paired_interval
-from .resampling import check as _check_resampling
+from .resampling import DEFAULT_LEVEL, DEFAULT_RESAMPLES, interval_options, interval_text, paired_interval
 from .spec import PER_LAYER, Setup, as_setup, saved_folder, short_label
 from .tasks import Feature, Task, get_task
 
@@ -458,9 +457,8 @@ def evaluate(
     the fidelity sums (``"fidelity_sums"``), to score the two halves of a cross-fitted split together
     (:mod:`approx.harness.crossfit`).
 
-    ``warmup``: full attention and every method first run once, untimed, on the first (longest) batch, so that
-    one-time costs (compilation for a new shape) are not timed as the method's; False times every pass from
-    cold (faster when only the metrics matter). Each result records it (``"warmup"``).
+    ``warmup``: every pass first run once, untimed, on the longest batch, so compilation is not timed (``"warmup"``).
+    ``resamples`` (0: none), ``level``: each result's ``"intervals"`` (:func:`approx.harness.resampling.paired_interval`).
 
     ``allocations`` (CPU only, with the warm-up): full attention and every method run once more on that longest
     batch, untimed, under torch's profiler, whose memory events give the CPU allocator's peak
@@ -468,11 +466,6 @@ def evaluate(
     forward pass holds at once, where the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator
     reuses memory it kept. On CUDA ``peak_memory_mib`` already is the allocator's peak. Under several processes
     each measures the first (longest) batch of its own share and the largest figure per input is kept.
-
-    ``resamples`` (default 1000; 0 or None: none) and ``level`` (default 0.95): each result's ``"intervals"``
-    holds, for every task metric, the method's value minus full attention's with its paired bootstrap interval
-    over the examples (:func:`approx.harness.resampling.paired_interval`, drawn from ``seed``): where the interval
-    holds 0, these examples do not tell the method from full attention at that level.
 
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
@@ -492,10 +485,7 @@ def evaluate(
     state = PartialState(cpu=cpu)
     task = get_task(task) if isinstance(task, str) else task
     setups = _setups(methods, seed, batch_size)
-    intervals = None
-    if resamples:
-        _check_resampling(resamples, level)  # before anything is loaded
-        intervals = {"resamples": resamples, "level": level, "seed": seed}
+    intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = task.default_max_length if max_length is None else max_length
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")

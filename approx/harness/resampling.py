@@ -37,7 +37,7 @@ import numpy as np
 
 from .tasks import Task
 
-__all__ = ["DEFAULT_LEVEL", "DEFAULT_RESAMPLES", "paired_interval", "interval_text"]
+__all__ = ["DEFAULT_LEVEL", "DEFAULT_RESAMPLES", "interval_options", "interval_text", "paired_interval"]
 
 DEFAULT_RESAMPLES = 1000
 _BATCH_ELEMENTS = 1 << 24  # per-example differences gathered at once by the vectorised path (128 MiB of float64)
@@ -54,6 +54,15 @@ def check(resamples: int, level: float) -> None:
         raise ValueError(f"resamples must be a positive int, got {resamples!r} (0 or None turns intervals off)")
     if not (isinstance(level, float | int) and 0 < level < 1):
         raise ValueError(f"level must be between 0 and 1 (e.g. 0.95), got {level!r}")
+
+
+def interval_options(resamples: int | None, level: float, seed: int) -> dict[str, Any] | None:
+    """:func:`paired_interval`'s options as an evaluation passes them (None: no intervals, ``resamples`` 0 or None),
+    checked."""
+    if not resamples:
+        return None
+    check(resamples, level)
+    return {"resamples": resamples, "level": level, "seed": seed}
 
 
 def paired_interval(
@@ -78,27 +87,25 @@ def paired_interval(
     from scipy.stats import bootstrap
 
     check(resamples, level)
-    examples = task.resampling_examples(list(examples), list(predictions), mode)
+    preds, refs = list(predictions), list(reference_predictions)
+    examples = task.resampling_examples(list(examples), preds, mode)
     n = len(examples)
-    if len(predictions) != n or len(reference_predictions) != n:
+    if len(preds) != n or len(refs) != n:
         raise ValueError(
-            f"{len(predictions)} and {len(reference_predictions)} predictions for {n} examples: give one per example, "
-            "in the examples' order"
+            f"{len(preds)} and {len(refs)} predictions for {n} examples: give one per example, in the examples' order"
         )
     if n < 2:
         raise ValueError(f"a bootstrap interval needs at least 2 examples, got {n}")
-    observed_a = task.score(list(examples), list(predictions), mode)
-    observed_b = task.score(list(examples), list(reference_predictions), mode)
+    observed_a, observed_b = task.score(examples, preds, mode), task.score(examples, refs, mode)
     names = [m for m in task.metrics if m in observed_a and m in observed_b]
     if not names:
         raise ValueError(f"{task.name} reports no metric in mode {mode!r}: nothing to compare")
 
-    per_example = task.example_values(list(examples), list(predictions), mode)
-    per_example_ref = task.example_values(list(examples), list(reference_predictions), mode)
-    if per_example is not None and per_example_ref is not None and set(names) <= set(per_example):
+    values, values_ref = task.example_values(examples, preds, mode), task.example_values(examples, refs, mode)
+    if values is not None and values_ref is not None and set(names) <= set(values):
         # every metric is a mean over examples (over those not NaN): the difference of means is the mean of the
         # differences, since both sides count the same examples
-        diffs = np.stack([np.asarray(per_example[m], float) - np.asarray(per_example_ref[m], float) for m in names])
+        diffs = np.stack([np.asarray(values[m], float) - np.asarray(values_ref[m], float) for m in names])
 
         def statistic(idx, axis=-1):
             with warnings.catch_warnings():  # a resample without an example of a group: NaN, as score() has none
@@ -106,21 +113,18 @@ def paired_interval(
                 return np.nanmean(diffs[:, idx], axis=-1)
 
         vectorized = True
-    elif _rows_cover(task.resample_scores(list(examples), list(predictions), mode, np.arange(n)[None]), names):
+    elif _rows_cover(task.resample_scores(examples, preds, mode, np.arange(n)[None]), names):
         # every metric computed for all resamples at once, from their confusion counts or moments
-        examples_, preds, refs = list(examples), list(predictions), list(reference_predictions)
 
         def statistic(idx, axis=-1):
-            a = task.resample_scores(examples_, preds, mode, idx)
-            b = task.resample_scores(examples_, refs, mode, idx)
+            a, b = task.resample_scores(examples, preds, mode, idx), task.resample_scores(examples, refs, mode, idx)
             return np.stack([np.asarray(a[m], float) - np.asarray(b[m], float) for m in names])
 
         vectorized = True
     else:
-        examples_, preds, refs = list(examples), list(predictions), list(reference_predictions)
 
         def statistic(idx):
-            ex = [examples_[i] for i in idx]
+            ex = [examples[i] for i in idx]
             with warnings.catch_warnings():  # a resample with one label or constant predictions: said once, above
                 warnings.simplefilter("ignore")
                 a = task.score(ex, [preds[i] for i in idx], mode)
