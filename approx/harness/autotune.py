@@ -733,9 +733,8 @@ class Search:
         predictions = self.predictions.setdefault(_scorer_key(score), {})
         key = None if assignment is None else tuple(assignment)
         if None not in cache:
-            reference = self._score_once(
-                score, predictions, None
-            )  # the model is unpatched here (choose unpatches it first)
+            # the model is unpatched here (choose unpatches it first)
+            reference = self._score_once(score, predictions, None)
             relative(reference, reference)  # refuses a reference of 0, below or not a number, before keeping it
             cache[None] = reference
         if key not in cache:

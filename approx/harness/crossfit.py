@@ -6,8 +6,8 @@ on the other half. :func:`merge_halves` joins the two evaluations (run with ``ap
 predictions=True)``) method by method: the task metrics, under the method and under full attention, are
 computed once over the *union* of the halves' predictions (so F1, Matthews or Pearson are not averages of
 two halves), as is their bootstrap interval against full attention (``"intervals"``, when the halves have one: over
-both halves' examples, with the halves' resamples, level and seed), and the fidelity is computed by the same function as a single evaluation's
-(:func:`approx.harness.fidelity.summarize`) from the sum of the halves' fidelity sums, so it equals what one
+both halves' examples, with the halves' resamples, level and seed), and the fidelity is computed by the same
+function as a single evaluation's (:func:`approx.harness.fidelity.summarize`) from the sum of the halves' fidelity sums, so it equals what one
 evaluation of both halves would report. The halves' own results are kept under ``"halves"``.
 """
 

@@ -11,7 +11,7 @@ says the examples do not tell the two apart at that level.
 ::
 
     result = approx.evaluate(reader, "squad", ["clustered:clusters=25"])[0]
-    result["intervals"]["metrics"]["f1"]    # {"difference": -3.2, "low": -4.9, "high": -1.6}
+    result["intervals"]["metrics"]["f1"]    # {"difference": d, "low": lo, "high": hi}, method minus full
 
     a, b = approx.evaluate(reader, "squad", ["tuned/", "i-clustered"], predictions=True)
     paired_interval(task, a["mode"], examples, a["predictions"], b["predictions"])   # tuned minus i-clustered
@@ -20,9 +20,9 @@ Every metric a task reports is resampled the same way, whatever its form: a mean
 match), a correlation (Pearson, Spearman, Matthews) or a ratio of sums (masked-LM loss over tokens: the unit
 resampled is the window). Three paths give the same numbers: per-example values for means (``Task.example_values``),
 every resample at once from confusion counts or moments (``Task.resample_scores``: GLUE's F1, Matthews and
-correlations), and otherwise the task's ``score`` on each resample. What the interval does not cover: the fine-tuning's own randomness (another seed gives
-another checkpoint), and a method's random state (another seed draws other projections), both of which move a
-metric too. Examples are taken as independent; SQuAD's windows of one question are one example, as the metric
+correlations), and otherwise the task's ``score`` on each resample. What the interval does not cover: the
+fine-tuning's own randomness (another seed gives another checkpoint), and a method's random state (another seed
+draws other projections), both of which move a metric too. Examples are taken as independent; SQuAD's windows of one question are one example, as the metric
 counts them.
 """
 
