@@ -263,6 +263,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     ALBERT shares one attention module between all its layers, so it has a single patchable "layer".
     """
     reasons = _support_problems(model)
+    if not isinstance(model, nn.Module):  # a name or a path, say: load the model first
+        hint = (
+            " (a name or a folder: load it first, e.g. AutoModel.from_pretrained(...))"
+            if isinstance(model, str)
+            else ""
+        )
+        raise UnsupportedModelError(model, [*reasons[:-1], f"{type(model).__name__} is not a torch module{hint}"])
     found = []
     for name, module in model.named_modules():
         if not _routes_through_registry(type(module)):

@@ -67,11 +67,12 @@ def _items(value, refusal: str) -> list:
 
 def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
     """Indices of attention layers, as ``approx.patch`` and ``approx.redraw`` take them: an int or integers
-    (negative ones count from the end), or None for all ``count``; sorted, without repeats. ``ValueError``
-    naming ``name`` on anything else or on an index the model does not have."""
+    (negative ones count from the end), or None for all ``count``; sorted. ``ValueError`` naming ``name`` on
+    anything else, on an index the model does not have, and on a layer given twice (``[0, 0]``, or ``[5, -1]`` of
+    six layers: most likely a slip for another layer, so not merged silently)."""
     if layers is None:
         return list(range(count))
-    chosen = []
+    chosen: dict[int, int] = {}  # layer -> as given
     for item in _items(layers, f"{name} must be an integer, a list of integers or None, got {layers!r}"):
         i = as_integer(item)
         if i is None:
@@ -79,10 +80,13 @@ def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
         j = i + count if i < 0 else i
         if not 0 <= j < count:
             raise ValueError(f"layer {i} does not exist: the model has {count} attention layers (0..{count - 1})")
-        chosen.append(j)
+        if j in chosen:
+            given = f"{i}" if chosen[j] == i else f"{chosen[j]} and {i}"
+            raise ValueError(f"{name}: layer {j} is given twice ({given}); give each layer once")
+        chosen[j] = i
     if not chosen:
         raise ValueError(f"{name} is empty: name at least one layer, or pass None for all")
-    return sorted(set(chosen))
+    return sorted(chosen)
 
 
 def check_heads(heads, count: int | None = None) -> tuple[int, ...] | None:

@@ -224,6 +224,15 @@ def test_non_transformers_module_is_refused():
         approx.patch(torch.nn.Linear(3, 3), "full")
 
 
+@pytest.mark.parametrize("thing", ["bert-base-uncased", None, 3])
+def test_what_is_not_a_module_is_refused_by_name(thing):
+    """A model's name or folder (not loaded yet), or anything else that is not a torch module: a clear refusal,
+    not an AttributeError from deep inside."""
+    with pytest.raises(UnsupportedModelError, match=f"{type(thing).__name__} is not a torch module") as e:
+        approx.patch(thing, "full")
+    assert ("load it first" in str(e.value)) is isinstance(thing, str)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
@@ -232,6 +241,8 @@ def test_non_transformers_module_is_refused():
         ({"method": "clustered", "bogus": 1}, ["bogus"]),
         ({"method": "clustered", "layers": [5]}, ["layer 5", "2 attention layers"]),
         ({"method": "clustered", "layers": []}, ["empty"]),
+        ({"method": "clustered", "layers": [0, 0]}, ["layer 0 is given twice (0)"]),
+        ({"method": "clustered", "layers": [1, -1]}, ["layer 1 is given twice (1 and -1)"]),  # 2 layers: -1 is 1
     ],
 )
 def test_bad_input_leaves_model_untouched(kwargs, words):
