@@ -3,7 +3,7 @@
 ``approx_config.json`` records what every patched layer runs (``{"format": 1, "approx_version",
 "original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``, with ``"heads"`` on a layer whose
 method runs on some of its heads only) and
-``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
+``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``, the layers' as ``"layers_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
 fitted projections), written only when some layer has state. :mod:`approx.integration` writes and reads the
 checkpoint around them (``approx.save``, ``approx.load``).
 """
@@ -50,10 +50,18 @@ def layer_record(i: int, layer: ApproxAttention) -> dict[str, Any]:
 
 
 def write_settings(folder: str | os.PathLike, meta: dict[str, Any]) -> Path:
-    """Write ``meta`` (without ``format``, which is added) to ``folder/approx_config.json``."""
+    """Write ``meta`` (without ``format``, which is added) to ``folder/approx_config.json``, with the SHA-256 of its
+    ``layers`` as ``"layers_sha256"`` (:func:`layers_digest`)."""
     file = Path(folder) / SETTINGS_FILE
-    file.write_text(_json.dumps({"format": FORMAT, **meta}))
+    layers = json.loads(_json.dumps(meta["layers"]))  # as they will be read back
+    file.write_text(_json.dumps({"format": FORMAT, **meta, "layers_sha256": layers_digest(layers)}))
     return file
+
+
+def layers_digest(layers: list[dict[str, Any]]) -> str:
+    """SHA-256 of the ``layers`` list of ``approx_config.json`` (keys sorted, compact JSON): a setting edited by hand
+    after saving (a seed that drew the saved state, a budget) is refused rather than run as if saved."""
+    return hashlib.sha256(json.dumps(layers, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
@@ -91,9 +99,15 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
                 check_heads(entry["heads"])
             except ValueError as e:
                 raise ValueError(f"{file}: layers[{n}]: {e}") from None
-    for key in ("original_attn_implementation", "state_sha256"):
+    for key in ("original_attn_implementation", "state_sha256", "layers_sha256"):
         if not isinstance(meta.get(key), (str, type(None))):
             raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")
+    # folders saved before 2026-11-29 have no layers_sha256: read as they are
+    if meta.get("layers_sha256") is not None and layers_digest(layers) != meta["layers_sha256"]:
+        raise ValueError(
+            f"{file}: its layers were changed after it was saved (their SHA-256 differs from 'layers_sha256'); to run "
+            "other settings, load the folder, patch the model with them and save it again"
+        )
     return meta
 
 
@@ -119,6 +133,11 @@ def build_layers(
             layers[i] = ApproxAttention(spec.name, config, head_dim=head_dims[i], layer_index=i, heads=chosen)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{file}: {e}") from None
+    if meta.get("state_sha256") is None and (Path(folder) / STATE_FILE).is_file():
+        raise ValueError(
+            f"{Path(folder) / STATE_FILE}: {SETTINGS_FILE} has no SHA-256 of it ('state_sha256', which approx.save "
+            "writes with every state file), so it cannot be told from a state file changed or added after saving"
+        )
     read_state(layers, folder, meta.get("state_sha256"))
     return meta, layers
 

@@ -21,6 +21,7 @@ import approx
 from approx.harness.autotune import hull_path, parse_target
 from approx.harness.cli import main
 from approx.harness.spec import PER_LAYER, as_setup, short_label
+from approx.harness.tasks import get_task
 
 CANDIDATES = ["i-clustered:clusters=3,topk=4", "nystrom:landmarks=4", "linformer:projections=8", "efficient"]
 
@@ -267,8 +268,11 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
             "--batch-size", "2", "--method", "efficient", "--method", "nystrom:landmarks=4", "--target",
             "cosine>=0.999", "--output-dir", str(out), "--quiet"]  # fmt: skip
     assert main(argv) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "layer 0:" in printed and "target cosine>=0.999" in printed
+    # the command it suggests reads the windows' length (approx eval's WikiText-2 split is test, not valid)
+    assert f"approx eval --model {base_model} --task wikitext2 --max-length 24 --method {out}`" in captured.err
     record = json.loads((out / "approx_autotune.json").read_text())
     assert record["tuning"]["candidates"] == ["efficient", "nystrom:landmarks=4"]
     assert record["calibration_data"]["windows"] == 4 and record["provenance"]["seed"] == 0
@@ -276,6 +280,29 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
             "--max-length", "24", "--data-dir", str(fixture_dir), "--quiet"]  # fmt: skip
     assert main(argv) == 0
     assert f"| {PER_LAYER}[" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "split, max_length, words, note",
+    [
+        ("dev/0", 128, "--task squad --split dev/1 --max-length 128", False),  # the other half
+        ("dev/1", None, "--task squad --split dev/0", False),
+        (None, None, "--task squad", True),  # the split approx eval reads by default: said
+        ("dev", 256, "--task squad --max-length 256", True),
+        ("train", None, "--task squad", False),
+    ],
+)
+def test_cli_autotune_suggests_an_evaluation_on_other_data(split, max_length, words, note):
+    """The command printed after `approx autotune --task`: the other half of a cross-fitted split, the calibration's
+    length, and a warning when the calibration read the split that approx eval reads by default."""
+    from types import SimpleNamespace
+
+    from approx.harness import cli
+
+    args = SimpleNamespace(model="qa", task="squad", split=split, max_length=max_length, length=512)
+    hint = cli._eval_hint(args, get_task("squad"), "./tuned")
+    assert f"`approx eval --model qa {words} --method ./tuned`" in hint
+    assert ("reads by default" in hint) is note
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,28 @@ def test_stsb_zero_shot_and_fine_tuned(fixture_dir, checkpoints):
     assert r["fidelity"]["mean_abs_difference"] >= 0 and "agreement" not in r["fidelity"]
     (ft,) = _run(checkpoints("sequence-classification", 1), "stsb", ["full"], fixture_dir)
     assert ft["mode"] == "fine-tuned" and ft["fidelity"]["max_abs_difference"] < 1e-5
+
+
+def test_undefined_metrics_and_intervals_are_said_in_words(fixture_dir, checkpoints):
+    """A correlation over one example is undefined (NaN), as is an interval when resamples of three examples repeat
+    one example: each is said once, in the report and as a warning, and scipy's own warning (which names the BCa
+    method, not the percentile one used here) is not shown. A length that leaves no room for the text is refused."""
+    path = checkpoints("base")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (one,) = _run(path, "stsb", ["favor"], fixture_dir, limit=1)
+        (three,) = _run(path, "stsb", ["favor"], fixture_dir, limit=3)
+    said = [str(w.message) for w in caught]
+    assert math.isnan(one["reference_metrics"]["pearson"]) and "intervals" not in one
+    assert any("full attention's pearson, spearman: undefined on the 1 example evaluated" in m for m in said)
+    assert not math.isnan(three["metrics"]["pearson"]) and math.isnan(three["intervals"]["metrics"]["pearson"]["low"])
+    assert any("`favor`'s interval of pearson, spearman: undefined" in m for m in said)
+    assert not any("BCa" in m for m in said)
+    notes = [line for line in approx.markdown_report([three]).splitlines() if line.startswith("- ")]
+    assert notes == [f"- {m.removeprefix('approx: ')}" for m in said if "interval of" in m]
+    assert not [line for line in approx.markdown_report([three]).splitlines() if "full attention's" in line]
+    with pytest.raises(ValueError, match=r"max_length=2 leaves no room for the text.*\[CLS\]"):
+        _run(checkpoints("sequence-classification"), "sst2", ["favor"], fixture_dir, max_length=2)
 
 
 def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
@@ -348,6 +371,44 @@ def test_hidden_state_cosines_match_a_plain_forward_input_by_input(fixture_dir, 
     assert got["last"] == got["per_layer"][-1]
     assert got["worst_feature"] == pytest.approx(min(per_input), abs=1e-5)
     assert got["pooled"] == pytest.approx(sum(pooled) / len(pooled), abs=1e-5)
+
+
+def test_each_result_says_on_how_many_inputs_its_attention_was_exact(fixture_dir, checkpoints):
+    """``fidelity.exact_inputs``: the (layer, input) pairs whose attention output equalled exact attention's. Clustering
+    runs exact attention on an input of at most ``clusters`` tokens, so the count is known from the inputs' lengths
+    alone (the checkpoint's tokenizer, no harness): clusters between the shortest and the longest input give that
+    share; clusters above every length make every input exact, which a warning and the report's note say; one
+    cluster (and FAVOR+) none. The report has no note for a method without exact inputs."""
+    from transformers import AutoTokenizer
+
+    path = checkpoints("sequence-classification")
+    tok = AutoTokenizer.from_pretrained(path)
+    examples, _ = get_task("rte").load(source="local", data_dir=str(fixture_dir))
+    lengths = sorted(
+        len(tok(e["text"], e["text_pair"], truncation=True, max_length=128)["input_ids"]) for e in examples
+    )
+    mid = lengths[len(lengths) // 2]
+    assert lengths[0] < mid < lengths[-1], "the test needs inputs of several lengths"
+    with pytest.warns(UserWarning, match="equalled exact attention on every input") as caught:
+        every, some, none, favor = _run(
+            path, "rte", [f"clustered:clusters={lengths[-1]}", f"clustered:clusters={mid}", "clustered:clusters=1",
+                          "favor"], fixture_dir, resamples=0,
+        )  # fmt: skip
+    assert len(caught) == 1 and f"clusters={lengths[-1]}" in str(caught[0].message)
+    layers = 2  # the fixture's attention layers, every one patched
+    expected = sum(n <= mid for n in lengths) * layers
+    assert some["fidelity"]["exact_inputs"] == {
+        "share": expected / (len(lengths) * layers), "matched": expected, "measured": len(lengths) * layers
+    }  # fmt: skip
+    assert every["fidelity"]["exact_inputs"]["share"] == 1.0
+    assert none["fidelity"]["exact_inputs"]["matched"] == favor["fidelity"]["exact_inputs"]["matched"] == 0
+    report = approx.markdown_report([every, some, none, favor])
+    notes = [line for line in report.splitlines() if line.startswith("- `")]
+    assert (
+        len(notes) == 2
+        and "every input and layer" in notes[0]
+        and f"{expected / (len(lengths) * layers):.0%}" in notes[1]
+    )
 
 
 def test_several_methods_share_one_reference_run(fixture_dir, checkpoints):

@@ -257,6 +257,10 @@ CORRUPTIONS = {
     "wrong-shape state": lambda f: _write_state(f, lambda s: {**s, "layer.0.planes": s["layer.0.planes"][:3]}),
     "NaN state": lambda f: _write_state(f, lambda s: {**s, "layer.0.offsets": s["layer.0.offsets"] * float("nan")}),
     "state of another layer": lambda f: _write_state(f, lambda s: {**s, "layer.1.planes": s["layer.0.planes"].clone()}),
+    # valid settings, edited by hand after saving: the seed that drew the saved state, the budget
+    "edited seed": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(seed=5)),
+    "edited budget": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(clusters=5)),
+    "state checksum removed": lambda f: _edit_settings(f, lambda m: m.pop("state_sha256")),
 }
 
 
@@ -287,6 +291,22 @@ def test_corrupted_folder_leaves_the_model_as_it_was(tmp_path, corruption, start
     assert_untouched(model, ref, was, settings)
     with pytest.raises((ValueError, FileNotFoundError), match=str(folder)):
         approx.load(folder)
+
+
+def test_settings_edited_after_saving_are_refused_and_formatting_is_not(tmp_path):
+    """The layers' SHA-256 is in the settings: an edited setting is refused, saying how to change settings; the same
+    settings written again in another layout (indentation, key order) load to the saved model. A folder saved before
+    the digest existed (no ``layers_sha256``) loads as it is."""
+    model, folder = saved_folder(tmp_path / "m")
+    _edit_settings(folder, lambda m: m["layers"][0]["config"].update(clusters=5))
+    with pytest.raises(ValueError, match="changed after it was saved.*patch the model with them and save it again"):
+        approx.load(folder)
+    model, folder = saved_folder(tmp_path / "n")
+    meta = json.loads((folder / SETTINGS_FILE).read_text())
+    (folder / SETTINGS_FILE).write_text(json.dumps(dict(reversed(list(meta.items()))), indent=7, sort_keys=True))
+    assert torch.equal(outputs(approx.load(folder)), outputs(model))
+    _edit_settings(folder, lambda m: m.pop("layers_sha256"))
+    assert torch.equal(outputs(approx.load(folder)), outputs(model))
 
 
 def test_restore_refuses_a_patched_model_and_leaves_it_as_it_was(tmp_path):

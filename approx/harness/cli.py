@@ -526,11 +526,29 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     }
     (out / "approx_autotune.json").write_text(_json.dumps(record))
     print(tuning.summary())
-    model_flag = f"--model {args.model} " if args.model else ""
-    task_flag = f"--task {args.task}" if args.task else "--task wikitext2"
     folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
-    print(f"wrote {out} (evaluate it with `approx eval {model_flag}{task_flag} --method {folder}`)", file=sys.stderr)
+    print(f"wrote {out} ({_eval_hint(args, task, folder)})", file=sys.stderr)
     return 0
+
+
+def _eval_hint(args, task, folder: str) -> str:
+    """The ``approx eval`` command for a tuned folder, on data the calibration did not read where the split says
+    which (the other half of a cross-fitted split), at the calibration's length; a warning where the calibration
+    read the split that ``approx eval`` evaluates by default."""
+    words = ["approx eval", *([f"--model {args.model}"] if args.model else [])]
+    note = ""
+    if task is None:  # WikiText-2 validation windows: approx eval reads the test split
+        words += ["--task wikitext2", *([f"--max-length {args.length}"] if args.length != 512 else [])]
+    else:
+        words.append(f"--task {args.task}")
+        split = args.split or task.default_split
+        name, _, half = split.partition("/")
+        if half in ("0", "1"):  # a cross-fitted half: evaluate on the other one
+            words.append(f"--split {name}/{1 - int(half)}")
+        elif split == task.default_split:
+            note = f"; it was calibrated on {split}, which approx eval reads by default: give it other data (--split)"
+        words += [f"--max-length {args.max_length}"] if args.max_length else []
+    return f"evaluate it with `{' '.join([*words, f'--method {folder}'])}`{note}"
 
 
 def _score_split(args: argparse.Namespace, target, task) -> str | None:

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -354,6 +355,13 @@ def _prepare(
     model.to(device).eval()
     model_info = task.prepare(model, mode)
     features = task.features(examples, tokenizer, max_length=max_length, mode=mode)
+    special = set(tokenizer.all_special_ids)
+    if features and all(special.issuperset(f.input_ids) for f in features):  # stops at the first with some text
+        raise ValueError(
+            f"max_length={max_length} leaves no room for the text: every input is special tokens only (e.g. "
+            f"{tokenizer.convert_ids_to_tokens(features[0].input_ids)}); give more (the task's default is "
+            f"{task.default_max_length})"
+        )
     positions = _extend(model, tokenizer, max((len(f.input_ids) for f in features), default=0), stack)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return _Run(model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions)
@@ -427,7 +435,73 @@ def _results(
                 examples_digest=digest,
             )
         results.append(result)
+        _say_if_exact(result)
+    for note in undefined_notes(results):  # said once, in words, rather than a NaN in a table
+        warnings.warn(f"approx: {note}", stacklevel=3)
     return results
+
+
+def _nan(x: Any) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
+    """Sentences for task metrics and intervals that are NaN (undefined): too few examples, or constant labels or
+    predictions (a correlation over one example, Matthews' coefficient with one class)."""
+    if not results:
+        return []
+    n = results[0]["examples"]
+    counted = f"{n} example{'' if n == 1 else 's'} evaluated"
+    why = f"undefined on the {counted} (too few, or constant labels or predictions)"
+    seen = [m for m, v in results[0]["reference_metrics"].items() if _nan(v)]
+    notes = [f"full attention's {', '.join(seen)}: {why}"] if seen else []
+    for r in results:
+        label = short_label(r["method"])
+        bad = [m for m, v in r["metrics"].items() if _nan(v) and m not in seen]
+        if bad:
+            notes.append(f"`{label}`'s {', '.join(bad)}: {why}")
+        spans = r.get("intervals", {}).get("metrics", {})
+        loose = [m for m, e in spans.items() if (_nan(e["low"]) or _nan(e["high"])) and m not in seen + bad]
+        if loose:
+            notes.append(
+                f"`{label}`'s interval of {', '.join(loose)}: undefined, as some resamples of the {counted} leave the "
+                "metric undefined (too few examples, or constant labels or predictions)"
+            )
+    return notes
+
+
+def _say_if_exact(result: dict[str, Any]) -> None:
+    """Warn when a method's attention equalled exact attention's on every input and layer: nothing it scored is its
+    approximation's (:func:`exact_note` puts the share in the report)."""
+    exact = result["fidelity"].get("exact_inputs") or {}
+    if result["method"]["name"] != "full" and exact.get("share") == 1.0:
+        warnings.warn(f"{short_label(result['method'])}: {exact_note(result)}", stacklevel=3)
+
+
+# what makes a method's attention exact on an input, for the notes below
+_WITHIN_BUDGET = (
+    "within its budget (at most as many tokens as clusters, a window or pattern covering every pair, BigBird's "
+    "fallback on short inputs, exact_below)"
+)
+
+
+def exact_note(result: dict[str, Any]) -> str | None:
+    """A sentence when some of a method's (layer, input) pairs equalled exact attention (None when none did, for
+    full attention itself, and for results made before this was counted)."""
+    exact = result["fidelity"].get("exact_inputs") or {}
+    share = exact.get("share")
+    if not share or result["method"]["name"] == "full":
+        return None
+    if share == 1.0:
+        return (
+            f"equalled exact attention on every input and layer ({exact['measured']} layer inputs): these inputs are "
+            f"{_WITHIN_BUDGET}, so its results are exact attention's and say nothing about its approximation (longer "
+            "inputs or a smaller budget would)"
+        )
+    return (
+        f"equalled exact attention on {share:.0%} of its {exact['measured']} layer inputs, those {_WITHIN_BUDGET}; "
+        "the rest approximated"
+    )
 
 
 def evaluate(
@@ -597,4 +671,6 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
             _fmt(f["peak_memory_mib"], 1),
         ]
         rows.append("| " + " | ".join(row) + " |")
-    return "\n".join(rows)
+    notes = [f"- `{short_label(r['method'])}`: {note}" for r in results if (note := exact_note(r))]
+    notes += [f"- {note}" for note in undefined_notes(results)]
+    return "\n".join(rows + ([""] + notes if notes else []))

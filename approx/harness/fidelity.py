@@ -24,6 +24,12 @@ The ``fidelity`` dict, per method:
   ``layers``: the indices of the patched layers and the number of attention layers;
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
+* ``exact_inputs``: of the (patched layer call, input) pairs measured, those whose attention output equalled exact
+  attention's to rounding (relative error over the input's heads and real queries at most
+  :func:`exact_tolerance`), and their ``share``: inputs within the method's budget (clustering with at least as many
+  clusters as tokens, a window or a pattern covering every pair, BigBird's fallback on short inputs), a
+  short-input fallback (``exact_below``). A method whose share is 1 ran exact attention on these inputs: its
+  metrics say nothing about its approximation;
 * ``seconds``, ``reference_seconds`` (whole-model forward time over all batches, timed in a pass without the
   probe, whose exact attention and graph run in a second, untimed pass), ``speedup``; ``seconds_per_example`` and ``reference_seconds_per_example`` (divided by the examples
   scored: a SQuAD question read in several windows counts once); ``graph`` for methods that predict an
@@ -61,6 +67,13 @@ __all__ = ["AttentionProbe", "add_sums", "batch_sums", "cost_block", "summarize"
 GRAPH_MAX_KEYS = 1024
 
 
+def exact_tolerance(dtype: torch.dtype) -> float:
+    """The relative error (over an input's heads and real queries) below which a method's attention output counts as
+    exact attention's, computed otherwise: 1e-5 in float32 and float64 (summation order moves float32 results by
+    about 1e-7), 4 epsilons in half precision (3.9e-3 in float16, 3.1e-2 in bfloat16)."""
+    return max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-5
+
+
 class AttentionProbe:
     """Per patched-layer call: the exact attention on the same inputs (for the relative error), the cost of
     the method and of full attention at each row's real length, and graph counts; ``seconds`` is its own
@@ -79,6 +92,8 @@ class AttentionProbe:
         self._full = get_method("full")
         self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
         self.graph_skipped = 0  # layer calls of such a method too long for the graph (GRAPH_MAX_KEYS)
+        # (layer call, input) pairs whose attention output equalled exact attention's to rounding, of those measured
+        self.exact_inputs = [0, 0]
         self._broke_down = sum(_fallback.counts().values())
 
     def fallback_rows(self) -> int:
@@ -108,6 +123,13 @@ class AttentionProbe:
         per_head = diff.sum((0, 2)).double().cpu(), ref.sum((0, 2)).double().cpu()
         for sums, add in zip((self.head_err_num, self.head_err_den), per_head, strict=True):
             sums[i] = sums[i] + add if i in sums else add
+        # per input, over heads and real queries: its output equal to exact attention's to the dtype's rounding (an
+        # input within the method's budget, a fallback, a pattern covering every pair), which results say
+        rows_diff, rows_ref = diff.sum((1, 2)), ref.sum((1, 2))
+        measured = rows_ref > 0
+        matched = measured & (rows_diff <= exact_tolerance(out.dtype) ** 2 * rows_ref)
+        self.exact_inputs[0] += int(matched.sum())
+        self.exact_inputs[1] += int(measured.sum())
         heads, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
         b, n = q.shape[0], k.shape[-2]
         # per row at its real length, summed over the heads (the method's and, with heads=, exact attention's on
@@ -185,6 +207,7 @@ def batch_sums(
         "graph": graph,
         "graph_skipped": probe.graph_skipped,
         "fallback_rows": probe.fallback_rows(),
+        "exact_inputs": list(probe.exact_inputs),
         "seconds": seconds,
         "reference_seconds": reference_seconds,
         "peak_mib": peak,
@@ -212,6 +235,11 @@ def _add_counts(a: int | None, b: int | None) -> int:
 def _add_lists(a: list, b: list) -> list:
     """Elementwise sums; None (a count a method does not report) stays None."""
     return [None if x is None or y is None else x + y for x, y in zip(a, b, strict=True)]
+
+
+def _add_pairs(a: list | None, b: list | None) -> list | None:
+    """Elementwise sums of two count lists; a record written before the field existed lacks it (None)."""
+    return b if a is None else a if b is None else [x + y for x, y in zip(a, b, strict=True)]
 
 
 def _add_keyed(a: dict, b: dict) -> dict:
@@ -248,6 +276,7 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "graph": _add_graph,
     "graph_skipped": _add_counts,
     "fallback_rows": _add,
+    "exact_inputs": _add_pairs,
     "seconds": _add,
     "reference_seconds": _add,
     "peak_mib": _extreme(max),
@@ -342,6 +371,10 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
             "why": f"inputs with more than {GRAPH_MAX_KEYS} keys: the gold graph is an entmax over all N^2 scores",
         }
     fidelity["fallback_rows"] = sums["fallback_rows"]
+    if sums.get("exact_inputs") is not None:
+        matched, measured = sums["exact_inputs"]
+        fidelity["exact_inputs"] = {"share": matched / measured if measured else None, "matched": matched,
+                                    "measured": measured}  # fmt: skip
     fidelity["peak_memory_mib"] = sums["peak_mib"]
     fidelity["reference_peak_memory_mib"] = sums["reference_peak_mib"]
     fidelity["peak_memory_mib_per_input"] = sums.get("peak_mib_per_input")
