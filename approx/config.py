@@ -69,7 +69,7 @@ class MethodConfig:
             if expected is float:
                 object.__setattr__(self, f.name, self._number(f.name, value))  # alpha=2 recorded as 2.0, as typed
             if expected is bool and not isinstance(value, bool):
-                raise ValueError(f"{self.method}: option {f.name!r} must be true or false, got {value!r}")
+                raise ValueError(f"{self.method}: option {f.name!r} must be True or False, got {value!r}")
             if expected is str and not isinstance(value, str):
                 raise ValueError(f"{self.method}: option {f.name!r} must be a string, got {value!r}")
         self.check()

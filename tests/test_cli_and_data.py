@@ -25,6 +25,14 @@ def test_methods_command_lists_every_method_with_defaults(capsys):
             assert f"{opt['name']} ({opt['type']}, default {opt['default']!r})" in out
 
 
+def test_methods_command_shows_the_methods_named(capsys):
+    assert main(["methods", "favor", "lsh"]) == 0
+    listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    assert listed == ["favor", "lsh"]
+    assert main(["methods", "favr"]) == 2
+    assert "did you mean 'favor'" in capsys.readouterr().err
+
+
 def test_parse_setup_types_options_from_the_config():
     s = parse_setup("i-clustered:clusters=25,topk=32")
     assert s.method == "i-clustered" and s.options == {"clusters": 25, "topk": 32}
@@ -68,6 +76,13 @@ def test_an_option_in_the_spec_beats_one_shared_by_every_method_and_a_second_val
     _, groups, shared = split_method_args(["--window", "8", "--method", "bigbird"])
     with pytest.raises(ValueError, match="belong to none"):
         eval_setups(groups, shared)
+    # one option name, two methods' meanings (BigBird's kernel engine, FAVOR+'s feature kernel): the refusal says
+    # where the flag goes; after its method it is that method's alone
+    _, groups, shared = split_method_args(["--kernel", "band", "--method", "bigbird", "--method", "favor"])
+    with pytest.raises(ValueError, match="'kernel' = 'band' is invalid.*give it after that method's --method"):
+        eval_setups(groups, shared)
+    _, groups, shared = split_method_args(["--method", "bigbird", "--kernel", "band", "--method", "favor"])
+    assert [s.options.get("kernel") for s in eval_setups(groups, shared)] == ["band", None]
 
 
 def test_demo_without_data_fails_at_once_with_what_was_looked_for(tmp_path, capsys):

@@ -62,8 +62,8 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     if args.markdown:
         print(methods_markdown())
         return 0
-    for name in methods():
-        spec = get_method(name)
+    for name in args.names or methods():
+        spec = get_method(name)  # an unknown name: refused with the list of what exists
         print(f"{name}: {spec.summary}")
         for opt in spec.config_class.describe():
             print(f"    {opt['name']} ({opt['type']}, default {opt['default']!r}): {opt['help']}")
@@ -681,6 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("methods", help="list attention methods, their options and defaults")
+    p.add_argument("names", nargs="*", metavar="METHOD", help="only these methods (default: every one)")
     p.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
     p.set_defaults(func=_cmd_methods)
 

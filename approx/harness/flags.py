@@ -96,7 +96,17 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
         # an option before every --method is a default for each method that has it: a value in the spec wins
         used_shared |= {name for name in shared if name in kinds}
         mine = {name: value for name, value in shared.items() if name in kinds and name not in inline}
-        setups.append(parse_setup(spec, {**mine, **raw}))
+        try:
+            setups.append(parse_setup(spec, {**mine, **raw}))
+        except ValueError as e:  # a shared flag meant for another method with an option of the same name
+            wrong = [name for name in mine if f"'{name}'" in str(e)]
+            if not wrong:
+                raise
+            flag = f"--{wrong[0].replace('_', '-')} {mine[wrong[0]]}"
+            raise ValueError(
+                f"{e}; {flag}, given before every --method, goes to each method with that option: to set it for one "
+                f"method only, give it after that method's --method (--method NAME {flag})"
+            ) from None
     unused = set(shared) - used_shared
     if unused:
         raise ValueError(
