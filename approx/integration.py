@@ -564,10 +564,17 @@ def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxA
 def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwargs: Any) -> nn.Module:
     """Load a model written by :func:`save` (``model_class`` defaults to ``AutoModel``) and re-patch it. ``path``
     is a local folder; its settings are checked before any weight is read (``FileNotFoundError`` for a missing
-    folder or one not written by :func:`save`, ``ValueError`` naming the file for a malformed one)."""
+    folder or one not written by :func:`save`, ``ValueError`` naming the file for a malformed one).
+
+    Unless ``attn_implementation`` is given, the model is loaded with the implementation the saved model had before
+    it was patched, where that is ``eager`` or ``sdpa`` (transformers would otherwise pick its default, sdpa): the
+    layers left unpatched then compute as they did in the saved model, to the bit, and :func:`unpatch` gives that
+    implementation back."""
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{path}: no such folder (approx.load reads a folder written by approx.save)")
-    saved.read_settings(path)
+    original = saved.read_settings(path).get("original_attn_implementation")
+    if original in ("eager", "sdpa") and "attn_implementation" not in from_pretrained_kwargs:
+        from_pretrained_kwargs = {**from_pretrained_kwargs, "attn_implementation": original}
     if model_class is None:
         from transformers import AutoModel as model_class
     model = model_class.from_pretrained(str(path), **from_pretrained_kwargs)

@@ -105,8 +105,9 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
     # folders saved before 2026-11-29 have no layers_sha256: read as they are
     if meta.get("layers_sha256") is not None and layers_digest(layers) != meta["layers_sha256"]:
         raise ValueError(
-            f"{file}: its layers were changed after it was saved (their SHA-256 differs from 'layers_sha256'); to run "
-            "other settings, load the folder, patch the model with them and save it again"
+            f"{file}: its layers were changed after it was saved (their SHA-256 differs from 'layers_sha256'); undo "
+            "the edit, or to run other settings load the checkpoint without approx (AutoModel.from_pretrained), "
+            "patch it with them and save it again"
         )
     return meta
 
@@ -133,7 +134,12 @@ def build_layers(
             layers[i] = ApproxAttention(spec.name, config, head_dim=head_dims[i], layer_index=i, heads=chosen)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{file}: {e}") from None
-    if meta.get("state_sha256") is None and (Path(folder) / STATE_FILE).is_file():
+    # a folder that records its layers' digest was saved with its state's digest too (older ones have neither)
+    if (
+        meta.get("layers_sha256") is not None
+        and meta.get("state_sha256") is None
+        and (Path(folder) / STATE_FILE).is_file()
+    ):
         raise ValueError(
             f"{Path(folder) / STATE_FILE}: {SETTINGS_FILE} has no SHA-256 of it ('state_sha256', which approx.save "
             "writes with every state file), so it cannot be told from a state file changed or added after saving"

@@ -272,7 +272,10 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
     printed = captured.out
     assert "layer 0:" in printed and "target cosine>=0.999" in printed
     # the command it suggests reads the windows' length (approx eval's WikiText-2 split is test, not valid)
-    assert f"approx eval --model {base_model} --task wikitext2 --max-length 24 --method {out}`" in captured.err
+    assert (
+        f"approx eval --model {base_model} --task wikitext2 --max-length 24 --data-dir {fixture_dir} --method {out}`"
+        in (captured.err)
+    )
     record = json.loads((out / "approx_autotune.json").read_text())
     assert record["tuning"]["candidates"] == ["efficient", "nystrom:landmarks=4"]
     assert record["calibration_data"]["windows"] == 4 and record["provenance"]["seed"] == 0
@@ -283,26 +286,29 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
 
 
 @pytest.mark.parametrize(
-    "split, max_length, words, note",
+    "split, score_split, max_length, words, note",
     [
-        ("dev/0", 128, "--task squad --split dev/1 --max-length 128", False),  # the other half
-        ("dev/1", None, "--task squad --split dev/0", False),
-        (None, None, "--task squad", True),  # the split approx eval reads by default: said
-        ("dev", 256, "--task squad --max-length 256", True),
-        ("train", None, "--task squad", False),
+        ("dev/0", None, 128, "--task squad --split dev/1 --max-length 128", None),  # the other half
+        ("dev/1", None, None, "--task squad --split dev/0", None),
+        ("dev/0", "dev/1", None, "--task squad", "dev/0 and dev/1"),  # the score target read the other half
+        ("dev/0", "train", None, "--task squad --split dev/1", None),
+        (None, None, None, "--task squad", "dev"),  # the split approx eval reads by default: said
+        ("dev", None, 256, "--task squad --max-length 256", "dev"),
+        ("train", None, None, "--task squad", None),
     ],
 )
-def test_cli_autotune_suggests_an_evaluation_on_other_data(split, max_length, words, note):
-    """The command printed after `approx autotune --task`: the other half of a cross-fitted split, the calibration's
-    length, and a warning when the calibration read the split that approx eval reads by default."""
+def test_cli_autotune_suggests_an_evaluation_on_other_data(split, score_split, max_length, words, note):
+    """The command printed after `approx autotune --task`: the other half of a cross-fitted split unless a score
+    target scored on it, the calibration's length and data flags, and a warning when the tuning read the split that
+    approx eval reads by default, or the half it would suggest."""
     from types import SimpleNamespace
 
     from approx.harness import cli
 
-    args = SimpleNamespace(model="qa", task="squad", split=split, max_length=max_length, length=512)
-    hint = cli._eval_hint(args, get_task("squad"), "./tuned")
-    assert f"`approx eval --model qa {words} --method ./tuned`" in hint
-    assert ("reads by default" in hint) is note
+    args = SimpleNamespace(model="qa", task="squad", split=split, max_length=max_length, length=512, data_dir="d")
+    hint = cli._eval_hint(args, get_task("squad"), "./tuned", score_split)
+    assert f"`approx eval --model qa {words} --data-dir d --method ./tuned`" in hint
+    assert (f"the tuning read {note}:" in hint) if note else "the tuning read" not in hint
 
 
 @pytest.mark.parametrize(

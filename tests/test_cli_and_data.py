@@ -83,6 +83,10 @@ def test_an_option_in_the_spec_beats_one_shared_by_every_method_and_a_second_val
         eval_setups(groups, shared)
     _, groups, shared = split_method_args(["--method", "bigbird", "--kernel", "band", "--method", "favor"])
     assert [s.options.get("kernel") for s in eval_setups(groups, shared)] == ["band", None]
+    _, groups, shared = split_method_args(["--clusters", "0", "--method", "clustered"])  # only invalid: no hint
+    with pytest.raises(ValueError, match="clusters") as e:
+        eval_setups(groups, shared)
+    assert "after that method's --method" not in str(e.value)
 
 
 def test_demo_without_data_fails_at_once_with_what_was_looked_for(tmp_path, capsys):

@@ -197,6 +197,8 @@ def test_undefined_metrics_and_intervals_are_said_in_words(fixture_dir, checkpoi
     notes = [line for line in approx.markdown_report([three]).splitlines() if line.startswith("- ")]
     assert notes == [f"- {m.removeprefix('approx: ')}" for m in said if "interval of" in m]
     assert not [line for line in approx.markdown_report([three]).splitlines() if "full attention's" in line]
+    again = json.loads(approx._json.dumps(three))  # NaN is written as null: the note stays
+    assert approx.markdown_report([again]).splitlines()[-1] == notes[-1]
     with pytest.raises(ValueError, match=r"max_length=2 leaves no room for the text.*\[CLS\]"):
         _run(checkpoints("sequence-classification"), "sst2", ["favor"], fixture_dir, max_length=2)
 
@@ -209,9 +211,16 @@ def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
     (by_path,) = _run(Path(path), "rte", ["clustered:clusters=2"], fixture_dir)
     (by_name,) = _run(path, "rte", ["clustered:clusters=2"], fixture_dir)
     assert by_path["metrics"] == by_name["metrics"] and by_path["model"] == by_name["model"] == path
-    # one method may be given alone: the name as one method, not a list of its letters
+    # one method may be given alone: the name as one method, not a list of its letters, and a patched model's layers
+    # (a dict) as one method, not its keys
     (alone,) = _run(path, "rte", "clustered:clusters=2", fixture_dir)
     assert alone["metrics"] == by_name["metrics"] and alone["method"] == by_name["method"]
+    model, tok = approx.integration.load_pretrained(path, task="sequence-classification", progress=False)
+    layers = approx.patched_layers(approx.patch(model, "clustered", clusters=2))
+    (mine,) = approx.evaluate(
+        approx.unpatch(model), "rte", layers, tokenizer=tok, data_dir=str(fixture_dir), source="local", progress=False
+    )
+    assert mine["metrics"] == by_name["metrics"]
 
 
 def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
@@ -391,10 +400,15 @@ def test_each_result_says_on_how_many_inputs_its_attention_was_exact(fixture_dir
     assert lengths[0] < mid < lengths[-1], "the test needs inputs of several lengths"
     with pytest.warns(UserWarning, match="equalled exact attention on every input") as caught:
         every, some, none, favor = _run(
-            path, "rte", [f"clustered:clusters={lengths[-1]}", f"clustered:clusters={mid}", "clustered:clusters=1",
-                          "favor"], fixture_dir, resamples=0,
-        )  # fmt: skip
-    assert len(caught) == 1 and f"clusters={lengths[-1]}" in str(caught[0].message)
+            path,
+            "rte",
+            [f"clustered:clusters={lengths[-1]}", f"clustered:clusters={mid}", "clustered:clusters=1", "favor"],
+            fixture_dir,
+            resamples=0,
+            batch_size=3,
+        )  # fmt: skip  (batches of 3: the counts are summed over batches)
+    exact = [str(w.message) for w in caught if "equalled exact attention" in str(w.message)]
+    assert len(exact) == 1 and f"clusters={lengths[-1]}" in exact[0]
     layers = 2  # the fixture's attention layers, every one patched
     expected = sum(n <= mid for n in lengths) * layers
     assert some["fidelity"]["exact_inputs"] == {
@@ -404,11 +418,23 @@ def test_each_result_says_on_how_many_inputs_its_attention_was_exact(fixture_dir
     assert none["fidelity"]["exact_inputs"]["matched"] == favor["fidelity"]["exact_inputs"]["matched"] == 0
     report = approx.markdown_report([every, some, none, favor])
     notes = [line for line in report.splitlines() if line.startswith("- `")]
-    assert (
-        len(notes) == 2
-        and "every input and layer" in notes[0]
-        and f"{expected / (len(lengths) * layers):.0%}" in notes[1]
-    )
+    assert len(notes) == 2 and "every input and layer" in notes[0]
+    assert f"on {expected} of its {len(lengths) * layers} layer inputs" in notes[1]
+    # halves of a cross-fitted split add up; with a half written before the count existed, nothing is claimed
+    from approx.harness.fidelity import add_sums
+
+    old = {k: v for k, v in _ONE_BATCH_SUMS.items() if k != "exact_inputs"}
+    assert add_sums(_ONE_BATCH_SUMS, _ONE_BATCH_SUMS)["exact_inputs"] == [6, 10]
+    assert add_sums(_ONE_BATCH_SUMS, old)["exact_inputs"] is None
+
+
+# one batch's sums, as fidelity.batch_sums writes them (the fields add_sums reads)
+_ONE_BATCH_SUMS = {
+    "tokens": 10, "inputs": 2, "cosine_sum": [9.0], "worst_input_cosine": 0.9, "pooled_cosine_sum": 1.8,
+    "divergences": [0.1, 0.2], "error_num": {"0": 1.0}, "error_den": {"0": 2.0}, "cost": [1, 1, 2, 2, 1, 2],
+    "total_layers": 1, "graph": {}, "graph_skipped": 0, "fallback_rows": 0, "exact_inputs": [3, 5], "seconds": 1.0,
+    "reference_seconds": 1.0, "peak_mib": 1.0, "reference_peak_mib": 1.0,
+}  # fmt: skip
 
 
 def test_several_methods_share_one_reference_run(fixture_dir, checkpoints):

@@ -140,7 +140,7 @@ def test_redraw_schedule():
         ({"features": 7}, ["features", "even"]),
         ({"kernel": "rbf"}, ["kernel", "'softmax'", "'relu'"]),
         ({"stabilizer": -1.0}, ["stabilizer"]),
-        ({"orthogonal": "yes"}, ["orthogonal", "true or false"]),
+        ({"orthogonal": "yes"}, ["orthogonal", "True or False"]),
         ({"feature": 64}, ["did you mean 'features'"]),
     ],
 )

@@ -17,6 +17,7 @@ from reference import naive_attention, naive_weights
 import approx
 from approx.integration import attach
 from approx.layer import ApproxAttention, attention_probe, check_heads
+from approx.saved import layers_digest
 
 
 def linear_reference(q, k, v, key_mask):
@@ -229,9 +230,9 @@ def test_save_load_and_pickle_keep_heads(tmp_path):
     assert "[heads 0,3]; 1 linear]" in short_label({"name": setup.method, **setup.config()})
     # a head the model does not have, in the file: refused naming the file, before any model is touched
     layers[0]["heads"] = [0, 9]
-    (tmp_path / "m" / "approx_config.json").write_text(
-        json.dumps({**json.loads((tmp_path / "m" / "approx_config.json").read_text()), "layers": layers})
-    )
+    meta = {**json.loads((tmp_path / "m" / "approx_config.json").read_text()), "layers": layers}
+    meta["layers_sha256"] = layers_digest(layers)  # as if saved so: the head check, not the digest's, refuses it
+    (tmp_path / "m" / "approx_config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"approx_config.json: head 9 does not exist"):
         approx.load(tmp_path / "m")
 
@@ -390,6 +391,7 @@ def test_finetune_from_a_folder_with_a_head_the_model_lacks_names_the_folder(tmp
     settings = folder / "approx_config.json"
     meta = json.loads(settings.read_text())
     meta["layers"][0]["heads"] = [0, heads]  # well formed, but one head past the model's
+    meta["layers_sha256"] = layers_digest(meta["layers"])  # as if saved so: the head check refuses it
     settings.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}: layer 1: head {heads} does not exist"):
         finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), train_split="dev/0",

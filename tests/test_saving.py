@@ -16,7 +16,7 @@ from evalfixtures import vocab
 
 import approx
 from approx.integration import load_pretrained
-from approx.saved import SETTINGS_FILE, STATE_FILE
+from approx.saved import SETTINGS_FILE, STATE_FILE, layers_digest
 
 INPUTS = batch(48, pad=13)
 
@@ -234,13 +234,33 @@ def test_unpatch_after_load_gives_back_the_loaded_implementation(tmp_path):
     assert torch.equal(outputs(loaded), ref)
 
 
+def test_load_reads_a_model_saved_from_eager_attention_as_it_ran(tmp_path):
+    """A model loaded with eager attention, patched on layer 0 and saved: approx.load reads it with eager attention
+    (transformers would pick sdpa), so the unpatched layer computes as it did and the outputs are the saved model's to
+    the bit; unpatch gives eager back. A given attn_implementation still wins."""
+    from transformers import AutoModel
+
+    tiny_model("bert").save_pretrained(tmp_path / "plain")
+    model = AutoModel.from_pretrained(tmp_path / "plain", attn_implementation="eager").eval()
+    approx.patch(model, "clustered", layers=[0], clusters=6, seed=2)
+    approx.save(model, tmp_path / "m", tokenizer=tokenizer())
+    loaded = approx.load(tmp_path / "m").eval()
+    assert torch.equal(outputs(loaded), outputs(model))
+    assert approx.unpatch(loaded).config._attn_implementation == "eager"
+    assert approx.unpatch(approx.load(tmp_path / "m", attn_implementation="sdpa")).config._attn_implementation == "sdpa"
+
+
 # ------------------------------------------------------------------------------------------ 8. clean errors
 
 
-def _edit_settings(folder: Path, edit) -> None:
+def _edit_settings(folder: Path, edit, *, digest: bool = True) -> None:
+    """Edit the settings; with ``digest``, record the edited layers' SHA-256 too (as approx.save would have), so that
+    what the edit breaks is refused by the check it is for and not by the digest's."""
     file = folder / SETTINGS_FILE
     meta = json.loads(file.read_text())
     edit(meta)
+    if digest and isinstance(meta.get("layers"), list) and "layers_sha256" in meta:
+        meta["layers_sha256"] = layers_digest(meta["layers"])
     file.write_text(json.dumps(meta))
 
 
@@ -258,8 +278,8 @@ CORRUPTIONS = {
     "NaN state": lambda f: _write_state(f, lambda s: {**s, "layer.0.offsets": s["layer.0.offsets"] * float("nan")}),
     "state of another layer": lambda f: _write_state(f, lambda s: {**s, "layer.1.planes": s["layer.0.planes"].clone()}),
     # valid settings, edited by hand after saving: the seed that drew the saved state, the budget
-    "edited seed": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(seed=5)),
-    "edited budget": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(clusters=5)),
+    "edited seed": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(seed=5), digest=False),
+    "edited budget": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(clusters=5), digest=False),
     "state checksum removed": lambda f: _edit_settings(f, lambda m: m.pop("state_sha256")),
 }
 
@@ -296,16 +316,18 @@ def test_corrupted_folder_leaves_the_model_as_it_was(tmp_path, corruption, start
 def test_settings_edited_after_saving_are_refused_and_formatting_is_not(tmp_path):
     """The layers' SHA-256 is in the settings: an edited setting is refused, saying how to change settings; the same
     settings written again in another layout (indentation, key order) load to the saved model. A folder saved before
-    the digest existed (no ``layers_sha256``) loads as it is."""
+    the digests existed (no ``layers_sha256``, with or without ``state_sha256``) loads as it is."""
     model, folder = saved_folder(tmp_path / "m")
-    _edit_settings(folder, lambda m: m["layers"][0]["config"].update(clusters=5))
-    with pytest.raises(ValueError, match="changed after it was saved.*patch the model with them and save it again"):
+    _edit_settings(folder, lambda m: m["layers"][0]["config"].update(clusters=5), digest=False)
+    with pytest.raises(ValueError, match="changed after it was saved.*; undo the edit, or .* save it again"):
         approx.load(folder)
     model, folder = saved_folder(tmp_path / "n")
     meta = json.loads((folder / SETTINGS_FILE).read_text())
     (folder / SETTINGS_FILE).write_text(json.dumps(dict(reversed(list(meta.items()))), indent=7, sort_keys=True))
     assert torch.equal(outputs(approx.load(folder)), outputs(model))
     _edit_settings(folder, lambda m: m.pop("layers_sha256"))
+    assert torch.equal(outputs(approx.load(folder)), outputs(model))
+    _edit_settings(folder, lambda m: m.pop("state_sha256"))  # saved before either digest: as it is
     assert torch.equal(outputs(approx.load(folder)), outputs(model))
 
 

@@ -527,14 +527,14 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     (out / "approx_autotune.json").write_text(_json.dumps(record))
     print(tuning.summary())
     folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
-    print(f"wrote {out} ({_eval_hint(args, task, folder)})", file=sys.stderr)
+    print(f"wrote {out} ({_eval_hint(args, task, folder, score_split)})", file=sys.stderr)
     return 0
 
 
-def _eval_hint(args, task, folder: str) -> str:
-    """The ``approx eval`` command for a tuned folder, on data the calibration did not read where the split says
-    which (the other half of a cross-fitted split), at the calibration's length; a warning where the calibration
-    read the split that ``approx eval`` evaluates by default."""
+def _eval_hint(args, task, folder: str, score_split: str | None = None) -> str:
+    """The ``approx eval`` command for a tuned folder, on data the tuning did not read where the splits say which
+    (the other half of a cross-fitted split, unless a score target scored on it), with the calibration's length and
+    data flags; a warning where the tuning read the split that ``approx eval`` evaluates by default."""
     words = ["approx eval", *([f"--model {args.model}"] if args.model else [])]
     note = ""
     if task is None:  # WikiText-2 validation windows: approx eval reads the test split
@@ -543,11 +543,16 @@ def _eval_hint(args, task, folder: str) -> str:
         words.append(f"--task {args.task}")
         split = args.split or task.default_split
         name, _, half = split.partition("/")
-        if half in ("0", "1"):  # a cross-fitted half: evaluate on the other one
-            words.append(f"--split {name}/{1 - int(half)}")
-        elif split == task.default_split:
-            note = f"; it was calibrated on {split}, which approx eval reads by default: give it other data (--split)"
+        other = f"{name}/{1 - int(half)}" if half in ("0", "1") else None  # a cross-fitted half's other half
+        if other is not None and other != score_split:
+            words.append(f"--split {other}")
+        read = " and ".join(dict.fromkeys(x for x in (split, score_split) if x))
+        if (other is None and split == task.default_split) or (other is not None and other == score_split):
+            note = f"; the tuning read {read}: evaluate it on data it did not read (--split)"
         words += [f"--max-length {args.max_length}"] if args.max_length else []
+    for flag in ("data_dir", "source"):
+        if getattr(args, flag, None):
+            words.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
     return f"evaluate it with `{' '.join([*words, f'--method {folder}'])}`{note}"
 
 

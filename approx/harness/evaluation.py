@@ -288,6 +288,12 @@ def _resolve_model(model, tokenizer, head: str, progress: bool):
     return model, tokenizer, name
 
 
+def _method_list(methods: Any) -> list:
+    """``methods`` as a list: one method given alone (a name, a folder, a Setup, a config or a patched model's layers)
+    is a list of one, never a string's letters or a dict's keys."""
+    return [methods] if isinstance(methods, (str, os.PathLike, Setup, MethodConfig, dict)) else list(methods)
+
+
 def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
     """The methods as setups, refusing what cannot run before anything is loaded."""
     if not methods:
@@ -437,12 +443,13 @@ def _results(
         results.append(result)
         _say_if_exact(result)
     for note in undefined_notes(results):  # said once, in words, rather than a NaN in a table
-        warnings.warn(f"approx: {note}", stacklevel=3)
+        warnings.warn(f"approx: {note}", stacklevel=3)  # evaluate's caller
     return results
 
 
 def _nan(x: Any) -> bool:
-    return isinstance(x, float) and math.isnan(x)
+    """NaN, or None: how a NaN reads back from a result's JSON (non-finite numbers are written as null)."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
@@ -475,7 +482,7 @@ def _say_if_exact(result: dict[str, Any]) -> None:
     approximation's (:func:`exact_note` puts the share in the report)."""
     exact = result["fidelity"].get("exact_inputs") or {}
     if result["method"]["name"] != "full" and exact.get("share") == 1.0:
-        warnings.warn(f"{short_label(result['method'])}: {exact_note(result)}", stacklevel=3)
+        warnings.warn(f"{short_label(result['method'])}: {exact_note(result)}", stacklevel=4)  # evaluate's caller
 
 
 # what makes a method's attention exact on an input, for the notes below
@@ -499,8 +506,8 @@ def exact_note(result: dict[str, Any]) -> str | None:
             "inputs or a smaller budget would)"
         )
     return (
-        f"equalled exact attention on {share:.0%} of its {exact['measured']} layer inputs, those {_WITHIN_BUDGET}; "
-        "the rest approximated"
+        f"equalled exact attention on {exact['matched']} of its {exact['measured']} layer inputs ({share:.1%}), those "
+        f"{_WITHIN_BUDGET}; the rest approximated"
     )
 
 
@@ -529,9 +536,8 @@ def evaluate(
 
     ``model``: a local folder (a string or a ``pathlib.Path``) or hub id (the head the task needs is read from
     the checkpoint), or a loaded model with its ``tokenizer``. ``methods``: a list of (or one of) names with options
-    (``"clustered:clusters=25"``),
-    :class:`~approx.harness.spec.Setup` or config objects, or the layers of a patched model
-    (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first), or a folder
+    (``"clustered:clusters=25"``), :class:`~approx.harness.spec.Setup` or config objects, the layers of a patched
+    model (``approx.patched_layers(model)``, e.g. fine-tuned with its method; unpatch the model first), or folders
     written by :func:`approx.save` / ``approx fit`` (its layers, with their fitted or drawn state). Returns one
     self-describing result per method. ``predictions``: also return the per-example predictions under the method
     and under full attention (``"predictions"``, ``"reference_predictions"``, in the split's example order) and
@@ -543,10 +549,9 @@ def evaluate(
 
     ``allocations`` (CPU only, with the warm-up): full attention and every method run once more on that longest
     batch, untimed, under torch's profiler, whose memory events give the CPU allocator's peak
-    (``fidelity.allocated_peak_mib_per_input`` and ``reference_allocated_peak_mib_per_input``): what the
-    forward pass holds at once, where the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator
-    reuses memory it kept. On CUDA ``peak_memory_mib`` already is the allocator's peak. Under several processes
-    each measures the first (longest) batch of its own share and the largest figure per input is kept.
+    (``fidelity.allocated_peak_mib_per_input`` and its reference twin): what the forward pass holds at once, where
+    the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator reuses memory it kept (CUDA: the
+    allocator's peak). Under several processes each measures its own longest batch; the largest is kept.
 
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
@@ -565,8 +570,7 @@ def evaluate(
     cpu = (device is not None and torch.device(device).type == "cpu") or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)
     task = get_task(task) if isinstance(task, str) else task
-    if isinstance(methods, (str, os.PathLike, Setup, MethodConfig)):  # one method alone (never a string's letters)
-        methods = [methods]
+    methods = _method_list(methods)
     setups = _setups(methods, seed, batch_size)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = task.default_max_length if max_length is None else max_length

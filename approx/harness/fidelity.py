@@ -25,7 +25,7 @@ The ``fidelity`` dict, per method:
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
 * ``exact_inputs``: of the (patched layer call, input) pairs measured, those whose attention output equalled exact
-  attention's to rounding (relative error over the input's heads and real queries at most
+  attention's to the dtype's precision (relative error over the input's heads and real queries at most
   :func:`exact_tolerance`), and their ``share``: inputs within the method's budget (clustering with at least as many
   clusters as tokens, a window or a pattern covering every pair, BigBird's fallback on short inputs), a
   short-input fallback (``exact_below``). A method whose share is 1 ran exact attention on these inputs: its
@@ -70,8 +70,10 @@ GRAPH_MAX_KEYS = 1024
 def exact_tolerance(dtype: torch.dtype) -> float:
     """The relative error (over an input's heads and real queries) below which a method's attention output counts as
     exact attention's, computed otherwise: 1e-5 in float32 and float64 (summation order moves float32 results by
-    about 1e-7), 4 epsilons in half precision (3.9e-3 in float16, 3.1e-2 in bfloat16)."""
-    return max(1e-5, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-5
+    about 1e-7), one epsilon in half precision (9.8e-4 in float16, 7.8e-3 in bfloat16; exact attention by another
+    path differs by about 3e-4 and 2.4e-3 there, and an approximation closer than an epsilon cannot be told from it
+    at that precision)."""
+    return max(1e-5, torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-5
 
 
 class AttentionProbe:
@@ -92,7 +94,7 @@ class AttentionProbe:
         self._full = get_method("full")
         self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
         self.graph_skipped = 0  # layer calls of such a method too long for the graph (GRAPH_MAX_KEYS)
-        # (layer call, input) pairs whose attention output equalled exact attention's to rounding, of those measured
+        # (layer call, input) pairs whose attention output equalled exact attention's (to the dtype's precision), of those measured
         self.exact_inputs = [0, 0]
         self._broke_down = sum(_fallback.counts().values())
 
@@ -238,8 +240,9 @@ def _add_lists(a: list, b: list) -> list:
 
 
 def _add_pairs(a: list | None, b: list | None) -> list | None:
-    """Elementwise sums of two count lists; a record written before the field existed lacks it (None)."""
-    return b if a is None else a if b is None else [x + y for x, y in zip(a, b, strict=True)]
+    """Elementwise sums of two count lists; None when either lacks them (a record written before the field existed:
+    the other's counts alone would pass for the whole's)."""
+    return None if a is None or b is None else [x + y for x, y in zip(a, b, strict=True)]
 
 
 def _add_keyed(a: dict, b: dict) -> dict:

@@ -98,8 +98,9 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
         mine = {name: value for name, value in shared.items() if name in kinds and name not in inline}
         try:
             setups.append(parse_setup(spec, {**mine, **raw}))
-        except ValueError as e:  # a shared flag meant for another method with an option of the same name
-            wrong = [name for name in mine if f"'{name}'" in str(e)]
+        except ValueError as e:  # a shared flag meant for another named method with an option of the same name
+            others = {n for g, _ in groups if g != spec and not saved_folder(g) for n in _option_names(g)}
+            wrong = [name for name in mine if f"'{name}'" in str(e) and name in others]
             if not wrong:
                 raise
             flag = f"--{wrong[0].replace('_', '-')} {mine[wrong[0]]}"
@@ -114,6 +115,14 @@ def eval_setups(groups: list[tuple[str, dict[str, str]]], shared: dict[str, str]
             f"named ({', '.join(s if isinstance(s, str) else s.method for s in setups)})"
         )
     return setups
+
+
+def _option_names(spec: str) -> set[str]:
+    """The option names of the method a ``--method`` spec names (none for a name that is not a method's)."""
+    try:
+        return set(option_types(get_method(spec.partition(":")[0].strip()).config_class))
+    except ValueError:
+        return set()
 
 
 def method_option_args(p: argparse.ArgumentParser) -> None:
