@@ -418,8 +418,8 @@ def test_each_result_says_on_how_many_inputs_its_attention_was_exact(fixture_dir
     assert none["fidelity"]["exact_inputs"]["matched"] == favor["fidelity"]["exact_inputs"]["matched"] == 0
     report = approx.markdown_report([every, some, none, favor])
     notes = [line for line in report.splitlines() if line.startswith("- `")]
-    assert len(notes) == 2 and "every input and layer" in notes[0]
-    assert f"on {expected} of its {len(lengths) * layers} layer inputs" in notes[1]
+    assert len(notes) == 2 and f"all {len(lengths) * layers}: its results are exact attention's" in notes[0]
+    assert notes[1].endswith(f": {expected} of {len(lengths) * layers} ({expected / (len(lengths) * layers):.1%})")
     # halves of a cross-fitted split add up; with a half written before the count existed, nothing is claimed
     from approx.harness.fidelity import add_sums
 

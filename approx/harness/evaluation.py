@@ -487,8 +487,8 @@ def _say_if_exact(result: dict[str, Any]) -> None:
 
 # what makes a method's attention exact on an input, for the notes below
 _WITHIN_BUDGET = (
-    "within its budget (at most as many tokens as clusters, a window or pattern covering every pair, BigBird's "
-    "fallback on short inputs, exact_below)"
+    "within its budget (at most as many tokens as clusters, a window or pattern covering every pair, a fallback on "
+    "short inputs)"
 )
 
 
@@ -675,6 +675,23 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
             _fmt(f["peak_memory_mib"], 1),
         ]
         rows.append("| " + " | ".join(row) + " |")
-    notes = [f"- `{short_label(r['method'])}`: {note}" for r in results if (note := exact_note(r))]
-    notes += [f"- {note}" for note in undefined_notes(results)]
-    return "\n".join(rows + ([""] + notes if notes else []))
+    exact = _exact_lines(results)
+    undefined = [f"- {note}" for note in undefined_notes(results)]
+    return "\n".join(rows + ([""] + exact if exact else []) + ([""] + undefined if undefined else []))
+
+
+def _exact_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The report's lines on the methods that ran exact attention on some inputs (:func:`exact_note`), or none."""
+    lines = []
+    for r in results:
+        exact = r["fidelity"].get("exact_inputs") or {}
+        if not exact.get("share") or r["method"]["name"] == "full":
+            continue
+        what = (
+            f"all {exact['measured']}: its results are exact attention's and say nothing about its approximation"
+            if exact["share"] == 1.0
+            else f"{exact['matched']} of {exact['measured']} ({exact['share']:.1%})"
+        )
+        lines.append(f"- `{short_label(r['method'])}`: {what}")
+    head = f"Layer inputs on which a method equalled exact attention, being {_WITHIN_BUDGET}:"
+    return [head, "", *lines] if lines else []
