@@ -100,6 +100,7 @@ class _Run:
     pad_id: int
     model_info: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
+    main_process: bool = True  # under several processes, the one that says what the results cannot (warnings)
 
     @property
     def attention_layers(self) -> int:
@@ -370,7 +371,10 @@ def _prepare(
         )
     positions = _extend(model, tokenizer, max((len(f.input_ids) for f in features), default=0), stack)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return _Run(model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions)
+    main = state.is_main_process
+    return _Run(
+        model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions, main
+    )
 
 
 def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> list[dict]:
@@ -441,8 +445,9 @@ def _results(
                 examples_digest=digest,
             )
         results.append(result)
-        _say_if_exact(result)
-    for note in undefined_notes(results):  # said once, in words, rather than a NaN in a table
+        if run.main_process:  # once, not by every process
+            _say_if_exact(result)
+    for note in undefined_notes(results) if run.main_process else []:  # in words, rather than a NaN in a table
         warnings.warn(f"approx: {note}", stacklevel=3)  # evaluate's caller
     return results
 
