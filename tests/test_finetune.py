@@ -2,6 +2,7 @@
 models, cross-fitting halves and SQuAD's training targets."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -56,6 +57,32 @@ def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         _run(base_model, fixture_dir, tmp_path / "c", max_steps=2, resume=True)
+
+
+def test_evaluating_on_the_training_examples_is_said(base_model, fixture_dir, tmp_path):
+    with pytest.warns(UserWarning, match="evaluates on dev, which shares examples with the training split dev/0"):
+        _run(base_model, fixture_dir, tmp_path / "o", max_steps=1, eval_split="dev")
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"learning_rate": 5e-5}, "learning_rate: started with 0.001, now 5e-05"),  # the saved schedule would win
+        ({"task": "mrpc"}, "task: started with 'rte', now 'mrpc'"),
+        ({"batch_size": 2}, "batch_size: started with 4, now 2"),
+        ({"max_steps": 1}, "max_steps: started with 3, now 1"),
+        ({"limit": 8}, "limit: started with None, now 8"),
+        ({"method": "favor"}, "method: started with None, now {'name': 'favor'"),  # would not even load
+    ],
+)
+def test_a_resume_that_asks_for_other_settings_is_refused(base_model, fixture_dir, tmp_path, change, words):
+    """Every setting of a run is recorded with its checkpoint: a resume asking for another one is refused before
+    anything loads, naming what differs, rather than training on with the saved optimizer's and recording the new."""
+    _run(base_model, fixture_dir, tmp_path / "r", max_steps=3, stop_after=1)
+    with pytest.raises(ValueError, match=re.escape(words)) as e:
+        _run(base_model, fixture_dir, tmp_path / "r", resume=True, **{"max_steps": 3, **change})
+    assert "resume with the same ones" in str(e.value)
+    assert json.loads((tmp_path / "r" / "finetune.json").read_text())["step"] == 1  # untouched
 
 
 def test_a_stopped_run_leaves_a_checkpoint_that_eval_reads(base_model, fixture_dir, tmp_path, capsys):
@@ -148,7 +175,7 @@ def test_attention_dropout_is_overridden_while_training_and_the_checkpoint_keeps
         _run(base_model, fixture_dir, tmp_path / "f", max_steps=1, attention_dropout=1.0)
     # a resume keeps the setting the run started with, or is refused
     _run(base_model, fixture_dir, tmp_path / "g", max_steps=3, stop_after=1, attention_dropout=0.0)
-    with pytest.raises(ValueError, match="started with attention_dropout=0.0.*resume with the same setting"):
+    with pytest.raises(ValueError, match="attention_dropout: started with 0.0, now None.*resume with the same ones"):
         _run(base_model, fixture_dir, tmp_path / "g", max_steps=3, resume=True)
     seen.clear()
     _run(base_model, fixture_dir, tmp_path / "g", max_steps=3, resume=True, attention_dropout=0.0, callback=look)

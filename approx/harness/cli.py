@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .. import __version__, _json, methods
@@ -87,20 +88,29 @@ def _model(path: str | None) -> tuple[str, str | None]:
     return default_model_path(), DEFAULT_MODEL_LABEL
 
 
-def _check_output(output: str | None) -> None:
-    """Refuse an ``--output`` that cannot be written, before a long evaluation rather than after it."""
+def _check_output(output: str | None, flag: str = "--output", *, folder_out: bool = False) -> None:
+    """Refuse an ``--output`` file (or, ``folder_out``, an ``--output-dir``) that cannot be written, before a long
+    run rather than after it: a file made and removed where it would go (permissions say nothing to root, and
+    nothing of /proc)."""
     if not output:
         return
     path = Path(output).expanduser()
-    if path.is_dir():
-        raise ValueError(f"--output {output}: a folder; give the name of the JSON file to write")
-    folder = path.parent
+    if path.is_dir() and not folder_out:
+        raise ValueError(f"{flag} {output}: a folder; give the name of the JSON file to write")
+    if path.exists() and not path.is_dir() and folder_out:
+        raise ValueError(f"{flag} {output}: a file, not a folder")
+    folder = path if folder_out else path.parent
     while not folder.exists():  # the nearest folder that exists: the others will be made in it
         folder = folder.parent
     if not folder.is_dir():
-        raise ValueError(f"--output {output}: {folder} is a file, not a folder")
-    if not os.access(folder if not path.exists() else path, os.W_OK):
-        raise ValueError(f"--output {output}: {path if path.exists() else folder} is not writable")
+        raise ValueError(f"{flag} {output}: {folder} is a file, not a folder")
+    if path.exists() and not path.is_dir() and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {output}: {path} is not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".approx-write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {output}: cannot write in {folder} ({e.strerror or e})") from None
 
 
 def _write_results(results: list[dict], output: str | None) -> None:
@@ -272,7 +282,7 @@ def _add_eval_parser(sub) -> None:
         type=int,
         default=1000,
         help="bootstrap resamples of the examples for each method's interval against full attention (default 1000; "
-        "0: no intervals)",
+        "at least 10 / (1 - level), 200 at the default level; 0: no intervals)",
     )
     p.add_argument("--level", type=float, default=0.95, help="the intervals' level (default 0.95)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -299,6 +309,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     get_task(args.task)
     if len(args.setups) > 1:
         raise ValueError("finetune takes at most one --method")
+    _check_output(args.output_dir, "--output-dir", folder_out=True)
     model, label = _model(args.model)
     record = finetune(
         model,
@@ -364,6 +375,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     import time
 
     from ..integration import load_pretrained, patch, save
+    from ..positions import position_limit
     from .data import wikitext_windows
     from .fitting import fit, graph_stats
     from .provenance import provenance
@@ -375,10 +387,20 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             f"some, only with some options): {', '.join(_fit_configs())}"
         )
     options = _fit_options(args, setup.method)
+    _check_output(args.output_dir, "--output-dir", folder_out=True)
+    for flag, value, least in (("--windows", args.windows, 1), ("--length", args.length, 2),
+                               ("--batch-size", args.batch_size, 1), ("--stats-windows", args.stats_windows, 0)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{flag} is at least {least}, got {value}")
+    if args.stats_windows and get_method(setup.method).stats is None:  # refused before the fit, not after it
+        raise ValueError(f"--stats-windows: {setup.method} predicts no attention graph to measure (Sparsefinder does)")
     set_threads(args.threads)
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
     model, tokenizer = load_pretrained(model_path, progress=not args.quiet)
+    limit = position_limit(model)
+    if limit is not None and args.length > limit:
+        raise ValueError(f"--length {args.length}: the model has {limit} learned positions; fit on at most {limit}")
     windows = wikitext_windows(tokenizer, args.data_dir, split=args.split, length=args.length, count=args.windows)
     patch(model.eval(), setup.method, **setup.options)
     report = fit(model, windows, batch_size=args.batch_size, progress=not args.quiet, **options)
@@ -465,6 +487,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     candidates = args.method or list(DEFAULT_CANDIDATES)
     for spec in candidates:  # unknown method or option: exit 2 before loading anything
         parse_setup(spec)
+    _check_output(args.output_dir, "--output-dir", folder_out=True)
     target = None if args.target is None and args.budget is not None else parse_target(args.target or DEFAULT_TARGET)
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
     if any(k < 1 for k in args.head_counts):

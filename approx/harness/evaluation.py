@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,7 @@ from .memory import PeakMemory, allocation_peak
 from .resampling import DEFAULT_LEVEL, DEFAULT_RESAMPLES, interval_options, interval_text, paired_interval
 from .spec import PER_LAYER, Setup, as_setup, saved_folder, short_label
 from .tasks import Feature, Task, get_task
+from .tasks.base import splits_overlap
 
 __all__ = ["evaluate", "as_setup", "markdown_report"]
 
@@ -349,6 +352,8 @@ def _prepare(
     mode = task.mode_for(head)
     split = split or task.default_split
     examples, where = task.load(split, source=source, data_dir=data_dir, limit=limit)
+    if isinstance(model, str):
+        _say_if_trained_on(model, task, split)
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     if device is not None:
         device = torch.device(device)
@@ -375,6 +380,25 @@ def _prepare(
     return _Run(
         model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions, main
     )
+
+
+def _say_if_trained_on(model: str, task: Task, split: str) -> None:
+    """Warn when a checkpoint fine-tuned here (its ``finetune.json``) trained on examples of the split evaluated:
+    its scores there are not held out."""
+    record_file = Path(model) / "finetune.json"
+    if not record_file.is_file():
+        return
+    try:
+        record = json.loads(record_file.read_text())
+        trained = record["train_split"] if record.get("task") == task.name else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not this harness's record: nothing to say
+    if isinstance(trained, str) and splits_overlap(trained, split):
+        warnings.warn(
+            f"approx: {model} was fine-tuned on {task.name} {trained} (its finetune.json), which shares examples with "
+            f"the split evaluated, {split}: its scores there are not held out",
+            stacklevel=4,
+        )
 
 
 def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> list[dict]:

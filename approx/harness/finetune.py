@@ -34,6 +34,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -61,6 +62,7 @@ from ..registry import get_method
 from .evaluation import _collate
 from .spec import PER_LAYER, Setup, as_setup, layer_entries
 from .tasks import Feature, Task, get_task
+from .tasks.base import splits_overlap
 
 __all__ = ["FinetuneConfig", "finetune", "masked_lm_loss"]
 
@@ -196,6 +198,7 @@ class _Training:
     head: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the learned positions were extended to max_length
     dropout_key: tuple[str, float] | None = None  # (config key, the model's own value) when training overrides it
+    run: dict[str, Any] | None = None  # what a resume must ask for again (:func:`_run_record`)
     step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
 
@@ -263,16 +266,32 @@ def _extend_for_training(net, tokenizer, max_length: int, features: list[Feature
     return {"extended_from": limit, "extended_to": max_length, "rule": "approx.extend_positions (trained rows tiled)"}
 
 
+def _run_record(model: str, task: str, train_split: str, limit, setup: Setup | None, cfg: FinetuneConfig) -> dict:
+    """What a run is (the model, the data, the method and every training setting), as its checkpoint records it: a
+    resume that asks for anything else is refused (:func:`_check_resume`), since the saved optimizer and schedule
+    would carry on with the old values while ``finetune.json`` recorded the new ones."""
+    method = None if setup is None else json.loads(_json.dumps({"name": setup.method, **setup.config()}))
+    return {"model": model, "task": task, "train_split": train_split, "limit": limit, "method": method,
+            **json.loads(_json.dumps(cfg.to_dict()))}  # fmt: skip
+
+
+def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
+    """Refuse a resume whose settings differ from those the run in ``state_dir`` started with, naming each; a
+    checkpoint written before runs were recorded is checked on its attention dropout alone."""
+    saved = json.loads((state_dir / PROGRESS_FILE).read_text())
+    started = saved.get("run", {"attention_dropout": saved.get("attention_dropout")})
+    differ = [(k, v, run.get(k)) for k, v in started.items() if run.get(k) != v]
+    if differ:
+        what = "; ".join(f"{k}: started with {v!r}, now {now!r}" for k, v, now in differ)
+        raise ValueError(
+            f"the run in {state_dir} started with other settings than this resume asks for ({what}): resume with the "
+            "same ones, or start afresh in another output folder"
+        )
+
+
 def _resume(tr: _Training) -> None:
     tr.accelerator.load_state(str(tr.state_dir))
     saved = json.loads((tr.state_dir / PROGRESS_FILE).read_text())
-    if saved.get("attention_dropout") != tr.config.attention_dropout:  # the rest would train with another dropout
-        started = saved.get("attention_dropout")
-        raise ValueError(
-            f"the run in {tr.state_dir} started with attention_dropout={started} ("
-            + ("the model's own" if started is None else f"--attention-dropout {started}")
-            + f"), this resume asks for {tr.config.attention_dropout}: resume with the same setting"
-        )
     tr.step, tr.losses = saved["step"], saved["losses"]
     if tr.setup is not None and saved.get("method_state"):
         load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
@@ -292,7 +311,7 @@ def _checkpoint(tr: _Training) -> None:
     if tr.accelerator.is_main_process:
         save_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
         record = {"step": tr.step, "losses": tr.losses, "method_state": tr.setup is not None,
-                  "attention_dropout": tr.config.attention_dropout}  # fmt: skip
+                  "attention_dropout": tr.config.attention_dropout, "run": tr.run}  # fmt: skip
         (tr.state_dir / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
 
 
@@ -461,11 +480,21 @@ def finetune(
             )
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR
+    if eval_split is not None and splits_overlap(train_split, eval_split):
+        warnings.warn(
+            f"approx: finetune evaluates on {eval_split}, which shares examples with the training split {train_split}: "
+            "its scores are not held out (the two halves dev/0 and dev/1 of a split are apart)",
+            stacklevel=2,
+        )
+    run = _run_record(model, task_def.name, train_split, limit, setup, cfg)
     if resume and not (state_dir / PROGRESS_FILE).is_file():
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
+    if resume:  # before anything is loaded (a checkpoint of another method would not even load)
+        _check_resume(state_dir, run)
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)
     origin = "the patched layers given" if isinstance(method, dict) else method
     tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin)
+    tr.run = run
     if resume:
         _resume(tr)
     stop = tr.total if stop_after is None else min(tr.total, tr.step + stop_after)

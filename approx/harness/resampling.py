@@ -48,12 +48,21 @@ METHOD = (
 )
 
 
+TAIL = 5  # resamples beyond each end of an interval, at least
+
+
 def check(resamples: int, level: float) -> None:
     """Refuse a number of resamples or a level that cannot make an interval."""
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
         raise ValueError(f"resamples must be a positive int, got {resamples!r} (0 or None turns intervals off)")
     if not (isinstance(level, float | int) and 0 < level < 1):
         raise ValueError(f"level must be between 0 and 1 (e.g. 0.95), got {level!r}")
+    least = math.ceil(2 * TAIL / (1 - level) - 1e-9)
+    if resamples < least:  # a percentile interval's ends are order statistics of the resamples beyond them
+        raise ValueError(
+            f"{resamples} resamples leave fewer than {TAIL} beyond each end of a {level:.0%} interval, whose ends are "
+            f"then no estimate: give at least {least} (1000 is the default)"
+        )
 
 
 def interval_options(resamples: int | None, level: float, seed: int) -> dict[str, Any] | None:

@@ -107,6 +107,11 @@ def check_not_a_folder(spec: str) -> None:
     looks_like_path = "/" in spec or "\\" in spec or spec.startswith((".", "~"))
     folder = Path(spec).expanduser()
     if folder.is_dir():
+        if is_saved_setting(folder):  # a saved model's settings, where only a method by name is taken
+            raise ValueError(
+                f"method folder {spec} holds a saved model's settings (approx.save or `approx fit`); here a method is "
+                "given by name, one of: " + ", ".join(methods())
+            )
         raise FileNotFoundError(
             f"method folder {spec} holds no {SETTINGS_FILE}: it was not written by approx.save or `approx fit`"
         )

@@ -121,6 +121,13 @@ def parse_split(split: str) -> tuple[str, int | None]:
     return name, int(half)
 
 
+def splits_overlap(a: str, b: str) -> bool:
+    """Whether two splits share examples: the same split, or a half and its whole (``dev/0`` and ``dev``); the two
+    halves of a split do not."""
+    (name_a, half_a), (name_b, half_b) = parse_split(a), parse_split(b)
+    return name_a == name_b and (half_a is None or half_b is None or half_a == half_b)
+
+
 CROSS_FIT_SEED = 20_201_122
 
 
