@@ -85,6 +85,13 @@ def test_a_resume_that_asks_for_other_settings_is_refused(base_model, fixture_di
     assert json.loads((tmp_path / "r" / "finetune.json").read_text())["step"] == 1  # untouched
 
 
+def test_a_resume_may_checkpoint_more_often(base_model, fixture_dir, tmp_path):
+    """How often a run checkpoints changes nothing it trains: a resume may ask for another interval."""
+    _run(base_model, fixture_dir, tmp_path / "r", max_steps=3, stop_after=1)
+    rec = _run(base_model, fixture_dir, tmp_path / "r", max_steps=3, resume=True, checkpoint_every=1)
+    assert rec["step"] == 3 and not rec["partial"]
+
+
 def test_a_stopped_run_leaves_a_checkpoint_that_eval_reads(base_model, fixture_dir, tmp_path, capsys):
     """--stop-after writes the model so far (tokenizer and approx settings included) and says so; `approx eval
     --model` reads it; the plain and the patched case."""

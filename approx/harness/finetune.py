@@ -271,8 +271,9 @@ def _run_record(model: str, task: str, train_split: str, limit, setup: Setup | N
     resume that asks for anything else is refused (:func:`_check_resume`), since the saved optimizer and schedule
     would carry on with the old values while ``finetune.json`` recorded the new ones."""
     method = None if setup is None else json.loads(_json.dumps({"name": setup.method, **setup.config()}))
+    settings = {k: v for k, v in cfg.to_dict().items() if k != "checkpoint_every"}  # may change: trains the same
     return {"model": model, "task": task, "train_split": train_split, "limit": limit, "method": method,
-            **json.loads(_json.dumps(cfg.to_dict()))}  # fmt: skip
+            **json.loads(_json.dumps(settings))}  # fmt: skip
 
 
 def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
