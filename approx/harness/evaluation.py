@@ -342,7 +342,7 @@ def _extend(model, tokenizer, length: int, stack: contextlib.ExitStack) -> dict[
 
 
 def _prepare(
-    model, tokenizer, task: Task, *, split, source, data_dir, limit, max_length, device, state, progress, stack
+    model, tokenizer, task: Task, *, split, source, data_dir, limit, max_length, device, state, progress, stack, methods
 ):
     """Check the checkpoint's head and the data before loading any weights, then load the model (its positions
     extended when ``max_length`` is above its limit) and the features."""
@@ -354,6 +354,7 @@ def _prepare(
     examples, where = task.load(split, source=source, data_dir=data_dir, limit=limit)
     if isinstance(model, str):
         _say_if_trained_on(model, task, split)
+        _say_if_fitted_elsewhere(model, methods)
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     if device is not None:
         device = torch.device(device)
@@ -399,6 +400,30 @@ def _say_if_trained_on(model: str, task: Task, split: str) -> None:
             f"the split evaluated, {split}: its scores there are not held out",
             stacklevel=4,
         )
+
+
+def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
+    """Warn when a folder given as a method was fitted (``approx fit``: its ``approx_fit.json``) on another model than
+    the one evaluated: its fitted state learned that model's queries and keys."""
+    for method in methods:
+        record_file = Path(method) / "approx_fit.json" if saved_folder(method) else None
+        if record_file is None or not record_file.is_file():
+            continue
+        try:
+            fitted_on = json.loads(record_file.read_text())["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not this harness's record: nothing to say
+        same = fitted_on == model or (
+            isinstance(fitted_on, str)
+            and Path(fitted_on).exists()
+            and Path(fitted_on).resolve() == Path(model).resolve()
+        )
+        if not same:
+            warnings.warn(
+                f"approx: {method} was fitted on {fitted_on} (its approx_fit.json), not on {model}, the model evaluated: "
+                "its fitted state learned that model's queries and keys",
+                stacklevel=4,
+            )
 
 
 def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> list[dict]:
@@ -609,7 +634,7 @@ def evaluate(
     with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
         run = _prepare(
             model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
-            max_length=max_length, device=device, state=state, progress=progress, stack=stack,
+            max_length=max_length, device=device, state=state, progress=progress, stack=stack, methods=methods,
         )  # fmt: skip
         if allocations and (not warmup or run.device.type != "cpu"):
             raise ValueError(
