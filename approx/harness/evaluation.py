@@ -383,17 +383,21 @@ def _prepare(
     )
 
 
+def _read_record(file: Path, key: str) -> Any:
+    """``key`` of a JSON record this harness wrote (``finetune.json``, ``approx_fit.json``), or None: no such file,
+    or not this harness's record, about which there is nothing to say."""
+    try:
+        record = json.loads(file.read_text()) if file.is_file() else {}
+        return record.get(key) if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def _say_if_trained_on(model: str, task: Task, split: str) -> None:
     """Warn when a checkpoint fine-tuned here (its ``finetune.json``) trained on examples of the split evaluated:
     its scores there are not held out."""
-    record_file = Path(model) / "finetune.json"
-    if not record_file.is_file():
-        return
-    try:
-        record = json.loads(record_file.read_text())
-        trained = record["train_split"] if record.get("task") == task.name else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # not this harness's record: nothing to say
+    file = Path(model) / "finetune.json"
+    trained = _read_record(file, "train_split") if _read_record(file, "task") == task.name else None
     if isinstance(trained, str) and splits_overlap(trained, split):
         warnings.warn(
             f"approx: {model} was fine-tuned on {task.name} {trained} (its finetune.json), which shares examples with "
@@ -406,13 +410,9 @@ def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
     """Warn when a folder given as a method was fitted (``approx fit``: its ``approx_fit.json``) on another model than
     the one evaluated: its fitted state learned that model's queries and keys."""
     for method in methods:
-        record_file = Path(method) / "approx_fit.json" if saved_folder(method) else None
-        if record_file is None or not record_file.is_file():
+        fitted_on = _read_record(Path(method) / "approx_fit.json", "model") if saved_folder(method) else None
+        if fitted_on is None:
             continue
-        try:
-            fitted_on = json.loads(record_file.read_text())["model"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not this harness's record: nothing to say
         same = fitted_on == model or (
             isinstance(fitted_on, str)
             and Path(fitted_on).exists()
@@ -533,36 +533,22 @@ def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
 
 def _say_if_exact(result: dict[str, Any]) -> None:
     """Warn when a method's attention equalled exact attention's on every input and layer: nothing it scored is its
-    approximation's (:func:`exact_note` puts the share in the report)."""
+    approximation's (the report lists every method's share under its table, :func:`_exact_lines`)."""
     exact = result["fidelity"].get("exact_inputs") or {}
     if result["method"]["name"] != "full" and exact.get("share") == 1.0:
-        warnings.warn(f"{short_label(result['method'])}: {exact_note(result)}", stacklevel=4)  # evaluate's caller
+        warnings.warn(
+            f"{short_label(result['method'])}: equalled exact attention on every input and layer ({exact['measured']} "
+            f"layer inputs): these inputs are {_WITHIN_BUDGET}, so its results are exact attention's and say nothing "
+            "about its approximation (longer inputs or a smaller budget would)",
+            stacklevel=4,  # evaluate's caller
+        )
 
 
-# what makes a method's attention exact on an input, for the notes below
+# what makes a method's attention exact on an input, for the warning above and the report's list
 _WITHIN_BUDGET = (
     "within its budget (at most as many tokens as clusters, a window or pattern covering every pair, a fallback on "
     "short inputs)"
 )
-
-
-def exact_note(result: dict[str, Any]) -> str | None:
-    """A sentence when some of a method's (layer, input) pairs equalled exact attention (None when none did, for
-    full attention itself, and for results made before this was counted)."""
-    exact = result["fidelity"].get("exact_inputs") or {}
-    share = exact.get("share")
-    if not share or result["method"]["name"] == "full":
-        return None
-    if share == 1.0:
-        return (
-            f"equalled exact attention on every input and layer ({exact['measured']} layer inputs): these inputs are "
-            f"{_WITHIN_BUDGET}, so its results are exact attention's and say nothing about its approximation (longer "
-            "inputs or a smaller budget would)"
-        )
-    return (
-        f"equalled exact attention on {exact['matched']} of its {exact['measured']} layer inputs ({share:.1%}), those "
-        f"{_WITHIN_BUDGET}; the rest approximated"
-    )
 
 
 def evaluate(
@@ -735,7 +721,8 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
 
 
 def _exact_lines(results: list[dict[str, Any]]) -> list[str]:
-    """The report's lines on the methods that ran exact attention on some inputs (:func:`exact_note`), or none."""
+    """The report's lines on the methods that ran exact attention on some inputs (``fidelity.exact_inputs``), or
+    none."""
     lines = []
     for r in results:
         exact = r["fidelity"].get("exact_inputs") or {}

@@ -125,7 +125,7 @@ class AttentionProbe:
         per_head = diff.sum((0, 2)).double().cpu(), ref.sum((0, 2)).double().cpu()
         for sums, add in zip((self.head_err_num, self.head_err_den), per_head, strict=True):
             sums[i] = sums[i] + add if i in sums else add
-        # per input, over heads and real queries: its output equal to exact attention's to the dtype's rounding (an
+        # per input, over heads and real queries: its output equal to exact attention's to the dtype's precision (an
         # input within the method's budget, a fallback, a pattern covering every pair), which results say
         rows_diff, rows_ref = diff.sum((1, 2)), ref.sum((1, 2))
         measured = rows_ref > 0
