@@ -317,7 +317,12 @@ def test_cli_autotune_suggests_an_evaluation_on_other_data(split, score_split, m
         (["--method", "nosuch"], "unknown attention method"),
         (["--target", "f1>=3"], "target"),
         (["--method", "efficient:nosuch=1"], "unknown option"),
-        (["--cost-examples", "64"], "give --task too"),
+        (["--cost-examples", "64"], "--cost-examples: for calibration on a task's split (--task)"),
+        (["--limit", "8", "--max-length", "64"], "--limit, --max-length: for calibration on a task's split"),
+        (["--split", "train"], "--split: for calibration on a task's split (--task); this run calibrates on WikiText"),
+        (["--task", "rte", "--windows", "4"], "--windows: for calibration on WikiText-2 windows (without --task)"),
+        (["--task", "rte", "--length", "64"], "--length: for calibration on WikiText-2 windows"),
+        (["--windows", "0"], "--windows must be at least 1, got 0"),
         (["--task", "rte", "--cost-examples", "1"], "--cost-examples is at least 2"),
     ],
 )
@@ -473,6 +478,11 @@ def test_finetune_from_a_folder_with_some_layers_patched_keeps_those_layers(tmp_
              data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
     trained = json.loads((tmp_path / "ft" / "approx_config.json").read_text())["layers"]
     assert [x["layer"] for x in trained] == [1] and trained[0]["config"]["features"] == 8
+    approx.patch(model, "linformer", layers=[0], mode="fitted", projections=8, length=64)
+    approx.fit(model, [dict(tok(["a sentence of a few words to fit on"] * 2, return_tensors="pt"))], progress=False)
+    fitted = approx.save(model, tmp_path / "fitted", tokenizer=tok)
+    with pytest.raises(ValueError, match=r"layers \[0\] hold fitted state"):  # before the (absent) model loads
+        finetune(str(tmp_path / "absent"), "rte", output_dir=tmp_path / "ft2", method=str(fitted), progress=False)
 
 
 def test_a_method_name_is_the_method_even_beside_a_folder_of_that_name(tmp_path, monkeypatch, bert):

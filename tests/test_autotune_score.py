@@ -87,6 +87,10 @@ def test_scorer_reads_the_examples_past_skip_and_refuses_what_cannot_be_kept(che
         task_scorer(model, tok, "mrpc", split="train", metric="f2", data_dir=str(fixture_dir))
     with pytest.raises(ValueError, match="no examples past the first 500"):
         task_scorer(model, tok, "mrpc", split="train", skip=500, data_dir=str(fixture_dir))
+    held = len(get_task("mrpc").load("train", source="local", data_dir=str(fixture_dir))[0])
+    with pytest.warns(UserWarning, match=f"{held - 4} labelled examples past the first 4, not the 10000 asked"):
+        short = task_scorer(model, tok, "mrpc", split="train", skip=4, limit=10_000, data_dir=str(fixture_dir))
+    assert short.describe()["count"] == held - 4
     with pytest.raises(ValueError, match="lower when better.*kl target"):
         task_scorer(model, tok, "wikitext2", split="valid", metric="perplexity", data_dir=str(fixture_dir))
 

@@ -328,6 +328,7 @@ CLI_MISTAKES = [
     (["eval", "--model", "{tmp}/no-such-model", "--task", "rte", "--method", "full"], "model folder does not exist"),
     (["eval", "--model", "{tmp}", "--task", "rte", "--method", "full"], "holds no config.json"),
     (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--device", "tpu9"], "unknown device"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--device", "cpu:1"], "one CPU device"),
     (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--threads", "0"], "--threads must be"),
     (["eval", "--model", "{model}", "--task", "rte", "--method", "full", "--threads", "-2"], "--threads must be"),
     (["eval", "--model", "{model}", "--task", "rte", "--task", "sst2", "--method", "full"], "--task given twice"),

@@ -346,3 +346,14 @@ def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path
     assert settings["max_length"] == get_task("rte").default_max_length
     assert main([*argv, "--mixed-precision", "fp8"]) == 2
     assert "mixed_precision" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "method, words",
+    [(None, "no method is patched"), ("window:window=8", "window:window=8 has no random state")],
+)
+def test_redraw_every_without_random_state_is_refused_before_loading(fixture_dir, tmp_path, method, words):
+    """``redraw_every`` with nothing to redraw (no method, or one without drawn state) had been ignored: refused before
+    the model loads (the model folder here does not exist)."""
+    with pytest.raises(ValueError, match=f"redraw_every \\(--redraw-every\\) 2: {words}"):
+        _run(str(tmp_path / "absent"), fixture_dir, tmp_path / "o", method=method, redraw_every=2, max_steps=2)

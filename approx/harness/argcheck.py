@@ -32,6 +32,8 @@ def check_device(device: str | None) -> None:
     except RuntimeError:
         raise ValueError(f"--device {device}: unknown device; use cpu, cuda, cuda:N or mps") from None
     if kind.type == "cpu":
+        if kind.index not in (None, 0):  # torch takes cpu:1 and runs on the one CPU device: not what was asked
+            raise ValueError(f"--device {device}: there is one CPU device (its threads: --threads); use --device cpu")
         return
     if kind.type == "cuda":
         if not torch.cuda.is_available():

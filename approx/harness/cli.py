@@ -492,8 +492,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
     if any(k < 1 for k in args.head_counts):
         raise ValueError(f"--head-counts are numbers of heads, at least 1; got {' '.join(map(str, args.head_counts))}")
-    if args.cost_examples is not None and args.task is None:
-        raise ValueError("--cost-examples reads a task's split: give --task too")
+    _autotune_data_flags(args)
     if args.cost_examples is not None and args.cost_examples < 2:
         raise ValueError(f"--cost-examples is at least 2 (a sample of the lengths), got {args.cost_examples}")
     task = None if args.task is None else get_task(args.task)
@@ -552,6 +551,25 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
     print(f"wrote {out} ({_eval_hint(args, task, folder, score_split)})", file=sys.stderr)
     return 0
+
+
+def _autotune_data_flags(args: argparse.Namespace) -> None:
+    """Refuse the calibration flags of the other kind of data (a task's split, or WikiText-2 windows), which would
+    otherwise be ignored, and fill in the windows' defaults."""
+    task_flags = ("split", "limit", "max_length", "cost_examples")
+    text_flags = ("windows", "length")
+    unused = [f for f in (text_flags if args.task is not None else task_flags) if getattr(args, f) is not None]
+    if unused:
+        flags = ", ".join("--" + f.replace("_", "-") for f in unused)
+        reads = "--task's split" if args.task is not None else "WikiText-2 windows (no --task)"
+        needs = "WikiText-2 windows (without --task)" if args.task is not None else "a task's split (--task)"
+        raise ValueError(f"{flags}: for calibration on {needs}; this run calibrates on {reads}")
+    if args.task is None:
+        args.windows = 16 if args.windows is None else args.windows
+        args.length = 512 if args.length is None else args.length
+        for flag, value, least in (("--windows", args.windows, 1), ("--length", args.length, 3)):
+            if value < least:
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
 
 
 def _eval_hint(args, task, folder: str, score_split: str | None = None) -> str:
@@ -686,8 +704,8 @@ def _add_autotune_parser(sub) -> None:
     )
     p.add_argument("--limit", type=int, help="first N examples of the split")
     p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
-    p.add_argument("--windows", type=int, default=16, help="without --task: WikiText-2 validation windows (default 16)")
-    p.add_argument("--length", type=int, default=512, help="without --task: tokens per window (default 512)")
+    p.add_argument("--windows", type=int, help="without --task: WikiText-2 validation windows (default 16)")
+    p.add_argument("--length", type=int, help="without --task: tokens per window (default 512)")
     _data_args(p)
     p.add_argument("--batch-size", type=int, default=8, help="inputs per batch (default 8)")
     p.add_argument("--seed", type=int, default=0, help="shuffling and the candidates' random state (default 0)")

@@ -471,14 +471,7 @@ def finetune(
         setup = Setup(PER_LAYER, {"layers": entries})
     else:
         setup = None if method is None else as_setup(method, cfg.seed)
-    if setup is not None and setup.method == PER_LAYER:
-        fitted = [x["layer"] for x in setup.options["layers"] if get_method(x["method"]).requires_fit(
-            get_method(x["method"]).config_class.from_record(x["config"]))]  # fmt: skip
-        if fitted:
-            raise ValueError(
-                f"{method}: layers {fitted} hold fitted state, which fine-tuning from a folder would draw afresh; "
-                "approx.load the folder and train it in Python, or fine-tune a method without fitted state"
-            )
+    _check_setup(setup, method, cfg)
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR
     if eval_split is not None and splits_overlap(train_split, eval_split):
@@ -523,6 +516,29 @@ def finetune(
     if tr.accelerator.is_main_process:
         (output_dir / "finetune.json").write_text(_json.dumps(record))
     return record
+
+
+def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
+    """Before anything loads: refuse a folder's fitted layers (fine-tuning from a folder would draw them afresh) and
+    a ``redraw_every`` with no random state to redraw (it would be ignored)."""
+    configs = []  # (layer or None for every layer, method, config)
+    if setup is not None and setup.method == PER_LAYER:
+        for x in setup.options["layers"]:
+            m = get_method(x["method"])
+            configs.append((x["layer"], m, m.config_class.from_record(x["config"])))
+    elif setup is not None:
+        m = get_method(setup.method)
+        configs.append((None, m, m.config_class.from_options(**setup.options)))
+    fitted = [i for i, m, c in configs if i is not None and m.requires_fit(c)]
+    if fitted:
+        raise ValueError(
+            f"{method}: layers {fitted} hold fitted state, which fine-tuning from a folder would draw afresh; "
+            "approx.load the folder and train it in Python, or fine-tune a method without fitted state"
+        )
+    drawn = [m.name for _, m, c in configs if m.init_state is not None and not m.requires_fit(c)]
+    if cfg.redraw_every is not None and not drawn:
+        what = "no method is patched" if setup is None else f"{method} has no random state (hash planes, features)"
+        raise ValueError(f"redraw_every (--redraw-every) {cfg.redraw_every}: {what}, so there is nothing to redraw")
 
 
 class _EpochSampler(torch.utils.data.Sampler):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -132,6 +133,12 @@ def task_scorer(
     examples = examples[skip:]
     if not examples:
         raise ValueError(f"{spec.name} {split}: no examples past the first {skip}; read fewer for calibration")
+    if limit is not None and len(examples) < limit:
+        warnings.warn(
+            f"{spec.name} {split}: {len(examples)} labelled examples past the first {skip}, not the {limit} asked: "
+            f"scoring on {len(examples)}",
+            stacklevel=2,  # task_scorer's caller
+        )
     spec.prepare(model, mode)
     length = spec.default_max_length if max_length is None else max_length
     features = spec.features(examples, tokenizer, max_length=length, mode=mode)
