@@ -133,6 +133,15 @@ def _scores(record: dict[str, Any]) -> dict[str, float]:
     return scores
 
 
+def _exact_shares(record: dict[str, Any]) -> dict[str, float | None]:
+    """Method label -> the share of layer inputs on which its attention equalled exact attention's
+    (``fidelity.exact_inputs``; None where the result predates the count)."""
+    return {
+        method_label(r["method"]): (r.get("fidelity", {}).get("exact_inputs") or {}).get("share")
+        for r in record["results"]
+    }
+
+
 def _drop(full: float, other: float) -> float:
     """Relative drop below full (negative when better); NaN when undefined."""
     if full is None or other is None or math.isnan(full) or math.isnan(other) or full == 0:
@@ -197,10 +206,35 @@ def _short_commit(commit: str | None) -> str:
     return commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
 
 
-def _cell(value: float | None, paper: float | None, flag: bool) -> str:
+# a cell whose method ran exact attention on at least this share of the task's layer inputs is marked
+MOSTLY_EXACT = 0.5
+
+
+def _cell(value: float | None, paper: float | None, flag: bool, exact: float | None = None) -> str:
     ours = "-" if value is None else ("nan" if math.isnan(value) else f"{value:.1f}")
+    ours += " °" if exact is not None and exact >= MOSTLY_EXACT else ""
     text = ours if paper is None else f"{ours} ({100 * paper:.1f})"
     return f"**{text}** ⚠" if flag else text
+
+
+def _share_table(tasks: list[str], labels: list[str], shares: dict[str, dict[str, float | None]]) -> list[str]:
+    """The share of layer inputs each method ran exact attention on, per task (none when no result has the count)."""
+    if not any(v is not None for t in tasks for v in shares[t].values()):
+        return []
+    rows = ["| attention | " + " | ".join(TASK_NAMES[t] for t in tasks) + " |", "|" + " --- |" * (len(tasks) + 1)]
+    for label in labels[1:]:  # full attention is exact by definition
+        cells = [shares[t].get(label) for t in tasks]
+        rows.append(f"| {label} | " + " | ".join("n/r" if v is None else f"{v:.0%}" for v in cells) + " |")
+    return [
+        "",
+        f"° the method ran exact attention on at least {MOSTLY_EXACT:.0%} of the task's layer inputs (those within "
+        "its budget: no more tokens than clusters, a window or pattern covering every pair, a short-input fallback), "
+        "so the cell is mostly the fine-tuned model's own score. The share of (layer, input) pairs on which each "
+        "method's attention output equalled exact attention's (`fidelity.exact_inputs`; n/r: not recorded, the "
+        "result predates the count):",
+        "",
+        *rows,
+    ]
 
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:
@@ -209,6 +243,7 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         return "No results: run `python recipes/clustered_table.py` first."
     tasks = [t for t in TASK_ORDER if t in results]
     scores = {t: _scores(results[t]) for t in tasks}
+    shares = {t: _exact_shares(results[t]) for t in tasks}
     checks = pattern_checks(results)
     flagged = {(c["task"], c["method"]) for c in checks if not c["agrees"]}
     labels: list[str] = ["full", "clustered-25", "i-clustered-25"]
@@ -217,7 +252,10 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     head = "| attention | " + " | ".join(f"{TASK_NAMES[t]} ({PRIMARY_METRIC[t]})" for t in tasks) + " |"
     rows = [head, "|" + " --- |" * (len(tasks) + 1)]
     for label in labels:
-        cells = [_cell(scores[t].get(label), PAPER.get(label, {}).get(t), (t, label) in flagged) for t in tasks]
+        cells = [
+            _cell(scores[t].get(label), PAPER.get(label, {}).get(t), (t, label) in flagged, shares[t].get(label))
+            for t in tasks
+        ]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     notes = []
     for c in checks:
@@ -245,6 +283,7 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         lines[-1] += f" Paper tasks without a result here: {', '.join(missing)}."
     if notes:
         lines += ["", *notes]
+    lines += _share_table(tasks, labels, shares)
     lines += ["", "How each column was made:", ""]
     for t in tasks:
         r = results[t]

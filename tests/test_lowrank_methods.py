@@ -610,3 +610,18 @@ def test_nystrom_exact_limit_holds_for_float32_inputs():
     ref = naive_attention(q.float().double(), k.float().double(), v.float().double(), mask)
     real = mask[:, None, :, None]
     torch.testing.assert_close(out.double().masked_fill(~real, 0), ref.masked_fill(~real, 0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [20, 48, 300])
+def test_mean_pooling_cost_counts_the_products_that_run(n):
+    """Linformer ``mean``'s ``matmul_macs`` is the products that run (torch's FlopCounterMode, an independent count)
+    plus the pooling (s (d + dv), an index_add the counter does not see); with fewer keys than projections it scores
+    one segment per key, not empty segments as well (20 keys had run 3x the products its cost said)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    method = get_method("linformer")
+    config = method.make_config()
+    q, k, v = (torch.randn(1, 1, n, 16) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        method.attend(q, k, v, key_mask=None, query_mask=None, scale=0.25, config=config, state={})
+    assert counter.get_total_flops() // 2 + n * 32 == method.cost(config, n=n, s=n, d=16, dv=16).matmul_macs

@@ -85,9 +85,13 @@ def layer(**options):
     "n, block, steps",
     [(24, 4, 1), (23, 4, 2), (23, 5, 3), (17, 3, 1), (30, 6, 2), (9, 2, 4), (12, 1, 2), (12, 12, 2), (12, 20, 1)],
 )
-def test_matches_the_naive_algorithm(n, block, steps):
-    """Output and dense weights equal the plain float64 loops, N a multiple of b or not, one or several steps."""
-    q, k, v = inputs(n, seed=n + block + steps, sharp=2.0)
+@pytest.mark.parametrize("group", [1, 4, None])
+def test_matches_the_naive_algorithm(monkeypatch, n, block, steps, group):
+    """Output and dense weights equal the plain float64 loops, N a multiple of b or not, one or several steps, the L
+    update taking the heads one at a time (strided views), four at a time (of six: the last group short) or all at
+    once."""
+    monkeypatch.setattr(monarch, "_heads_per_group", lambda x, per_head: x if group is None else group)
+    q, k, v = inputs(n, seed=n + block + steps, sharp=2.0, heads=3)
     lyr = layer(block_size=block, steps=steps)
     out, w = lyr(q, k, v), lyr.weights(q, k)
     for b in range(q.shape[0]):
@@ -296,6 +300,32 @@ def test_cost_follows_the_paper():
     assert large / small == pytest.approx(16 * math.sqrt(16), rel=0.01)
     more = monarch.cost(MonarchConfig(steps=3), n=1024, s=1024, d=64, dv=64)
     assert more.matmul_macs > small and more.qk_pairs < 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    "options, n",
+    [
+        ({}, 256),
+        ({}, 300),
+        ({"steps": 3}, 300),
+        ({"block_size": 16}, 100),
+        ({"block_size": 128}, 128),
+        ({"block_size": 128, "steps": 3}, 100),
+    ],  # fmt: skip
+)
+@pytest.mark.parametrize("grad", [False, True])
+def test_cost_counts_the_products_that_run(options, n, grad):
+    """``matmul_macs`` equals the multiply-accumulates of the matrix products the call runs, counted by torch's own
+    FlopCounterMode (an independent count), on the inference path and the differentiable one; with one key block
+    (b >= N) one R update runs whatever ``steps`` says, and neither Ktil nor the entropies are computed."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = MonarchConfig(**options)
+    q, k, v = (torch.randn(1, 1, n, 16) for _ in range(3))
+    with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
+        get_method("monarch").attend(q.requires_grad_(grad), k, v, key_mask=None, query_mask=None, scale=0.25,
+                                     config=config, state={})  # fmt: skip
+    assert counter.get_total_flops() == 2 * monarch.cost(config, n=n, s=n, d=16, dv=16).matmul_macs
 
 
 def test_auto_block_and_bad_options():

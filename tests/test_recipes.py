@@ -154,6 +154,20 @@ def test_table_flags_where_the_pattern_differs(tmp_path):
     assert PAPER["full"]["squad"] == 0.904
 
 
+def test_table_marks_cells_whose_method_was_mostly_exact():
+    """A cell whose method ran exact attention on at least half the layer inputs is marked, and the shares are listed
+    per task (n/r where a result predates the count); no share table when no result has one."""
+    record = _record("sst2", {"full": 90.0, "clustered-25": 89.0, "i-clustered-25": 90.0})
+    assert "°" not in markdown_table({"sst2": record})
+    record["results"][0]["fidelity"] = {"exact_inputs": {"share": 0.25, "matched": 3, "measured": 12}}
+    record["results"][1]["fidelity"] = {"exact_inputs": {"share": 0.5, "matched": 6, "measured": 12}}
+    mrpc = _record("mrpc", {"full": 80.0, "clustered-25": 70.0, "i-clustered-25": 79.9})
+    text = markdown_table({"sst2": record, "mrpc": mrpc})
+    assert "| i-clustered-25 | 79.9 (87.3) | 90.0 ° (94.7) |" in text
+    assert "| clustered-25 | 70.0 (43.6) | 89.0 (94.4) |" in text
+    assert "| clustered-25 | n/r | 25% |" in text and "| i-clustered-25 | n/r | 50% |" in text
+
+
 def test_table_report(tmp_path, capsys):
     """``python recipes/clustered_table.py --report``: the table from a results folder, from a checkout."""
     (tmp_path / "clustered_table_sst2.json").write_text(

@@ -282,6 +282,19 @@ def test_running_before_fitting_says_to_fit_first():
         approx.fit(approx.patch(tiny_model("bert"), "clustered"), [batch(16)])
 
 
+@pytest.mark.parametrize("grouping", ["distance", "kmeans"])
+def test_cross_attention_is_refused_by_every_path(grouping):
+    """Queries and keys of different lengths: the window and the global tokens are shared positions, so a call with
+    N != S is refused by name (it had failed on a broadcast, deep in the kernel), on the output, weights and
+    statistics paths."""
+    lyr = fitted(grouping=grouping)
+    q, k, v, _ = inputs(1, dtype=torch.float32)
+    for keys, values in ((k[:, :, :40], v[:, :, :40]), (torch.cat([k, k], 2), torch.cat([v, v], 2))):
+        for call in (lambda: lyr(q, keys, values), lambda: lyr.weights(q, keys), lambda: lyr.graph_stats(q, keys)):
+            with pytest.raises(ValueError, match=r"sparsefinder: self-attention only \(N = S\).*got N = 64"):
+                call()
+
+
 def test_model_fit_with_full_window_equals_the_entmax_model_and_survives_save_load(tmp_path):
     """approx.fit on a tiny model (entmax target: q/k collected while the model runs entmax); with a window
     covering every pair the fitted model is the entmax model; the state is saved and reloaded."""

@@ -165,12 +165,18 @@ def _budget(config: LinformerConfig) -> int | None:
     return None if config.mode == "mean" else config.projections
 
 
+def _segments(config: LinformerConfig, s: int) -> int:
+    """``mean``'s segments for S keys: ``projections``, or one per key where there are fewer keys (more would be
+    empty, and scored for nothing)."""
+    return min(config.projections, s)
+
+
 def cost(config: LinformerConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     k = config.projections
     if exact_for_length(n, exact_below=config.exact_below, at_most=_budget(config)):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     if config.mode == "mean":
-        k = min(k, s)  # at most one segment per real key
+        k = _segments(config, s)
     # pooling (mean) or resampling to L positions: a product with a matrix of about one nonzero per token
     macs = s * (d + dv)
     if config.mode != "mean":
@@ -191,8 +197,9 @@ def _projected(k, v, key_mask, config, state, dt):
     """Keys (B, H, k, d) and values (B, H, k, dv) after projection, and the score bias (broadcastable to
     (B, H, 1, k)) or None."""
     if config.mode == "mean":
-        keys, sizes = segment_means(k, key_mask, config.projections)
-        values, _ = segment_means(v, key_mask, config.projections)
+        m = _segments(config, k.shape[2])
+        keys, sizes = segment_means(k, key_mask, m)
+        values, _ = segment_means(v, key_mask, m)
         return keys, values, log_sizes(sizes, dt)
     e, f = state["proj_e"].to(dt), state["proj_f"].to(dt)  # (k, L) or (H, k, L)
     if e.dim() == 3 and e.shape[0] != k.shape[1]:
@@ -223,7 +230,8 @@ def linformer_weights(q, k, *, key_mask, query_mask, scale, config, state) -> to
     key_mask = safe_key_mask(key_mask)
     q, k = q.to(dt), k.to(dt)
     batch, heads, n, _ = q.shape
-    s, m = k.shape[2], config.projections
+    s = k.shape[2]
+    m = _segments(config, s)
 
     exact = exact_weight_rows(q, k, key_mask, scale)
 

@@ -57,8 +57,10 @@ Choices made here (where the paper was not at hand or is silent, derived and sta
 * Cross-attention (N != S) uses the same b for queries and keys (ceil(N / b) query blocks).
 * Computation: H(R[k, j]) = lse_i(alpha) - s qbar[k, j] . Ktil[k, j] (a dot of length d, not b); the R scores
   of a chunk of blocks go through one batched product into a reused buffer and straight on to Ktil and Vtil;
-  the L update runs one head at a time on strided views (the rows (l, j) of a slot j are read and the output
-  written where they are: regrouping them by copies cost more than the products on the CPU).
+  the L update runs one head at a time on strided views where a head's scores are large (the rows (l, j) of a slot
+  j are read and the output written where they are: regrouping them by copies cost more than the products on the
+  CPU), and many heads at once, regrouped, where they are small (a batch of short inputs: the loop over heads had
+  cost more than the products). With one key block (b >= N) only Vtil is computed.
 * Attention dropout is not applied: dropping entries of the implicit N x S Monarch matrix needs that matrix;
   a call with ``dropout > 0`` warns instead of ignoring it silently.
 * Cost (``Cost.matmul_macs``, the paper's "attention FLOPs" axis): the multiply-accumulates of the products
@@ -120,14 +122,13 @@ def cost(config: MonarchConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     b = min(_block_for(config, s), max(n, s))  # a block longer than the sequence is the sequence
     mq, mk = -(-n // b), -(-s // b)
     gq, gk = mq * b, mk * b  # grid sizes (the last block filled up with masked slots)
-    t = config.steps
+    t = config.steps if mk > 1 else 1  # one key block: L = 1, so only the last R update counts, and only it runs
     scores_r = t * gk * b  # alpha: one per (key block, slot, key)
     macs = scores_r * d + gk * b * dv  # alpha, and Vtil = R V (last step)
-    flops_extra = 0
+    flops_extra = gq * (d + 1) if mk == 1 and config.steps > 1 else 0  # (one key block: each slot's query mean)
     pairs = scores_r
-    if t > 1:
-        macs += (t - 1) * gq * mk * d  # the L-weighted query means qbar (all but the first R update)
-        flops_extra += 2 * (t - 1) * gq * mk  # their normalisers c
+    if t > 1:  # the L-weighted query means qbar (all but the first R update), their normalisers c in the same product
+        macs += (t - 1) * gq * mk * (d + 1)
     if mk > 1:  # one block: L = 1, nothing more to compute
         macs += t * gk * b * d  # Ktil = R K
         macs += t * gq * mk * d + gq * mk * dv  # beta = q . Ktil, and O = L Vtil
@@ -198,12 +199,23 @@ def _plan(n: int, s: int, key_mask, query_mask, config: MonarchConfig, batch: in
     return groups
 
 
-def _to_grid(x: torch.Tensor, pos, real, grid: int) -> torch.Tensor:
-    """(R, H, L, e) -> (R, H, grid, e): the slots' tokens, zero in masked slots."""
+def _rows_of(table_rows: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    """The batch rows of a group (every row when None)."""
+    return torch.arange(batch, device=device) if table_rows is None else table_rows
+
+
+def _to_grid(x: torch.Tensor, rows, pos, real, grid: int) -> torch.Tensor:
+    """(B, H, L, e) -> the group's (R, H, grid, e): batch row ``rows[r]``'s token ``pos[r, slot]`` in each slot (None:
+    slot = position), zero in masked slots. The tokens are read as rows of a (B L, H e) table by one ``index_select``
+    (a free view of a model's queries, keys and values, which are transposed views of (B, L, H, e)): a ``gather`` of
+    the same elements cost about ten times as much on batches of short inputs."""
+    b, h, length, e = x.shape
     if pos is None:
-        return x if grid == x.shape[2] else F.pad(x, (0, 0, 0, grid - x.shape[2]))
-    out = x.gather(2, pos[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[-1]))
-    return out.masked_fill(~real[:, None, :, None], 0.0)  # (a pad's value may be inf: no 0 * inf)
+        x = x if rows is None else x.index_select(0, rows)
+        return x if grid == length else F.pad(x, (0, 0, 0, grid - length))
+    flat = (pos + _rows_of(rows, b, x.device)[:, None] * length).reshape(-1)
+    out = x.transpose(1, 2).reshape(b * length, h * e).index_select(0, flat).view(pos.shape[0], grid, h, e)
+    return out.masked_fill_(~real[:, :, None, None], 0.0).transpose(1, 2)  # (a pad's value may be inf: no 0 * inf)
 
 
 # ------------------------------------------------------------------------------------------- the updates
@@ -219,12 +231,13 @@ def _chunk(x: torch.Tensor) -> int:
     return _CHUNK if x.device.type == "cpu" else _CHUNK_GPU
 
 
-def _r_update(qbar, kg, vg, key_real, scale, grad, keep):
+def _r_update(qbar, kg, vg, key_real, scale, grad, keep, summaries: bool = True):
     """R[k, j] = softmax_i(s qbar[k, j] . k_(k, i)) over the real keys of block k, reduced at once to its products.
 
     qbar (X, mk, b, d): the query means; kg (X, mk, b, d), vg (X, mk, b, dv) or None: keys and values, zero in
     masked slots; key_real (X, mk, b) bool or None. Returns Ktil = R K (X, mk, b, d), the entropies H(R[k, j])
-    (X, mk, b) and Vtil = R V (X, mk, b, dv) (None without ``vg``)."""
+    (X, mk, b) and Vtil = R V (X, mk, b, dv) (None without ``vg``); without ``summaries`` (one key block: no L update
+    reads them) Ktil and the entropies are not computed (None)."""
     x, mk, b, d = kg.shape
     size = x * mk
     qf, kf = qbar.reshape(size, b, d), kg.reshape(size, b, d)
@@ -235,7 +248,7 @@ def _r_update(qbar, kg, vg, key_real, scale, grad, keep):
     if grad:
         parts: list[list[torch.Tensor]] = [[], [], []]
     else:
-        ktil, ent = kg.new_empty(size, b, d), kg.new_empty(size, b)
+        ktil, ent = (kg.new_empty(size, b, d), kg.new_empty(size, b)) if summaries else (None, None)
         vtil = None if vf is None else vf.new_empty(size, b, vf.shape[-1])
         scores = kg.new_empty(min(step, size), b, b)  # reused: fresh pages cost more than the arithmetic
     rs = []
@@ -255,24 +268,40 @@ def _r_update(qbar, kg, vg, key_real, scale, grad, keep):
         total = ex.sum(-1, keepdim=True)  # (c, b, 1)
         if keep is not None:
             rs.append(ex / total)
-        kt = torch.bmm(ex, kf[sl]) / total if grad else torch.bmm(ex, kf[sl], out=ktil[sl]).div_(total)  # (c, b, d)
-        # H(R) = lse - <R, alpha>, and <R, alpha> = s qbar . (R K): a dot of length d, not b
-        h = (top + total.log()).squeeze(-1) - scale * torch.linalg.vecdot(qf[sl], kt)  # (c, b)
-        if grad:
-            parts[0].append(kt)
-            parts[1].append(h)
-            if vf is not None:
+        if summaries:
+            kt = torch.bmm(ex, kf[sl]) / total if grad else torch.bmm(ex, kf[sl], out=ktil[sl]).div_(total)  # (c,b,d)
+            # H(R) = lse - <R, alpha>, and <R, alpha> = s qbar . (R K): a dot of length d, not b
+            h = (top + total.log()).squeeze(-1) - scale * torch.linalg.vecdot(qf[sl], kt)  # (c, b)
+            if grad:
+                parts[0].append(kt)
+                parts[1].append(h)
+            else:
+                ent[sl] = h
+        if vf is not None:
+            if grad:
                 parts[2].append(torch.bmm(ex, vf[sl]) / total)
-        else:
-            ent[sl] = h
-            if vf is not None:
+            else:
                 torch.bmm(ex, vf[sl], out=vtil[sl]).div_(total)
     if keep is not None:
         keep["R"] = torch.cat(rs).view(x, mk, b, b)
     if grad:
-        ktil, ent = torch.cat(parts[0]), torch.cat(parts[1])
+        ktil, ent = (torch.cat(parts[0]), torch.cat(parts[1])) if summaries else (None, None)
         vtil = torch.cat(parts[2]) if parts[2] else None
+    if not summaries:
+        return None, None, None if vtil is None else vtil.view(x, mk, b, -1)
     return ktil.view(x, mk, b, d), ent.view(x, mk, b), None if vtil is None else vtil.view(x, mk, b, -1)
+
+
+# heads of the L update taken together when one head's scores (b x mq x mk) are this small or smaller: batches of short
+# inputs (32 sentences of 64 tokens: 384 heads of 8 x 8 x 8) otherwise spend their time in a Python loop over heads
+_SMALL_HEAD = 1 << 12
+_GROUP_ELEMENTS = 1 << 16
+
+
+def _heads_per_group(x: int, per_head: int) -> int:
+    """Heads the L update takes at once: one where a head's scores are large (its rows are read through strided views,
+    no copies), else as many as :data:`_GROUP_ELEMENTS` scores hold (their rows regrouped by one copy)."""
+    return 1 if per_head > _SMALL_HEAD else max(1, min(x, _GROUP_ELEMENTS // per_head))
 
 
 def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
@@ -281,24 +310,36 @@ def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
     (0 where no real query weighs in).
 
     qg (X, mq, b, d), w (X, mq, b) the real-query flags, ktil (X, mk, b, d), ent (X, mk, b) (the most negative
-    number for key blocks without a real key: out of the softmax), vtil (X, mk, b, dv) or None. One head at a
-    time, a chunk of slots j at a time, through strided views (the batched products read and write the rows of
-    a slot where they are: regrouping them by copies costs more than the products); the result, (X, mq, b, dv)
-    or qbar (X, mk, b, d), is written to ``out`` when given (no gradients)."""
+    number for key blocks without a real key: out of the softmax), vtil (X, mk, b, dv) or None. A group of heads
+    at a time (:func:`_heads_per_group`), a chunk of slots j at a time: a large head alone, through strided views (the
+    batched products read and write the rows of a slot where they are: regrouping them by copies costs more than the
+    products), small heads many at once, regrouped; the result, (X, mq, b, dv) or qbar (X, mk, b, d), is written to
+    ``out`` when given (no gradients)."""
     x, mq, b, d = qg.shape
     mk = ktil.shape[1]
     step = max(1, _chunk(qg) // (mq * mk))
     tiny = torch.finfo(qg.dtype).tiny
+    group = _heads_per_group(x, b * mq * mk)
     heads, ls = [], []
-    scratch = None if grad else qg.new_empty(min(step, b), mq, mk)  # reused: fresh pages cost more
-    for h in range(x):
-        qh, kh = qg[h].transpose(0, 1), ktil[h].transpose(0, 1)  # (b, mq, d), (b, mk, d)
-        bias = ent[h].transpose(0, 1)[:, None, :]  # (b, 1, mk)
-        wh = w[h].transpose(0, 1)[..., None]  # (b, mq, 1)
-        vh = None if vtil is None else vtil[h].transpose(0, 1)  # (b, mk, dv)
-        dest = None if out is None else out[h].transpose(0, 1)  # (b, mq, dv) or (b, mk, d)
+    scratch = None if grad else qg.new_empty(min(step, b * group), mq, mk)  # reused: fresh pages cost more
+
+    def slots(t: torch.Tensor, h: int) -> torch.Tensor:  # (X, m, b, e) -> heads h .. h + group as (G b, m, e)
+        return t[h].transpose(0, 1) if group == 1 else t[h : h + group].transpose(1, 2).flatten(0, 1)
+
+    for h in range(0, x, group):
+        g = min(group, x - h)
+        qh, kh = slots(qg, h), slots(ktil, h)  # (G b, mq, d), (G b, mk, d)
+        bias = slots(ent[..., None], h).transpose(1, 2)  # (G b, 1, mk)
+        wh = slots(w[..., None], h)  # (G b, mq, 1)
+        vh = None if vtil is None else slots(vtil, h)  # (G b, mk, dv)
+        if out is None:
+            dest = None
+        elif group == 1:
+            dest = out[h].transpose(0, 1)  # (b, mq, dv) or (b, mk, d), written where the rows are
+        else:
+            dest = out.new_empty(g * b, *out.shape[1:2], out.shape[-1])
         pieces = []
-        for start in range(0, b, step):
+        for start in range(0, g * b, step):
             sl = slice(start, start + step)
             c = qh[sl].shape[0]
             if grad:
@@ -323,10 +364,12 @@ def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
             else:
                 torch.div(num, den, out=dest[sl])
         if dest is None:
-            heads.append(torch.cat(pieces).transpose(0, 1))
+            heads.append(torch.cat(pieces).unflatten(0, (g, b)).transpose(1, 2))
+        elif group > 1:
+            out[h : h + g].copy_(dest.unflatten(0, (g, b)).transpose(1, 2))
     if keep is not None:
         keep["L"] = torch.cat(ls).view(x, b, mq, mk)
-    return torch.stack(heads) if out is None else out
+    return torch.cat(heads) if out is None else out
 
 
 def _monarch_grid(qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, keep=None, out=None) -> torch.Tensor:
@@ -345,7 +388,7 @@ def _monarch_grid(qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, kee
         if steps > 1:  # qbar = the mean of the real queries of each slot
             sums = torch.cat([qg, w[..., None]], dim=-1).sum(1, keepdim=True)  # (X, 1, b, d + 1)
             qbar = sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(qg.dtype).tiny)
-        _, _, vtil = _r_update(qbar, kg, vg, k_real, scale, grad, keep)
+        _, _, vtil = _r_update(qbar, kg, vg, k_real, scale, grad, keep, summaries=False)
         if keep is not None:
             keep["L"] = qg.new_ones(x, b, mq, 1)
         res = vtil.expand(x, mq, b, dv)
@@ -364,13 +407,11 @@ def _monarch_grid(qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, kee
 
 def _group_grids(q, k, v, g: _Group, dt):
     """The group's rows laid out on its grids: (X, m, b, e) tensors and flags (see :func:`_monarch_grid`)."""
-    if g.rows is not None:
-        q, k, v = q[g.rows], k[g.rows], v[g.rows]
-    rows, heads = q.shape[0], q.shape[1]
+    rows, heads = (q.shape[0] if g.rows is None else g.rows.numel()), q.shape[1]
     b = g.block
-    qg = _to_grid(q.to(dt), g.q_pos, g.q_real, g.gq)
-    kg = _to_grid(k.to(dt), g.k_pos, g.k_real, g.gk)
-    vg = _to_grid(v.to(dt), g.k_pos, g.k_real, g.gk)
+    qg = _to_grid(q.to(dt), g.rows, g.q_pos, g.q_real, g.gq)
+    kg = _to_grid(k.to(dt), g.rows, g.k_pos, g.k_real, g.gk)
+    vg = _to_grid(v.to(dt), g.rows, g.k_pos, g.k_real, g.gk)
 
     def flags(real, grid):
         if real is None:
@@ -403,8 +444,9 @@ def _monarch(q, k, v, key_mask, query_mask, scale, config: MonarchConfig) -> tor
     batch, heads, n, _ = q.shape
     s, dv = k.shape[2], v.shape[-1]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    outs, order = [], []
-    for g in _plan(n, s, key_mask, query_mask, config, batch, q.device):
+    groups = _plan(n, s, key_mask, query_mask, config, batch, q.device)
+    outs = []  # per group, (R, N, H, dv): the layout a model reads the attention output in
+    for g in groups:
         qg, kg, vg, q_real, k_real = _group_grids(q, k, v, g, dt)
         rows, mq = qg.shape[0] // heads, qg.shape[1]
         out = None if grad else qg.new_empty(rows, heads, g.gq, dv)  # written in place: no copy at the end
@@ -412,16 +454,21 @@ def _monarch(q, k, v, key_mask, query_mask, scale, config: MonarchConfig) -> tor
         out = _monarch_grid(qg, kg, vg, q_real, k_real, scale, config.steps, grad, out=grid)  # (X, mq, b, dv)
         out = out.reshape(rows, heads, g.gq, dv)
         if g.q_slot is None:
-            out = out[:, :, :n]
-        else:  # padded query rows: uniform attention over the real keys
-            ext = torch.cat([out, _uniform_values(vg, g, rows, heads)], dim=2)
-            out = ext.gather(2, g.q_slot[:, None, :, None].expand(rows, heads, n, dv))
-        outs.append(out)
-        order.append(torch.arange(batch, device=q.device) if g.rows is None else g.rows)
+            outs.append(out[:, :, :n].transpose(1, 2))
+            continue
+        # each position reads its slot, a padded query row the uniform attention over the real keys (slot gq)
+        ext = torch.cat([out, _uniform_values(vg, g, rows, heads)], dim=2).transpose(1, 2)  # (R, gq + 1, H, dv)
+        flat = (g.q_slot + torch.arange(rows, device=q.device)[:, None] * (g.gq + 1)).reshape(-1)
+        outs.append(ext.reshape(rows * (g.gq + 1), heads * dv).index_select(0, flat).view(rows, n, heads, dv))
     if len(outs) == 1:
-        return outs[0].to(q.dtype)
-    out = torch.cat(outs)[torch.argsort(torch.cat(order))]
-    return out.to(q.dtype)
+        return outs[0].transpose(1, 2).to(q.dtype)
+    if grad:
+        order = torch.cat([_rows_of(g.rows, batch, q.device) for g in groups])
+        return torch.cat(outs)[torch.argsort(order)].transpose(1, 2).to(q.dtype)
+    result = outs[0].new_empty(batch, n, heads, dv)
+    for g, out in zip(groups, outs, strict=True):
+        result.index_copy_(0, _rows_of(g.rows, batch, q.device), out)
+    return result.transpose(1, 2).to(q.dtype)
 
 
 def _monarch_weights(q, k, key_mask, query_mask, scale, config: MonarchConfig) -> torch.Tensor:

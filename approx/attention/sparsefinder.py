@@ -158,6 +158,11 @@ def _require_fitted(state) -> None:
 def _projected(q, k, state, dt, config):
     """q' (B, H, N, r) and k' (B, H, S, r) with each head's fitted projection."""
     _require_fitted(state)
+    if q.shape[2] != k.shape[2]:  # (every path reads its projections here first)
+        raise ValueError(
+            f"sparsefinder: self-attention only (N = S): its window and global tokens are positions that queries and "
+            f"keys share; got N = {q.shape[2]}, S = {k.shape[2]}"
+        )
     heads, fitted_shape = q.shape[1], (q.shape[1], q.shape[-1], config.projection_dim)
     for name, want in (("proj_q", fitted_shape), ("proj_k", fitted_shape), ("centroids", (heads, config.clusters))):
         got = tuple(state[name].shape[: len(want)])
