@@ -64,6 +64,9 @@ _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
 _HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the question-mask hooks
 _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose its layers (written by save)
+# attribute on every attention module of a patched model: the implementation it ran before (a layer left unpatched
+# runs it again: eager attention's arithmetic differs from SDPA's in the last bits)
+_MODULE_ORIGINAL = "_approx_original_attention"
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
@@ -124,7 +127,15 @@ def _attention_forward(
     key_mask = _key_mask(attention_mask, query.shape[0], key.shape[-2])
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = getattr(module, _CHILD, None)
-    if layer is None:  # a layer left unpatched by `layers=`: exact attention
+    if layer is None and getattr(module, _MODULE_ORIGINAL, None) == "eager":  # left unpatched: as it ran before
+        eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+        if eager is not None:
+            additive = None
+            if key_mask is not None:  # eager attention adds its mask to the scores
+                additive = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device)
+                additive = additive.masked_fill_(~key_mask, torch.finfo(query.dtype).min)[:, None, None, :]
+            return eager(module, query, key, value, additive, dropout=dropout, scaling=scale, **kwargs)
+    if layer is None:  # a layer left unpatched by `layers=`: exact attention (SDPA, as an sdpa model ran it)
         out = exact_attention(query, key, value, key_mask, scale, dropout)
     else:
         out = layer(query, key, value, key_mask, scale=scale, dropout=dropout)
@@ -156,10 +167,17 @@ def question_positions(
     return _context.question_mask() if question is None else question
 
 
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether ``model`` recomputes its layers in the backward pass (transformers 5 renamed the property; the old
+    name warns on every call)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else None
+    return bool(getattr(model, name or "is_gradient_checkpointing", False))
+
+
 def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a patched model: :func:`question_positions` of this batch, for the methods that make the
     question global (``window`` with ``question_global``)."""
-    if model.training and getattr(model, "is_gradient_checkpointing", False) and _context.question_mask() is None:
+    if model.training and _checkpointing(model) and _context.question_mask() is None:
         wanting = [i for i, x in patched_layers(model).items() if getattr(x.config, "question_global", False)]
         if wanting and torch.is_grad_enabled():
             raise ValueError(
@@ -351,8 +369,12 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
-        # an instance attribute, so `model.save_pretrained` writes a complete approx folder (see `save`)
+        for module in modules:
+            module.__dict__[_MODULE_ORIGINAL] = original
+        # instance attributes: `model.save_pretrained` writes a complete approx folder (see `save`), and another
+        # attention implementation is refused while patched (it would route around the patched layers, silently)
         model.save_pretrained = functools.partial(_save_pretrained, model)
+        model.set_attn_implementation = functools.partial(_set_attn_implementation, model)
         setattr(
             model,
             _HOOKS,
@@ -363,7 +385,31 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         )
     for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
+        layer.layer_count = len(modules)  # the model's attention layers: whether these are all of them (labels)
     return model
+
+
+def _set_attn_implementation(model: nn.Module, implementation: Any) -> None:
+    """A patched model's ``set_attn_implementation``: approx's own is kept; another is refused (it would route the
+    attention around the patched layers while the model still reads as patched and saves as such)."""
+    if implementation == ATTENTION_NAME:
+        return
+    raise ValueError(
+        f"{type(model).__name__} is patched by approx: its attention runs through the patched layers, and "
+        f"set_attn_implementation({implementation!r}) would route around them; approx.unpatch(model) first (it "
+        f"restores {getattr(model, _ORIGINAL)!r}), then set another implementation"
+    )
+
+
+def _check_routed(model: nn.Module) -> None:
+    """Refuse a patched model whose attention no longer runs through approx (its config's implementation was changed
+    behind the patch): its layers would be reported, saved and evaluated without running."""
+    current = model.config._attn_implementation
+    if current != ATTENTION_NAME:
+        raise ValueError(
+            f"{type(model).__name__} was patched by approx, but its attention implementation is now {current!r}, so "
+            "the patched layers no longer run: approx.unpatch(model) and patch it again"
+        )
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -377,6 +423,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if hasattr(module, _CHILD):
             delattr(module, _CHILD)
+        module.__dict__.pop(_MODULE_ORIGINAL, None)
+    model.__dict__.pop("set_attn_implementation", None)
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
     for handle in getattr(model, _HOOKS, ()):
@@ -471,6 +519,8 @@ class RedrawSchedule:
 def settings(model: nn.Module) -> list[dict[str, Any]]:
     """What each patched layer runs: ``[{"layer": i, "method": name, "config": {...}}, ...]``, with ``"heads"`` on a
     layer whose method runs on some heads only."""
+    if is_patched(model):
+        _check_routed(model)
     return [saved.layer_record(i, layer) for i, layer in patched_layers(model).items()]
 
 
@@ -502,7 +552,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
         return path
     save_method_state(model, path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
+    meta.update(attention_layers=len(attention_modules(model)))
     meta.update(state_sha256=saved.state_digest(path), layers=settings(model))
+    for record in saved.TOOL_RECORDS:  # what approx fit / autotune wrote of an earlier model here describes not this
+        (path / record).unlink(missing_ok=True)
     if tuning(model) is not None:
         meta["tuning"] = tuning(model)
     saved.write_settings(path, meta)

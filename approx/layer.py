@@ -90,26 +90,50 @@ def select_layers(layers, count: int, *, name: str = "layers") -> list[int]:
 
 
 def check_heads(heads, count: int | None = None) -> tuple[int, ...] | None:
-    """The heads a method runs on, as a sorted tuple without repeats (None: every head). ``ValueError`` on anything
-    but a non-empty list of integers at least 0, and, with ``count`` (the layer's heads), on one it does not have."""
+    """The heads a method runs on, as a sorted tuple (None: every head). ``ValueError`` on anything but a non-empty
+    list of distinct head indices; with ``count`` (the layer's heads) a negative index counts from the end, as
+    ``layers`` does, and a head the layer does not have is refused, naming those it has."""
     if heads is None:
         return None
-    chosen = []
+    chosen: dict[int, Any] = {}
     for item in _items(heads, f"heads must be a list of head indices or None (every head), got {heads!r}"):
         h = as_integer(item)
-        if h is None or h < 0:
+        if h is None or (h < 0 and count is None):
             raise ValueError(f"heads must be head indices (integers from 0), got {item!r}")
-        if count is not None and h >= count:
+        j = h + count if h < 0 else h
+        if count is not None and not 0 <= j < count:
             raise ValueError(f"head {h} does not exist: the layer has {count} heads (0..{count - 1})")
-        chosen.append(h)
+        if j in chosen:
+            given = f"{h}" if chosen[j] == h else f"{chosen[j]} and {h}"
+            raise ValueError(f"heads: head {j} is given twice ({given}); give each head once")
+        chosen[j] = h
     if not chosen:
         raise ValueError("heads is empty: name at least one head, or pass None for every head")
-    return tuple(sorted(set(chosen)))
+    return tuple(sorted(chosen))
 
 
 def layer_seed(seed: int, layer_index: int) -> int:
     """Seed of one layer's state: different per layer, independent of which other layers are patched."""
     return (seed * 1_000_003 + layer_index * 7_919 + 17) % (2**63 - 1)
+
+
+# an additive mask's value at most this is a masked key: its weight exp(score + value) is 0 beside an unmasked key's
+# (transformers uses the dtype's minimum; BERT's original "extended" masks -10000)
+MASKED_AT = -1000.0
+
+
+def _additive_allowed(m: torch.Tensor) -> torch.Tensor:
+    """An additive float mask (0: attend; at most :data:`MASKED_AT`, -inf included: masked) as booleans; any other
+    value is a soft bias on the scores, which no approximation here can add, and is refused."""
+    allowed = m == 0
+    if not bool((allowed | (m <= MASKED_AT)).all()):
+        other = m[~(allowed | (m <= MASKED_AT))].flatten()[0].item()
+        raise ValueError(
+            "approx attention supports key-padding masks only; this additive mask holds "
+            f"{other:g}, neither 0 (attend) nor a masking value (at most {MASKED_AT:g}: -10000, the dtype's minimum, "
+            "-inf): a bias on the scores, which the approximations cannot add"
+        )
+    return allowed
 
 
 def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
@@ -121,7 +145,7 @@ def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torc
         return m.to(torch.bool)
     if m.dim() != 4:
         raise ValueError(f"approx attention: unexpected attention mask of shape {tuple(m.shape)}")
-    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2  # additive float masks
+    allowed = m if m.dtype == torch.bool else _additive_allowed(m)
     key = allowed[:, :1, :1, :]  # (B, 1, 1, S)
     if allowed.shape[1] > 1 or allowed.shape[2] > 1:
         if not bool((allowed == key).all()):
@@ -156,6 +180,19 @@ class ApproxAttention(nn.Module):
             seed = layer_seed(getattr(config, "seed", 0), layer_index)
             for name, tensor in self.method.init_state(config, head_dim=head_dim, seed=seed).items():
                 self.register_buffer(name, tensor)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to(...)``, ``.half()``, ``.bfloat16()``: the method's state moves with the model but is not rounded to
+        half precision (a model patched in float32 and then cast kept bfloat16 features and planes, while the same
+        model patched after the cast keeps them in float32, the precision they are drawn and fitted in; the methods
+        compute in float32 for half inputs anyway). Casts to float64 apply."""
+        before = {name: t for name, t in self._buffers.items() if t is not None and t.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype in (torch.float16, torch.bfloat16) and old.dtype not in (torch.float16, torch.bfloat16):
+                self._buffers[name] = old.to(device=new.device)
+        return self
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "method": self.method.name}  # pickled by name: the registry holds the functions

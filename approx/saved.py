@@ -36,6 +36,11 @@ __all__ = [
 ]
 
 SETTINGS_FILE = "approx_config.json"
+# what `approx fit` and `approx autotune` write beside a saved model (the fit's data and losses, the tuning's
+# measurements): approx.save removes them, as they describe the method state saved before
+FIT_RECORD = "approx_fit.json"
+AUTOTUNE_RECORD = "approx_autotune.json"
+TOOL_RECORDS = (FIT_RECORD, AUTOTUNE_RECORD)
 STATE_FILE = "approx_state.safetensors"
 FORMAT = 1
 

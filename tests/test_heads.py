@@ -193,9 +193,17 @@ def test_patch_heads_on_a_model():
         assert not torch.allclose(some[real], every[real]) and not torch.allclose(some[real], ref[real])
     assert "heads=[3]" in repr(approx.patched_layers(model)[0])
     approx.unpatch(model)
-    with pytest.raises(ValueError, match=r"head 4 does not exist: the layer has 4 heads \(0..3\)"):
-        approx.patch(model, "linear", on_heads=[4])
+    for bad, words in (
+        ([4], "head 4 does not exist"),
+        ([-5], "head -5 does not exist"),
+        ([3, -1], "head 3 is given twice"),
+    ):
+        with pytest.raises(ValueError, match=rf"{words}"):
+            approx.patch(model, "linear", on_heads=bad)
     assert not approx.is_patched(model)
+    approx.patch(model, "linear", on_heads=[-1])  # from the end, as layers=[-1]
+    assert approx.patched_layers(model)[0].heads == (3,)
+    approx.unpatch(model)
     with pytest.raises(ValueError, match="fitted state"):
         approx.patch(model, "linformer", mode="fitted", on_heads=[0])
     big = ApproxAttention("linear", head_dim=8, heads=[6])

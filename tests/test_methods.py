@@ -2,6 +2,7 @@
 ``test_options`` and ``exact_limit``), so a new method is covered without editing this file; the
 clustered-specific ones check the paper's properties."""
 
+import re
 import warnings
 
 import pytest
@@ -561,6 +562,20 @@ def test_dropout_is_applied_in_training_or_announced(method):
     dropped, announced = _with_dropout(lyr, q, k, v, mask, 0.3)
     changed = not torch.equal(dropped.masked_fill(~real, 0), plain.masked_fill(~real, 0))
     assert changed != announced, f"{method}: dropout changed the outputs: {changed}, announced: {announced}"
+
+
+def test_the_docs_name_the_methods_that_warn_instead_of_dropping():
+    """docs/getting-started.md names the methods that never form attention weights and warn rather than drop (its
+    list had gone stale as methods came): it must name exactly the methods whose call with dropout warns."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text().split())
+    listed = re.search(r"The methods that never form the weights \(([^)]*)\) warn once", text)
+    assert listed, "the sentence naming the methods that warn is gone from getting-started.md"
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 90)
+    warning = {m for m in METHODS if _with_dropout(layer(m, **small_budget(m)), q, k, v, mask, 0.3)[1]}
+    assert set(re.findall(r"`([\w-]+)`", listed.group(1))) == warning
 
 
 def _mean_with_dropout(lyr, q, k, v, mask, p, draws):

@@ -125,15 +125,37 @@ def test_layers_select_and_mix_methods():
     assert approx.settings(model)[2]["method"] == "full"
 
 
-def test_unselected_layers_stay_exact():
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_unselected_layers_compute_as_they_did(implementation):
+    """Layers left unpatched by ``layers=`` run the implementation the model had, to the bit: eager attention's
+    arithmetic differs from SDPA's in the last bits, and an eager model's unpatched layers had run SDPA (up to 4e-6
+    away); padding included."""
     model = tiny_model("bert")
+    model.set_attn_implementation(implementation)
     inputs = batch(48, pad=13)
     with torch.no_grad():
         ref = model(**inputs, output_hidden_states=True).hidden_states
         approx.patch(model, "clustered", layers=[1], clusters=6)
         out = model(**inputs, output_hidden_states=True).hidden_states
-    torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=1e-6)  # after layer 0: untouched
+    torch.testing.assert_close(out[1], ref[1], rtol=0, atol=0)  # after layer 0: untouched
     assert (out[2] - ref[2]).abs().max() > 1e-3
+
+
+def test_another_attention_implementation_is_refused_while_patched(tmp_path):
+    """set_attn_implementation on a patched model would route around its layers while it still reads, saves and
+    evaluates as patched: refused, naming unpatch; changing the config behind the patch is refused when the layers
+    are read (settings, save). After unpatch the model takes any implementation again."""
+    model = approx.patch(tiny_model("bert"), "favor")
+    with pytest.raises(ValueError, match=r"set_attn_implementation\('sdpa'\) would route around them; approx.unpatch"):
+        model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "approx" and len(approx.settings(model)) == 2
+    model.config._attn_implementation = "eager"
+    for call in (lambda: approx.settings(model), lambda: approx.save(model, tmp_path / "m")):
+        with pytest.raises(ValueError, match="its attention implementation is now 'eager'"):
+            call()
+    approx.unpatch(model)
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -296,6 +318,30 @@ def test_non_padding_masks_are_refused():
     assert torch.equal(_key_mask(padding[:, None, None, :].expand(2, 1, 4, 4), 2, 4), padding)
     additive = torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], torch.finfo(torch.float32).min)
     assert torch.equal(_key_mask(additive, 2, 4), padding)
+    for masked in (-10000.0, float("-inf")):  # BERT's extended mask, and -inf
+        assert torch.equal(
+            _key_mask(torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], masked), 2, 4), padding
+        )
+    with pytest.raises(ValueError, match="holds -2, neither 0 .* a bias on the scores"):
+        _key_mask(torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], -2.0), 2, 4)
+
+
+@pytest.mark.parametrize("method", ["full", "favor", "window"])
+def test_an_extended_mask_of_minus_10000_masks_the_padding(method):
+    """BERT's original "extended" additive mask (0 for a real key, -10000 for padding, (B, 1, 1, S)) gives what the
+    2-D mask gives, patched as unpatched; it had been read as every key real (only values below half the dtype's
+    minimum counted as masked), so the padding was attended without a word."""
+    model = tiny_model("bert")
+    inputs = batch(24, pad=9)
+    extended = (1.0 - inputs["attention_mask"][:, None, None, :].float()) * -10000.0
+    with torch.no_grad():
+        base = model(input_ids=inputs["input_ids"], attention_mask=extended).last_hidden_state
+        approx.patch(model, method)
+        two_d = model(**inputs).last_hidden_state
+        four_d = model(input_ids=inputs["input_ids"], attention_mask=extended).last_hidden_state
+    torch.testing.assert_close(four_d, two_d, rtol=0, atol=0)
+    if method == "full":
+        torch.testing.assert_close(four_d[:, :15], base[:, :15], rtol=1e-5, atol=1e-5)
 
 
 def test_transformers_4_is_refused(monkeypatch):
@@ -307,3 +353,16 @@ def test_transformers_4_is_refused(monkeypatch):
     with pytest.raises(UnsupportedModelError, match="transformers 4.57.1"):
         approx.patch(model, "full")
     assert not approx.is_patched(model)
+
+
+@pytest.mark.parametrize("method, options", [("favor", {"features": 16}), ("lsh", {"cluster_size": 8})])
+def test_casting_a_patched_model_to_half_precision_keeps_the_state_as_drawn(method, options):
+    """Patching then casting to bfloat16 gives the model that casting then patching gives, to the bit: the state
+    stays in float32 (it had been rounded to bfloat16 by the cast, changing outputs); a cast to float64 applies."""
+    cast_late = approx.patch(tiny_model("bert"), method, **options).to(torch.bfloat16)
+    cast_early = approx.patch(tiny_model("bert").to(torch.bfloat16), method, **options)
+    late, early = (approx.patched_layers(m)[0].state() for m in (cast_late, cast_early))
+    assert all(late[n].dtype == torch.float32 and torch.equal(late[n], early[n]) for n in late)
+    with torch.no_grad():
+        assert torch.equal(model_output(cast_late, **batch(24, pad=5)), model_output(cast_early, **batch(24, pad=5)))
+    assert all(t.dtype == torch.float64 for t in approx.patched_layers(cast_late.double())[0].state().values())

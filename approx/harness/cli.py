@@ -6,7 +6,8 @@ approx eval                    evaluate a task under one or more methods against
 approx finetune                fine-tune a model (patched or not) on a task with accelerate
 approx demo                    MiniLM-L6 on WikiText-2 windows: full vs clustered vs i-clustered (approx eval's
                                wikitext2 fidelity run with --windows as --limit, --length as --max-length)
-approx fit                     fit a method with learned state (sparsefinder) on unlabeled text and save the model
+approx fit                     fit a method with learned state (sparsefinder, linformer:mode=fitted) on unlabeled text
+                               and save the model
 approx autotune                choose each layer's method and budget for a fidelity target and save the model
 
 Also ``python -m approx ...``, so ``accelerate launch -m approx eval ...`` runs it in several processes.
@@ -25,6 +26,7 @@ from pathlib import Path
 from .. import __version__, _json, methods
 from ..config import MethodConfig, did_you_mean
 from ..registry import get_method
+from ..saved import AUTOTUNE_RECORD, FIT_RECORD
 from .argcheck import Once, check_device, looks_like_path, set_threads
 from .flags import config_flags, config_values, eval_setups, method_flags, method_option_args, split_method_args
 from .spec import parse_setup
@@ -416,7 +418,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         test = wikitext_windows(tokenizer, args.data_dir, split="test", length=args.length, count=args.stats_windows)
         result["graph_on_test"] = graph_stats(model, test, batch_size=args.batch_size, progress=not args.quiet)
     result["provenance"] = provenance(seed=setup.config().get("seed"), wall_seconds=time.perf_counter() - wall)
-    (out / "approx_fit.json").write_text(_json.dumps(result))
+    (out / FIT_RECORD).write_text(_json.dumps(result))
     print(f"fitted {len(report['layers'])} layers on {len(windows)} {args.split} windows in {report['seconds']:.1f} s")
     if "graph_on_test" in result:
         g = result["graph_on_test"]
@@ -449,7 +451,8 @@ def _fit_options(args: argparse.Namespace, method: str) -> dict:
 def _add_fit_parser(sub) -> None:
     p = sub.add_parser(
         "fit",
-        help="fit a method with learned state (sparsefinder) on WikiText-2 windows and save the patched model",
+        help="fit a method with learned state (sparsefinder, linformer:mode=fitted) on WikiText-2 windows and save "
+        "the patched model",
         description="Patches the model with the method, learns its state from the model's own queries and keys "
         "on unlabeled WikiText-2 windows (validation split by default: keep the test split for measuring) and "
         "saves the patched, fitted model with approx.save (load it back with approx.load).",
@@ -546,7 +549,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         "tuning": tuning.to_dict(),
         "provenance": provenance(seed=args.seed, wall_seconds=time.perf_counter() - wall),
     }
-    (out / "approx_autotune.json").write_text(_json.dumps(record))
+    (out / AUTOTUNE_RECORD).write_text(_json.dumps(record))
     print(tuning.summary())
     folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
     print(f"wrote {out} ({_eval_hint(args, task, folder, score_split)})", file=sys.stderr)

@@ -52,6 +52,7 @@ from ..integration import (
 )
 from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
+from ..saved import FIT_RECORD
 from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
@@ -410,7 +411,7 @@ def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
     """Warn when a folder given as a method was fitted (``approx fit``: its ``approx_fit.json``) on another model than
     the one evaluated: its fitted state learned that model's queries and keys."""
     for method in methods:
-        fitted_on = _read_record(Path(method) / "approx_fit.json", "model") if saved_folder(method) else None
+        fitted_on = _read_record(Path(method) / FIT_RECORD, "model") if saved_folder(method) else None
         if fitted_on is None:
             continue
         same = fitted_on == model or (
