@@ -64,6 +64,33 @@ def test_matches_the_definition(options):
     torch.testing.assert_close(out.masked_fill(~real, 0), ref.masked_fill(~real, 0), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "band", "gather"])
+def test_a_window_reaching_most_of_a_short_input_matches_the_definition(kernel, monkeypatch):
+    """Where the banded kernel would score as many keys per query as the input has (a block's slice of block + 2P, here
+    8 + 2 x 16 = 40 keys for 40 tokens), ``auto`` runs SDPA over the dense mask instead: the same softmax as the
+    definition, with global tokens, the question global, padding, and a row of padding alone, as ``band`` and
+    ``gather`` compute it."""
+    from approx.attention import _blocksparse
+
+    q, k, v = qkv(40)
+    q, k, v = torch.cat([q, q[:1]]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]])  # a third row: padding alone
+    mask = torch.ones(B + 1, 40, dtype=torch.bool)
+    mask[1, 29:], mask[2] = False, False
+    question = torch.zeros(B + 1, 40, dtype=torch.bool)
+    question[:, :6] = True
+    config = WindowConfig(window=12, block=8, global_tokens=2, question_global=True, kernel=kernel)
+    dense, calls = _blocksparse._attend_dense_band, []
+    monkeypatch.setattr(_blocksparse, "_attend_dense_band", lambda *a, **kw: calls.append(1) or dense(*a, **kw))
+    with approx.tokens(question_mask=question), torch.no_grad():
+        out = ApproxAttention("window", config, head_dim=D)(q, k, v, mask)
+    assert len(calls) == (kernel == "auto")  # the dense route is auto's alone
+    glob = question | (torch.arange(40) < 2)
+    mask[2] = True  # a row of padding alone attends every key (approx's rule for it: no NaN), its window as a row's
+    ref = reference(q, k, v, mask, window=12, glob=glob)
+    torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[1, :, :29], ref[1, :, :29], rtol=1e-12, atol=1e-12)
+
+
 def test_block_size_does_not_change_the_output():
     q, k, v = qkv(150)
     mask = mask_of(150, 111)

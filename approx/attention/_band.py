@@ -32,7 +32,7 @@ import torch
 
 from ._common import compute_dtype, zero_padded_values
 
-__all__ = ["attend", "unusable"]
+__all__ = ["attend", "keys_per_row", "unusable"]
 
 # Largest score chunk, in elements (blocks * block * width): a few MiB, so the strips, softmax and product that
 # follow the score product find it in cache
@@ -45,6 +45,12 @@ def _geometry(reach: int, block: int) -> tuple[int, int, int, int]:
     pad = -(-reach // block) * block
     width = block + 2 * pad
     return pad, width, min(width, pad - reach + block - 1), max(0, pad + reach + 1)
+
+
+def keys_per_row(n: int, reach: int, block: int) -> int:
+    """The keys the kernel scores per query on a sequence of ``n`` (a block's slice of ``block + 2 P``): more than
+    ``n`` when the window reaches most of a short sequence."""
+    return _geometry(min(reach, max(n - 1, 0)), block)[1]
 
 
 def masked_columns(reach: int, block: int) -> int:

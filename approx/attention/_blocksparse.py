@@ -400,6 +400,8 @@ def _try_band(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, 
         return None
     key_mask = safe_key_mask(key_mask)
     why = _band_unusable(q, k, v, pattern, key_mask=key_mask, dropout=dropout, with_lse=with_lse)
+    if why is None and pattern.band is not None and kernel == "auto" and _dense_is_cheaper(q, k, pattern):
+        return _attend_dense_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
     if why is None:
         attend_band = _attend_band if pattern.band is not None else _attend_blockband
         return attend_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
@@ -428,6 +430,35 @@ def _try_flex(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, 
     if kernel == "flex":
         raise RuntimeError(f"kernel='flex' cannot run this call: {why}")
     return None
+
+
+def _dense_is_cheaper(q, k, pattern: Pattern) -> bool:
+    """Whether the banded kernel would score at least as many keys per query as the sequence has (a window reaching
+    most of a short input: 576 keys a query for a one-sided window of 256 in blocks of 64, at 384 tokens)."""
+    from . import _band
+
+    return _band.keys_per_row(q.shape[2], pattern.band, pattern.block) >= k.shape[2]
+
+
+def _attend_dense_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
+    """A window pattern computed by SDPA over its dense (B, 1, N, S) mask, each pair scored once: the band, the
+    shared keys' columns, the global queries' rows, real keys only; a query with no allowed key gets 0 (as the block
+    kernels give it). For inputs where the banded kernel would score more keys than there are (see
+    :func:`_dense_is_cheaper`); the same softmax to rounding."""
+    n, s, out_dtype = q.shape[2], k.shape[2], v.dtype
+    dt = compute_dtype(q.dtype)
+    gap = torch.arange(n, device=q.device)[:, None] - torch.arange(s, device=q.device)[None, :]
+    allowed = (gap.abs() <= pattern.band)[None, None]  # (1, 1, N, S)
+    if pattern.shared_keys is not None:
+        allowed = allowed | pattern.shared_keys[:, None, None, :s]
+    if pattern.global_queries is not None:
+        allowed = allowed | pattern.global_queries[:, None, :n, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    has = allowed.any(-1, keepdim=True)  # (a row of SDPA with nothing allowed would be NaN)
+    v = zero_padded_values(v.to(dt), key_mask)
+    out = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v, attn_mask=allowed | ~has, scale=scale)
+    return out.masked_fill_(~has, 0.0).to(out_dtype)
 
 
 def _attend_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
