@@ -16,6 +16,7 @@ import functools
 import inspect
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ _HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the que
 _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose its layers (written by save)
 # attribute on every attention module of a patched model: the implementation it ran before (a layer left unpatched
 # runs it again: eager attention's arithmetic differs from SDPA's in the last bits)
-_MODULE_ORIGINAL = "_approx_original_attention"
+_MODULE_ORIGINAL = "_approx_eager_attention"  # the module's eager attention function, on an eager model
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
@@ -127,14 +128,13 @@ def _attention_forward(
     key_mask = _key_mask(attention_mask, query.shape[0], key.shape[-2])
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = getattr(module, _CHILD, None)
-    if layer is None and getattr(module, _MODULE_ORIGINAL, None) == "eager":  # left unpatched: as it ran before
-        eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
-        if eager is not None:
-            additive = None
-            if key_mask is not None:  # eager attention adds its mask to the scores
-                additive = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device)
-                additive = additive.masked_fill_(~key_mask, torch.finfo(query.dtype).min)[:, None, None, :]
-            return eager(module, query, key, value, additive, dropout=dropout, scaling=scale, **kwargs)
+    eager = getattr(module, _MODULE_ORIGINAL, None)
+    if layer is None and eager is not None:  # left unpatched in a model loaded with eager attention: as it ran
+        additive = None
+        if key_mask is not None:  # eager attention adds its mask to the scores
+            additive = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device)
+            additive = additive.masked_fill_(~key_mask, torch.finfo(query.dtype).min)[:, None, None, :]
+        return eager(module, query, key, value, additive, dropout=dropout, scaling=scale, **kwargs)
     if layer is None:  # a layer left unpatched by `layers=`: exact attention (SDPA, as an sdpa model ran it)
         out = exact_attention(query, key, value, key_mask, scale, dropout)
     else:
@@ -177,6 +177,7 @@ def _checkpointing(model: nn.Module) -> bool:
 def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a patched model: :func:`question_positions` of this batch, for the methods that make the
     question global (``window`` with ``question_global``)."""
+    _check_routed(model)  # (a string compare: the config changed behind the patch, e.g. through an inner model)
     if model.training and _checkpointing(model) and _context.question_mask() is None:
         wanting = [i for i, x in patched_layers(model).items() if getattr(x.config, "question_global", False)]
         if wanting and torch.is_grad_enabled():
@@ -369,8 +370,8 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
-        for module in modules:
-            module.__dict__[_MODULE_ORIGINAL] = original
+        if original == "eager":
+            _keep_eager(modules)
         # instance attributes: `model.save_pretrained` writes a complete approx folder (see `save`), and another
         # attention implementation is refused while patched (it would route around the patched layers, silently)
         model.save_pretrained = functools.partial(_save_pretrained, model)
@@ -385,14 +386,32 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         )
     for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
-        layer.layer_count = len(modules)  # the model's attention layers: whether these are all of them (labels)
     return model
 
 
-def _set_attn_implementation(model: nn.Module, implementation: Any) -> None:
+def _keep_eager(modules: list[nn.Module]) -> None:
+    """Give each attention module of a model loaded with eager attention its own eager function (the module-level
+    ``eager_attention_forward`` of its family), which the layers left unpatched run; warn where a family has none
+    (those layers then run SDPA: the same softmax, other rounding)."""
+    missing = set()
+    for module in modules:
+        eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+        if eager is None:
+            missing.add(type(module).__name__)
+        module.__dict__[_MODULE_ORIGINAL] = eager
+    if missing:
+        warnings.warn(
+            f"approx: {', '.join(sorted(missing))} has no eager_attention_forward to call: its layers left unpatched "
+            "run torch's SDPA (the same softmax, rounded otherwise than eager attention)",
+            stacklevel=4,
+        )
+
+
+def _set_attn_implementation(model: nn.Module, implementation: Any, allow_all_kernels: bool = False) -> None:
     """A patched model's ``set_attn_implementation``: approx's own is kept; another is refused (it would route the
     attention around the patched layers while the model still reads as patched and saves as such)."""
-    if implementation == ATTENTION_NAME:
+    wanted = set(implementation.values()) if isinstance(implementation, dict) else {implementation}
+    if wanted <= {ATTENTION_NAME}:
         return
     raise ValueError(
         f"{type(model).__name__} is patched by approx: its attention runs through the patched layers, and "
@@ -524,6 +543,15 @@ def settings(model: nn.Module) -> list[dict[str, Any]]:
     return [saved.layer_record(i, layer) for i, layer in patched_layers(model).items()]
 
 
+def _saved_digests(path: Path) -> tuple[str | None, str | None] | None:
+    """The state and settings digests of the approx folder at ``path`` (None: there is none, or it cannot be read)."""
+    try:
+        meta = saved.read_settings(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    return meta.get("state_sha256"), meta.get("layers_sha256")
+
+
 def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **save_pretrained_kwargs: Any) -> Path:
     """Save a patched model: a plain Hugging Face checkpoint (its ``state_dict`` without the methods' state),
     ``approx_config.json`` (the settings of every patched layer), ``approx_state.safetensors`` (the methods'
@@ -541,9 +569,11 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
             "(huggingface_hub.upload_folder(folder_path=..., repo_id=...)): transformers uploads as it saves, "
             "before approx_config.json and the methods' state are written"
         )
+    _check_routed(model)  # before anything is written
     if tokenizer is not None:
         saved.check_vocabulary("the tokenizer passed", len(tokenizer), model.get_input_embeddings().num_embeddings)
     path = Path(path)
+    before = _saved_digests(path)
     state_dict = save_pretrained_kwargs.pop("state_dict", None)
     state_dict = {k: v for k, v in (model.state_dict() if state_dict is None else state_dict).items()
                   if f".{_CHILD}." not in f".{k}"}  # fmt: skip
@@ -552,13 +582,13 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
         return path
     save_method_state(model, path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
-    meta.update(attention_layers=len(attention_modules(model)))
     meta.update(state_sha256=saved.state_digest(path), layers=settings(model))
-    for record in saved.TOOL_RECORDS:  # what approx fit / autotune wrote of an earlier model here describes not this
-        (path / record).unlink(missing_ok=True)
     if tuning(model) is not None:
         meta["tuning"] = tuning(model)
     saved.write_settings(path, meta)
+    if _saved_digests(path) != before:  # what approx fit / autotune wrote of the state saved here before
+        for record in saved.TOOL_RECORDS:
+            (path / record).unlink(missing_ok=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path

@@ -145,7 +145,10 @@ def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torc
         return m.to(torch.bool)
     if m.dim() != 4:
         raise ValueError(f"approx attention: unexpected attention mask of shape {tuple(m.shape)}")
-    allowed = m if m.dtype == torch.bool else _additive_allowed(m)
+    if m.dtype == torch.bool or not m.is_floating_point():  # an integer mask is 0/1, as a 2-D one is read
+        allowed = m.to(torch.bool)
+    else:
+        allowed = _additive_allowed(m)
     key = allowed[:, :1, :1, :]  # (B, 1, 1, S)
     if allowed.shape[1] > 1 or allowed.shape[2] > 1:
         if not bool((allowed == key).all()):

@@ -1123,3 +1123,23 @@ def test_provenance_flags_a_commit_made_while_the_process_ran(monkeypatch):
     assert docs._provenance_line(later).startswith(
         "commit `bbb`, committed during the run, which had started at `aaa`, "
     )
+
+
+def test_a_result_of_some_layers_is_labelled_with_its_layers(checkpoints, fixture_dir):
+    """Patched layers (or a folder) of some layers only carry their method's name: their result's label says which
+    layers (two results of different models had read the same in the report), from the layers the probe saw patched;
+    every layer: the method's label alone."""
+    from approx.harness.evaluation import result_label
+
+    path = checkpoints("sequence-classification")
+    model, _ = approx.integration.load_pretrained(path, task="sequence-classification", progress=False)
+    approx.patch(model, "favor", layers=[-1], features=8)
+    some = approx.patched_layers(model)
+    approx.unpatch(model)
+    last, every = _run(path, "rte", [some, "favor:features=8"], fixture_dir, resamples=0)
+    assert last["method"] == every["method"]  # the same method and options ...
+    assert (result_label(last), result_label(every)) == ("favor:features=8[layers 1 of 2]", "favor:features=8")
+    rows = [
+        line.split(" |")[0] for line in approx.markdown_report([last, every]).splitlines() if line.startswith("| favor")
+    ]
+    assert rows == ["| favor:features=8[layers 1 of 2]", "| favor:features=8"]  # ... told apart in the report

@@ -350,7 +350,12 @@ def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path
 
 @pytest.mark.parametrize(
     "method, words",
-    [(None, "no method is patched"), ("window:window=8", "window:window=8 has no random state")],
+    [
+        (None, "no method is patched"),
+        ("window:window=8", "window:window=8 draws no random state"),
+        ("linformer", "linformer draws no random state"),
+        ("sparsefinder", "sparsefinder draws no random state"),
+    ],
 )
 def test_redraw_every_without_random_state_is_refused_before_loading(fixture_dir, tmp_path, method, words):
     """``redraw_every`` with nothing to redraw (no method, or one without drawn state) had been ignored: refused before

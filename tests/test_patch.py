@@ -149,10 +149,18 @@ def test_another_attention_implementation_is_refused_while_patched(tmp_path):
     with pytest.raises(ValueError, match=r"set_attn_implementation\('sdpa'\) would route around them; approx.unpatch"):
         model.set_attn_implementation("sdpa")
     assert model.config._attn_implementation == "approx" and len(approx.settings(model)) == 2
+    model.set_attn_implementation({"": "approx"})  # approx's own, in transformers' dict form: kept
+    approx.save(model, tmp_path / "m")
+    written = {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()}
     model.config._attn_implementation = "eager"
-    for call in (lambda: approx.settings(model), lambda: approx.save(model, tmp_path / "m")):
+    for call in (lambda: approx.settings(model), lambda: approx.save(model, tmp_path / "m"), lambda: model(**batch(8))):
         with pytest.raises(ValueError, match="its attention implementation is now 'eager'"):
             call()
+    assert {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()} == written  # a refused save writes nothing
+    classifier = approx.patch(tiny_model("bert", "sequence-classification"), "favor")
+    classifier.bert.set_attn_implementation("sdpa")  # the inner encoder, sharing the config
+    with pytest.raises(ValueError, match="its attention implementation is now 'sdpa'"):
+        classifier(**batch(8))
     approx.unpatch(model)
     model.set_attn_implementation("eager")
     assert model.config._attn_implementation == "eager"
@@ -318,6 +326,7 @@ def test_non_padding_masks_are_refused():
     assert torch.equal(_key_mask(padding[:, None, None, :].expand(2, 1, 4, 4), 2, 4), padding)
     additive = torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], torch.finfo(torch.float32).min)
     assert torch.equal(_key_mask(additive, 2, 4), padding)
+    assert torch.equal(_key_mask(padding[:, None, None, :].long(), 2, 4), padding)  # an integer 0/1 mask, as in 2-D
     for masked in (-10000.0, float("-inf")):  # BERT's extended mask, and -inf
         assert torch.equal(
             _key_mask(torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], masked), 2, 4), padding

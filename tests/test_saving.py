@@ -425,37 +425,16 @@ def _saved_for_hypothesis(tmp_path_factory):
     _SAVED.update(model=model, folder=folder, out=outputs(model), fresh=fresh, fresh_out=outputs(fresh))
 
 
-def test_some_layers_are_labelled_per_layer_and_every_layer_by_the_method(tmp_path):
-    """A folder (or a model's patched layers) running one method on some layers only is a per-layer setup, labelled
-    with its layers: it had been labelled with the method alone, as if every layer ran it, and two results of
-    different models read the same. Every layer: the method. A folder saved before approx recorded the model's layer
-    count reads it from config.json."""
-    from approx.harness.spec import PER_LAYER, as_setup, short_label
-
-    some = approx.patch(tiny_model("bert"), "favor", layers=[1], features=8)
-    every = approx.patch(tiny_model("bert"), "favor", features=8)
-    for model, name in ((some, "some"), (every, "every")):
-        approx.save(model, tmp_path / name, tokenizer=tokenizer())
-    for given in (tmp_path / "some", approx.patched_layers(some)):
-        setup = as_setup(given)
-        assert setup.method == PER_LAYER
-        assert short_label({"name": PER_LAYER, **setup.options}) == "per-layer[1 favor:features=8]"
-    for given in (tmp_path / "every", approx.patched_layers(every)):
-        assert as_setup(given).method == "favor" and as_setup(given).options["features"] == 8
-    meta = json.loads((tmp_path / "every" / SETTINGS_FILE).read_text())
-    assert meta["attention_layers"] == 2
-    del meta["attention_layers"]  # as approx wrote it before
-    (tmp_path / "every" / SETTINGS_FILE).write_text(json.dumps(meta))
-    assert as_setup(tmp_path / "every").method == "favor"
-
-
 def test_save_removes_the_fit_and_tuning_records_of_what_was_saved_there_before(tmp_path):
-    """approx_fit.json and approx_autotune.json describe the method state saved with them: saving another model over
-    the folder removes them (a fit record left behind said the new model had been fitted on the old one's model)."""
+    """approx_fit.json and approx_autotune.json describe the method state saved with them: saving another state or
+    other settings over the folder removes them (a fit record left behind said the new model had been fitted on the
+    old one's model); saving the same again keeps them."""
     from approx.saved import TOOL_RECORDS
 
     folder = approx.save(approx.patch(tiny_model("bert"), "favor", features=8), tmp_path / "m")
     for record in TOOL_RECORDS:
         (folder / record).write_text("{}")
+    approx.save(approx.load(folder), folder)  # the same state and settings again: the records still describe them
+    assert all((folder / record).exists() for record in TOOL_RECORDS)
     approx.save(approx.patch(tiny_model("bert"), "lsh", cluster_size=8), folder)
     assert not any((folder / record).exists() for record in TOOL_RECORDS) and approx.settings(approx.load(folder))

@@ -204,17 +204,18 @@ def _rows_of(table_rows: torch.Tensor | None, batch: int, device) -> torch.Tenso
     return torch.arange(batch, device=device) if table_rows is None else table_rows
 
 
-def _to_grid(x: torch.Tensor, rows, pos, real, grid: int) -> torch.Tensor:
-    """(B, H, L, e) -> the group's (R, H, grid, e): batch row ``rows[r]``'s token ``pos[r, slot]`` in each slot (None:
-    slot = position), zero in masked slots. The tokens are read as rows of a (B L, H e) table by one ``index_select``
-    (a free view of a model's queries, keys and values, which are transposed views of (B, L, H, e)): a ``gather`` of
-    the same elements cost about ten times as much on batches of short inputs."""
+def _to_grid(x: torch.Tensor, rows, pos, real, grid: int, dt: torch.dtype) -> torch.Tensor:
+    """(B, H, L, e) -> the group's (R, H, grid, e) in ``dt``: batch row ``rows[r]``'s token ``pos[r, slot]`` in each
+    slot (None: slot = position), zero in masked slots. The tokens are read as rows of a (B L, H e) table by one
+    ``index_select`` (a free view of a model's queries, keys and values, which are transposed views of (B, L, H, e)):
+    a ``gather`` of the same elements cost about ten times as much on batches of short inputs. Only the group's
+    tokens are converted to ``dt``."""
     b, h, length, e = x.shape
     if pos is None:
-        x = x if rows is None else x.index_select(0, rows)
+        x = (x if rows is None else x.index_select(0, rows)).to(dt)
         return x if grid == length else F.pad(x, (0, 0, 0, grid - length))
     flat = (pos + _rows_of(rows, b, x.device)[:, None] * length).reshape(-1)
-    out = x.transpose(1, 2).reshape(b * length, h * e).index_select(0, flat).view(pos.shape[0], grid, h, e)
+    out = x.transpose(1, 2).reshape(b * length, h * e).index_select(0, flat).to(dt).view(pos.shape[0], grid, h, e)
     return out.masked_fill_(~real[:, :, None, None], 0.0).transpose(1, 2)  # (a pad's value may be inf: no 0 * inf)
 
 
@@ -409,9 +410,9 @@ def _group_grids(q, k, v, g: _Group, dt):
     """The group's rows laid out on its grids: (X, m, b, e) tensors and flags (see :func:`_monarch_grid`)."""
     rows, heads = (q.shape[0] if g.rows is None else g.rows.numel()), q.shape[1]
     b = g.block
-    qg = _to_grid(q.to(dt), g.rows, g.q_pos, g.q_real, g.gq)
-    kg = _to_grid(k.to(dt), g.rows, g.k_pos, g.k_real, g.gk)
-    vg = _to_grid(v.to(dt), g.rows, g.k_pos, g.k_real, g.gk)
+    qg = _to_grid(q, g.rows, g.q_pos, g.q_real, g.gq, dt)
+    kg = _to_grid(k, g.rows, g.k_pos, g.k_real, g.gk, dt)
+    vg = _to_grid(v, g.rows, g.k_pos, g.k_real, g.gk, dt)
 
     def flags(real, grid):
         if real is None:

@@ -518,7 +518,7 @@ def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
     seen = [m for m, v in results[0]["reference_metrics"].items() if _nan(v)]
     notes = [f"full attention's {', '.join(seen)}: {why}"] if seen else []
     for r in results:
-        label = short_label(r["method"])
+        label = result_label(r)
         bad = [m for m, v in r["metrics"].items() if _nan(v) and m not in seen]
         if bad:
             notes.append(f"`{label}`'s {', '.join(bad)}: {why}")
@@ -532,13 +532,32 @@ def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def result_label(result: dict[str, Any]) -> str:
+    """A result's label: its method's (:func:`~approx.harness.spec.short_label`), and the layers it patched when they
+    are not all the model's (``favor[layers 4-5 of 6]``: a folder or patched layers of some layers only carry
+    their method's name, and two results of different models would read the same)."""
+    label = short_label(result["method"])
+    layers = (result.get("fidelity", {}).get("cost") or {}).get("layers") or {}
+    patched, total = layers.get("patched"), layers.get("total")
+    if result["method"]["name"] == PER_LAYER or not patched or total is None or len(patched) == total:
+        return label
+    runs: list[list[int]] = []
+    for i in sorted(patched):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    spans = ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return f"{label}[layers {spans} of {total}]"
+
+
 def _say_if_exact(result: dict[str, Any]) -> None:
     """Warn when a method's attention equalled exact attention's on every input and layer: nothing it scored is its
     approximation's (the report lists every method's share under its table, :func:`_exact_lines`)."""
     exact = result["fidelity"].get("exact_inputs") or {}
     if result["method"]["name"] != "full" and exact.get("share") == 1.0:
         warnings.warn(
-            f"{short_label(result['method'])}: equalled exact attention on every input and layer ({exact['measured']} "
+            f"{result_label(result)}: equalled exact attention on every input and layer ({exact['measured']} "
             f"layer inputs): these inputs are {_WITHIN_BUDGET}, so its results are exact attention's and say nothing "
             "about its approximation (longer inputs or a smaller budget would)",
             stacklevel=4,  # evaluate's caller
@@ -703,7 +722,7 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     rows.append("| " + " | ".join(ref_row) + " |")
     for r in results:
         f = r["fidelity"]
-        row = [short_label(r["method"]), *(_fmt(r["metrics"].get(m), 2) for m in metric_names)]
+        row = [result_label(r), *(_fmt(r["metrics"].get(m), 2) for m in metric_names)]
         row += [interval_text(r["intervals"]["metrics"][primary])] if with_interval else []
         row += [_fmt(f[k]) for k in task_fid]
         row += [_fmt(f["hidden_state_cosine"][k]) for k, _ in cosines]
@@ -734,6 +753,6 @@ def _exact_lines(results: list[dict[str, Any]]) -> list[str]:
             if exact["share"] == 1.0
             else f"{exact['matched']} of {exact['measured']} ({exact['share']:.1%})"
         )
-        lines.append(f"- `{short_label(r['method'])}`: {what}")
+        lines.append(f"- `{result_label(r)}`: {what}")
     head = f"Layer inputs on which a method equalled exact attention, being {_WITHIN_BUDGET}:"
     return [head, "", *lines] if lines else []

@@ -535,10 +535,17 @@ def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
             f"{method}: layers {fitted} hold fitted state, which fine-tuning from a folder would draw afresh; "
             "approx.load the folder and train it in Python, or fine-tune a method without fitted state"
         )
-    drawn = [m.name for _, m, c in configs if m.init_state is not None and not m.requires_fit(c)]
-    if cfg.redraw_every is not None and not drawn:
-        what = "no method is patched" if setup is None else f"{method} has no random state (hash planes, features)"
+    if cfg.redraw_every is not None and not any(_draws_state(m, c) for _, m, c in configs):
+        what = "no method is patched" if setup is None else f"{method} draws no random state (hash planes, features)"
         raise ValueError(f"redraw_every (--redraw-every) {cfg.redraw_every}: {what}, so there is nothing to redraw")
+
+
+def _draws_state(method, config) -> bool:
+    """Whether ``method`` with ``config`` draws random state from a seed (what a redraw draws anew): not fitted
+    state (learned), and not a method or mode that draws nothing (Linformer's ``mean``)."""
+    if method.init_state is None or method.requires_fit(config):
+        return False
+    return bool(method.init_state(config, head_dim=8, seed=0))
 
 
 class _EpochSampler(torch.utils.data.Sampler):

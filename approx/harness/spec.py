@@ -10,7 +10,6 @@ read methods the same way.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -162,8 +161,7 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     ``seed`` option not set explicitly takes ``seed``."""
     entries = layer_entries(method)
     if entries is not None:
-        tuned = saved_folder(method) and "tuning" in read_settings(method)
-        return _layers_setup(entries, tuned=tuned, total=_layer_total(method))
+        return _layers_setup(entries, tuned=saved_folder(method) and "tuning" in read_settings(method))
     if isinstance(method, os.PathLike):  # not a saved folder: said so as a path, never read as a method's name
         check_not_a_folder(os.path.join(".", os.fspath(method)))
     if isinstance(method, MethodConfig):
@@ -196,25 +194,12 @@ def layer_entries(method: Any) -> list[dict[str, Any]] | None:
     return None
 
 
-def _layer_total(method: Any) -> int | None:
-    """How many attention layers the model of these patched layers (or of this saved folder) has; None when it is
-    not known (a folder saved before approx recorded it, with no ``num_hidden_layers`` in its config.json)."""
-    if isinstance(method, dict):
-        counts = {getattr(layer, "layer_count", None) for layer in method.values()}
-        return counts.pop() if len(counts) == 1 else None
-    total = read_settings(method).get("attention_layers")
-    if total is None and (Path(method) / "config.json").is_file():
-        total = json.loads((Path(method) / "config.json").read_text()).get("num_hidden_layers")
-    return total if isinstance(total, int) else None
-
-
-def _layers_setup(entries: list[dict[str, Any]], *, tuned: bool, total: int | None) -> Setup:
-    """Patched layers as one setup: their method when every layer of the model (``total``) runs the same method and
-    options (and they were not tuned per layer), else a :data:`PER_LAYER` setup listing them (some layers only: a
-    result labelled with the method alone would read as every layer patched)."""
+def _layers_setup(entries: list[dict[str, Any]], *, tuned: bool) -> Setup:
+    """Patched layers as one setup: their method when every layer runs the same method and options (and they
+    were not tuned per layer), else a :data:`PER_LAYER` setup listing them."""
     first = entries[0]
     same = all((x["method"], x["config"], x.get("heads")) == (first["method"], first["config"], None) for x in entries)
-    if not tuned and same and len(entries) == total:
+    if not tuned and same:
         return Setup(first["method"], dict(first["config"]))
     return Setup(PER_LAYER, {"layers": [dict(x) for x in entries]})
 
