@@ -974,3 +974,15 @@ def test_dominance_resolution_recipe_smoke(fixture_dir, tmp_path, monkeypatch):
     assert not recipe.run_case(("rec.json", "stsb", "flops", label), args)["all_reproduced"]
     with pytest.raises(ValueError, match="uniform rows named 'nothing'; the record has clustered"):
         recipe.run_case(("rec.json", "stsb", "flops", "nothing"), args)
+
+
+def test_a_cross_fitted_row_written_before_rows_kept_their_limit_is_the_same_row():
+    """``--methods`` compares each JSON row with its re-run: a cross-fitted row merged before merged rows kept their
+    halves' limit records none (the record's evaluation_limit, checked apart, says it), and is the same row; a
+    whole-split row's limit, or any other setting, must still agree."""
+    recipe = _recipe("clustered_table")
+    new = {"examples": 1000, "max_length": 128, "batch_size": 32, "limit": 500, "method": {"name": "favor"},
+           "provenance": {"seed": 0, "device": "cpu"}, "halves": [{}, {}]}  # fmt: skip
+    assert recipe._mismatch({**new, "limit": None}, new) is None
+    assert recipe._mismatch({**new, "limit": None, "halves": None}, new) == "limit 500 against None"
+    assert recipe._mismatch({**new, "limit": None, "batch_size": 16}, new) == "batch_size 32 against 16"
