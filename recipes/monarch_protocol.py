@@ -214,6 +214,11 @@ _CHECKPOINT_IGNORED = ("reused_from_cache", "finetune_wall_seconds")
 _LOSS_TOLERANCE = 1e-4
 
 
+def _set(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings without those at None (the default of a setting added after a record was written)."""
+    return {k: v for k, v in settings.items() if v is not None}
+
+
 def _same_checkpoints(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
     """Whether two runs read the same readers: the same folders, base model, split, examples and settings, and
     losses equal within :data:`_LOSS_TOLERANCE` (relative; a NaN or infinite loss equals none), whatever their wall
@@ -226,6 +231,9 @@ def _same_checkpoints(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> b
             x, y = a.get(k), b.get(k)
             if k.endswith("_loss") and isinstance(x, float) and isinstance(y, float):
                 if not math.isclose(x, y, rel_tol=_LOSS_TOLERANCE, abs_tol=0.0):
+                    return False
+            elif k == "settings" and isinstance(x, dict) and isinstance(y, dict):
+                if _set(x) != _set(y):  # a setting a record predates was at its default, None (attention_dropout)
                     return False
             elif x != y:
                 return False

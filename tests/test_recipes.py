@@ -494,12 +494,19 @@ def test_monarch_protocol_update_replaces_keeps_and_refuses():
     base = recipe.merge({**old, "checkpoints": [ckpt]}, {**new, "checkpoints": [ckpt]})
     again = recipe.merge(base, {**new, "checkpoints": [retrained]})
     assert again["runs"][-1]["checkpoints"] == [retrained] and again["checkpoints"] == [ckpt]
+    # a setting the record predates, at its default (None) in the reader's newer record: the same reader
+    newer = {**retrained, "settings": {**retrained.get("settings", {}), "attention_dropout": None}}
+    assert recipe.merge(base, {**new, "checkpoints": [newer]})["runs"][-1]["checkpoints"] == [newer]
     for change, word in (
         ({"checkpoints": [{"folder": "runs/checkpoints/y", "settings": {"epochs": 1}}]}, "checkpoints"),
         ({"checkpoints": [{**ckpt, "last_loss": 2.95}]}, "checkpoints"),  # another reader: 1 % off
         ({"checkpoints": [{**ckpt, "last_loss": ckpt["last_loss"] * (1 + 2e-4)}]}, "checkpoints"),  # just outside
         ({"checkpoints": [{**ckpt, "last_loss": float("nan")}]}, "checkpoints"),  # a diverged run equals nothing
         ({"checkpoints": [{**ckpt, "settings": {"epochs": 2}}]}, "checkpoints"),
+        (
+            {"checkpoints": [{**ckpt, "settings": {**ckpt.get("settings", {}), "attention_dropout": 0.1}}]},
+            "checkpoints",
+        ),
         ({"checkpoints": [{**ckpt, "seed": 1}]}, "checkpoints"),  # a field only one side has
         ({"checkpoints": [{k: v for k, v in ckpt.items() if k != "last_loss"}]}, "checkpoints"),
         ({"protocol": "q"}, "protocol"),
