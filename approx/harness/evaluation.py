@@ -57,7 +57,7 @@ from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
 from .resampling import DEFAULT_LEVEL, DEFAULT_RESAMPLES, interval_options, interval_text, paired_interval
-from .spec import PER_LAYER, Setup, as_setup, saved_folder, short_label
+from .spec import PER_LAYER, Setup, as_setup, layer_spans, saved_folder, short_label
 from .tasks import Feature, Task, get_task
 from .tasks.base import splits_overlap
 
@@ -541,14 +541,7 @@ def result_label(result: dict[str, Any]) -> str:
     patched, total = layers.get("patched"), layers.get("total")
     if result["method"]["name"] == PER_LAYER or not patched or total is None or len(patched) == total:
         return label
-    runs: list[list[int]] = []
-    for i in sorted(patched):
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    spans = ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-    return f"{label}[layers {spans} of {total}]"
+    return f"{label}[layers {layer_spans(patched)} of {total}]"
 
 
 def _say_if_exact(result: dict[str, Any]) -> None:

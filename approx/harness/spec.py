@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +209,22 @@ def heads_label(heads) -> str:
     return "" if heads is None else "[heads " + ",".join(str(h) for h in heads) + "]"
 
 
+def span_text(run: Sequence[int]) -> str:
+    """A run of consecutive layers as a label writes it: ``"3"``, ``"4-5"``."""
+    return f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+def layer_spans(indices: Iterable[int]) -> str:
+    """Layer indices as runs of consecutive layers: ``[0, 1, 4]`` -> ``"0-1,4"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(span_text(r) for r in runs)
+
+
 def short_label(method: dict[str, Any]) -> str:
     """``name:opt=value`` from a result's ``"method"`` entry (a full record: every option the method had when it was
     written), with only the options that differ from the method's defaults; an option the record predates counts at
@@ -224,8 +240,7 @@ def short_label(method: dict[str, Any]) -> str:
                 runs[-1][0].append(x["layer"])
             else:
                 runs.append(([x["layer"]], label))
-        spans = (f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r, _ in runs)
-        return f"{PER_LAYER}[" + "; ".join(f"{s} {label}" for s, (_, label) in zip(spans, runs, strict=True)) + "]"
+        return f"{PER_LAYER}[" + "; ".join(f"{span_text(r)} {label}" for r, label in runs) + "]"
     config_class = get_method(name).config_class
     defaults = config_class().to_dict()
     recorded = config_class.recorded_options({k: v for k, v in method.items() if k != "name"})  # as it was run
