@@ -448,13 +448,7 @@ def _attend_dense_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> 
     n, s, out_dtype = q.shape[2], k.shape[2], v.dtype
     dt = compute_dtype(q.dtype)
     gap = torch.arange(n, device=q.device)[:, None] - torch.arange(s, device=q.device)[None, :]
-    allowed = (gap.abs() <= pattern.band)[None, None]  # (1, 1, N, S)
-    if pattern.shared_keys is not None:
-        allowed = allowed | pattern.shared_keys[:, None, None, :s]
-    if pattern.global_queries is not None:
-        allowed = allowed | pattern.global_queries[:, None, :n, None]
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :]
+    allowed = _with_global_and_real(pattern, (gap.abs() <= pattern.band)[None, None], key_mask, n, s)
     has = allowed.any(-1, keepdim=True)  # (a row of SDPA with nothing allowed would be NaN)
     v = zero_padded_values(v.to(dt), key_mask)
     out = F.scaled_dot_product_attention(q.to(dt), k.to(dt), v, attn_mask=allowed | ~has, scale=scale)
@@ -620,13 +614,20 @@ def dense_mask(pattern: Pattern, *, b: int, h: int, n: int, s: int, key_mask, de
     if bias is not None:
         bias = bias.expand(b, h, n, s).gather(2, inv_q[..., None].expand(-1, -1, -1, s))
         bias = bias.gather(3, inv_k[:, :, None, :].expand(-1, -1, n, -1))
+    mask = _with_global_and_real(pattern, mask, key_mask, n, s)
+    return mask, (torch.zeros((), device=device) if bias is None else bias)
+
+
+def _with_global_and_real(pattern: Pattern, mask: torch.Tensor, key_mask, n: int, s: int) -> torch.Tensor:
+    """A dense (B|1, H|1, N, S) mask of a pattern's own pairs with its shared keys' columns and global queries' rows
+    added, then the padded keys taken out."""
     if pattern.shared_keys is not None:
         mask = mask | pattern.shared_keys[:, None, None, :s]
     if pattern.global_queries is not None:
         mask = mask | pattern.global_queries[:, None, :n, None]
     if key_mask is not None:
         mask = mask & key_mask[:, None, None, :]
-    return mask, (torch.zeros((), device=device) if bias is None else bias)
+    return mask
 
 
 def dense_weights(q, k, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
