@@ -65,9 +65,9 @@ _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
 _HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the question-mask hooks
 _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose its layers (written by save)
-# attribute on every attention module of a patched model: the implementation it ran before (a layer left unpatched
-# runs it again: eager attention's arithmetic differs from SDPA's in the last bits)
-_MODULE_ORIGINAL = "_approx_eager_attention"  # the module's eager attention function, on an eager model
+# attribute on every attention module of a model patched from eager attention: its family's eager function, which a
+# layer left unpatched runs again (eager attention's arithmetic differs from SDPA's in the last bits)
+_MODULE_ORIGINAL = "_approx_eager_attention"
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
