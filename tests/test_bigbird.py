@@ -54,6 +54,12 @@ def reference_mask(key_mask, block, rand):
     return out
 
 
+def definition_of(lyr, q, k, v, key_mask, block, r):
+    """The layer's attention from the paper's definition, on the random blocks its state draws."""
+    rand = [drawn(lyr, math.ceil(int(m.sum()) / block), r) for m in key_mask]
+    return masked_attention(q, k, v, reference_mask(key_mask, block, rand))
+
+
 def masked_attention(q, k, v, allowed):
     scores = (q @ k.transpose(-1, -2)) * D**-0.5
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
@@ -69,7 +75,8 @@ def masked_attention(q, k, v, allowed):
         (3, 0, 40, 40),  # no random blocks
     ],
 )
-@pytest.mark.parametrize("kernel", ["gather", "band"])  # training's kernel, and inference's on the CPU
+# training's kernel, inference's on the CPU, and auto: on these short inputs SDPA over the dense mask
+@pytest.mark.parametrize("kernel", ["gather", "band", "auto"])
 def test_matches_the_definition(block, r, n, real, kernel):
     q, k, v = qkv(n)
     mask = mask_of(n, real)
@@ -264,3 +271,36 @@ def test_transformers_block_sparse_attention_agrees(block, r, blocks, monkeypatc
     )  # fmt: skip
     torch.testing.assert_close(lyr(q, k, v), theirs.transpose(1, 2), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lyr.weights(q, k), probs, rtol=1e-10, atol=1e-10)
+
+
+def test_auto_runs_short_inference_on_the_dense_mask(monkeypatch):
+    """kernel='auto' on the CPU: SDPA over the pattern's dense mask for inference on short inputs (at most
+    DENSE_KEYS_PER_ROW keys, or three quarters of the keys the kernel scores per query), the block kernels with
+    gradients or on longer inputs; every route gives the definition's output, in float32 with NaN in the padded
+    keys and values, padding at the end of a row and inside it."""
+    from approx.attention import _blocksparse
+
+    calls = []
+    real_mask = _blocksparse._block_additive_mask
+    monkeypatch.setattr(_blocksparse, "_block_additive_mask", lambda *a, **kw: calls.append(1) or real_mask(*a, **kw))
+    n, block, r = 60, 4, 1
+    q, k, v = qkv(n)
+    lyr = layer(block=block, random_blocks=r, full_fallback=False)
+    end = mask_of(n, 47)
+    inside = end.clone()
+    inside[0, 10:13] = False
+    for mask, routed in ((end, 1), (inside, 0)):  # padding inside a row sorts the tokens: the block kernels
+        ref = definition_of(lyr, q, k, v, mask, block, r)
+        real = mask[:, None, :, None]
+        poisoned = [t.float().masked_fill(~real, float("nan")) for t in (k, v)]
+        before = len(calls)
+        with torch.no_grad():
+            out = lyr(q.float(), *poisoned, mask)
+        assert len(calls) == before + routed
+        torch.testing.assert_close(out.masked_fill(~real, 0).double(), ref.masked_fill(~real, 0), rtol=1e-5, atol=1e-5)
+    grad = [t.clone().requires_grad_() for t in (q, k, v)]
+    lyr(*grad, end)
+    monkeypatch.setattr(_blocksparse, "DENSE_KEYS_PER_ROW", n - 1)  # 3/4 of 24 keys per query: below 60 as well
+    with torch.no_grad():
+        lyr(q, k, v, end)
+    assert len(calls) == 1  # neither with gradients nor above the limit

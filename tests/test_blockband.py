@@ -148,8 +148,9 @@ def test_half_precision(dtype):
 
 
 def test_auto_takes_it_for_inference_only(monkeypatch):
-    """kernel='auto' on the CPU: the block-band kernel without gradients; with them the gather kernel, whose
-    gradients match the float64 definition's."""
+    """kernel='auto' on the CPU: the block-band kernel without gradients (above the dense route's length, here set
+    low); with them the gather kernel, whose gradients match the float64 definition's."""
+    monkeypatch.setattr(_blocksparse, "DENSE_KEYS_PER_ROW", 0)
     calls = []
     real_attend = _blockband.attend
     monkeypatch.setattr(_blockband, "attend", lambda *a, **kw: calls.append(1) or real_attend(*a, **kw))

@@ -58,17 +58,18 @@ def options(pattern, heads_mode, **extra):
     return {"pattern": pattern, "heads": heads_mode, **base, **extra}
 
 
+@pytest.mark.parametrize("kernel", ["gather", "auto"])  # auto: on these short inputs SDPA over the dense mask
 @pytest.mark.parametrize("pad", [11, 43])
 @pytest.mark.parametrize("block", [4, 7, 64])
 @pytest.mark.parametrize("heads", [3, 4])
 @pytest.mark.parametrize("pattern,heads_mode", COMBINATIONS)
-def test_matches_the_dense_definition(pattern, heads_mode, heads, block, pad):
+def test_matches_the_dense_definition(pattern, heads_mode, heads, block, pad, kernel):
     """Output, weights and graph size equal the float64 reference built from the definitions, with a padded row
     (39 real tokens, or 7: fewer than 2 l, one or two keys per residue), an odd head count (A1 gets the extra
     head), for block sizes that do and do not divide l and N."""
     n = 50
     q, k, v, mask = inputs(n, heads, pad=pad)
-    opts = options(pattern, heads_mode, block=block)
+    opts = options(pattern, heads_mode, block=block, kernel=kernel)
     allowed = reference_mask(pattern, heads_mode, opts["stride"], opts.get("summary", 8), heads, n)
     ref_out, ref_w = reference(q, k, v, mask, allowed)
     lyr = ApproxAttention("sparse-transformer", SparseTransformerConfig(**opts), head_dim=D)
@@ -95,12 +96,14 @@ def test_cost_counts_the_pattern_pairs_exactly(pattern, heads_mode):
             assert cost.matmul_macs == cost.qk_pairs * 2 * D
 
 
+@pytest.mark.parametrize("kernel", ["gather", "auto"])
 @pytest.mark.parametrize("extra", [0, 1, 9])
-def test_exact_limit_strided_union(extra):
-    """Strided with l >= N in union mode: every pair is in A1, exact attention by the pattern code."""
+def test_exact_limit_strided_union(extra, kernel):
+    """Strided with l >= N in union mode: every pair is in A1, exact attention by the pattern code (the block
+    kernel, and the dense route that ``auto`` takes on short inputs)."""
     n = 40
     q, k, v, mask = inputs(n, 3)
-    config = SparseTransformerConfig(pattern="strided", heads="union", stride=n + extra, block=8)
+    config = SparseTransformerConfig(pattern="strided", heads="union", stride=n + extra, block=8, kernel=kernel)
     out = ApproxAttention("sparse-transformer", config, head_dim=D)(q, k, v, mask)
     real = mask[:, None, :, None]
     assert ((out - naive_attention(q, k, v, mask, D**-0.5)) * real).abs().max() <= 1e-12
@@ -231,3 +234,36 @@ def test_flex_kernel_gives_the_gather_output():
 def test_invalid_options_are_refused_by_name(bad, name):
     with pytest.raises(ValueError, match=f"option '{name}'"):
         SparseTransformerConfig(**bad)
+
+
+@pytest.mark.parametrize("pattern,heads_mode", COMBINATIONS)
+def test_auto_runs_short_inference_on_the_dense_mask(pattern, heads_mode, monkeypatch):
+    """kernel='auto' on the CPU: SDPA over the pattern's dense mask for inference with at most DENSE_UP_TO keys,
+    the block kernel with gradients or above that length; both give the float64 definition's output. Rows padded
+    at the end (one SDPA call per row on its real keys) and padding elsewhere (the -inf added at the padded keys)
+    both; in float32 with NaN in the padded keys and values, which must not reach the real outputs."""
+    from approx.attention import _blocksparse
+
+    calls = []
+    real_dense = _blocksparse.attend_dense
+    monkeypatch.setattr(_blocksparse, "attend_dense", lambda *a, **kw: calls.append(1) or real_dense(*a, **kw))
+    n, heads = 50, 3
+    q, k, v, mask = inputs(n, heads, pad=43)
+    middle = mask.clone()
+    middle[0, 20:24] = False  # padding inside a row (strided only: fixed refuses it)
+    opts = options(pattern, heads_mode)
+    allowed = reference_mask(pattern, heads_mode, opts["stride"], opts.get("summary", 8), heads, n)
+    lyr = ApproxAttention("sparse-transformer", SparseTransformerConfig(**opts), head_dim=D)
+    for m in [mask] + ([middle] if pattern == "strided" else []):
+        ref, _ = reference(q, k, v, m, allowed)
+        real = m[:, None, :, None]
+        poisoned = [t.float().masked_fill(~real, float("nan")) for t in (k, v)]
+        before = len(calls)
+        out = lyr(q.float(), *poisoned, m)
+        assert len(calls) == before + 1
+        torch.testing.assert_close(out.masked_fill(~real, 0).double(), ref.masked_fill(~real, 0), rtol=1e-5, atol=1e-5)
+    grad = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.testing.assert_close(lyr(*grad, mask), reference(q, k, v, mask, allowed)[0], rtol=1e-10, atol=1e-10)
+    monkeypatch.setitem(st.DENSE_UP_TO, pattern, n - 1)
+    torch.testing.assert_close(lyr(q, k, v, mask), reference(q, k, v, mask, allowed)[0], rtol=1e-10, atol=1e-10)
+    assert len(calls) == 1 + (pattern == "strided")  # neither with gradients nor above the limit

@@ -205,8 +205,10 @@ def pattern(config: BigBirdConfig, state, *, b: int, h: int, n: int, s: int, key
         order, real = None, torch.ones(b, n, dtype=torch.bool, device=device)
         rank = torch.arange(n, device=device).expand(b, n)
     else:  # the real tokens first, in their order: block membership by rank among the real tokens
-        order, real = key_mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, None], key_mask
-        rank = key_mask.long().cumsum(-1) - 1
+        real, rank = key_mask, key_mask.long().cumsum(-1) - 1
+        order = None  # padding at the end only (the usual layout): the order is the identity
+        if not bool((key_mask[:, 1:] <= key_mask[:, :-1]).all()):
+            order = key_mask.to(torch.uint8).argsort(dim=-1, descending=True, stable=True)[:, None]
     glob = real & ((rank < blk) | (rank >= ((nb - 1) * blk)[:, None]))  # (B, N): tokens of the global blocks
     ids, slide_ok = _sliding(nb, tq)
     if config.random_blocks >= int(nb.max()) - 2:  # every eligible block is drawn: no need to draw

@@ -62,6 +62,10 @@ from ._blocksparse import Pattern
 from ._common import compute_dtype, exact_rows, exact_weight_rows, refuse_left_padding, safe_key_mask
 
 PATTERNS = ("strided", "fixed")
+# Inference on the CPU with at most this many keys runs on SDPA over the pattern's dense mask (position_mask): faster
+# there than the block kernel (measured with each pattern's default options and with stride 32: docs, Speed, "Short
+# inputs")
+DENSE_UP_TO = {"strided": 768, "fixed": 512}
 HEADS = ("split", "union")
 
 
@@ -260,14 +264,18 @@ def _has_key(config: SparseTransformerConfig, key_mask, n: int, s: int, device) 
     return between(i // length * length, (i // length + 1) * length), summary.expand(-1, n)
 
 
-def head_groups(config: SparseTransformerConfig, *, key_mask, b: int, n: int, s: int, device):
-    """[(heads, [patterns], has_key)]: the heads (a slice, or positions: :func:`_halves`), the disjoint patterns whose
-    union they attend and which queries hold a real key in that union ((B|1, N) bool)."""
-    stride, blk = config.stride, config.block
+def _refuse_left_padding(config: SparseTransformerConfig, key_mask) -> None:
     if config.pattern == "fixed":  # its blocks and summary columns are absolute positions, counted from the row's start
         refuse_left_padding(
             key_mask, "sparse-transformer", "pattern='fixed'", takes="cuts each row into blocks from its first position"
         )
+
+
+def head_groups(config: SparseTransformerConfig, *, key_mask, b: int, n: int, s: int, device):
+    """[(heads, [patterns], has_key)]: the heads (a slice, or positions: :func:`_halves`), the disjoint patterns whose
+    union they attend and which queries hold a real key in that union ((B|1, N) bool)."""
+    stride, blk = config.stride, config.block
+    _refuse_left_padding(config, key_mask)
     key_mask = safe_key_mask(key_mask)
     in_a1, in_a2 = _has_key(config, key_mask, n, s, device)
     if config.pattern == "strided":
@@ -305,6 +313,29 @@ def pattern_mask(config: SparseTransformerConfig, *, key_mask, b: int, h: int, n
         count = len(range(h)[heads]) if isinstance(heads, slice) else len(heads)
         for part in parts if count else []:
             mask[:, heads] |= _blocksparse.dense_mask(part, b=b, h=count, n=n, s=s, key_mask=key_mask, device=device)[0]
+    return mask
+
+
+def position_mask(config: SparseTransformerConfig, *, h: int, n: int, s: int, device) -> torch.Tensor:
+    """The pattern as a dense (1, H|1, N, S) bool mask, padded keys included, from its definition on positions (A1,
+    A2 and the heads that attend them), not from the kernel's block lists: what the dense route of short inputs runs
+    (:func:`._blocksparse.dense_route`, :func:`._blocksparse.attend_dense` takes the padded keys out)."""
+    stride = config.stride
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(s, device=device)[None, :]
+    if config.pattern == "strided":
+        a1, a2 = (i - j).abs() < stride, (i - j).remainder(stride) == 0
+    else:
+        a1, a2 = (
+            i.div(stride, rounding_mode="floor") == j.div(stride, rounding_mode="floor"),
+            (j % stride >= stride - config.summary).expand(n, s),
+        )
+    if config.heads == "union":
+        mask = (a1 | a2)[None, None]
+    else:
+        even = torch.zeros(h, dtype=torch.bool, device=device)
+        even[_halves()[0]] = True
+        mask = torch.where(even[:, None, None], a1, a2)[None]
     return mask
 
 
@@ -388,7 +419,24 @@ def sparse_transformer_attention(
     s = k.shape[2]
     key_mask = _blocksparse.no_padding(key_mask)
 
+    def dense() -> torch.Tensor:  # short inputs in inference on the CPU: SDPA over the dense mask
+        _refuse_left_padding(config, key_mask)
+        allowed = position_mask(config, h=h, n=n, s=s, device=q.device)
+        o = _blocksparse.attend_dense(q, k, v, allowed, key_mask=safe_key_mask(key_mask), scale=scale)
+        has = _has_key(config, safe_key_mask(key_mask), n, s, q.device)  # which queries hold a real key in A1, A2
+        if config.heads == "union":
+            has = (has[0] | has[1])[:, None, :, None]
+        else:
+            even = torch.zeros(h, dtype=torch.bool, device=q.device)
+            even[_halves()[0]] = True
+            has = torch.where(even[:, None], has[0][:, None], has[1][:, None])[..., None]
+        mean = _real_mean(v, key_mask)[:, :, None]  # (B, H, 1, dv): the queries without a real key
+        return torch.where(has, o, mean).to(v.dtype)
+
     def approximate() -> torch.Tensor:
+        limit = DENSE_UP_TO[config.pattern]
+        if _blocksparse.dense_route(q, k, v, dropout=dropout, kernel=config.kernel, limit=limit):
+            return dense()
         out = v.new_empty(b, h, n, v.shape[-1])  # (B, H, N, dv)
         # without key padding the patterns are a function of the shapes and options
         key = None if key_mask is not None else ("sparse-transformer", config, _context.head_key(), b, n, s, q.device)

@@ -1,0 +1,140 @@
+"""The sparse patterns on short, padded batches: ``kernel="auto"`` (on the CPU in inference, SDPA over the pattern's
+dense mask up to each method's limit) against the block kernel it would run otherwise, and SDPA itself.
+
+Usage::
+
+    python benchmarks/short_inputs.py --threads 2          # 128 ... 1024 tokens (~3 min on 2 cores)
+    python benchmarks/short_inputs.py --lengths 128 384 --repeats 9
+
+Inputs: batches of 4096 tokens (B = 4096 / N rows of N tokens, at least one), 12 heads of 32 (MiniLM-L6's shape),
+float32, forward without gradients. With ``--padding`` (the default) the rows' real lengths run evenly from N / 2 to
+N with the padding at the end, as a dynamically padded batch has it; ``--no-padding``: every token real. The
+contenders per setup: ``auto`` (the method as it runs by default), ``kernel`` (the same options with the block kernel
+named: ``band`` for window and bigbird, ``gather`` for sparse-transformer), and ``sdpa`` (plain SDPA over the key
+padding, exact attention), timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of
+one timed call each, medians. Ratios: kernel / auto (> 1: the default is faster than the block kernel) and auto /
+sdpa. The largest difference between the ``auto`` and ``kernel`` outputs on real queries is printed too. Results:
+stdout (markdown) and ``--output`` (JSON, with provenance and the load average before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from approx import ApproxAttention, get_method
+from approx.harness.provenance import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, HEAD_DIM, TOKENS = 12, 32, 4096
+
+# (label, method, options, the block kernel it runs otherwise): the methods' defaults (BigBird without its fallback
+# to full attention, which would make short rows exact) and the clustered table's matched budgets
+SETUPS = [
+    ("window", "window", {}, "band"),
+    ("window-32", "window", {"window": 32}, "band"),
+    ("bigbird", "bigbird", {"full_fallback": False}, "band"),
+    ("bigbird-16", "bigbird", {"block": 16, "random_blocks": 1, "full_fallback": False}, "band"),
+    ("sparse-transformer", "sparse-transformer", {}, "gather"),
+    ("sparse-transformer-fixed", "sparse-transformer", {"pattern": "fixed"}, "gather"),
+    ("sparse-transformer-32", "sparse-transformer", {"stride": 32, "heads": "union"}, "gather"),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 384, 512, 768, 1024], help="tokens per row N")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per contender (median reported)")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks/out/short_inputs.json", help="JSON path")
+    return p.parse_args(argv)
+
+
+def inputs(n: int, padding: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    b = max(1, TOKENS // n)
+    q, k, v = (torch.randn(b, HEADS, n, HEAD_DIM, generator=g) for _ in range(3))
+    lengths = torch.linspace(n // 2, n, b).round().long() if padding and b > 1 else torch.full((b,), n)
+    return q, k, v, torch.arange(n)[None] < lengths[:, None]
+
+
+def timed(fns: dict, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each function, interleaved: a warm-up call each, then rounds of one call each."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def contenders(auto, block, q, k, v, mask) -> dict:
+    return {
+        "auto": lambda: auto(q, k, v, mask),
+        "kernel": lambda: block(q, k, v, mask),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :]),
+    }
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for n in args.lengths:
+        q, k, v, mask = inputs(n, args.padding, args.seed)
+        for label, method, options, kernel in SETUPS:
+            config = get_method(method).make_config(**options)
+            auto = ApproxAttention(method, config, head_dim=HEAD_DIM)
+            block = ApproxAttention(method, get_method(method).make_config(**options, kernel=kernel), head_dim=HEAD_DIM)
+            block.load_state_dict(auto.state_dict())  # the same random state (BigBird's random blocks)
+            with torch.inference_mode():
+                fns = contenders(auto, block, q, k, v, mask)
+                ms = timed(fns, args.repeats)
+                real = mask[:, None, :, None]
+                diff = float(((fns["auto"]() - fns["kernel"]()) * real).abs().max())
+            row = {"setup": label, "method": method, "options": options, "kernel": kernel, "n": n, "b": q.shape[0]}
+            row.update({f"{name}_ms": round(t, 2) for name, t in ms.items()}, max_abs_diff=diff)
+            row["kernel_over_auto"] = round(ms["kernel"] / ms["auto"], 2)
+            row["auto_over_sdpa"] = round(ms["auto"] / ms["sdpa"], 2)
+            rows.append(row)
+            print(
+                f"| {label} | {q.shape[0]} x {n} | {ms['auto']:.1f} | {ms['kernel']:.1f} | {ms['sdpa']:.1f} | "
+                f"{row['kernel_over_auto']:.2f}x | {row['auto_over_sdpa']:.2f}x | {diff:.1e} |",
+                flush=True,
+            )
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    print(f"threads {args.threads}, load average {load_before[0]:.2f}, padding {args.padding}\n")
+    print("| setup | B x N | auto ms | kernel ms | sdpa ms | kernel / auto | auto / sdpa | max diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = measure(args)
+    result = {
+        "benchmark": "short_inputs",
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "shape": {"tokens_per_batch": TOKENS, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32"},
+        "load_average": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "rows": rows,
+        "provenance": provenance(seed=args.seed, device="cpu", threads=args.threads),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nload average after {result['load_average']['after']:.2f}; wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
