@@ -39,6 +39,7 @@ bench:
 		--background-load 1 --output benchmarks/results/attention_op_cpu_contention.json
 	$(PY) benchmarks/favor_chunks.py --background-load 1
 	$(PY) benchmarks/entmax_partial_sort.py
+	$(PY) benchmarks/short_inputs.py --output benchmarks/results/short_inputs_cpu.json
 
 bench-gpu:
 	$(PY) -m pytest -m gpu tests/test_gpu.py

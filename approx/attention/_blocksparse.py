@@ -29,7 +29,8 @@ FlexAttention (``torch.nn.attention.flex_attention``, :mod:`._flex`) runs the sa
 (the docs' Speed page has the measurement); on the CPU it has no backward pass, no float64 and no log-sum-exp, and it
 compiles per shape, so ``kernel="auto"`` uses it for long inference calls only and this plain kernel for the rest.
 On the CPU, inference on a contiguous band (``window``) runs the banded kernel (:mod:`._band`) and on neighbouring
-blocks plus listed ones (``bigbird``) the block-band kernel (:mod:`._blockband`), both faster there.
+blocks plus listed ones (``bigbird``) the block-band kernel (:mod:`._blockband`), both faster there; on short inputs
+:func:`attend_dense` (SDPA over the pattern's dense mask) is faster still (:func:`dense_route`).
 A pattern lists each key block of a query block at most once (the dense and flex paths de-duplicate, this one
 would count a repeated block twice).
 """
@@ -320,7 +321,8 @@ def attend(
     ``kernel``: ``"gather"`` (this module's plain-torch kernel), ``"flex"`` (compiled FlexAttention on the same
     pattern: :mod:`._flex`; an error when it cannot run the call), ``"band"`` (the banded kernel, :mod:`._band`, for
     a ``pattern.band``, the block-band kernel, :mod:`._blockband`, for ``pattern.neighbours``; an error when it
-    cannot run the call) or ``"auto"`` (on the CPU the banded kernels where they can run the call; else flex where
+    cannot run the call) or ``"auto"`` (in CPU inference on short inputs SDPA over the pattern's dense mask, see
+    :func:`_try_dense`; on the CPU the banded kernels where they can run the call; else flex where
     it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather)."""
     how = dict(key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel)
     done = _try_dense(q, k, v, pattern, **how)

@@ -43,7 +43,9 @@ element masks) and merges them exactly with their log-sum-exp (:func:`._blockspa
 ``"union"`` is one call (blocks plus shared summary keys). ``"split"`` is one kernel call per half of the heads.
 Which queries hold a real key (for the uniform rows above) is counted from prefix sums of the key mask, not read
 from the kernel's log-sum-exp, so that single-pattern calls can run on FlexAttention (``kernel``, see
-:mod:`._flex`: on the CPU it returns no log-sum-exp, so strided ``"union"`` runs the gather kernel there).
+:mod:`._flex`: on the CPU it returns no log-sum-exp, so strided ``"union"`` runs the gather kernel there). Short
+inputs in CPU inference (``kernel="auto"``, up to :data:`DENSE_UP_TO` keys) run on SDPA over the pattern's dense
+mask instead, built from the definitions on positions (:func:`position_mask`): faster there than the block kernel.
 Exact limit: the strided pattern with l >= N in ``"union"`` mode (A1 then holds every pair), computed by this
 code, not by the exact fallback. Cost: the exact pair count of the pattern (see :func:`cost`).
 """
