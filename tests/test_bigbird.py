@@ -236,18 +236,21 @@ def test_refuses_cross_attention_and_bad_options():
 # ------------------------------------------------------------------------------------------- transformers
 
 
+# auto: on these inputs SDPA over the dense mask; band: the block-band kernel; gather: training's kernel
+@pytest.mark.parametrize("kernel", ["auto", "band", "gather"])
 @pytest.mark.parametrize("block,r,blocks", [(16, 1, 12), (16, 2, 12), (8, 3, 14)])
-def test_transformers_block_sparse_attention_agrees(block, r, blocks, monkeypatch):
+def test_transformers_block_sparse_attention_agrees(block, r, blocks, kernel, monkeypatch):
     """transformers' BigBirdBlockSparseAttention on the same q, k, v and the same random blocks (its own draw is
     replaced by ours: in eval it uses block 0 for every random block, in training a plan of the first (2r + 5)
-    blocks), no padding, N a multiple of the block and above its full-attention limit: outputs and weights."""
+    blocks), no padding, N a multiple of the block and above its full-attention limit: outputs and weights, from each
+    of the kernels."""
     bb = pytest.importorskip("transformers.models.big_bird.modeling_big_bird", reason="transformers' BigBird")
     from transformers import BigBirdConfig as HFConfig
 
     n = block * blocks
     assert n > (5 + 2 * r) * block and n not in (1024, 3072, 4096)  # transformers' own plans for those lengths
     q, k, v = qkv(n)
-    lyr = layer(block=block, random_blocks=r)
+    lyr = layer(block=block, random_blocks=r, kernel=kernel)
     rand = [drawn(lyr, blocks, r)[(h, t)] for h in range(H) for t in range(1, blocks - 1)]
     assert all(len(s) == r for s in rand)  # every middle query block has its r blocks (none fewer)
     table = torch.tensor([sorted(s) for s in rand]).view(H, blocks - 2, r).numpy()
@@ -278,11 +281,11 @@ def test_auto_runs_short_inference_on_the_dense_mask(monkeypatch):
     DENSE_KEYS_PER_ROW keys, or three quarters of the keys the kernel scores per query), the block kernels with
     gradients or on longer inputs; every route gives the definition's output, in float32 with NaN in the padded
     keys and values, padding at the end of a row and inside it."""
-    from approx.attention import _blocksparse
+    from approx.attention import _dense
 
     calls = []
-    real_mask = _blocksparse._block_additive_mask
-    monkeypatch.setattr(_blocksparse, "_block_additive_mask", lambda *a, **kw: calls.append(1) or real_mask(*a, **kw))
+    real_mask = _dense.block_additive_mask
+    monkeypatch.setattr(_dense, "block_additive_mask", lambda *a, **kw: calls.append(1) or real_mask(*a, **kw))
     n, block, r = 60, 4, 1
     q, k, v = qkv(n)
     lyr = layer(block=block, random_blocks=r, full_fallback=False)
@@ -300,7 +303,7 @@ def test_auto_runs_short_inference_on_the_dense_mask(monkeypatch):
         torch.testing.assert_close(out.masked_fill(~real, 0).double(), ref.masked_fill(~real, 0), rtol=1e-5, atol=1e-5)
     grad = [t.clone().requires_grad_() for t in (q, k, v)]
     lyr(*grad, end)
-    monkeypatch.setattr(_blocksparse, "DENSE_KEYS_PER_ROW", n - 1)  # 3/4 of 24 keys per query: below 60 as well
+    monkeypatch.setattr(_dense, "DENSE_KEYS_PER_ROW", n - 1)  # 3/4 of 24 keys per query: below 60 as well
     with torch.no_grad():
         lyr(q, k, v, end)
     assert len(calls) == 1  # neither with gradients nor above the limit

@@ -10,7 +10,7 @@ import torch
 from test_bigbird import drawn, masked_attention, reference_mask
 
 from approx import ApproxAttention
-from approx.attention import _blockband, _blocksparse
+from approx.attention import _blockband, _blocksparse, _dense
 from approx.attention.bigbird import BigBirdConfig
 from approx.attention.sparse_transformer import SparseTransformerConfig
 
@@ -150,7 +150,7 @@ def test_half_precision(dtype):
 def test_auto_takes_it_for_inference_only(monkeypatch):
     """kernel='auto' on the CPU: the block-band kernel without gradients (above the dense route's length, here set
     low); with them the gather kernel, whose gradients match the float64 definition's."""
-    monkeypatch.setattr(_blocksparse, "DENSE_KEYS_PER_ROW", 0)
+    monkeypatch.setattr(_dense, "DENSE_KEYS_PER_ROW", 0)
     calls = []
     real_attend = _blockband.attend
     monkeypatch.setattr(_blockband, "attend", lambda *a, **kw: calls.append(1) or real_attend(*a, **kw))

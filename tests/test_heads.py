@@ -55,14 +55,21 @@ def test_method_heads_and_exact_heads(heads):
     assert layer.heads == tuple(mine)
 
 
-@pytest.mark.parametrize("method", [m for m in approx.methods() if m != "sparsefinder"])  # sparsefinder: fitted
+# the sparse patterns also on their block kernels (auto runs these short inputs on SDPA over the dense mask)
+BLOCK_KERNELS = [("window", "band"), ("bigbird", "band"), ("sparse-transformer", "gather")]
+
+
+@pytest.mark.parametrize(
+    "method,kernel",
+    [(m, None) for m in approx.methods() if m != "sparsefinder"] + BLOCK_KERNELS,  # sparsefinder: fitted
+)
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_head_computes_the_same_alone(method, padded):
+def test_a_head_computes_the_same_alone(method, kernel, padded):
     """Each registered method on heads 1, 2 and 5 of 6 gives those heads what the method on every head gives them:
     what a method draws or assigns per head (BigBird's random blocks, the clustering's random starts, the Sparse
     Transformer's even and odd heads) follows the head's index in the layer, not its place in the call."""
     spec = approx.get_method(method)
-    config = spec.make_config(**dict(spec.test_options or {}))
+    config = spec.make_config(**dict(spec.test_options or {}), **({} if kernel is None else {"kernel": kernel}))
     q, k, v, mask = qkv(h=6, n=70, pad=15)
     mask = mask if padded else None
     whole = ApproxAttention(method, config, head_dim=8)(q, k, v, mask)

@@ -11,11 +11,27 @@ from reference import KERNEL_ATTENTION, naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
-from approx.attention import _fallback, _hashing, _kmeans
+from approx.attention import _dense, _fallback, _hashing, _kmeans
 from approx.attention import clustered as clustered_mod
 
 METHODS = approx.methods()
 B, H, D = 2, 3, 16
+
+# The sparse patterns run short CPU inference on SDPA over their dense mask (kernel="auto", approx/attention/_dense.py).
+# Each generic test runs them a second time with that route off (test id METHOD@kernels), on the block kernels that
+# auto takes otherwise, so that those stay tested at these sizes too.
+DENSE_ROUTED = ("window", "bigbird", "sparse-transformer")
+
+
+def with_kernels(methods):
+    routed = [pytest.param(m, id=f"{m}@kernels", marks=pytest.mark.block_kernels) for m in methods if m in DENSE_ROUTED]
+    return [*methods, *routed]
+
+
+@pytest.fixture(autouse=True)
+def _block_kernels(request, monkeypatch):
+    if request.node.get_closest_marker("block_kernels"):
+        monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
 
 
 def make_qkv(n=120, seed=0, dtype=torch.float32, sharp=3.0, dv=D):
@@ -59,7 +75,7 @@ def small_budget(method):
 # ---------------------------------------------------------------------------------------------- generic
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_shape_dtype_and_finite(method):
     q, k, v = make_qkv(dv=D + 4)
     out = layer(method, **small_budget(method))(q, k, v, padded_mask(120, 90))
@@ -67,7 +83,7 @@ def test_shape_dtype_and_finite(method):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_padding_invariance(method):
     """Appending pad tokens leaves the outputs of real tokens unchanged (fixed seed)."""
     n_real, n_pad = 100, 37
@@ -79,7 +95,7 @@ def test_padding_invariance(method):
     torch.testing.assert_close(padded[1, :, :n_real], short[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_left_padding_gives_the_unpadded_outputs_or_is_refused(method):
     """Pad tokens at the start of a row (a left-padding tokenizer) leave the outputs of its real tokens as they are
     without padding, or the call is refused with an error that says so; never a different result in silence."""
@@ -118,7 +134,7 @@ def test_left_padding_is_refused_where_an_option_takes_positions_for_tokens(meth
             call()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_poisoned_padding(method):
     """Padded values set to 1e9 must not leak: outputs stay finite and within the range of real values."""
     q, k, v = make_qkv()
@@ -132,7 +148,9 @@ def test_poisoned_padding(method):
     assert out[1, :, :70].abs().max() <= v[1, :, :70].abs().max() + 1e-4
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])  # full is torch's SDPA, as unpatched
+@pytest.mark.parametrize(
+    "method", with_kernels([m for m in METHODS if m != "full"])
+)  # full is torch's SDPA, as unpatched
 def test_overflowing_padding_changes_nothing(method):
     """Padded keys and values near float32's largest value (scores, projections and sums over them overflow) leave
     every real output as it is with ordinary padding: padding is out of every sum, normaliser, landmark and feature,
@@ -149,7 +167,7 @@ def test_overflowing_padding_changes_nothing(method):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_half_precision(method, dtype):
     q, k, v = (x.to(dtype) for x in make_qkv(dtype=torch.float32))
     mask = padded_mask(120, 90)
@@ -169,7 +187,7 @@ def test_half_precision(method, dtype):
     assert err_half <= 1.05 * err32 + 5e-3, (float(err_half), float(err32))  # as close to exact attention
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_gradients_flow(method):
     q, k, v = (t.requires_grad_() for t in make_qkv(dtype=torch.float32))
     out = layer(method, **small_budget(method))(q, k, v, padded_mask(120, 90))
@@ -178,7 +196,7 @@ def test_gradients_flow(method):
         assert t.grad is not None and torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_deterministic_under_seed(method):
     q, k, v = make_qkv()
     mask = padded_mask(120, 90)
@@ -187,7 +205,7 @@ def test_deterministic_under_seed(method):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_weights_are_distributions_consistent_with_output(method):
     spec = get_method(method)
     if spec.weights is None:
@@ -203,7 +221,7 @@ def test_weights_are_distributions_consistent_with_output(method):
     torch.testing.assert_close(lyr(q, k, v, mask), w @ v.masked_fill(~mask[:, None, :, None], 0))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_cost_is_reported(method):
     spec = get_method(method)
     cost = spec.cost(spec.config_class(**small_budget(method)), n=1024, s=1024, d=64, dv=64)
@@ -218,7 +236,7 @@ def test_cost_is_reported(method):
 FALLBACK = [m for m in METHODS if "exact_below" in get_method(m).config_class.option_names()]
 
 
-@pytest.mark.parametrize("method", FALLBACK)
+@pytest.mark.parametrize("method", with_kernels(FALLBACK))
 def test_exact_below_threshold_equals_reference(method):
     """``exact_below``: a batch row with fewer real tokens gets exact attention (float64 reference); a row
     at or above the threshold is approximated, in the same batch and on the whole-batch short cut."""
@@ -239,7 +257,7 @@ def test_exact_below_threshold_equals_reference(method):
     torch.testing.assert_close(w[1], naive_weights(q, k, mask)[1], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("method", FALLBACK)
+@pytest.mark.parametrize("method", with_kernels(FALLBACK))
 def test_exact_below_default_off_and_in_cost(method):
     spec = get_method(method)
     assert spec.config_class().exact_below == 0  # honest measurements by default
@@ -307,7 +325,7 @@ def fallback_spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("method", LIMITED)
+@pytest.mark.parametrize("method", with_kernels(LIMITED))
 def test_exact_limit_while_the_approximation_runs(method, fallback_spy):
     """Every method reaches float64 exact attention along its registered ``exact_limit``, with a padded row, and
     the approximation code runs there: the shared fallback helper never takes its exact branch."""
@@ -334,7 +352,7 @@ def test_exact_limit_while_the_approximation_runs(method, fallback_spy):
 
 
 @pytest.mark.parametrize("n", [48, 120])
-@pytest.mark.parametrize("method", LIMITED)
+@pytest.mark.parametrize("method", with_kernels(LIMITED))
 def test_test_budgets_approximate(method, n):
     """Every method but ``full`` declares an exact limit, and its ``test_options`` (the generic tests' budget, at
     both lengths the generic tests use) are not exact: the generic tests can fail."""
@@ -550,7 +568,7 @@ def _with_dropout(lyr, q, k, v, mask, p):  # the output, and whether a warning s
     return out, any("dropout" in str(w.message) for w in caught)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_dropout_is_applied_in_training_or_announced(method):
     """In training (dropout > 0) the real outputs change, or a warning says dropout is not applied; in eval
     (transformers passes dropout = 0) they are the outputs without dropout."""
@@ -584,7 +602,7 @@ def _mean_with_dropout(lyr, q, k, v, mask, p, draws):
     return outs.mean(0), 6 * outs.std(0) / draws**0.5 + 1e-9  # the mean and 6 standard errors
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_dropout_keeps_the_expected_output(method):
     """Dropout on attention weights (scaled by 1 / (1 - p)) keeps the output's expectation: the mean over many
     draws is the output without dropout, within 6 standard errors; at the method's exact limit, that is float64
@@ -610,7 +628,7 @@ def test_dropout_keeps_the_expected_output(method):
 GRAPH_METHODS = [m for m in METHODS if get_method(m).stats is not None]
 
 
-@pytest.mark.parametrize("method", GRAPH_METHODS)
+@pytest.mark.parametrize("method", with_kernels(GRAPH_METHODS))
 def test_a_row_of_padding_alone_adds_nothing_to_the_graph_statistics(method):
     """A batch row without a real token (all padding) is not counted: the statistics of a real row beside it are
     those of the real row alone."""

@@ -242,11 +242,11 @@ def test_auto_runs_short_inference_on_the_dense_mask(pattern, heads_mode, monkey
     the block kernel with gradients or above that length; both give the float64 definition's output. Rows padded
     at the end (one SDPA call per row on its real keys) and padding elsewhere (the -inf added at the padded keys)
     both; in float32 with NaN in the padded keys and values, which must not reach the real outputs."""
-    from approx.attention import _blocksparse
+    from approx.attention import _dense
 
     calls = []
-    real_dense = _blocksparse.attend_dense
-    monkeypatch.setattr(_blocksparse, "attend_dense", lambda *a, **kw: calls.append(1) or real_dense(*a, **kw))
+    real_dense = _dense.attend_dense
+    monkeypatch.setattr(_dense, "attend_dense", lambda *a, **kw: calls.append(1) or real_dense(*a, **kw))
     n, heads = 50, 3
     q, k, v, mask = inputs(n, heads, pad=43)
     middle = mask.clone()

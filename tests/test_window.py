@@ -70,17 +70,17 @@ def test_a_window_reaching_most_of_a_short_input_matches_the_definition(kernel, 
     8 + 2 x 16 = 40 keys for 40 tokens), ``auto`` runs SDPA over the dense mask instead: the same softmax as the
     definition, with global tokens, the question global, padding, and a row of padding alone, as ``band`` and
     ``gather`` compute it."""
-    from approx.attention import _blocksparse
+    from approx.attention import _dense
 
     q, k, v = qkv(40)
     q, k, v = torch.cat([q, q[:1]]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]])  # a third row: padding alone
     mask = torch.ones(B + 1, 40, dtype=torch.bool)
     mask[1, 29:], mask[2] = False, False
     question = torch.zeros(B + 1, 40, dtype=torch.bool)
-    question[:, :6] = True
+    question[0, :6], question[1, :9], question[2, :4] = True, True, True  # each row its own question
     config = WindowConfig(window=12, block=8, global_tokens=2, question_global=True, kernel=kernel)
-    dense, calls = _blocksparse._attend_dense_band, []
-    monkeypatch.setattr(_blocksparse, "_attend_dense_band", lambda *a, **kw: calls.append(1) or dense(*a, **kw))
+    dense, calls = _dense.attend_dense, []
+    monkeypatch.setattr(_dense, "attend_dense", lambda *a, **kw: calls.append(1) or dense(*a, **kw))
     with approx.tokens(question_mask=question), torch.no_grad():
         out = ApproxAttention("window", config, head_dim=D)(q, k, v, mask)
     assert len(calls) == (kernel == "auto")  # the dense route is auto's alone

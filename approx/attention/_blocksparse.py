@@ -30,7 +30,7 @@ FlexAttention (``torch.nn.attention.flex_attention``, :mod:`._flex`) runs the sa
 compiles per shape, so ``kernel="auto"`` uses it for long inference calls only and this plain kernel for the rest.
 On the CPU, inference on a contiguous band (``window``) runs the banded kernel (:mod:`._band`) and on neighbouring
 blocks plus listed ones (``bigbird``) the block-band kernel (:mod:`._blockband`), both faster there; on short inputs
-:func:`attend_dense` (SDPA over the pattern's dense mask) is faster still (:func:`dense_route`).
+SDPA over the pattern's dense mask is faster still (:mod:`._dense`).
 A pattern lists each key block of a query block at most once (the dense and flex paths de-duplicate, this one
 would count a repeated block twice).
 """
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import option
-from ._common import chunk_elements, compute_dtype, safe_key_mask, zero_padded_values
+from ._common import chunk_elements, compute_dtype, safe_key_mask, tracked, zero_padded_values
 
 __all__ = [
     "Pattern",
@@ -77,13 +77,15 @@ def kernel_option(*, band: str | None = None) -> Any:
         return option(
             "auto",
             f"'band': {band}; 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the "
-            "CPU: inference only, float32/16); 'auto': band on the CPU where it can run the call, else flex on long "
-            "inputs where it can, else gather (same output to rounding)",
+            "CPU: inference only, float32/16); 'auto': in CPU inference on short inputs SDPA over the pattern's "
+            "dense mask, else band on the CPU where it can run the call, else flex on long inputs where it can, "
+            "else gather (same output to rounding)",
         )
     return option(
         "auto",
         "'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: inference only, "
-        "float32/16); 'auto': flex on long inputs where it can run the call, else gather (same output to rounding)",
+        "float32/16); 'auto': in CPU inference on short inputs SDPA over the pattern's dense mask, else flex on long "
+        "inputs where it can run the call, else gather (same output to rounding)",
     )
 
 
@@ -322,10 +324,12 @@ def attend(
     pattern: :mod:`._flex`; an error when it cannot run the call), ``"band"`` (the banded kernel, :mod:`._band`, for
     a ``pattern.band``, the block-band kernel, :mod:`._blockband`, for ``pattern.neighbours``; an error when it
     cannot run the call) or ``"auto"`` (in CPU inference on short inputs SDPA over the pattern's dense mask, see
-    :func:`_try_dense`; on the CPU the banded kernels where they can run the call; else flex where
+    :func:`._dense.try_dense`; on the CPU the banded kernels where they can run the call; else flex where
     it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather)."""
     how = dict(key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel)
-    done = _try_dense(q, k, v, pattern, **how)
+    from . import _dense
+
+    done = _dense.try_dense(q, k, v, pattern, **how)
     if done is None:
         done = _try_band(q, k, v, pattern, **how)
     if done is None:
@@ -423,7 +427,7 @@ def _try_flex(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, 
     why = _flex.unusable(q, k, v, pattern, dropout=dropout, with_lse=with_lse)
     # auto: inference only (FlexAttention's GPU backward picks tiles that must divide the blocks, 128 rows on an H100
     # at head dim 64, and compiles at the first backward, too late to fall back; not measured yet)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    grad = tracked(q, k, v)
     if why is None and (kernel == "flex" or (not grad and _flex.worth_it(q, k, pattern))):
         done = _flex.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, with_lse=with_lse)
         if done is not None:
@@ -432,140 +436,6 @@ def _try_flex(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, 
     if kernel == "flex":
         raise RuntimeError(f"kernel='flex' cannot run this call: {why}")
     return None
-
-
-# Inference on the CPU on short inputs: SDPA over the pattern's dense mask rather than a block kernel, where its
-# product over every pair costs less than the block kernels' work per block. BigBird's mask, built per row and head
-# at full size, takes it up to this many keys or three quarters of the keys its kernel scores per query (measured:
-# docs, Speed, "Short inputs"; the window and Sparse Transformer set their own limits).
-DENSE_KEYS_PER_ROW = 256
-
-
-def dense_route(q, k, v, *, dropout: float, kernel: str, limit: int) -> bool:
-    """Whether a call of a sparse pattern runs on SDPA over its dense mask (:func:`attend_dense`): ``kernel`` is
-    ``"auto"``, on the CPU, in inference (no gradient to track, no dropout), with at most ``limit`` keys."""
-    if kernel != "auto" or dropout > 0.0 or q.device.type != "cpu" or _tracked(q, k, v):
-        return False
-    return k.shape[2] <= limit
-
-
-def _tracked(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def attend_dense(q, k, v, allowed: torch.Tensor, *, key_mask, scale: float) -> torch.Tensor:
-    """Softmax attention over the pairs that the dense (B|1, H|1, N, S) bool mask ``allowed`` admits (the pattern's
-    pairs; padded keys are taken out here), each pair scored once, by SDPA with an additive float mask (0 or -inf).
-    A query with no allowed real key gets 0, as the block kernels give it. In v's dtype, the scores in the compute
-    dtype (float32 for half-precision inputs).
-
-    Padding at the end of each row (the usual layout) is cut off: one SDPA call per batch row on its real keys, the
-    mask sliced. Other padding adds -inf at the padded keys, a pass at the full (B, H, N, S) size. (A bool mask of
-    (B, H, N, S) costs SDPA on the CPU a conversion of 2-4x its own product at 128-1024 tokens; measured, see the
-    docs' Speed page.)"""
-    out_dtype, dt, dev = v.dtype, compute_dtype(q.dtype), q.device
-    zero, ninf = torch.zeros((), dtype=dt, device=dev), torch.full((), float("-inf"), dtype=dt, device=dev)
-    additive = torch.where(allowed, zero, ninf)
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    lengths = _right_padded_lengths(key_mask)
-    if key_mask is None:
-        has = allowed.any(-1, keepdim=True)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)
-    elif lengths is not None:
-        # allowed keys among the first L of every query: a running count, read at each row's length
-        count = allowed.to(torch.int32).cumsum(-1)
-        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=dt, device=dev)
-        has = torch.empty(q.shape[0], *allowed.shape[1:3], 1, dtype=torch.bool, device=dev)
-        for row, length in enumerate(lengths):
-            m = row if allowed.shape[0] > 1 else 0
-            mask, keys = additive[m : m + 1, ..., :length], slice(0, length)
-            out[row] = F.scaled_dot_product_attention(
-                q[row : row + 1], k[row : row + 1, :, keys], v[row : row + 1, :, keys], attn_mask=mask, scale=scale
-            )[0]
-            has[row] = count[m, :, :, max(length, 1) - 1, None] > 0 if length else False
-    else:
-        additive = additive + torch.where(key_mask, zero, ninf)[:, None, None, :]
-        has = (allowed & key_mask[:, None, None, :]).any(-1, keepdim=True)
-        k, v = zero_padded_values(k, key_mask), zero_padded_values(v, key_mask)  # (a NaN there: NaN beside -inf)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)
-    return out.masked_fill_(~has, 0.0).to(out_dtype)
-
-
-def _right_padded_lengths(key_mask: torch.Tensor | None) -> list[int] | None:
-    """Each row's real length when ``key_mask`` (B, S) puts every row's padding at its end (one host
-    synchronisation), else None."""
-    if key_mask is None or not bool((key_mask[:, 1:] <= key_mask[:, :-1]).all()):
-        return None
-    return key_mask.sum(-1).tolist()
-
-
-def _try_dense(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, kernel) -> torch.Tensor | None:
-    """The pattern's output by SDPA over its dense mask (:func:`attend_dense`) on a short input in inference on the
-    CPU (:func:`dense_route`); None to go on with the block kernels. A contiguous band (``window``) takes it where
-    the banded kernel would score at least as many keys per query as there are (576 for a one-sided window of 256
-    in blocks of 64), a pattern in position order (``bigbird``, a dilated window) where :func:`dense_route` says so;
-    patterns that sort their tokens (LSH, the strided pattern's residues) or carry a score bias never."""
-    if with_lse or pattern.bias is not None:
-        return None
-    n, s = q.shape[2], k.shape[2]
-    if pattern.band is not None:
-        from . import _band
-
-        keys = _band.keys_per_row(n, pattern.band, pattern.block)
-        if not dense_route(q, k, v, dropout=dropout, kernel=kernel, limit=keys):
-            return None
-        gap = torch.arange(n, device=q.device)[:, None] - torch.arange(s, device=q.device)[None, :]
-        allowed = _with_global_and_real(pattern, (gap.abs() <= pattern.band)[None, None], None, n, s)
-        return _attend_dense_band(q, k, v, allowed, key_mask=safe_key_mask(key_mask), scale=scale)
-    if pattern.q_order is not None or pattern.k_order is not None or pattern.allow is not None:
-        return None
-    shared = 0 if pattern.shared_keys is None else int(pattern.shared_keys.sum(-1).max())
-    keys = pattern.kv_blocks.shape[-1] * pattern.block + shared
-    if not dense_route(q, k, v, dropout=dropout, kernel=kernel, limit=max(DENSE_KEYS_PER_ROW, 3 * keys // 4)):
-        return None
-    key_mask = safe_key_mask(key_mask)
-    dt, out_dtype = compute_dtype(q.dtype), v.dtype
-    additive, has = _block_additive_mask(pattern, q.shape[0], q.shape[1], n, s, key_mask, dt)
-    # padded keys and values zeroed: a NaN or inf there would give NaN beside the mask's -inf
-    k, v = zero_padded_values(k.to(dt), key_mask), zero_padded_values(v.to(dt), key_mask)
-    out = F.scaled_dot_product_attention(q.to(dt), k, v, attn_mask=additive, scale=scale)
-    return out.masked_fill_(~has, 0.0).to(out_dtype)
-
-
-def _block_additive_mask(pattern: Pattern, b: int, h: int, n: int, s: int, key_mask, dt: torch.dtype):
-    """The additive (B, H, N, S) mask (0: a pair of the pattern, -inf: not) of a pattern of whole blocks in position
-    order (no ``allow``, no sorting; ``bigbird``), written in one pass: the key blocks, shared keys' columns and
-    padded keys are combined per (query block, key) first, copied over the rows of each block, and the global
-    queries' rows written last. Also (B, H, N, 1) whether a query has a pair at all: SDPA's output for a query
-    without one (every entry -inf) is replaced by 0 by the caller. Building the same mask from booleans
-    elementwise took twice as long as SDPA's product at 256 tokens (torch.profiler)."""
-    blk, dev = pattern.block, pattern.kv_blocks.device
-    tq, tk = -(-n // blk), -(-s // blk)
-    blockmask = _block_table(pattern, b, h, tq, tk, dev)
-    real = torch.ones(b, s, dtype=torch.bool, device=dev) if key_mask is None else key_mask
-    real = F.pad(real, (0, tk * blk - s)).view(b, 1, 1, tk, blk)  # slots past the end are not keys
-    cols = torch.zeros(b, 1, 1, tk, blk, dtype=torch.bool, device=dev)
-    if pattern.shared_keys is not None:
-        cols = F.pad(pattern.shared_keys[:, :s], (0, tk * blk - s)).view(b, 1, 1, tk, blk) & real
-    ninf = torch.full((), float("-inf"), dtype=dt, device=dev)
-    zero = torch.zeros((), dtype=dt, device=dev)
-    per_block = torch.where((blockmask[..., None] & real) | cols, zero, ninf)  # (B, H, Tq, Tk, blk)
-    additive = per_block[:, :, :, None].expand(b, h, tq, blk, tk, blk).reshape(b, h, tq * blk, tk * blk)
-    additive = additive[:, :, :n, :s]
-    has = (blockmask & real.any(-1)).any(-1) | cols.any((-1, -2))  # (B, H, Tq)
-    has = has[..., None].expand(b, h, tq, blk).reshape(b, h, tq * blk)[:, :, :n]
-    if pattern.global_queries is not None and bool(pattern.global_queries.any()):
-        rows, ok = token_rows(pattern.global_queries[:, :n])  # (B, G)
-        batch = torch.arange(b, device=dev)[:, None].expand_as(rows)
-        row_mask = torch.where(real.view(b, 1, tk * blk)[..., :s], zero, ninf)  # (B, 1, S): every real key
-        additive[batch[ok], :, rows[ok]] = row_mask.expand(b, h, s)[batch[ok]]
-        has[batch[ok], :, rows[ok]] = real.view(b, -1).any(-1)[batch[ok], None]
-    return additive, has[..., None]
-
-
-def _attend_dense_band(q, k, v, allowed, *, key_mask, scale: float) -> torch.Tensor:
-    """A window pattern (a contiguous band) by SDPA over its dense (B|1, 1, N, S) mask (:func:`attend_dense`)."""
-    return attend_dense(q, k, v, allowed, key_mask=key_mask, scale=scale)
 
 
 def _attend_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:

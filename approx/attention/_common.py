@@ -17,6 +17,11 @@ def chunk_elements(cpu: int, device) -> int:
     return cpu if torch.device(device).type == "cpu" else cpu << 4
 
 
+def tracked(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a computation on these tensors (a gradient is enabled and one of them needs it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def safe_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Rows with no real key at all attend to every key instead (their output is meaningless but finite)."""
     if key_mask is None:

@@ -44,9 +44,10 @@ Choices made here (and why):
 * Runs on the block-sparse kernels (:mod:`._blocksparse`): per query block the listed key blocks are the
   sliding ones (first, ``neighbours=1``) and the random ones, the global blocks are the kernels' shared keys and
   global query rows. On the CPU, inference runs on the block-band kernel (:mod:`._blockband`: the sliding blocks
-  as views, the random ones gathered a chunk at a time), or on short inputs padded at the end on SDPA over the
-  pattern's dense mask (``_blocksparse.DENSE_KEYS_PER_ROW``: faster there); training, dropout and the GPU on the
-  gather kernel or FlexAttention. Attention dropout is applied to the weights (the kernel's).
+  as views, the random ones gathered a chunk at a time), or on short inputs without padding or padded at the end
+  on SDPA over the pattern's dense mask (:mod:`._dense`: faster there; only where ``full_fallback=False`` or the
+  blocks are small, since the fallback makes such rows exact anyway); training, dropout and the GPU on the gather
+  kernel or FlexAttention. Attention dropout is applied to the weights (the kernel's).
 
 Cost: the pairs of the pattern (global rows and columns once each), 2 (d + dv) flops per pair, and as many
 multiply-accumulates per pair in the literature's convention.

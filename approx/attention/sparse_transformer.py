@@ -44,8 +44,9 @@ element masks) and merges them exactly with their log-sum-exp (:func:`._blockspa
 Which queries hold a real key (for the uniform rows above) is counted from prefix sums of the key mask, not read
 from the kernel's log-sum-exp, so that single-pattern calls can run on FlexAttention (``kernel``, see
 :mod:`._flex`: on the CPU it returns no log-sum-exp, so strided ``"union"`` runs the gather kernel there). Short
-inputs in CPU inference (``kernel="auto"``, up to :data:`DENSE_UP_TO` keys) run on SDPA over the pattern's dense
-mask instead, built from the definitions on positions (:func:`position_mask`): faster there than the block kernel.
+inputs in CPU inference (``kernel="auto"``, up to :data:`DENSE_UP_TO` queries and keys) run on SDPA over the
+pattern's dense mask instead (:mod:`._dense`), built from the definitions on positions (:func:`position_mask`):
+faster there than the block kernel.
 Exact limit: the strided pattern with l >= N in ``"union"`` mode (A1 then holds every pair), computed by this
 code, not by the exact fallback. Cost: the exact pair count of the pattern (see :func:`cost`).
 """
@@ -59,7 +60,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _blocksparse, _context, _fallback
+from . import _blocksparse, _context, _dense, _fallback
 from ._blocksparse import Pattern
 from ._common import compute_dtype, exact_rows, exact_weight_rows, refuse_left_padding, safe_key_mask
 
@@ -321,7 +322,7 @@ def pattern_mask(config: SparseTransformerConfig, *, key_mask, b: int, h: int, n
 def position_mask(config: SparseTransformerConfig, *, h: int, n: int, s: int, device) -> torch.Tensor:
     """The pattern as a dense (1, H|1, N, S) bool mask, padded keys included, from its definition on positions (A1,
     A2 and the heads that attend them), not from the kernel's block lists: what the dense route of short inputs runs
-    (:func:`._blocksparse.dense_route`, :func:`._blocksparse.attend_dense` takes the padded keys out)."""
+    (:func:`._dense.dense_route`; :func:`._dense.attend_dense` takes the padded keys out)."""
     stride = config.stride
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(s, device=device)[None, :]
@@ -335,10 +336,15 @@ def position_mask(config: SparseTransformerConfig, *, h: int, n: int, s: int, de
     if config.heads == "union":
         mask = (a1 | a2)[None, None]
     else:
-        even = torch.zeros(h, dtype=torch.bool, device=device)
-        even[_halves()[0]] = True
-        mask = torch.where(even[:, None, None], a1, a2)[None]
+        mask = torch.where(_even_heads(h, device)[:, None, None], a1, a2)[None]
     return mask
+
+
+def _even_heads(h: int, device) -> torch.Tensor:
+    """(H,) bool: the call's heads that attend A1 in ``"split"`` mode (:func:`_halves`)."""
+    even = torch.zeros(h, dtype=torch.bool, device=device)
+    even[_halves()[0]] = True
+    return even
 
 
 def _mask_pattern(mask: torch.Tensor) -> Pattern:
@@ -424,20 +430,18 @@ def sparse_transformer_attention(
     def dense() -> torch.Tensor:  # short inputs in inference on the CPU: SDPA over the dense mask
         _refuse_left_padding(config, key_mask)
         allowed = position_mask(config, h=h, n=n, s=s, device=q.device)
-        o = _blocksparse.attend_dense(q, k, v, allowed, key_mask=safe_key_mask(key_mask), scale=scale)
+        o = _dense.attend_dense(q, k, v, allowed, key_mask=safe_key_mask(key_mask), scale=scale)
         has = _has_key(config, safe_key_mask(key_mask), n, s, q.device)  # which queries hold a real key in A1, A2
         if config.heads == "union":
             has = (has[0] | has[1])[:, None, :, None]
         else:
-            even = torch.zeros(h, dtype=torch.bool, device=q.device)
-            even[_halves()[0]] = True
-            has = torch.where(even[:, None], has[0][:, None], has[1][:, None])[..., None]
+            has = torch.where(_even_heads(h, q.device)[:, None], has[0][:, None], has[1][:, None])[..., None]
         mean = _real_mean(v, key_mask)[:, :, None]  # (B, H, 1, dv): the queries without a real key
         return torch.where(has, o, mean).to(v.dtype)
 
     def approximate() -> torch.Tensor:
         limit = DENSE_UP_TO[config.pattern]
-        if _blocksparse.dense_route(q, k, v, dropout=dropout, kernel=config.kernel, limit=limit):
+        if _dense.dense_route(q, k, v, dropout=dropout, kernel=config.kernel, limit=limit):
             return dense()
         out = v.new_empty(b, h, n, v.shape[-1])  # (B, H, N, dv)
         # without key padding the patterns are a function of the shapes and options
