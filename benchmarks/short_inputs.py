@@ -14,7 +14,8 @@ named: ``band`` for window and bigbird, ``gather`` for sparse-transformer), and 
 padding, exact attention), timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of
 one timed call each, medians. Ratios: kernel / auto (> 1: the default is faster than the block kernel) and auto /
 sdpa. The largest difference between the ``auto`` and ``kernel`` outputs on real queries is printed too. Results:
-stdout (markdown) and ``--output`` (JSON, with provenance and the load average before and after).
+stdout (markdown), ``--output`` (JSON, with provenance and the load average before and after) and a PNG next to it
+(``--replot JSON`` draws it again from a result).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks/out/short_inputs.json", help="JSON path")
+    p.add_argument("--replot", type=Path, default=None, help="only draw the PNG of a result JSON again")
     return p.parse_args(argv)
 
 
@@ -115,8 +117,44 @@ def measure(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def plot(result: dict, path: Path) -> None:
+    """Left: each setup's time per call on its default route (solid) and on its block kernel (dashed), SDPA in
+    black; right: block kernel / default, the speed-up of the dense route where it is taken."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, setup in enumerate(setups):
+        mine = [r for r in rows if r["setup"] == setup]
+        ns = [r["n"] for r in mine]
+        ax_t.plot(ns, [r["auto_ms"] for r in mine], color=f"C{i}", marker="o", label=f"{setup} (auto)")
+        ax_t.plot(ns, [r["kernel_ms"] for r in mine], color=f"C{i}", linestyle="--", marker="x")
+        ax_r.plot(ns, [r["kernel_over_auto"] for r in mine], color=f"C{i}", marker="o", label=setup)
+    sdpa = {r["n"]: r["sdpa_ms"] for r in rows if r["setup"] == setups[0]}
+    ax_t.plot(list(sdpa), list(sdpa.values()), color="black", marker="s", label="SDPA (exact)")
+    ax_t.set(xlabel="tokens per row N (batches of 4096 tokens)", ylabel="median ms per call (dashed: block kernel)")
+    ax_t.set_title(f"Sparse patterns on short padded batches, {result['settings']['threads']} threads, CPU")
+    ax_r.axhline(1.0, color="grey", linewidth=0.8)
+    ax_r.set(xlabel="tokens per row N", ylabel="block kernel time / default time", yscale="log")
+    ax_r.set_title("Speed-up of kernel='auto' (SDPA over the dense mask where taken)")
+    for ax in (ax_t, ax_r):
+        ax.set_xticks(sorted(sdpa), [str(n) for n in sorted(sdpa)])
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.replot is not None:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     print(f"threads {args.threads}, load average {load_before[0]:.2f}, padding {args.padding}\n")
@@ -133,6 +171,7 @@ def main(argv=None) -> None:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.output.with_suffix(".png"))
     print(f"\nload average after {result['load_average']['after']:.2f}; wrote {args.output}")
 
 
