@@ -13,7 +13,8 @@ contenders per setup: ``auto`` (the method as it runs by default), ``kernel`` (t
 named: ``band`` for window and bigbird, ``gather`` for sparse-transformer), and ``sdpa`` (plain SDPA over the key
 padding, exact attention), timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of
 one timed call each, medians. Ratios: kernel / auto (> 1: the default is faster than the block kernel) and auto /
-sdpa. The largest difference between the ``auto`` and ``kernel`` outputs on real queries is printed too. Results:
+sdpa. Memory: the CPU allocator's peak during one more call of each (``approx.harness.memory.allocation_peak``, under
+torch's profiler, apart from the timed calls; ``--no-memory`` skips it). The largest difference between the ``auto`` and ``kernel`` outputs on real queries is printed too. Results:
 stdout (markdown), ``--output`` (JSON, with provenance and the load average before and after) and a PNG next to it
 (``--replot JSON`` draws it again from a result).
 """
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from approx import ApproxAttention, get_method
+from approx.harness.memory import allocation_peak
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-memory", action="store_true", help="skip the allocation peaks")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks/out/short_inputs.json", help="JSON path")
     p.add_argument("--replot", type=Path, default=None, help="only draw the PNG of a result JSON again")
     return p.parse_args(argv)
@@ -104,14 +107,18 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 ms = timed(fns, args.repeats)
                 real = mask[:, None, :, None]
                 diff = float(((fns["auto"]() - fns["kernel"]()) * real).abs().max())
+                peaks = {} if args.no_memory else {f"{c}_peak_mib": allocation_peak(fn)[1] for c, fn in fns.items()}
             row = {"setup": label, "method": method, "options": options, "kernel": kernel, "n": n, "b": q.shape[0]}
-            row.update({f"{name}_ms": round(t, 2) for name, t in ms.items()}, max_abs_diff=diff)
+            row.update({f"{name}_ms": round(t, 2) for name, t in ms.items()}, max_abs_diff=diff, **peaks)
             row["kernel_over_auto"] = round(ms["kernel"] / ms["auto"], 2)
             row["auto_over_sdpa"] = round(ms["auto"] / ms["sdpa"], 2)
             rows.append(row)
+            memory = (
+                " | ".join(f"{row[f'{c}_peak_mib']:.0f}" for c in ("auto", "kernel", "sdpa")) if peaks else "- | - | -"
+            )
             print(
                 f"| {label} | {q.shape[0]} x {n} | {ms['auto']:.1f} | {ms['kernel']:.1f} | {ms['sdpa']:.1f} | "
-                f"{row['kernel_over_auto']:.2f}x | {row['auto_over_sdpa']:.2f}x | {diff:.1e} |",
+                f"{row['kernel_over_auto']:.2f}x | {row['auto_over_sdpa']:.2f}x | {diff:.1e} | {memory} |",
                 flush=True,
             )
     return rows
@@ -158,8 +165,11 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     print(f"threads {args.threads}, load average {load_before[0]:.2f}, padding {args.padding}\n")
-    print("| setup | B x N | auto ms | kernel ms | sdpa ms | kernel / auto | auto / sdpa | max diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| setup | B x N | auto ms | kernel ms | sdpa ms | kernel / auto | auto / sdpa | max diff "
+        "| auto MiB | kernel MiB | sdpa MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = measure(args)
     result = {
         "benchmark": "short_inputs",

@@ -215,3 +215,25 @@ def test_auto_stops_compiling_new_shapes_past_the_limit(monkeypatch):
     with pytest.warns(RuntimeWarning, match="compiled 2 shapes"):
         assert not _flex.worth_it(torch.zeros(1, 3, 2048, 8), k, p)
     assert not _flex.worth_it(torch.zeros(1, 1, 512, 8), torch.zeros(1, 1, 512, 8), p)  # short: gather
+
+
+def test_short_inputs_benchmark(tmp_path):
+    """benchmarks/short_inputs.py in miniature: every setup's default route and block kernel give the same output
+    (its printed difference), the JSON holds a row per setup with times, ratios and allocation peaks, and the plot
+    is drawn next to it."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "short_inputs.py"
+    spec = importlib.util.spec_from_file_location("short_inputs_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["short_inputs_bench"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "short.json"
+    bench.main(["--lengths", "512", "--repeats", "1", "--threads", "1", "--output", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setup"] for r in rows] == [label for label, *_ in bench.SETUPS]
+    assert all(r["max_abs_diff"] < 1e-5 and r["auto_ms"] > 0 and r["kernel_peak_mib"] is not None for r in rows)
+    assert out.with_suffix(".png").stat().st_size > 0
