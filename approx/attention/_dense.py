@@ -2,8 +2,8 @@
 ``kernel="auto"`` takes for ``window``, ``bigbird`` and ``sparse-transformer`` in CPU inference on short inputs.
 
 There the block kernels' work per block (gathers, element masks, a softmax per chunk) costs more than scoring every
-pair: on 32 rows of 128 tokens the Sparse Transformer's gather kernel took 6.6x (stride 128) and 18x (stride 32),
-BigBird's block-band kernel in blocks of 16 8.8x the time of SDPA over all pairs (benchmarks/short_inputs.py). So,
+pair: on 32 rows of 128 tokens the Sparse Transformer's gather kernel took 6.4x (stride 128) and 19x (stride 32),
+BigBird's block-band kernel in blocks of 16 8.1x the time of SDPA over all pairs (benchmarks/short_inputs.py). So,
 where :func:`dense_route` says so, the pattern becomes a dense mask and SDPA computes the softmax over its pairs,
 each pair scored once, as the pattern's definition has it; training, dropout, other devices and ``kernel="gather"``
 or ``"band"`` keep the block kernels. Where each method takes it:
@@ -12,7 +12,8 @@ or ``"band"`` keep the block kernels. Where each method takes it:
   query as there are (576 for the default one-sided window of 256 in blocks of 64);
 * BigBird (:func:`try_dense`, whole blocks in position order): up to :data:`DENSE_KEYS_PER_ROW` keys, or three
   quarters of the keys its kernel scores per query; its mask differs per row and head and is written at full size
-  (B H N S float32: 48 MiB for 16 rows of 256 tokens and 12 heads) by :func:`block_additive_mask`;
+  (B H N S float32: 48 MiB for 16 rows of 256 tokens and 12 heads; the call's allocation peak 66 MiB there against 7
+  on the block-band kernel) by :func:`block_additive_mask`;
 * the Sparse Transformer (its own module, from the definitions on positions): up to its ``DENSE_UP_TO`` keys.
 
 What keeps the dense mask cheap (each measured on these shapes; the docs' Speed page, "Short inputs"): SDPA gets an
@@ -34,8 +35,8 @@ from ._common import compute_dtype, safe_key_mask, tracked, zero_padded_values
 __all__ = ["DENSE_KEYS_PER_ROW", "attend_dense", "block_additive_mask", "dense_route", "try_dense"]
 
 # BigBird's dense route: up to this many keys, or three quarters of the keys its kernel scores per query (measured:
-# benchmarks/short_inputs.py; in blocks of 16 the route was 1.29x and 1.61x faster than the block-band kernel at 256
-# tokens in two runs)
+# benchmarks/short_inputs.py; in blocks of 16 the route was 1.29x, 1.61x and 1.31x faster than the block-band kernel
+# at 256 tokens in three runs)
 DENSE_KEYS_PER_ROW = 256
 
 
