@@ -217,6 +217,29 @@ def test_auto_stops_compiling_new_shapes_past_the_limit(monkeypatch):
     assert not _flex.worth_it(torch.zeros(1, 1, 512, 8), torch.zeros(1, 1, 512, 8), p)  # short: gather
 
 
+def test_auto_keeps_gather_where_shared_keys_fill_the_blocks(monkeypatch):
+    """On the CPU, kernel='auto' leaves FlexAttention out for a pattern whose shared keys lie in more than a quarter
+    of the key blocks (FlexAttention would visit them from every query block): the Sparse Transformer's fixed
+    pattern (summary keys in every block of l), in both head modes; not the strided pattern, nor a window whose CLS
+    token is its one shared key."""
+    from approx.attention import sparse_transformer as st
+    from approx.attention import window
+
+    monkeypatch.setattr(_flex, "_SHAPES", {})
+    n = 2048
+    q = torch.zeros(1, 12, n, 8)
+
+    def parts(**options):
+        groups = st.head_groups(st.SparseTransformerConfig(**options), key_mask=None, b=1, n=n, s=n, device="cpu")
+        return [p for _, patterns, _ in groups for p in patterns]
+
+    fixed = parts(pattern="fixed") + parts(pattern="fixed", heads="union")
+    assert [_flex.worth_it(q, q, p) for p in fixed] == [True, False, False]  # split: A1 has no shared keys
+    assert all(_flex.worth_it(q, q, p) for p in parts(pattern="strided"))
+    assert _flex.worth_it(q, q, window.pattern(window.WindowConfig(), b=1, n=n, s=n, device="cpu"))
+    assert _flex.worth_it(q.to("meta"), q.to("meta"), fixed[1])  # another device: not measured, the rule is the CPU's
+
+
 def test_short_inputs_benchmark(tmp_path):
     """benchmarks/short_inputs.py in miniature: every setup's default route and block kernel give the same output
     (its printed difference), the JSON holds a row per setup with times, ratios and allocation peaks, and the plot

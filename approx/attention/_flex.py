@@ -121,9 +121,12 @@ def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool = False) -> str
 
 
 def worth_it(q, k, pattern=None) -> bool:
-    """kernel='auto': long enough to repay the compiled kernel (and its compilation), and a shape already compiled
-    or room for one more (see :data:`MAX_SHAPES`; a warning says when the limit is reached)."""
+    """kernel='auto': long enough to repay the compiled kernel (and its compilation), not a pattern whose shared keys
+    make every query block visit most key blocks on the CPU (:func:`_shared_everywhere`), and a shape already
+    compiled or room for one more (see :data:`MAX_SHAPES`; a warning says when the limit is reached)."""
     if k.shape[2] < MIN_LENGTH:
+        return False
+    if q.device.type == "cpu" and _shared_everywhere(pattern, k.shape[2]):
         return False
     shapes = _SHAPES.setdefault(q.device.type, set())
     blk = getattr(pattern, "block", 64)
@@ -140,6 +143,21 @@ def worth_it(q, k, pattern=None) -> bool:
             stacklevel=4,
         )
     return False
+
+
+def _shared_everywhere(pattern, s: int) -> bool:
+    """Whether the pattern's shared keys lie in more than a quarter of the key blocks (by position; the Sparse
+    Transformer's fixed pattern has summary keys in every block of l: every other block of 64 at l = 128). Every query
+    block visits each block holding a shared key, so FlexAttention then does a large share of dense attention's work,
+    where the gather kernel scores the shared keys once as a strip: the fixed pattern (l = 128) ran 0.33-0.67x the gather kernel's speed on FlexAttention at
+    2048-8192 tokens, 0.20-0.50x in union mode (one-off, 2 threads, docs' Speed page)."""
+    shared = getattr(pattern, "shared_keys", None)
+    if shared is None:
+        return False
+    blk = pattern.block
+    tk = -(-s // blk)
+    per_block = torch.nn.functional.pad(shared[:, :s], (0, tk * blk - s)).view(shared.shape[0], tk, blk).any(-1)
+    return bool((per_block.sum(-1) * 4 > tk).any())
 
 
 def _bucket(n: int, blk: int) -> int:
