@@ -642,8 +642,10 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
     base = [c for c in res["contenders"] if "+exact<" not in c and "[" not in c]
-    for c in res["contenders"]:  # a fallback row: dashed, in the colour of its method
+    variants = [c for c in res["contenders"] if "[" in c]
+    for c in res["contenders"]:  # a fallback row: dashed, in the colour of its method; a variant dotted, its own
         i = base.index(method_of(c)) if method_of(c) in base else len(base)
+        i = len(base) + variants.index(c) if c in variants else i
         style = dict(
             color=f"C{i % 10}", linestyle="--" if "+exact<" in c else (":" if "[" in c else "-"), marker="o", label=c
         )

@@ -217,26 +217,38 @@ def test_auto_stops_compiling_new_shapes_past_the_limit(monkeypatch):
     assert not _flex.worth_it(torch.zeros(1, 1, 512, 8), torch.zeros(1, 1, 512, 8), p)  # short: gather
 
 
-def test_auto_keeps_gather_where_shared_keys_fill_the_blocks(monkeypatch):
-    """On the CPU, kernel='auto' leaves FlexAttention out for a pattern whose shared keys lie in more than a quarter
-    of the key blocks (FlexAttention would visit them from every query block): the Sparse Transformer's fixed
-    pattern (summary keys in every block of l), in both head modes; not the strided pattern, nor a window whose CLS
-    token is its one shared key."""
+@pytest.mark.parametrize("stride,block", [(128, 64), (256, 64), (128, 32), (512, 64)])
+def test_auto_keeps_gather_where_shared_keys_fill_the_blocks(stride, block, monkeypatch):
+    """On the CPU, kernel='auto' leaves FlexAttention out where shared keys would make it visit more than twice the
+    keys per query block that the gather kernel scores: the Sparse Transformer's fixed pattern (summary keys in every
+    block of l) at every stride and block size (split mode: its summary heads; union mode while the summary blocks
+    outnumber the local ones); not the strided
+    pattern, nor a window whose CLS token is its one shared key or whose long question fills the blocks it lies in."""
+    from approx import tokens
     from approx.attention import sparse_transformer as st
     from approx.attention import window
 
     monkeypatch.setattr(_flex, "_SHAPES", {})
     n = 2048
-    q = torch.zeros(1, 12, n, 8)
+    q = torch.zeros(2, 12, n, 8)
 
     def parts(**options):
-        groups = st.head_groups(st.SparseTransformerConfig(**options), key_mask=None, b=1, n=n, s=n, device="cpu")
+        config = st.SparseTransformerConfig(stride=stride, block=block, **options)
+        groups = st.head_groups(config, key_mask=None, b=2, n=n, s=n, device="cpu")
         return [p for _, patterns, _ in groups for p in patterns]
 
     fixed = parts(pattern="fixed") + parts(pattern="fixed", heads="union")
-    assert [_flex.worth_it(q, q, p) for p in fixed] == [True, False, False]  # split: A1 has no shared keys
+    # split: its local heads keep it; union at l = 512: its 8 local key blocks per query block outweigh the 4 blocks
+    # of summary keys (FlexAttention visits 1.4x the gather kernel's keys), so it keeps it too
+    assert [_flex.worth_it(q, q, p) for p in fixed] == [True, False, stride >= 512]
     assert all(_flex.worth_it(q, q, p) for p in parts(pattern="strided"))
-    assert _flex.worth_it(q, q, window.pattern(window.WindowConfig(), b=1, n=n, s=n, device="cpu"))
+    config = window.WindowConfig(block=block)
+    assert _flex.worth_it(q, q, window.pattern(config, b=2, n=n, s=n, device="cpu"))
+    question = torch.zeros(2, n, dtype=torch.bool)
+    question[0, :600] = True  # a question of 600 tokens in one row: blocks full of shared keys
+    with tokens(question_mask=question):
+        long = window.pattern(window.WindowConfig(block=block, question_global=True), b=2, n=n, s=n, device="cpu")
+    assert int(long.shared_keys.sum()) > 600 and _flex.worth_it(q, q, long)
     assert _flex.worth_it(q.to("meta"), q.to("meta"), fixed[1])  # another device: not measured, the rule is the CPU's
 
 

@@ -16,7 +16,7 @@ or ``"band"`` keep the block kernels. Where each method takes it:
   on the block-band kernel) by :func:`block_additive_mask`;
 * the Sparse Transformer (its own module, from the definitions on positions): up to its ``DENSE_UP_TO`` keys.
 
-What keeps the dense mask cheap (each measured on these shapes; the docs' Speed page, "Short inputs"): SDPA gets an
+What keeps the dense mask cheap (each measured on these shapes in one-off runs; the docs' Speed page, "Short inputs"): SDPA gets an
 additive float mask, not a bool one (given a (B, H, N, S) bool mask SDPA on the CPU converts it: 2.2-3.4x the time of
 a float one at 128-1024 tokens); padding at the end of every row (the usual layout) is cut off by one SDPA call per
 row on its real keys, so that a mask shared by the rows is never expanded to (B, H, N, S); BigBird's mask is combined

@@ -8,7 +8,9 @@ it has **no backward pass**, it needs a C++ compiler and a first compilation of 
 take float64. So ``kernel="auto"`` (the sparse-pattern methods' default) uses it only where it can run the call and
 repay the compilation: no gradient (on a GPU its backward runs and the GPU tests check it against the gather
 kernel's autograd, but its speed is unmeasured: ``kernel="flex"`` asks for it), no dropout,
-float32 / float16 / bfloat16, at least :data:`MIN_LENGTH` keys; everything else runs the gather kernel, which gives
+float32 / float16 / bfloat16, at least :data:`MIN_LENGTH` keys, on the CPU not where shared keys in most blocks would
+make it visit far more keys than the gather kernel scores (:func:`_shared_everywhere`: the fixed Sparse Transformer's
+summary keys); everything else runs the gather kernel, which gives
 the same output to float rounding (a test checks it). A compilation failure is reported once (a warning naming the
 reason) and the gather kernel is used from then on.
 
@@ -121,9 +123,10 @@ def unusable(q, k, v, pattern, *, dropout: float, with_lse: bool = False) -> str
 
 
 def worth_it(q, k, pattern=None) -> bool:
-    """kernel='auto': long enough to repay the compiled kernel (and its compilation), not a pattern whose shared keys
-    make every query block visit most key blocks on the CPU (:func:`_shared_everywhere`), and a shape already
-    compiled or room for one more (see :data:`MAX_SHAPES`; a warning says when the limit is reached)."""
+    """kernel='auto': long enough to repay the compiled kernel (and its compilation), on the CPU not a pattern whose
+    shared keys would make FlexAttention visit far more keys than the gather kernel scores (:func:`_shared_everywhere`),
+    and a shape already compiled or room for one more (see :data:`MAX_SHAPES`; a warning says when the limit is
+    reached)."""
     if k.shape[2] < MIN_LENGTH:
         return False
     if q.device.type == "cpu" and _shared_everywhere(pattern, k.shape[2]):
@@ -146,18 +149,29 @@ def worth_it(q, k, pattern=None) -> bool:
 
 
 def _shared_everywhere(pattern, s: int) -> bool:
-    """Whether the pattern's shared keys lie in more than a quarter of the key blocks (by position; the Sparse
-    Transformer's fixed pattern has summary keys in every block of l: every other block of 64 at l = 128). Every query
-    block visits each block holding a shared key, so FlexAttention then does a large share of dense attention's work,
-    where the gather kernel scores the shared keys once as a strip: the fixed pattern (l = 128) ran 0.33-0.67x the gather kernel's speed on FlexAttention at
-    2048-8192 tokens, 0.20-0.50x in union mode (one-off, 2 threads, docs' Speed page)."""
+    """Whether FlexAttention would visit more than twice the keys per query block that the gather kernel scores,
+    because of the pattern's shared keys: every query block visits each key block (in the pattern's sorted order)
+    that holds a shared key, where the gather kernel scores the shared keys once as a strip. The Sparse
+    Transformer's fixed pattern has summary keys in every block of l: about 8x at any stride (c = 8 of every l keys),
+    and on FlexAttention it ran 0.29-0.58x the gather kernel's speed at 2048-8192 tokens with split heads, 0.21-0.49x
+    in union mode (``attention_op_cpu_sparse_fixed``, docs' Speed page). A window whose question tokens are shared
+    fills the blocks they lie in: about 1x, FlexAttention kept. One batch row over the limit decides for the call."""
     shared = getattr(pattern, "shared_keys", None)
     if shared is None:
         return False
-    blk = pattern.block
+    from ._blocksparse import _sorted_positions
+
+    shared = shared[:, :s]
+    blk, b = pattern.block, shared.shape[0]
     tk = -(-s // blk)
-    per_block = torch.nn.functional.pad(shared[:, :s], (0, tk * blk - s)).view(shared.shape[0], tk, blk).any(-1)
-    return bool((per_block.sum(-1) * 4 > tk).any())
+    order = pattern.k_order
+    kpos = _sorted_positions(order, b, 1 if order is None else order.shape[1], s, tk * blk, shared.device)
+    batch = torch.arange(b, device=shared.device)[:, None, None]
+    in_slot = (kpos >= 0) & shared[batch, kpos.clamp(min=0)]  # (B, H|1, Tk * blk): a shared key at each sorted slot
+    blocks = in_slot.view(*in_slot.shape[:2], tk, blk).any(-1).sum(-1)  # key blocks holding one
+    own = pattern.kv_blocks.shape[-1]  # the key blocks each query block lists
+    visited = (blocks + own).clamp(max=tk) * blk
+    return bool((visited > 2 * (own * blk + shared.sum(-1)[:, None])).any())
 
 
 def _bucket(n: int, blk: int) -> int:
