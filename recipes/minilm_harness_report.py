@@ -17,7 +17,7 @@ halves) and LSH (2 rounds of 32). Most STS-B sentences fit these budgets, and th
 Nyström, whole: each result's ``fidelity.exact_inputs`` (the notes under the report's table) counts the inputs on
 which a method ran exact attention.
 
-    python recipes/minilm_harness_report.py     # about 14 minutes on 2 CPU cores (363 s and 439 s on 2026-11-29)
+    python recipes/minilm_harness_report.py     # about 12 minutes on 2 CPU cores (298 s and 384 s on 2026-11-29, at 074805b)
 
 Writes recipes/results/minilm_stsb_zero_shot.json and recipes/results/minilm_wikitext2_harness.json (one
 result per method, with provenance) and prints the tables with each run's wall time.
