@@ -3,7 +3,9 @@ folder and the offline MiniLM-L6 for the real-model tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,18 @@ def base_model(tmp_path_factory):
     from evalfixtures import write_checkpoint
 
     return str(write_checkpoint(tmp_path_factory.mktemp("base"), "base"))
+
+
+@pytest.fixture
+def benchmark_script():
+    """Import a script of benchmarks/ by name (they are scripts, not a package): ``benchmark_script("short_inputs")``."""
+
+    def load(name: str):
+        path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+        spec.loader.exec_module(module)
+        return module
+
+    return load

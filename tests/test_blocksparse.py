@@ -252,20 +252,13 @@ def test_auto_keeps_gather_where_shared_keys_fill_the_blocks(stride, block, monk
     assert _flex.worth_it(q.to("meta"), q.to("meta"), fixed[1])  # another device: not measured, the rule is the CPU's
 
 
-def test_short_inputs_benchmark(tmp_path):
+def test_short_inputs_benchmark(tmp_path, benchmark_script):
     """benchmarks/short_inputs.py in miniature: every setup's default route and block kernel give the same output
     (its printed difference), the JSON holds a row per setup with times, ratios and allocation peaks, and the plot
     is drawn next to it."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "short_inputs.py"
-    spec = importlib.util.spec_from_file_location("short_inputs_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["short_inputs_bench"] = bench
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("short_inputs")
     out = tmp_path / "short.json"
     bench.main(["--lengths", "512", "--repeats", "1", "--threads", "1", "--output", str(out)])
     rows = json.loads(out.read_text())["rows"]

@@ -72,20 +72,13 @@ def test_allocation_peak_grows_with_the_attention_matrix():
     assert peaks["sdpa", 512] < 4 * h * 512 * d * 4 / 2**20 + 1  # a few (H, N, d) tensors, no (N, N) one
 
 
-def test_whole_model_memory_benchmark(tmp_path):
+def test_whole_model_memory_benchmark(tmp_path, benchmark_script):
     """benchmarks/whole_model.py --memory-only on MiniLM's architecture (random weights): every contender's
     allocation peak per N, eager attention's growing faster than the others' (its N x N scores), the report's
     exponents and target line, and the JSON."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "whole_model.py"
-    spec = importlib.util.spec_from_file_location("whole_model_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["whole_model_bench"] = bench
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("whole_model")
     out = tmp_path / "wm.json"
     argv = ["--memory-only", "--random-weights", "--no-fallback", "--lengths", "256", "512", "1024"]
     bench.main([*argv, "--methods", "linear", "--threads", "1", "--output", str(out)])
