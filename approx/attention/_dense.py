@@ -49,11 +49,13 @@ def dense_route(q, k, v, *, dropout: float, kernel: str, limit: int) -> bool:
     return max(q.shape[2], k.shape[2]) <= limit
 
 
-def attend_dense(q, k, v, allowed: torch.Tensor, *, key_mask, scale: float) -> torch.Tensor:
+def attend_dense(q, k, v, allowed: torch.Tensor, *, key_mask, scale: float, has=None) -> torch.Tensor:
     """Softmax attention over the pairs that the dense (B|1, H|1, N, S) bool mask ``allowed`` admits (the pattern's
     pairs; padded keys are taken out here), each pair scored once, by SDPA with an additive float mask (0 or -inf).
     A query with no allowed real key gets 0, as the block kernels give it. In v's dtype, the scores in the compute
-    dtype (float32 for half-precision inputs). ``key_mask``: as :func:`._common.safe_key_mask` returns it.
+    dtype (float32 for half-precision inputs). ``key_mask``: as :func:`._common.safe_key_mask` returns it. ``has``
+    ((B|1, H|1, N, 1) bool): which queries hold an allowed real key, when the caller knows it already (else counted
+    here from ``allowed``).
 
     Padding at the end of each row is cut off: one SDPA call per batch row on its real keys, the mask (the row's own,
     or the one shared by every row) sliced. Other padding adds -inf at the padded keys, a pass at the full (B, H, N,
@@ -63,25 +65,27 @@ def attend_dense(q, k, v, allowed: torch.Tensor, *, key_mask, scale: float) -> t
     additive = torch.where(allowed, zero, ninf)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     lengths = _right_padded_lengths(key_mask)
+    known = has is not None
     if key_mask is None:
-        has = allowed.any(-1, keepdim=True)
+        has = has if known else allowed.any(-1, keepdim=True)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)
     elif lengths is not None:
         # allowed keys among the first L of every query: a running count, read at each row's length
-        count = allowed.to(torch.int32).cumsum(-1)
+        count = None if known else allowed.to(torch.int32).cumsum(-1)
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=dt, device=dev)
-        has = torch.zeros(q.shape[0], *allowed.shape[1:3], 1, dtype=torch.bool, device=dev)
+        if not known:
+            has = torch.zeros(q.shape[0], *allowed.shape[1:3], 1, dtype=torch.bool, device=dev)
         for row, length in enumerate(lengths):
             m = row if allowed.shape[0] > 1 else 0  # the row's own mask, or the shared one
             mask, keys = additive[m : m + 1, ..., :length], slice(0, length)
             out[row] = F.scaled_dot_product_attention(
                 q[row : row + 1], k[row : row + 1, :, keys], v[row : row + 1, :, keys], attn_mask=mask, scale=scale
             )[0]
-            if length:
+            if length and not known:
                 has[row] = count[m, :, :, length - 1, None] > 0
     else:
         additive = additive + torch.where(key_mask, zero, ninf)[:, None, None, :]
-        has = (allowed & key_mask[:, None, None, :]).any(-1, keepdim=True)
+        has = has if known else (allowed & key_mask[:, None, None, :]).any(-1, keepdim=True)
         k, v = zero_padded_values(k, key_mask), zero_padded_values(v, key_mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)
     return out.masked_fill_(~has, 0.0).to(out_dtype)

@@ -429,13 +429,14 @@ def sparse_transformer_attention(
 
     def dense() -> torch.Tensor:  # short inputs in inference on the CPU: SDPA over the dense mask
         _refuse_left_padding(config, key_mask)
-        allowed = position_mask(config, h=h, n=n, s=s, device=q.device)
-        o = _dense.attend_dense(q, k, v, allowed, key_mask=safe_key_mask(key_mask), scale=scale)
-        has = _has_key(config, safe_key_mask(key_mask), n, s, q.device)  # which queries hold a real key in A1, A2
+        real = safe_key_mask(key_mask)
+        has = _has_key(config, real, n, s, q.device)  # which queries hold a real key in A1, A2 (prefix sums)
         if config.heads == "union":
             has = (has[0] | has[1])[:, None, :, None]
         else:
             has = torch.where(_even_heads(h, q.device)[:, None], has[0][:, None], has[1][:, None])[..., None]
+        allowed = position_mask(config, h=h, n=n, s=s, device=q.device)
+        o = _dense.attend_dense(q, k, v, allowed, key_mask=real, scale=scale, has=has)
         mean = _real_mean(v, key_mask)[:, :, None]  # (B, H, 1, dv): the queries without a real key
         return torch.where(has, o, mean).to(v.dtype)
 
