@@ -1,22 +1,30 @@
-"""The sparse patterns on short, padded batches: ``kernel="auto"`` (on the CPU in inference, SDPA over the pattern's
-dense mask up to each method's limit) against the block kernel it would run otherwise, and SDPA itself.
+"""Methods on short, padded batches, each against what it would run otherwise, and SDPA.
+
+Two comparisons, both of what approx does by default in CPU inference on such batches:
+
+* the sparse patterns: ``kernel="auto"`` (SDPA over the pattern's dense mask up to each method's limit) against the
+  block kernel it would run otherwise (``band`` for window and bigbird, ``gather`` for sparse-transformer);
+* the methods that take a batch in slices of items (FAVOR+, the linear kernels, clustered and improved clustered
+  attention; ``approx.attention._common.batch_step``), so that their intermediates over every (item, head, row)
+  stay in the cache: the default against the whole batch at once (``whole``: the slice budget made unlimited).
+  Linear attention is the control: its features are small enough to stay one slice at these sizes.
 
 Usage::
 
-    python benchmarks/short_inputs.py --threads 2          # 128 ... 1024 tokens (~3 min on 2 cores)
-    python benchmarks/short_inputs.py --lengths 128 384 --repeats 9
+    python benchmarks/short_inputs.py --threads 2          # 128 ... 1024 tokens (~6 min on 2 cores)
+    python benchmarks/short_inputs.py --lengths 128 384 --repeats 9 --setups favor clustered
 
 Inputs: batches of 4096 tokens (B = 4096 / N rows of N tokens, at least one), 12 heads of 32 (MiniLM-L6's shape),
 float32, forward without gradients. With ``--padding`` (the default) the rows' real lengths run evenly from N / 2 to
 N with the padding at the end, as a dynamically padded batch has it; ``--no-padding``: every token real. The
-contenders per setup: ``auto`` (the method as it runs by default), ``kernel`` (the same options with the block kernel
-named: ``band`` for window and bigbird, ``gather`` for sparse-transformer), and ``sdpa`` (plain SDPA over the key
-padding, exact attention), timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of
-one timed call each, medians. Ratios: kernel / auto (> 1: the default is faster than the block kernel) and auto /
-sdpa. Memory: the CPU allocator's peak during one more call of each (``approx.harness.memory.allocation_peak``, under
-torch's profiler, apart from the timed calls; ``--no-memory`` skips it). The largest difference between the ``auto`` and ``kernel`` outputs on real queries is printed too. Results:
-stdout (markdown), ``--output`` (JSON, with provenance and the load average before and after) and a PNG next to it
-(``--replot JSON`` draws it again from a result).
+contenders per setup: ``auto`` (the method as it runs by default), ``kernel`` (the alternative named in the row's
+``kernel`` field: the block kernel, or ``whole``) and ``sdpa`` (plain SDPA over the key padding, exact attention),
+timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of one timed call each,
+medians. Ratios: kernel / auto (> 1: the default is faster than the alternative) and auto / sdpa. Memory: the CPU
+allocator's peak during one more call of each (``approx.harness.memory.allocation_peak``, under torch's profiler,
+apart from the timed calls; ``--no-memory`` skips it). The largest difference between the ``auto`` and ``kernel``
+outputs on real queries is printed too. Results: stdout (markdown), ``--output`` (JSON, with provenance and the load
+average before and after) and a PNG next to it (``--replot JSON`` draws it again from a result).
 """
 
 from __future__ import annotations
@@ -32,14 +40,17 @@ import torch
 import torch.nn.functional as F
 
 from approx import ApproxAttention, get_method
+from approx.attention import _common
 from approx.harness.memory import allocation_peak
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM, TOKENS = 12, 32, 4096
 
-# (label, method, options, the block kernel it runs otherwise): the methods' defaults (BigBird without its fallback
-# to full attention, which would make short rows exact) and the clustered table's matched budgets
+WHOLE = "whole"  # the alternative of a method that slices a batch: the whole batch at once
+
+# (label, method, options, what it runs otherwise: a block kernel, or WHOLE): the methods' defaults (BigBird without
+# its fallback to full attention, which would make short rows exact) and the clustered table's matched budgets
 SETUPS = [
     ("window", "window", {}, "band"),
     ("window-32", "window", {"window": 32}, "band"),
@@ -48,7 +59,14 @@ SETUPS = [
     ("sparse-transformer", "sparse-transformer", {}, "gather"),
     ("sparse-transformer-fixed", "sparse-transformer", {"pattern": "fixed"}, "gather"),
     ("sparse-transformer-32", "sparse-transformer", {"stride": 32, "heads": "union"}, "gather"),
+    ("favor", "favor", {}, WHOLE),
+    ("linear", "linear", {}, WHOLE),
+    ("clustered", "clustered", {}, WHOLE),
+    ("i-clustered", "i-clustered", {}, WHOLE),
 ]
+
+
+LABELS = [label for label, *_ in SETUPS]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,11 +75,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timed calls per contender (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
+    p.add_argument("--setups", nargs="+", default=None, help=f"labels to run (default all: {', '.join(LABELS)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-memory", action="store_true", help="skip the allocation peaks")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks/out/short_inputs.json", help="JSON path")
     p.add_argument("--replot", type=Path, default=None, help="only draw the PNG of a result JSON again")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.setups or ()) - set(LABELS))
+    if unknown:
+        p.error(f"unknown setup {', '.join(unknown)}; choose from {', '.join(LABELS)}")
+    return args
 
 
 def inputs(n: int, padding: bool, seed: int):
@@ -93,15 +116,35 @@ def contenders(auto, block, q, k, v, mask) -> dict:
     }
 
 
+def whole_batch(layer: ApproxAttention):
+    """``layer`` with the batch taken whole: the slice budget unlimited during its calls."""
+
+    def call(*args):
+        budget, _common.SLICE_ELEMENTS = _common.SLICE_ELEMENTS, 1 << 62
+        try:
+            return layer(*args)
+        finally:
+            _common.SLICE_ELEMENTS = budget
+
+    return call
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     rows = []
     for n in args.lengths:
         q, k, v, mask = inputs(n, args.padding, args.seed)
         for label, method, options, kernel in SETUPS:
+            if args.setups and label not in args.setups:
+                continue
             config = get_method(method).make_config(**options)
             auto = ApproxAttention(method, config, head_dim=HEAD_DIM)
-            block = ApproxAttention(method, get_method(method).make_config(**options, kernel=kernel), head_dim=HEAD_DIM)
-            block.load_state_dict(auto.state_dict())  # the same random state (BigBird's random blocks)
+            if kernel == WHOLE:
+                block = whole_batch(auto)
+            else:
+                block = ApproxAttention(
+                    method, get_method(method).make_config(**options, kernel=kernel), head_dim=HEAD_DIM
+                )
+                block.load_state_dict(auto.state_dict())  # the same random state (BigBird's random blocks)
             with torch.inference_mode():
                 fns = contenders(auto, block, q, k, v, mask)
                 ms = timed(fns, args.repeats)
@@ -125,8 +168,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Left: each setup's time per call on its default route (solid) and on its block kernel (dashed), SDPA in
-    black; right: block kernel / default, the speed-up of the dense route where it is taken."""
+    """Left: each setup's time per call by default (solid) and on its alternative (dashed: the block kernel, or the
+    whole batch at once), SDPA in black; right: alternative / default, the default's speed-up."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,11 +186,12 @@ def plot(result: dict, path: Path) -> None:
         ax_r.plot(ns, [r["kernel_over_auto"] for r in mine], color=f"C{i}", marker="o", label=setup)
     sdpa = {r["n"]: r["sdpa_ms"] for r in rows if r["setup"] == setups[0]}
     ax_t.plot(list(sdpa), list(sdpa.values()), color="black", marker="s", label="SDPA (exact)")
-    ax_t.set(xlabel="tokens per row N (batches of 4096 tokens)", ylabel="median ms per call (dashed: block kernel)")
-    ax_t.set_title(f"Sparse patterns on short padded batches, {result['settings']['threads']} threads, CPU")
+    ax_t.set(xlabel="tokens per row N (batches of 4096 tokens)", ylabel="median ms per call (dashed: alternative)")
+    ax_t.set_yscale("log")
+    ax_t.set_title(f"Short padded batches, {result['settings']['threads']} threads, CPU")
     ax_r.axhline(1.0, color="grey", linewidth=0.8)
-    ax_r.set(xlabel="tokens per row N", ylabel="block kernel time / default time", yscale="log")
-    ax_r.set_title("Speed-up of kernel='auto' (SDPA over the dense mask where taken)")
+    ax_r.set(xlabel="tokens per row N", ylabel="alternative's time / default time", yscale="log")
+    ax_r.set_title("Speed-up of the default: dense route, or batch slices")
     for ax in (ax_t, ax_r):
         ax.set_xticks(sorted(sdpa), [str(n) for n in sorted(sdpa)])
         ax.grid(True, alpha=0.3)

@@ -11,7 +11,7 @@ from reference import KERNEL_ATTENTION
 
 import approx
 from approx import ApproxAttention
-from approx.attention import _kernelized
+from approx.attention import _common, _kernelized
 from approx.attention.favor import FavorConfig
 
 KERNELS = ["linear", "efficient", "taylor"]
@@ -55,11 +55,15 @@ SHAPES = [  # (batch, heads, n, s, d, dv)
 ]
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "slices"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("method", KERNELS)
-def test_equals_the_float64_formula(method, shape):
+def test_equals_the_float64_formula(monkeypatch, method, shape, sliced):
     """The fast path (chunked, padded keys removed) equals the paper's dense formula over the real keys, with
-    S != N (a key mask, no query mask) and with rows of very different lengths."""
+    S != N (a key mask, no query mask) and with rows of very different lengths; also with the batch taken an item
+    at a time (``sliced``: what CPU inference does with batches of short inputs too large for the cache)."""
+    if sliced:
+        monkeypatch.setattr(_common, "SLICE_ELEMENTS", 1)
     batch, heads, n, s, d, dv = shape
     q, k, v = qkv(*shape, seed=sum(shape), size=1.5)
     mask = key_mask(batch, s, seed=n)
@@ -157,6 +161,8 @@ def test_tiny_chunks_equal_one_chunk(monkeypatch, method, options):
     lyr = layer(method, 8, **options)
     one = lyr(q, k, v, mask)  # one chunk: 512 rows
     monkeypatch.setattr(_kernelized, "_CHUNK", 3)
+    torch.testing.assert_close(lyr(q, k, v, mask), one, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(_common, "SLICE_ELEMENTS", 1)  # and each batch item its own slice
     torch.testing.assert_close(lyr(q, k, v, mask), one, rtol=1e-12, atol=1e-12)
     with_grad = lyr(q.clone().requires_grad_(), k, v.clone().requires_grad_(), mask)
     torch.testing.assert_close(with_grad.detach(), one, rtol=1e-12, atol=1e-12)

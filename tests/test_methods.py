@@ -11,7 +11,7 @@ from reference import KERNEL_ATTENTION, naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
-from approx.attention import _dense, _fallback, _hashing, _kmeans
+from approx.attention import _common, _dense, _fallback, _hashing, _kmeans
 from approx.attention import clustered as clustered_mod
 
 METHODS = approx.methods()
@@ -21,17 +21,23 @@ B, H, D = 2, 3, 16
 # Each generic test runs them a second time with that route off (test id METHOD@kernels), on the block kernels that
 # auto takes otherwise, so that those stay tested at these sizes too.
 DENSE_ROUTED = ("window", "bigbird", "sparse-transformer")
+# These take a batch in slices of items in CPU inference (approx/attention/_common.py, batch_step), which the tests'
+# small batches never need: each generic test runs them a second time with every item its own slice (METHOD@slices).
+BATCH_SLICED = ("favor", "linear", "efficient", "taylor", "clustered", "i-clustered")
 
 
 def with_kernels(methods):
     routed = [pytest.param(m, id=f"{m}@kernels", marks=pytest.mark.block_kernels) for m in methods if m in DENSE_ROUTED]
-    return [*methods, *routed]
+    sliced = [pytest.param(m, id=f"{m}@slices", marks=pytest.mark.batch_slices) for m in methods if m in BATCH_SLICED]
+    return [*methods, *routed, *sliced]
 
 
 @pytest.fixture(autouse=True)
-def _block_kernels(request, monkeypatch):
+def _variants(request, monkeypatch):
     if request.node.get_closest_marker("block_kernels"):
         monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
+    if request.node.get_closest_marker("batch_slices"):
+        monkeypatch.setattr(_common, "SLICE_ELEMENTS", 1)
 
 
 def make_qkv(n=120, seed=0, dtype=torch.float32, sharp=3.0, dv=D):
@@ -93,6 +99,18 @@ def test_padding_invariance(method):
     padded = lyr(q, k, v, padded_mask(n_real + n_pad, n_real).logical_or(torch.tensor([[True], [False]])))
     # row 0 is unpadded at full length; row 1 has n_pad pads at the end
     torch.testing.assert_close(padded[1, :, :n_real], short[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", with_kernels(METHODS))
+def test_an_input_computes_the_same_in_any_batch(method):
+    """An input's outputs do not depend on the other inputs of its batch (a model's prediction for an example must
+    not change with what it is batched with): each row of a padded batch equals that row run alone, unpadded."""
+    q, k, v = make_qkv(120, seed=3)
+    lyr = layer(method, **small_budget(method))
+    batch = lyr(q, k, v, padded_mask(120, 90))
+    for row, n in ((0, 120), (1, 90)):
+        alone = lyr(q[row : row + 1, :, :n], k[row : row + 1, :, :n], v[row : row + 1, :, :n], None)
+        torch.testing.assert_close(batch[row, :, :n], alone[0], rtol=1e-5, atol=1e-5, msg=f"row {row}")
 
 
 @pytest.mark.parametrize("method", with_kernels(METHODS))
