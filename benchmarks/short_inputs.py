@@ -4,15 +4,15 @@ Two comparisons, both of what approx does by default in CPU inference on such ba
 
 * the sparse patterns: ``kernel="auto"`` (SDPA over the pattern's dense mask up to each method's limit) against the
   block kernel it would run otherwise (``band`` for window and bigbird, ``gather`` for sparse-transformer);
-* the methods that take a batch in slices of items (FAVOR+, the linear kernels, clustered and improved clustered
-  attention; ``approx.attention._common.batch_step``), so that their intermediates over every (item, head, row)
-  stay in the cache: the default against the whole batch at once (``whole``: the slice budget made unlimited).
-  Linear attention is the control: its features are small enough to stay one slice at these sizes.
+* the kernel family's shared helper, which takes a batch in slices of items (``approx.attention._kernelized._slice_items``)
+  so that FAVOR+'s features over every (item, head, row) stay in the cache: the default against the whole batch at
+  once (``whole``: the slice budget made unlimited). Linear attention is the control: its features are small
+  enough to stay one slice at these sizes.
 
 Usage::
 
-    python benchmarks/short_inputs.py --threads 2          # 128 ... 1024 tokens (~6 min on 2 cores)
-    python benchmarks/short_inputs.py --lengths 128 384 --repeats 9 --setups favor clustered
+    python benchmarks/short_inputs.py --threads 2          # 128 ... 1024 tokens (~5 min on 2 cores)
+    python benchmarks/short_inputs.py --lengths 128 384 --repeats 9 --setups favor linear
 
 Inputs: batches of 4096 tokens (B = 4096 / N rows of N tokens, at least one), 12 heads of 32 (MiniLM-L6's shape),
 float32, forward without gradients. With ``--padding`` (the default) the rows' real lengths run evenly from N / 2 to
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from approx import ApproxAttention, get_method
-from approx.attention import _common
+from approx.attention import _kernelized
 from approx.harness.memory import allocation_peak
 from approx.harness.provenance import provenance
 
@@ -61,8 +61,6 @@ SETUPS = [
     ("sparse-transformer-32", "sparse-transformer", {"stride": 32, "heads": "union"}, "gather"),
     ("favor", "favor", {}, WHOLE),
     ("linear", "linear", {}, WHOLE),
-    ("clustered", "clustered", {}, WHOLE),
-    ("i-clustered", "i-clustered", {}, WHOLE),
 ]
 
 
@@ -120,11 +118,11 @@ def whole_batch(layer: ApproxAttention):
     """``layer`` with the batch taken whole: the slice budget unlimited during its calls."""
 
     def call(*args):
-        budget, _common.SLICE_ELEMENTS = _common.SLICE_ELEMENTS, 1 << 62
+        budget, _kernelized._SLICE_ELEMENTS = _kernelized._SLICE_ELEMENTS, 1 << 62
         try:
             return layer(*args)
         finally:
-            _common.SLICE_ELEMENTS = budget
+            _kernelized._SLICE_ELEMENTS = budget
 
     return call
 

@@ -11,7 +11,7 @@ from reference import KERNEL_ATTENTION
 
 import approx
 from approx import ApproxAttention
-from approx.attention import _common, _kernelized
+from approx.attention import _kernelized
 from approx.attention.favor import FavorConfig
 
 KERNELS = ["linear", "efficient", "taylor"]
@@ -63,7 +63,7 @@ def test_equals_the_float64_formula(monkeypatch, method, shape, sliced):
     S != N (a key mask, no query mask) and with rows of very different lengths; also with the batch taken an item
     at a time (``sliced``: what CPU inference does with batches of short inputs too large for the cache)."""
     if sliced:
-        monkeypatch.setattr(_common, "SLICE_ELEMENTS", 1)
+        monkeypatch.setattr(_kernelized, "_SLICE_ELEMENTS", 1)
     batch, heads, n, s, d, dv = shape
     q, k, v = qkv(*shape, seed=sum(shape), size=1.5)
     mask = key_mask(batch, s, seed=n)
@@ -162,7 +162,7 @@ def test_tiny_chunks_equal_one_chunk(monkeypatch, method, options):
     one = lyr(q, k, v, mask)  # one chunk: 512 rows
     monkeypatch.setattr(_kernelized, "_CHUNK", 3)
     torch.testing.assert_close(lyr(q, k, v, mask), one, rtol=1e-12, atol=1e-12)
-    monkeypatch.setattr(_common, "SLICE_ELEMENTS", 1)  # and each batch item its own slice
+    monkeypatch.setattr(_kernelized, "_SLICE_ELEMENTS", 1)  # and each batch item its own slice
     torch.testing.assert_close(lyr(q, k, v, mask), one, rtol=1e-12, atol=1e-12)
     with_grad = lyr(q.clone().requires_grad_(), k, v.clone().requires_grad_(), mask)
     torch.testing.assert_close(with_grad.detach(), one, rtol=1e-12, atol=1e-12)

@@ -11,7 +11,7 @@ from reference import KERNEL_ATTENTION, naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
-from approx.attention import _common, _dense, _fallback, _hashing, _kmeans
+from approx.attention import _dense, _fallback, _hashing, _kernelized, _kmeans
 from approx.attention import clustered as clustered_mod
 
 METHODS = approx.methods()
@@ -21,9 +21,9 @@ B, H, D = 2, 3, 16
 # Each generic test runs them a second time with that route off (test id METHOD@kernels), on the block kernels that
 # auto takes otherwise, so that those stay tested at these sizes too.
 DENSE_ROUTED = ("window", "bigbird", "sparse-transformer")
-# These take a batch in slices of items in CPU inference (approx/attention/_common.py, batch_step), which the tests'
+# These take a batch in slices of items in CPU inference (approx/attention/_kernelized.py, _slice_items), which the tests'
 # small batches never need: each generic test runs them a second time with every item its own slice (METHOD@slices).
-BATCH_SLICED = ("favor", "linear", "efficient", "taylor", "clustered", "i-clustered")
+BATCH_SLICED = ("favor", "linear", "efficient", "taylor")
 
 
 def with_kernels(methods):
@@ -37,7 +37,7 @@ def _variants(request, monkeypatch):
     if request.node.get_closest_marker("block_kernels"):
         monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
     if request.node.get_closest_marker("batch_slices"):
-        monkeypatch.setattr(_common, "SLICE_ELEMENTS", 1)
+        monkeypatch.setattr(_kernelized, "_SLICE_ELEMENTS", 1)
 
 
 def make_qkv(n=120, seed=0, dtype=torch.float32, sharp=3.0, dv=D):

@@ -17,22 +17,6 @@ def chunk_elements(cpu: int, device) -> int:
     return cpu if torch.device(device).type == "cpu" else cpu << 4
 
 
-# the largest intermediates of a slice of batch items, in elements (see :func:`batch_step`): 8 MB of float32
-SLICE_ELEMENTS = 1 << 21
-
-
-def batch_step(batch: int, per_item: int, device, whole: bool) -> int:
-    """Batch items per slice for a method whose largest intermediates hold ``per_item`` elements per batch item.
-
-    On the CPU, as many as keep them within :data:`SLICE_ELEMENTS` (at least one): a batch of short inputs taken
-    whole makes tensors over every (item, head, row) too large for the cache, and every elementwise pass over them
-    then goes to memory. The whole batch with ``whole`` (the caller's reasons: gradients, dropout, a compiled
-    engine) or on an accelerator, where each slice is another round of kernel launches."""
-    if whole or torch.device(device).type != "cpu":
-        return max(batch, 1)
-    return max(1, min(batch, SLICE_ELEMENTS // max(per_item, 1)))
-
-
 def tracked(*tensors: torch.Tensor) -> bool:
     """Whether autograd records a computation on these tensors (a gradient is enabled and one of them needs it)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

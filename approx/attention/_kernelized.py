@@ -21,7 +21,9 @@ module does the rest, once for all of them:
 * Half precision (float16/bfloat16) is computed, and summed over the sequence, in float32.
 * Without gradients every chunk writes its features to scratch memory reused across chunks (fresh pages cost
   more than the arithmetic on them on a CPU), the key summary is accumulated in place and the output is
-  written in place; with gradients the same arithmetic runs out of place.
+  written in place; with gradients the same arithmetic runs out of place. On the CPU a batch of short inputs
+  then goes a slice of items at a time (``_SLICE_ELEMENTS``), each item's keys and queries being its own, so
+  that a chunk's features stay in the cache: the same outputs to the bit.
 
 :func:`kernel_weights` is the dense (N, S) matrix of the same features, for analysis on short inputs.
 :func:`attend`, :func:`weights` and :func:`cost` are a method's attention, weights path and cost model around
@@ -36,7 +38,7 @@ import torch
 
 from ..registry import Cost
 from . import _fallback
-from ._common import batch_step, compute_dtype, exact_rows, exact_weight_rows, safe_key_mask, zero_padded_values
+from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask, zero_padded_values
 from ._fallback import exact_for_length
 
 __all__ = [
@@ -61,13 +63,22 @@ def _chunk_rows(x: torch.Tensor) -> int:
     return _CHUNK if x.device.type == "cpu" else _CHUNK_GPU
 
 
+# Without gradients on the CPU, a batch goes through in slices of items whose chunks hold at most this many feature
+# elements ((item, head, row) rows times m; 8 MB of float32), so that a chunk's features stay in the cache: a batch of
+# short inputs is otherwise one chunk of every item and head (32 inputs of 128 tokens, 12 heads, FAVOR+'s 256
+# features: 50 MB), and every elementwise pass over it goes to memory. Features as small as the head (linear, Taylor,
+# Efficient Attention) stay one slice at such sizes: slicing them only added calls. The Speed page has the figures.
+_SLICE_ELEMENTS = 1 << 21
+
+
 def _slice_items(q: torch.Tensor, k: torch.Tensor, features: int) -> int:
-    """Batch items per slice without gradients on the CPU (:func:`._common.batch_step`): a chunk holds the
-    (item, head, row) features of every item of its slice, (rows, m), and a batch of short inputs is otherwise one
-    chunk of every item (32 inputs of 128 tokens, 12 heads, FAVOR+'s 256 features: 50 MB). Features as small as
-    the head (linear, Taylor, Efficient Attention) stay one slice at such sizes: slicing them only added calls."""
-    per_item = q.shape[1] * min(max(q.shape[2], k.shape[2]), _CHUNK) * features
-    return batch_step(q.shape[0], per_item, q.device, whole=False)
+    """Batch items per slice in CPU inference (see ``_SLICE_ELEMENTS``; on an accelerator, where a slice is one more
+    round of kernel launches, the whole batch); at least one."""
+    batch, heads = q.shape[:2]
+    if q.device.type != "cpu":
+        return max(batch, 1)
+    per_item = heads * min(max(q.shape[2], k.shape[2]), _CHUNK) * features
+    return max(1, min(batch, _SLICE_ELEMENTS // max(per_item, 1)))
 
 
 class Scratch:

@@ -48,16 +48,7 @@ import torch
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _compiled, _context, _fallback
-from ._common import (
-    batch_step,
-    compute_dtype,
-    dense_softmax,
-    exact_attention,
-    safe_key_mask,
-    softmax_,
-    tracked,
-    zero_padded_values,
-)
+from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, softmax_, zero_padded_values
 from ._fallback import exact_for_length
 from ._hashing import hash_signs
 from ._kmeans import kmeans
@@ -247,14 +238,6 @@ def gather_clusters(x: torch.Tensor, assign: torch.Tensor) -> torch.Tensor:
     return flat.view(*assign.shape, *x.shape[3:])
 
 
-def prepare_inputs(q, k, v, key_mask):
-    """q, k, v in the compute dtype with padded keys and values zeroed (a padded key's score is masked, which an
-    overflowing one would turn into NaN), and the safe key mask."""
-    dt = compute_dtype(q.dtype)
-    key_mask = safe_key_mask(key_mask)
-    return q.to(dt), zero_padded_values(k.to(dt), key_mask), zero_padded_values(v.to(dt), key_mask), key_mask
-
-
 def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     """Shared front half of clustered and improved-clustered attention.
 
@@ -262,7 +245,10 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     an overflowing one would turn into NaN), the safe key mask, the cluster index of every query (B, H, N) and the
     centroids Q^c (B, H, C, d).
     """
-    q, k, v, key_mask = prepare_inputs(q, k, v, key_mask)
+    dt = compute_dtype(q.dtype)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    key_mask = safe_key_mask(key_mask)
+    k, v = zero_padded_values(k, key_mask), zero_padded_values(v, key_mask)
     if config.engine == "compiled":
         args = (
             q,
@@ -288,38 +274,26 @@ def run(
     """The driver shared by clustered and improved-clustered attention.
 
     Sequences with at most C real queries, or fewer than ``config.exact_below``, get exact attention (or, with
-    ``dense``, the exact attention matrix); the others are clustered and ``finish(q, k, v, key_mask, query_mask,
-    assign, qc)`` computes their output from the cluster index of every query and the centroids. ``dropout``:
-    attention dropout of the exact rows (``finish`` applies it to the rows it computes).
-
-    Without gradients or dropout on the CPU, a batch is clustered and finished a slice of items at a time
-    (:func:`._common.batch_step`): each item's clusters are its own (K-means runs per item and head, its random
-    starts drawn by head and rank), and the codes, K-means keys and centroid scores of a batch of short inputs taken
-    whole otherwise go to memory at every elementwise pass (one-off, 32 inputs of 128 tokens, 12 heads of 32, 2
-    threads, the same outputs to the bit: clustered 1.27x and improved clustered 1.44x faster).
+    ``dense``, the exact attention matrix); the others are clustered and ``finish(q, k, v, key_mask, assign, qc)``
+    computes their output from the cluster index of every query and the centroids. ``dropout``: attention
+    dropout of the exact rows (``finish`` applies it to the rows it computes).
     """
 
     def exact(q_, k_, v_, m_):
         return dense_softmax(q_, k_, m_, scale) if dense else exact_attention(q_, k_, v_, m_, scale, dropout)
 
+    prepared = []  # the inputs in the compute dtype, for the rows replaced by exact attention
+
     def approximate() -> torch.Tensor:
-        batch, heads, n, d = q.shape
-        # the largest intermediates per item: the codes, the K-means keys and q (N rows), the centroids' scores
-        per_item = heads * (n * (config.bits + 1 + config.clusters + d) + config.clusters * k.shape[2])
-        whole = dense or dropout > 0.0 or config.engine == "compiled" or tracked(q, k, v)  # (compiled: one shape)
-        step = batch_step(batch, per_item, q.device, whole)
-        parts = []
-        for b0 in range(0, max(batch, 1), step):
-            items = slice(b0, b0 + step) if step < batch else slice(None)
-            km_, qm_ = (None if x is None else x[items] for x in (key_mask, query_mask))
-            qf, kf, vf, km, assign, qc = prepare(q[items], k[items], v[items], km_, qm_, config, state, scale)
-            parts.append(finish(qf, kf, vf, km, qm_, assign, qc))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        qf, kf, vf, km, assign, qc = prepare(q, k, v, key_mask, query_mask, config, state, scale)
+        prepared.extend((qf, kf, vf, km))
+        return finish(qf, kf, vf, km, assign, qc)
 
     def exact_rows(rows: torch.Tensor | None) -> torch.Tensor:
         if rows is None:  # every row exact: nothing was prepared
             return exact(q, k, v, key_mask)
-        return exact(*prepare_inputs(q[rows], k[rows], v[rows], None if key_mask is None else key_mask[rows]))
+        qf, kf, vf, km = prepared
+        return exact(qf[rows], kf[rows], vf[rows], None if km is None else km[rows])
 
     out = _fallback.with_fallback(
         approximate,
@@ -336,7 +310,7 @@ def run(
 def clustered_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """Dense (B, H, N, S) attention implied by clustered attention (row i = its centroid's row)."""
 
-    def finish(q, k, v, key_mask, query_mask, assign, qc):
+    def finish(q, k, v, key_mask, assign, qc):
         return gather_clusters(centroid_attention(qc, k, key_mask, scale), assign)
 
     v = torch.zeros_like(k[..., :1])
@@ -367,7 +341,7 @@ def clustered_attention(
 ) -> torch.Tensor:
     """Clustered attention: LSH + Hamming K-means on queries, attention for the centroids only."""
 
-    def finish(q, k, v, key_mask, query_mask, assign, qc):
+    def finish(q, k, v, key_mask, assign, qc):
         # the C centroid rows A^c V through the fused kernel (A^c is never materialised, attention dropout
         # acts on it); each query takes its centroid's output
         return gather_clusters(exact_attention(qc, k, v, key_mask, scale, dropout), assign)

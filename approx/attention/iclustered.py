@@ -227,7 +227,7 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, 
 def iclustered_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
     """Dense (B, H, N, S) attention implied by improved clustered attention."""
 
-    def finish(q, k, v, key_mask, query_mask, assign, qc):
+    def finish(q, k, v, key_mask, assign, qc):
         ac = centroid_attention(qc, k, key_mask, scale)
         rank = _key_ranks(ac, k, _spread(config, q, assign, query_mask, qc), scale)
         index, weight, real_top = _top_keys(ac, key_mask, config.topk, rank)
@@ -262,7 +262,7 @@ def iclustered_attention(
 ) -> torch.Tensor:
     """Improved clustered attention: clustered attention plus exact scores on each cluster's top-k keys."""
 
-    def finish(q, k, v, key_mask, query_mask, assign, qc):
+    def finish(q, k, v, key_mask, assign, qc):
         spread = _spread(config, q, assign, query_mask, qc)
         if config.engine == "compiled" and dropout <= 0.0:  # attention dropout: the eager code applies it
             args = (q, k, v, key_mask, assign, qc, config.topk, scale, spread)
