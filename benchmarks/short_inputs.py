@@ -1,13 +1,16 @@
 """Methods on short, padded batches, each against what it would run otherwise, and SDPA.
 
-Two comparisons, both of what approx does by default in CPU inference on such batches:
+Three comparisons, each of what approx does by default in CPU inference on such batches:
 
 * the sparse patterns: ``kernel="auto"`` (SDPA over the pattern's dense mask up to each method's limit) against the
   block kernel it would run otherwise (``band`` for window and bigbird, ``gather`` for sparse-transformer);
-* the kernel family's shared helper, which takes a batch in slices of items (``approx.attention._kernelized._slice_items``)
-  so that FAVOR+'s features over every (item, head, row) stay in the cache: the default against the whole batch at
-  once (``whole``: the slice budget made unlimited). Linear attention is the control: its features are small
-  enough to stay one slice at these sizes.
+* the kernel family's shared helper, which takes a batch in slices of items
+  (``approx.attention._kernelized._slice_items``) so that FAVOR+'s features over every (item, head, row) stay in the
+  cache: the default against the whole batch at once (``whole``: the slice budget made unlimited). Linear attention
+  is the control: its features are small enough to stay one slice at these sizes;
+* improved clustered attention, which recomputes its top-k scores from every query's row of keys where the keys
+  are few (``approx.attention.iclustered._DENSE_KEYS_PER_TOP``): the default against its blocks of queries
+  (``blocks``: that route off).
 
 Usage::
 
@@ -18,7 +21,7 @@ Inputs: batches of 4096 tokens (B = 4096 / N rows of N tokens, at least one), 12
 float32, forward without gradients. With ``--padding`` (the default) the rows' real lengths run evenly from N / 2 to
 N with the padding at the end, as a dynamically padded batch has it; ``--no-padding``: every token real. The
 contenders per setup: ``auto`` (the method as it runs by default), ``kernel`` (the alternative named in the row's
-``kernel`` field: the block kernel, or ``whole``) and ``sdpa`` (plain SDPA over the key padding, exact attention),
+``kernel`` field: the block kernel, ``whole`` or ``blocks``) and ``sdpa`` (plain SDPA over the key padding, exact attention),
 timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of one timed call each,
 medians. Ratios: kernel / auto (> 1: the default is faster than the alternative) and auto / sdpa. Memory: the CPU
 allocator's peak during one more call of each (``approx.harness.memory.allocation_peak``, under torch's profiler,
@@ -40,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from approx import ApproxAttention, get_method
-from approx.attention import _kernelized
+from approx.attention import _kernelized, iclustered
 from approx.harness.memory import allocation_peak
 from approx.harness.provenance import provenance
 
@@ -48,8 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM, TOKENS = 12, 32, 4096
 
 WHOLE = "whole"  # the alternative of a method that slices a batch: the whole batch at once
+BLOCKS = "blocks"  # improved clustered attention's alternative: its blocks of queries, the dense route off
+# what each of those alternatives sets during its calls: (module, name, value)
+ALTERNATIVES = {WHOLE: (_kernelized, "_SLICE_ELEMENTS", 1 << 62), BLOCKS: (iclustered, "_DENSE_KEYS_PER_TOP", 0)}
 
-# (label, method, options, what it runs otherwise: a block kernel, or WHOLE): the methods' defaults (BigBird without
+# (label, method, options, what it runs otherwise: a block kernel, WHOLE or BLOCKS): the methods' defaults (BigBird without
 # its fallback to full attention, which would make short rows exact) and the clustered table's matched budgets
 SETUPS = [
     ("window", "window", {}, "band"),
@@ -61,6 +67,7 @@ SETUPS = [
     ("sparse-transformer-32", "sparse-transformer", {"stride": 32, "heads": "union"}, "gather"),
     ("favor", "favor", {}, WHOLE),
     ("linear", "linear", {}, WHOLE),
+    ("i-clustered", "i-clustered", {}, BLOCKS),
 ]
 
 
@@ -114,15 +121,17 @@ def contenders(auto, block, q, k, v, mask) -> dict:
     }
 
 
-def whole_batch(layer: ApproxAttention):
-    """``layer`` with the batch taken whole: the slice budget unlimited during its calls."""
+def alternative(layer: ApproxAttention, kind: str):
+    """``layer`` run the ``kind`` way (:data:`ALTERNATIVES`): the setting changed during its calls only."""
+    module, name, value = ALTERNATIVES[kind]
 
     def call(*args):
-        budget, _kernelized._SLICE_ELEMENTS = _kernelized._SLICE_ELEMENTS, 1 << 62
+        default = getattr(module, name)
+        setattr(module, name, value)
         try:
             return layer(*args)
         finally:
-            _kernelized._SLICE_ELEMENTS = budget
+            setattr(module, name, default)
 
     return call
 
@@ -136,8 +145,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 continue
             config = get_method(method).make_config(**options)
             auto = ApproxAttention(method, config, head_dim=HEAD_DIM)
-            if kernel == WHOLE:
-                block = whole_batch(auto)
+            if kernel in ALTERNATIVES:
+                block = alternative(auto, kernel)
             else:
                 block = ApproxAttention(
                     method, get_method(method).make_config(**options, kernel=kernel), head_dim=HEAD_DIM
@@ -166,8 +175,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Left: each setup's time per call by default (solid) and on its alternative (dashed: the block kernel, or the
-    whole batch at once), SDPA in black; right: alternative / default, the default's speed-up."""
+    """Left: each setup's time per call by default (solid) and on its alternative (dashed: the block kernel, the whole
+    batch at once, or i-clustered's blocks), SDPA in black; right: alternative / default, the default's speed-up."""
     import matplotlib
 
     matplotlib.use("Agg")

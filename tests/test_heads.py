@@ -15,6 +15,7 @@ from conftest import batch, model_output, tiny_model
 from reference import naive_attention, naive_weights
 
 import approx
+from approx.attention import iclustered
 from approx.integration import attach
 from approx.layer import ApproxAttention, attention_probe, check_heads
 from approx.saved import layers_digest
@@ -55,8 +56,9 @@ def test_method_heads_and_exact_heads(heads):
     assert layer.heads == tuple(mine)
 
 
-# the sparse patterns also on their block kernels (auto runs these short inputs on SDPA over the dense mask)
-BLOCK_KERNELS = [("window", "band"), ("bigbird", "band"), ("sparse-transformer", "gather")]
+# the sparse patterns also on their block kernels (auto runs these short inputs on SDPA over the dense mask), and
+# improved clustered attention on its blocks of queries (these few keys take its dense route)
+BLOCK_KERNELS = [("window", "band"), ("bigbird", "band"), ("sparse-transformer", "gather"), ("i-clustered", "blocks")]
 
 
 @pytest.mark.parametrize(
@@ -64,11 +66,14 @@ BLOCK_KERNELS = [("window", "band"), ("bigbird", "band"), ("sparse-transformer",
     [(m, None) for m in approx.methods() if m != "sparsefinder"] + BLOCK_KERNELS,  # sparsefinder: fitted
 )
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_head_computes_the_same_alone(method, kernel, padded):
+def test_a_head_computes_the_same_alone(monkeypatch, method, kernel, padded):
     """Each registered method on heads 1, 2 and 5 of 6 gives those heads what the method on every head gives them:
     what a method draws or assigns per head (BigBird's random blocks, the clustering's random starts, the Sparse
     Transformer's even and odd heads) follows the head's index in the layer, not its place in the call."""
     spec = approx.get_method(method)
+    if kernel == "blocks":
+        monkeypatch.setattr(iclustered, "_DENSE_KEYS_PER_TOP", 0)
+        kernel = None
     config = spec.make_config(**dict(spec.test_options or {}), **({} if kernel is None else {"kernel": kernel}))
     q, k, v, mask = qkv(h=6, n=70, pad=15)
     mask = mask if padded else None

@@ -11,16 +11,17 @@ from reference import KERNEL_ATTENTION, naive_attention, naive_weights
 
 import approx
 from approx import ApproxAttention, get_method
-from approx.attention import _dense, _fallback, _hashing, _kernelized, _kmeans
+from approx.attention import _dense, _fallback, _hashing, _kernelized, _kmeans, iclustered
 from approx.attention import clustered as clustered_mod
 
 METHODS = approx.methods()
 B, H, D = 2, 3, 16
 
-# The sparse patterns run short CPU inference on SDPA over their dense mask (kernel="auto", approx/attention/_dense.py).
-# Each generic test runs them a second time with that route off (test id METHOD@kernels), on the block kernels that
-# auto takes otherwise, so that those stay tested at these sizes too.
-DENSE_ROUTED = ("window", "bigbird", "sparse-transformer")
+# The sparse patterns run short CPU inference on SDPA over their dense mask (kernel="auto", approx/attention/_dense.py),
+# and improved clustered attention recomputes its top-k scores on every query's row of keys where the keys are few
+# (_DENSE_KEYS_PER_TOP). Each generic test runs them a second time with that route off (test id METHOD@kernels), on the
+# block kernels taken otherwise, so that those stay tested at these sizes too.
+DENSE_ROUTED = ("window", "bigbird", "sparse-transformer", "i-clustered")
 # These take a batch in slices of items in CPU inference (approx/attention/_kernelized.py, _slice_items), which the tests'
 # small batches never need: each generic test runs them a second time with every item its own slice (METHOD@slices).
 BATCH_SLICED = ("favor", "linear", "efficient", "taylor")
@@ -36,6 +37,7 @@ def with_kernels(methods):
 def _variants(request, monkeypatch):
     if request.node.get_closest_marker("block_kernels"):
         monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
+        monkeypatch.setattr(iclustered, "_DENSE_KEYS_PER_TOP", 0)
     if request.node.get_closest_marker("batch_slices"):
         monkeypatch.setattr(_kernelized, "_SLICE_ELEMENTS", 1)
 
@@ -473,8 +475,6 @@ def test_hash_codes_follow_their_definition(thresholds):
 def test_iclustered_chunks_agree_with_the_dense_path(monkeypatch):
     """Improved clustered attention reduces A^c a few series at a time and computes the blocks of queries in
     chunks; with one series and one block per chunk, the output still equals the separate dense weights path."""
-    from approx.attention import iclustered
-
     monkeypatch.setattr(iclustered, "_CENTROID_BYTES", 1)
     monkeypatch.setattr(iclustered, "_CHUNK_ROWS", 1)
     q, k, v = make_qkv(dtype=torch.float64)
