@@ -21,8 +21,8 @@ Inputs: batches of 4096 tokens (B = 4096 / N rows of N tokens, at least one), 12
 float32, forward without gradients. With ``--padding`` (the default) the rows' real lengths run evenly from N / 2 to
 N with the padding at the end, as a dynamically padded batch has it; ``--no-padding``: every token real. The
 contenders per setup: ``auto`` (the method as it runs by default), ``kernel`` (the alternative named in the row's
-``kernel`` field: the block kernel, ``whole`` or ``blocks``) and ``sdpa`` (plain SDPA over the key padding, exact attention),
-timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of one timed call each,
+``kernel`` field: the block kernel, ``whole`` or ``blocks``) and ``sdpa`` (plain SDPA over the key padding, exact
+attention), timed side by side in one process: one warm-up call each, then ``--repeats`` rounds of one timed call each,
 medians. Ratios: kernel / auto (> 1: the default is faster than the alternative) and auto / sdpa. Memory: the CPU
 allocator's peak during one more call of each (``approx.harness.memory.allocation_peak``, under torch's profiler,
 apart from the timed calls; ``--no-memory`` skips it). The largest difference between the ``auto`` and ``kernel``
@@ -55,8 +55,8 @@ BLOCKS = "blocks"  # improved clustered attention's alternative: its blocks of q
 # what each of those alternatives sets during its calls: (module, name, value)
 ALTERNATIVES = {WHOLE: (_kernelized, "_SLICE_ELEMENTS", 1 << 62), BLOCKS: (iclustered, "_DENSE_KEYS_PER_TOP", 0)}
 
-# (label, method, options, what it runs otherwise: a block kernel, WHOLE or BLOCKS): the methods' defaults (BigBird without
-# its fallback to full attention, which would make short rows exact) and the clustered table's matched budgets
+# (label, method, options, what it runs otherwise: a block kernel, WHOLE or BLOCKS): the methods' defaults (BigBird
+# without its fallback to full attention, which would make short rows exact) and the clustered table's matched budgets
 SETUPS = [
     ("window", "window", {}, "band"),
     ("window-32", "window", {"window": 32}, "band"),
@@ -125,11 +125,11 @@ def alternative(layer: ApproxAttention, kind: str):
     """``layer`` run the ``kind`` way (:data:`ALTERNATIVES`): the setting changed during its calls only."""
     module, name, value = ALTERNATIVES[kind]
 
-    def call(*args):
+    def call(*args, **kwargs):
         default = getattr(module, name)
         setattr(module, name, value)
         try:
-            return layer(*args)
+            return layer(*args, **kwargs)
         finally:
             setattr(module, name, default)
 

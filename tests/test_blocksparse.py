@@ -261,6 +261,8 @@ def test_short_inputs_benchmark(tmp_path, benchmark_script):
 
     bench = benchmark_script("short_inputs")
     out = tmp_path / "short.json"
+    with pytest.raises(SystemExit):  # a setup that does not exist, said before anything runs
+        bench.parse_args(["--setups", "favour"])
     bench.main(["--lengths", "256", "--repeats", "1", "--threads", "1", "--output", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["setup"] for r in rows] == [label for label, *_ in bench.SETUPS]

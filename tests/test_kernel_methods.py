@@ -169,6 +169,25 @@ def test_tiny_chunks_equal_one_chunk(monkeypatch, method, options):
 
 
 @pytest.mark.parametrize("method, options", CHUNKED)
+def test_uneven_slices_equal_the_whole_batch(monkeypatch, method, options):
+    """CPU inference takes a batch in slices of items (``_SLICE_ELEMENTS``): slices of 2, 2 and 1 items (the last one
+    smaller, reusing the first slice's scratch memory), a padded key mask and S != N give the whole batch's float32
+    output to the bit; a (1, S) key mask shared by the batch is read for every slice."""
+    q, k, v = qkv(5, 3, 40, 70, 8, 6, seed=11, dtype=torch.float32)
+    mask = key_mask(5, 70, seed=2)
+    lyr = layer(method, 8, **options)
+    whole = lyr(q, k, v, mask)
+    shared = lyr(q, k, v, mask[2:3])
+    # the budget counts (item, head, key) rows times the features m: FAVOR+'s option, d = 8, or Taylor's [1, q/|q|]
+    m = lyr.config.features if method == "favor" else {"linear": 8, "efficient": 8, "taylor": 9}[method]
+    monkeypatch.setattr(_kernelized, "_SLICE_ELEMENTS", 2 * 3 * 70 * m)
+    assert _kernelized._slice_items(q, k, m) == 2
+    assert torch.equal(lyr(q, k, v, mask), whole)
+    assert torch.equal(lyr(q, k, v, mask[2:3]), shared)
+    assert torch.equal(lyr(q, k, v, mask[2:3].expand(5, -1)), shared)
+
+
+@pytest.mark.parametrize("method, options", CHUNKED)
 def test_the_in_place_path_leaves_the_inputs_alone(method, options):
     """Without gradients features are computed in scratch memory and in place: never over q, k or v."""
     q, k, v = qkv(2, 2, 30, 30, 8, 8, dtype=torch.float32)

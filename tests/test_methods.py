@@ -22,8 +22,9 @@ B, H, D = 2, 3, 16
 # (_DENSE_KEYS_PER_TOP). Each generic test runs them a second time with that route off (test id METHOD@kernels), on the
 # block kernels taken otherwise, so that those stay tested at these sizes too.
 DENSE_ROUTED = ("window", "bigbird", "sparse-transformer", "i-clustered")
-# These take a batch in slices of items in CPU inference (approx/attention/_kernelized.py, _slice_items), which the tests'
-# small batches never need: each generic test runs them a second time with every item its own slice (METHOD@slices).
+# These take a batch in slices of items in CPU inference (approx/attention/_kernelized.py, _slice_items), which the
+# tests' small batches never need: each generic test runs them a second time with every item its own slice
+# (METHOD@slices).
 BATCH_SLICED = ("favor", "linear", "efficient", "taylor")
 
 

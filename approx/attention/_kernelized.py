@@ -23,7 +23,8 @@ module does the rest, once for all of them:
   more than the arithmetic on them on a CPU), the key summary is accumulated in place and the output is
   written in place; with gradients the same arithmetic runs out of place. On the CPU a batch of short inputs
   then goes a slice of items at a time (``_SLICE_ELEMENTS``), each item's keys and queries being its own, so
-  that a chunk's features stay in the cache: the same outputs to the bit.
+  that a chunk's features stay in the cache: the same outputs (to the bit in float32 and half precision; in float64
+  the matrix products round the last bit otherwise when the number of rows changes, within 2.2e-16).
 
 :func:`kernel_weights` is the dense (N, S) matrix of the same features, for analysis on short inputs.
 :func:`attend`, :func:`weights` and :func:`cost` are a method's attention, weights path and cost model around
@@ -64,10 +65,11 @@ def _chunk_rows(x: torch.Tensor) -> int:
 
 
 # Without gradients on the CPU, a batch goes through in slices of items whose chunks hold at most this many feature
-# elements ((item, head, row) rows times m; 8 MB of float32), so that a chunk's features stay in the cache: a batch of
+# elements ((item, head, row) rows times m; 8 MB in float32), so that a chunk's features stay in the cache: a batch of
 # short inputs is otherwise one chunk of every item and head (32 inputs of 128 tokens, 12 heads, FAVOR+'s 256
 # features: 50 MB), and every elementwise pass over it goes to memory. Features as small as the head (linear, Taylor,
-# Efficient Attention) stay one slice at such sizes: slicing them only added calls. The Speed page has the figures.
+# Efficient Attention) take slices of many more items: the batches of the Speed page's figures are one slice for
+# them (slicing those finer only added calls), larger ones are cut.
 _SLICE_ELEMENTS = 1 << 21
 
 
@@ -214,6 +216,8 @@ def kernel_attention(
     """
     dt = compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
+    if key_mask is not None and key_mask.shape[0] != q.shape[0]:  # one (1, S) mask for the batch: a row per slice
+        key_mask = key_mask.expand(q.shape[0], -1)
     out_dtype = q.dtype
     # padded keys zeroed: a feature map removes them with a -inf shift or a mask, which an inf (or a projection
     # that overflows) in a padded key would turn into NaN in every real row
@@ -235,7 +239,17 @@ def kernel_attention(
     return out.to(out_dtype), dens
 
 
-def _attend_items(q, k, v, key_mask, fmap: FeatureMap, floor: float, scratch: Scratch, out, dens) -> torch.Tensor:
+def _attend_items(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    fmap: FeatureMap,
+    floor: float,
+    scratch: Scratch,
+    out: torch.Tensor | None,
+    dens: torch.Tensor,
+) -> torch.Tensor:
     """:func:`kernel_attention` of some batch items, in the compute dtype: the output (B, H, N, dv), written into
     ``out`` without gradients (None: a new tensor, with autograd), and the normaliser of every query row into
     ``dens`` (B, H, N)."""
