@@ -8,8 +8,8 @@ Three comparisons, each of what approx does by default in CPU inference on such 
   (``approx.attention._kernelized._slice_items``) so that FAVOR+'s features over every (item, head, row) stay in the
   cache: the default against the whole batch at once (``whole``: the slice budget made unlimited). Linear attention
   is the control: its features are small enough to stay one slice at these sizes;
-* improved clustered attention, which recomputes its top-k scores from every query's row of keys where the keys
-  are few (``approx.attention.iclustered._DENSE_KEYS_PER_TOP``): the default against its blocks of queries
+* improved clustered attention, which recomputes its top-k scores from every query's row of keys on short inputs
+  (``approx.attention.iclustered._ROWS_UP_TO``): the default against its blocks of queries
   (``blocks``: that route off).
 
 Usage::
@@ -53,7 +53,7 @@ HEADS, HEAD_DIM, TOKENS = 12, 32, 4096
 WHOLE = "whole"  # the alternative of a method that slices a batch: the whole batch at once
 BLOCKS = "blocks"  # improved clustered attention's alternative: its blocks of queries, the dense route off
 # what each of those alternatives sets during its calls: (module, name, value)
-ALTERNATIVES = {WHOLE: (_kernelized, "_SLICE_ELEMENTS", 1 << 62), BLOCKS: (iclustered, "_DENSE_KEYS_PER_TOP", 0)}
+ALTERNATIVES = {WHOLE: (_kernelized, "_SLICE_ELEMENTS", 1 << 62), BLOCKS: (iclustered, "_ROWS_UP_TO", 0)}
 
 # (label, method, options, what it runs otherwise: a block kernel, WHOLE or BLOCKS): the methods' defaults (BigBird
 # without its fallback to full attention, which would make short rows exact) and the clustered table's matched budgets

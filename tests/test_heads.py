@@ -72,7 +72,7 @@ def test_a_head_computes_the_same_alone(monkeypatch, method, kernel, padded):
     Transformer's even and odd heads) follows the head's index in the layer, not its place in the call."""
     spec = approx.get_method(method)
     if kernel == "blocks":
-        monkeypatch.setattr(iclustered, "_DENSE_KEYS_PER_TOP", 0)
+        monkeypatch.setattr(iclustered, "_ROWS_UP_TO", 0)
         kernel = None
     config = spec.make_config(**dict(spec.test_options or {}), **({} if kernel is None else {"kernel": kernel}))
     q, k, v, mask = qkv(h=6, n=70, pad=15)

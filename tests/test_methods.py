@@ -18,9 +18,9 @@ METHODS = approx.methods()
 B, H, D = 2, 3, 16
 
 # The sparse patterns run short CPU inference on SDPA over their dense mask (kernel="auto", approx/attention/_dense.py),
-# and improved clustered attention recomputes its top-k scores on every query's row of keys where the keys are few
-# (_DENSE_KEYS_PER_TOP). Each generic test runs them a second time with that route off (test id METHOD@kernels), on the
-# block kernels taken otherwise, so that those stay tested at these sizes too.
+# and improved clustered attention recomputes its top-k scores on every query's row of keys on short inputs
+# (iclustered._ROWS_UP_TO). Each generic test runs them a second time with that route off (test id METHOD@kernels),
+# on the block kernels taken otherwise, so that those stay tested at these sizes too.
 DENSE_ROUTED = ("window", "bigbird", "sparse-transformer", "i-clustered")
 # These take a batch in slices of items in CPU inference (approx/attention/_kernelized.py, _slice_items), which the
 # tests' small batches never need: each generic test runs them a second time with every item its own slice
@@ -38,7 +38,7 @@ def with_kernels(methods):
 def _variants(request, monkeypatch):
     if request.node.get_closest_marker("block_kernels"):
         monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
-        monkeypatch.setattr(iclustered, "_DENSE_KEYS_PER_TOP", 0)
+        monkeypatch.setattr(iclustered, "_ROWS_UP_TO", 0)
     if request.node.get_closest_marker("batch_slices"):
         monkeypatch.setattr(_kernelized, "_SLICE_ELEMENTS", 1)
 
@@ -483,6 +483,22 @@ def test_iclustered_chunks_agree_with_the_dense_path(monkeypatch):
     lyr = layer("i-clustered", clusters=8, topk=6)
     w = lyr.weights(q, k, mask)
     torch.testing.assert_close(lyr(q, k, v, mask), w @ v.masked_fill(~mask[:, None, :, None], 0))
+
+
+def test_iclustered_applies_dropout_without_gradients(monkeypatch):
+    """Attention dropout in a call that tracks no gradient (a model in train mode under no_grad) is applied where the
+    blocks of queries apply it: the short-input route (every query's row of keys), which has none, is not taken."""
+    q, k, v = make_qkv()
+    lyr = layer("i-clustered", clusters=8, topk=16)
+
+    def dropped():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return lyr(q, k, v, padded_mask(120, 90), dropout=0.5)
+
+    default = dropped()
+    monkeypatch.setattr(iclustered, "_ROWS_UP_TO", 0)  # the blocks
+    assert torch.equal(default, dropped())
 
 
 def test_short_sequences_fall_back_to_exact():

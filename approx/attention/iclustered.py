@@ -170,13 +170,16 @@ def _recomputed(q, kt, assign, mass, real_top, scale) -> torch.Tensor:
     return scores.softmax(-1) * gather_clusters(mass, assign)[..., None]
 
 
-# In CPU inference, where each cluster's k keys are at least this share of the keys (S <= 8 k), the top-k scores are
-# taken from every query's row of keys instead, :func:`_improved_dense`. On short inputs the per-cluster tables of
-# top keys and values, (C, k, d) per head, are larger than the queries and keys they come from (25 clusters of 32
-# keys against 128 tokens), and each block of queries copies its cluster's tables. One-off, 12 heads of 32, padded
-# batches of 4096 tokens, 2 threads, outputs within 1.5e-6: 1.7x faster at 128 tokens, 1.1-1.2x at 256, slower from
-# 384 (0.8x) and 512 (0.7x).
-_DENSE_KEYS_PER_TOP = 8
+# In CPU inference on short inputs (at most _ROWS_UP_TO queries and keys, and each cluster's k keys at least an eighth
+# of the keys), the top-k scores are taken from every query's row of keys instead, :func:`_improved_rows`. There the
+# per-cluster tables of top keys and values, (C, k, d) per head, are larger than the keys they come from (25 clusters
+# of 32 keys against 128 tokens), and each block of queries copies its cluster's tables. One-off, 12 heads of 32,
+# padded batches of 4096 tokens, 2 threads, outputs within 1.5e-6, k = 32: 1.7x faster at 128 tokens, 1.1-1.2x at 256,
+# slower at 384 (0.8x) and 512 (0.7x); a reviewer's runs with other k: 1.8x (k = 64) and 2.8x (k = 128) at 256 tokens,
+# but 0.9x (k = 64) and 0.66x (k = 128) at 512-1024, and the (B, H, N, S) mask grows with N S: hence a bound on the
+# length too. ``_ROWS_UP_TO = 0`` gives the blocks everywhere (what results measured before this route ran).
+_ROWS_UP_TO = 256
+_ROWS_KEYS_PER_TOP = 8
 
 # rows of queries per chunk of blocks in :func:`_improved`: on the CPU small chunks stay hot in cache; on a GPU,
 # where every chunk costs a dozen kernel launches, the blocks of up to a million queries go at once
@@ -192,7 +195,8 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, 
     move of rows (queries into blocks, cluster keys to blocks, outputs back) is one ``index_select`` on a
     flattened table. ``chunked`` (eager code): the blocks that hold queries, a chunk of them at a time, and A^c
     a few series at a time; not ``chunked`` (compiled code: shapes that do not depend on the data, no loop):
-    every block at once, the empty ones too (their rows are the spare row: at most C blocks of waste).
+    every block at once, the empty ones too (their rows are the spare row: at most C blocks of waste). In CPU
+    inference on short inputs the blocks give way to :func:`_improved_rows` (see ``_ROWS_UP_TO``).
     """
     batch, heads, n, d = q.shape
     dv, clusters = v.shape[-1], qc.shape[2]
@@ -200,9 +204,9 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, 
     # (B, H, C, k) top keys and their A^c weights, A^c V and the weights it used (after dropout)
     summary = _centroid_summary(qc, k, v, key_mask, topk, scale, dropout, chunked=chunked, spread=spread)
     index, weight, real_top, cv, cv_weight = summary
-    dense = chunked and dropout <= 0.0 and q.device.type == "cpu" and not tracked(q, k, v)
-    if dense and k.shape[2] <= _DENSE_KEYS_PER_TOP * index.shape[-1]:
-        return _improved_dense(q, k, v, assign, summary, scale)
+    rows = chunked and dropout <= 0.0 and q.device.type == "cpu" and not tracked(q, k, v)
+    if rows and max(n, k.shape[2]) <= _ROWS_UP_TO and k.shape[2] <= _ROWS_KEYS_PER_TOP * index.shape[-1]:
+        return _improved_rows(q, k, v, assign, summary, scale)
     mass = weight.sum(-1)  # (B, H, C)
     kt, vt = _gather_keys(k, index), _gather_keys(v, index)  # (B, H, C, k, d), (B, H, C, k, dv)
     rest = cv - (cv_weight[..., None] * vt).sum(-2)  # (B, H, C, dv): centroid output off the top-k keys
@@ -235,8 +239,8 @@ def _improved(q, k, v, key_mask, assign, qc, topk, scale, dropout: float = 0.0, 
     return out[: bh * n].view(batch, heads, n, dv)
 
 
-def _improved_dense(q, k, v, assign, summary, scale: float) -> torch.Tensor:
-    """:func:`_improved` from every query's row of keys (inference, few keys: see ``_DENSE_KEYS_PER_TOP``), the same
+def _improved_rows(q, k, v, assign, summary, scale: float) -> torch.Tensor:
+    """:func:`_improved` from every query's row of keys (inference on short inputs: see ``_ROWS_UP_TO``), the same
     arithmetic to rounding: SDPA with an additive mask that keeps each query's cluster's real top-k keys (a -max
     bias elsewhere, whose exponential is 0) gives softmax(s q K_T^T) V_T, which the mass m_j scales; the centroid's
     remainder V^c_j - sum_{l in T_j} A^c_jl V_l is one (C, S) x (S, dv) product of the top weights scattered into
