@@ -363,6 +363,11 @@ class ApproxAttention(nn.Module):
         Queries are the same positions as keys, so the key-padding mask is also the query mask. With ``heads``,
         the method runs on those heads and exact attention on the others.
         """
+        if torch.is_autocast_enabled(q.device.type):
+            # the methods choose their own precision (half inputs computed in float32, in place into buffers of
+            # that dtype); autocast would recast their products behind them and fail on those buffers
+            with torch.autocast(q.device.type, enabled=False):
+                return self.forward(q, k, v, key_mask, scale=scale, dropout=dropout)
         if scale is None:
             scale = q.shape[-1] ** -0.5
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
@@ -391,6 +396,9 @@ class ApproxAttention(nn.Module):
             raise NotImplementedError(
                 f"method {self.method.name!r} does not expose its attention weights (needed by output_attentions=True)"
             )
+        if torch.is_autocast_enabled(q.device.type):  # as in forward: the methods choose their own precision
+            with torch.autocast(q.device.type, enabled=False):
+                return self.weights(q, k, key_mask, scale=scale)
         if scale is None:
             scale = q.shape[-1] ** -0.5
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None

@@ -129,6 +129,14 @@ def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_
     assert any(not torch.equal(saved[n], drawn[n]) for n in saved)  # redrawn during training, and kept
 
 
+@pytest.mark.parametrize("method", ["i-clustered:clusters=4,topk=8", "nystrom:landmarks=4"])
+def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path, method):
+    """accelerate's bf16 mixed precision runs the model under torch.autocast, where improved clustered attention
+    had failed on a product's dtype (and Nystrom attention in inference): both train with it."""
+    rec = _run(base_model, fixture_dir, tmp_path / "mp", method=method, max_steps=2, mixed_precision="bf16")
+    assert rec["method"]["name"] == method.split(":")[0] and all(map(torch.isfinite, map(torch.tensor, rec["losses"])))
+
+
 def test_redrawn_seed_is_recorded_whether_the_run_was_resumed_or_not(base_model, fixture_dir, tmp_path):
     """With redraws every 2 steps the state at step 5 was drawn from seed 0 + 5 // 2 = 2: the saved settings say so,
     with the same state, whether the run went straight through or stopped at 4 and resumed, and patching afresh with

@@ -209,6 +209,23 @@ def test_half_precision(method, dtype):
 
 
 @pytest.mark.parametrize("method", with_kernels(METHODS))
+def test_autocast_leaves_the_method_its_own_precision(method):
+    """Under autocast (a model run in torch.autocast, whose projections hand attention bfloat16 tensors on the CPU),
+    a method computes as it does on those bfloat16 inputs without autocast: in its own precision, with its own
+    buffers. Five methods had failed there on a product's dtype."""
+    q, k, v = make_qkv(dtype=torch.bfloat16)
+    lyr = layer(method, **small_budget(method))
+    mask = padded_mask(120, 90)
+    plain = lyr(q, k, v, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = lyr(q, k, v, mask)
+        weights = lyr.weights(q, k, mask) if get_method(method).weights is not None else None
+    assert auto.dtype == plain.dtype and torch.equal(auto, plain)
+    if weights is not None:
+        assert torch.equal(weights, lyr.weights(q, k, mask))
+
+
+@pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_gradients_flow(method):
     q, k, v = (t.requires_grad_() for t in make_qkv(dtype=torch.float32))
     out = layer(method, **small_budget(method))(q, k, v, padded_mask(120, 90))
