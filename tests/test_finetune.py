@@ -133,7 +133,14 @@ def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_
 def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path, method):
     """accelerate's bf16 mixed precision runs the model under torch.autocast, where improved clustered attention
     had failed on a product's dtype (and Nystrom attention in inference): both train with it."""
-    rec = _run(base_model, fixture_dir, tmp_path / "mp", method=method, max_steps=2, mixed_precision="bf16")
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one process-wide state, set by the first run (no mixed precision): a fresh one before and after
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        rec = _run(base_model, fixture_dir, tmp_path / "mp", method=method, max_steps=2, mixed_precision="bf16")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert rec["method"]["name"] == method.split(":")[0] and all(map(torch.isfinite, map(torch.tensor, rec["losses"])))
 
 
