@@ -29,7 +29,15 @@ from ._version import __version__
 from .attention import _blocksparse, _context
 from .attention._common import dense_softmax, exact_attention
 from .config import MethodConfig
-from .layer import ON_UNPICKLE, ApproxAttention, attention_probe, check_heads, layer_seed, select_layers
+from .layer import (
+    ON_UNPICKLE,
+    ApproxAttention,
+    attention_probe,
+    check_heads,
+    layer_seed,
+    select_layers,
+    warn_seed_record,
+)
 from .layer import PROBES as _PROBES
 from .layer import key_mask_of as _key_mask
 from .registry import get_method
@@ -607,7 +615,9 @@ def save_method_state(model: nn.Module, folder: str | os.PathLike) -> Path | Non
 def load_method_state(model: nn.Module, folder: str | os.PathLike) -> None:
     """Load ``folder/approx_state.safetensors`` into the patched layers of ``model`` (strictly: see
     :func:`approx.saved.read_state`)."""
-    saved.read_state(patched_layers(model), folder)
+    layers = patched_layers(model)
+    saved.read_state(layers, folder)
+    warn_seed_record(list(layers.values()))
 
 
 def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:

@@ -30,7 +30,15 @@ from .attention import _context
 from .config import MethodConfig, as_integer
 from .registry import Cost, get_method
 
-__all__ = ["ApproxAttention", "attention_probe", "check_heads", "key_mask_of", "layer_seed", "select_layers"]
+__all__ = [
+    "ApproxAttention",
+    "attention_probe",
+    "check_heads",
+    "key_mask_of",
+    "layer_seed",
+    "select_layers",
+    "warn_seed_record",
+]
 
 # Head index tensors of the layers on some heads, per (heads, device): made once (index_select with a kept index
 # took the heads of q, k and v several times faster than indexing with a list, which builds its index every call)
@@ -159,6 +167,25 @@ def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torc
     return key[:, 0, 0, :].expand(batch, s)
 
 
+def warn_seed_record(layers: list[ApproxAttention]) -> None:
+    """Warn when state loaded into ``layers`` (``load_state_dict``, :func:`approx.load_method_state`) was not drawn
+    from their ``seed`` option, which :func:`approx.settings` and :func:`approx.save` go on recording."""
+    wrong = [layer for layer in layers if not layer.seed_draws_state()]
+    if not wrong:
+        return
+    seeds = sorted({layer.config.seed for layer in wrong})
+    said = ", ".join(map(str, seeds))
+    warnings.warn(
+        f"approx: the {', '.join(sorted({layer.method.name for layer in wrong}))} state loaded into "
+        f"{'a patched layer' if len(wrong) == 1 else f'{len(wrong)} patched layers'} was not drawn from its seed "
+        f"option ({said}); approx.settings and approx.save go on recording seed {said}, from which approx.patch would "
+        "draw other state (the loaded state is kept and saved). If approx.redraw(model, seed=S) drew it (a "
+        "RedrawSchedule draws seed + k), calling approx.redraw(model, seed=S) again records S and draws the same state",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class ApproxAttention(nn.Module):
     def __init__(
         self,
@@ -217,6 +244,8 @@ class ApproxAttention(nn.Module):
                 self.load_state({n: t.detach() for n, t in given.items()})
             except ValueError as e:
                 errors.append(f"{prefix[:-1]}: {e}")
+            else:
+                warn_seed_record([self])
 
     def state(self) -> dict[str, torch.Tensor]:
         """The method's state tensors (random planes, features, fitted projections...)."""
@@ -232,6 +261,16 @@ class ApproxAttention(nn.Module):
             if tensor.shape != mine[name].shape and mine[name].numel() > 0:
                 raise ValueError(f"state {name!r}: expected shape {tuple(mine[name].shape)}, got {tuple(tensor.shape)}")
             setattr(self, name, tensor.to(mine[name].device))
+
+    def seed_draws_state(self) -> bool:
+        """Whether the state is what the config's ``seed`` option draws for this layer (:meth:`redraw`); True where
+        no seed option draws it (no state, fitted state, no seed option)."""
+        if not self.drawn_state or "seed" not in self.config.option_names():
+            return True
+        seed = layer_seed(self.config.seed, self.layer_index)
+        mine = self.state()
+        drawn = self.method.init_state(self.config, head_dim=self.head_dim, seed=seed)
+        return all(torch.equal(t.to(device=mine[n].device, dtype=mine[n].dtype), mine[n]) for n, t in drawn.items())
 
     @property
     def drawn_state(self) -> bool:

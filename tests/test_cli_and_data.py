@@ -340,6 +340,17 @@ CLI_MISTAKES = [
     (["demo", "--model", "{model}", "--windows", "0"], "--windows must be at least 1"),
     (["demo", "--model", "{model}", "--length", "1"], "--length must be at least 3"),
     (["eval", "--model", "{model}", "--task", "rte", "--method", "window:window=4", "--window", "8"], "given twice"),
+    (
+        ["eval", "--model", "{model}", "--task", "rte", "--method", "window", "--window", "4", "--window", "8"],
+        "--window given twice after --method window (4 and 8)",
+    ),
+    (
+        ["eval", "--model", "{model}", "--task", "rte", "--window", "4", "--window=8", "--method", "window"],
+        "--window given twice before every --method",
+    ),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "--window", "4"], "--method expects a value"),
+    (["eval", "--model", "{model}", "--task", "rte", "--method", "window", "--window"], "--window expects a value"),
+    (["eval", "--model", "{model}", "--task", "rtee"], "unknown task 'rtee' (did you mean 'rte'?)"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--threads", "0"], "--threads must be"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--batch-size", "0"], "--batch-size is at least 1"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--windows", "0"], "--windows is at least 1"),

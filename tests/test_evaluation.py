@@ -203,6 +203,34 @@ def test_undefined_metrics_and_intervals_are_said_in_words(fixture_dir, checkpoi
         _run(checkpoints("sequence-classification"), "sst2", ["favor"], fixture_dir, max_length=2)
 
 
+@pytest.mark.parametrize(
+    ("task", "length", "words"),
+    [
+        ("sst2", 1, "2 special tokens .* a sentence, .* at least 3"),
+        ("mrpc", 2, "3 special tokens .* a sentence pair, .* at least 4"),
+    ],
+)
+def test_a_length_below_the_special_tokens_is_refused_not_recorded_as_a_truncation(
+    fixture_dir, checkpoints, task, length, words
+):
+    """The tokenizer cannot truncate below the special tokens it adds: it returned every input whole, and the result
+    recorded max_length and a protocol "truncated to N tokens" while every number came from the whole inputs."""
+    with pytest.raises(ValueError, match=f"{task}: max_length={length} is shorter than the {words}"):
+        _run(checkpoints("sequence-classification"), task, ["favor"], fixture_dir, max_length=length)
+
+
+def test_evaluating_a_model_object_gives_back_its_training_mode(fixture_dir, checkpoints):
+    """Evaluation in the middle of training: the model (and each module's own mode) is as it was after the call."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = checkpoints("sequence-classification")
+    model = AutoModelForSequenceClassification.from_pretrained(path).train()
+    model.classifier.eval()  # a mix of modes comes back as it was, not all in one mode
+    modes = [m.training for m in model.modules()]
+    _run(model, "sst2", ["favor"], fixture_dir, limit=2, tokenizer=AutoTokenizer.from_pretrained(path), resamples=0)
+    assert [m.training for m in model.modules()] == modes and model.training and not model.classifier.training
+
+
 def test_a_checkpoint_evaluated_on_the_examples_it_trained_on_is_said(fixture_dir, checkpoints, tmp_path):
     """A checkpoint fine-tuned here records its training split (finetune.json): evaluated on a split that shares
     examples with it (the same half, or the whole split), a warning says its scores are not held out; on the other

@@ -370,6 +370,7 @@ def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path
         ("window:window=8", "window:window=8 draws no random state"),
         ("linformer", "linformer draws no random state"),
         ("sparsefinder", "sparsefinder draws no random state"),
+        (approx.Setup("window", {"window": 8}), "window:window=8 draws no random state"),  # not the Setup's repr
     ],
 )
 def test_redraw_every_without_random_state_is_refused_before_loading(fixture_dir, tmp_path, method, words):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,33 @@ def test_state_dict_carries_the_method_state():
     assert torch.equal(outputs(other), outputs(model))
     with pytest.raises(RuntimeError, match="approx_attention"):  # an unpatched model: loudly, not silently
         tiny_model("bert").load_state_dict(state)
+
+
+@pytest.mark.parametrize("load", ["load_state_dict", "load_method_state"])
+def test_state_not_drawn_from_the_recorded_seed_is_said_when_loaded(tmp_path, load):
+    """State loaded into a patched model replaces the state its seed option drew, which approx.settings and
+    approx.save go on recording: a warning says so (and how to record the right seed when a redraw drew it); state
+    drawn from the recorded seed loads silently."""
+    source = approx.patch(tiny_model("bert"), "favor", features=8, seed=1)
+    approx.redraw(source, seed=7)  # as a RedrawSchedule does during fine-tuning
+    approx.save(source, tmp_path / "m")
+
+    def put(model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if load == "load_state_dict":
+                model.load_state_dict(source.state_dict())
+            else:
+                approx.load_method_state(model, tmp_path / "m")
+        return [str(w.message) for w in caught if "state loaded into" in str(w.message)]
+
+    stale = approx.patch(tiny_model("bert"), "favor", features=8, seed=1)
+    said = put(stale)
+    assert said and all("not drawn from its seed option (1)" in m and "approx.redraw(model, seed=S)" in m for m in said)
+    assert torch.equal(outputs(stale), outputs(source))  # the state is loaded all the same
+    approx.redraw(stale, seed=7)  # what the warning advises: the seed recorded, the same state
+    assert torch.equal(outputs(stale), outputs(source)) and approx.settings(stale)[0]["config"]["seed"] == 7
+    assert put(approx.patch(tiny_model("bert"), "favor", features=8, seed=7)) == []
 
 
 def test_state_dict_carries_fitted_sparsefinder_state():

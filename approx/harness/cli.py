@@ -802,6 +802,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"unknown argument {bad}{_one_method_each(bad, argv[0]) or did_you_mean(bad, flags)}; "
                     f"see `approx {argv[0]} --help`"
                 )
+            if getattr(args, "task", None) is not None:
+                from .tasks import get_task
+
+                get_task(args.task)  # a misspelt task before a missing --method: the first thing to fix
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
             args = parser.parse_args(argv)

@@ -342,6 +342,11 @@ def _extend(model, tokenizer, length: int, stack: contextlib.ExitStack) -> dict[
     }
 
 
+def _restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    for module, training in modes:
+        module.training = training
+
+
 def _prepare(
     model, tokenizer, task: Task, *, split, source, data_dir, limit, max_length, device, state, progress, stack, methods
 ):
@@ -366,6 +371,8 @@ def _prepare(
             "the model is patched: unpatch it and pass its layers as a method, "
             "e.g. layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
         )
+    # a caller's model in training mode (evaluation in the middle of training) gets every module's mode back
+    stack.callback(_restore_modes, [(m, m.training) for m in model.modules()])
     model.to(device).eval()
     model_info = task.prepare(model, mode)
     features = task.features(examples, tokenizer, max_length=max_length, mode=mode)

@@ -291,11 +291,14 @@ def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
 
 
 def _resume(tr: _Training) -> None:
-    tr.accelerator.load_state(str(tr.state_dir))
-    saved = json.loads((tr.state_dir / PROGRESS_FILE).read_text())
+    with warnings.catch_warnings():  # the method state loaded is that of the last redraw, whose seed is recorded below
+        warnings.filterwarnings("ignore", message=r"approx: the .* state loaded into", category=UserWarning)
+        tr.accelerator.load_state(str(tr.state_dir))
+        saved = json.loads((tr.state_dir / PROGRESS_FILE).read_text())
+        if tr.setup is not None and saved.get("method_state"):
+            load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
     tr.step, tr.losses = saved["step"], saved["losses"]
     if tr.setup is not None and saved.get("method_state"):
-        load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
         seed = _state_seed(tr)
         if seed is not None:  # the loaded state is that of the last redraw: its seed, as redraw records it
             record_redraw_seed(tr.accelerator.unwrap_model(tr.net), seed)
@@ -536,7 +539,11 @@ def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
             "approx.load the folder and train it in Python, or fine-tune a method without fitted state"
         )
     if cfg.redraw_every is not None and not any(_draws_state(m, c) for _, m, c in configs):
-        what = "no method is patched" if setup is None else f"{method} draws no random state (hash planes, features)"
+        what = (
+            "no method is patched"
+            if setup is None
+            else f"{method if isinstance(method, str) else setup.label} draws no random state (hash planes, features)"
+        )
         raise ValueError(f"redraw_every (--redraw-every) {cfg.redraw_every}: {what}, so there is nothing to redraw")
 
 

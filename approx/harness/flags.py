@@ -47,7 +47,7 @@ def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[
         if flag == "--method" or flag in flags:
             if eq:
                 value = inline
-            elif i + 1 < len(argv):
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value = argv[i + 1]
                 i += 1
             else:
@@ -55,7 +55,11 @@ def split_method_args(argv: list[str]) -> tuple[list[str], list[tuple[str, dict[
             if flag == "--method":
                 groups.append((value, {}))
             else:
-                (groups[-1][1] if groups else shared)[flags[flag][0]] = value
+                name, target = flags[flag][0], groups[-1][1] if groups else shared
+                if name in target:
+                    where = f"after --method {groups[-1][0]}" if groups else "before every --method"
+                    raise ValueError(f"{flag} given twice {where} ({target[name]} and {value}); give it once")
+                target[name] = value
         else:
             rest.append(arg)
         i += 1

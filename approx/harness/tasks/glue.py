@@ -37,6 +37,17 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
+def _too_short(task: str, tokenizer: Any, max_length: int, pair: bool) -> None:
+    """Refuse a ``max_length`` below the special tokens the tokenizer adds: it cannot truncate to it and returns the
+    whole input, which a result would then record as truncated to ``max_length``."""
+    specials = tokenizer.num_special_tokens_to_add(pair=pair)
+    what = "a sentence pair" if pair else "a sentence"
+    raise ValueError(
+        f"{task}: max_length={max_length} is shorter than the {specials} special tokens this tokenizer adds to {what}, "
+        f"so the inputs cannot be truncated to it; give at least {specials + 1}"
+    )
+
+
 class GlueTask(Task):
     """Base of the GLUE tasks; subclasses give the files, columns and labels."""
 
@@ -135,6 +146,8 @@ class GlueTask(Task):
             )
             for side, (text, pair) in enumerate(sides):
                 enc = tokenizer(text, pair, truncation=True, max_length=max_length)
+                if len(enc["input_ids"]) > max_length:  # the tokenizer cannot cut below its special tokens: it warns
+                    _too_short(self.name, tokenizer, max_length, pair is not None)
                 feats.append(Feature(i, enc["input_ids"], enc.get("token_type_ids"), {"side": side}))
         return feats
 
