@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 
 B, H, D = 1, 12, 64
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--lengths",
-        type=int,
+        type=at_least(1),
         nargs="+",
         default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
         help="sequence lengths N",
@@ -107,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"add METHOD with exact_below=LENGTH as the contender METHOD+exact<LENGTH (default: {FALLBACK}; "
         "'none' for no fallback rows)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per contender and N (median reported)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="timed calls per contender and N (median reported)")
     p.add_argument("--methods", nargs="+", default=None, help="approx methods to run (default: all registered)")
     p.add_argument(
         "--option",

@@ -24,6 +24,7 @@ from typing import Any
 
 import approx
 from approx import get_method
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[2**i for i in range(9, 17)], help="sequence lengths")
+    p.add_argument(
+        "--lengths", type=at_least(1), nargs="+", default=[2**i for i in range(9, 17)], help="sequence lengths"
+    )
     p.add_argument("--methods", nargs="+", default=None, help="methods (default: all registered)")
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/cost_model.json", help="JSON path (PNG next to it)"

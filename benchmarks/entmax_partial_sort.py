@@ -29,6 +29,7 @@ import torch
 from entmax import entmax15
 
 import approx
+from approx.harness.argcheck import at_least
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches
 from approx.harness.provenance import provenance
@@ -44,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8, help="WikiText-2 test windows")
     p.add_argument("--length", type=int, default=512, help="tokens per window")
     p.add_argument("--ks", type=int, nargs="+", default=[32, 64, 128], help="partial-sort sizes K")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "entmax_partial_sort_cpu.json")
     return p.parse_args(argv)

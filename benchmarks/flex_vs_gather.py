@@ -41,6 +41,7 @@ from approx import ApproxAttention
 from approx.attention import _blocksparse, _flex
 from approx.attention import window as window_mod
 from approx.attention.window import WindowConfig
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,11 +49,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=at_least(1), nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--window", type=int, default=256, help="one-sided window (Longformer's 512 two-sided)")
     p.add_argument("--global-tokens", type=int, default=1)
     p.add_argument("--block", type=int, default=64, help="block size of both kernels")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from approx import ApproxAttention, get_method
 from approx.attention import _kernelized, iclustered
+from approx.harness.argcheck import at_least
 from approx.harness.memory import allocation_peak
 from approx.harness.provenance import provenance
 
@@ -76,8 +77,10 @@ LABELS = [label for label, *_ in SETUPS]
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 384, 512, 768, 1024], help="tokens per row N")
-    p.add_argument("--repeats", type=int, default=7, help="timed calls per contender (median reported)")
+    p.add_argument(
+        "--lengths", type=at_least(1), nargs="+", default=[128, 256, 384, 512, 768, 1024], help="tokens per row N"
+    )
+    p.add_argument("--repeats", type=at_least(1), default=7, help="timed calls per contender (median reported)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
     p.add_argument("--setups", nargs="+", default=None, help=f"labels to run (default all: {', '.join(LABELS)})")

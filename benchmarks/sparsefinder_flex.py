@@ -40,6 +40,7 @@ from approx.attention import _flex
 from approx.attention import sparsefinder as sparsefinder_mod
 from approx.attention._graph import group_ids
 from approx.attention.sparsefinder import SparsefinderConfig
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,9 +52,9 @@ D = 64
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=at_least(1), nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--block", type=int, default=64, help="FlexAttention's block size")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)

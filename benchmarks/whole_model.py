@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 import approx
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,8 +60,10 @@ NOOP = "approx_benchmark_noop"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per contender and N (median reported)")
+    p.add_argument(
+        "--lengths", type=at_least(1), nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths"
+    )
+    p.add_argument("--repeats", type=at_least(1), default=3, help="timed calls per contender and N (median reported)")
     p.add_argument("--methods", nargs="+", default=list(OPTIONS), help="approx methods (options as in OPTIONS)")
     p.add_argument("--no-fallback", action="store_true", help="no METHOD+exact<L rows")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

@@ -285,6 +285,20 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
     assert f"| {PER_LAYER}[" in capsys.readouterr().out
 
 
+def test_cli_autotune_extends_positions_for_longer_inputs_and_records_it(tmp_path, base_model, fixture_dir):
+    """Calibration windows longer than the model's 512 learned positions crashed in BERT's embeddings: the positions
+    are extended as `approx finetune` extends them, recorded, and the tuned model is saved with them."""
+    from approx.positions import position_limit
+
+    out = tmp_path / "tuned"
+    argv = ["autotune", "--model", base_model, "--data-dir", str(fixture_dir), "--windows", "2", "--length", "530",
+            "--method", "efficient", "--output-dir", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    positions = json.loads((out / "approx_autotune.json").read_text())["calibration_data"]["positions"]
+    assert positions["extended_from"] == 512 and positions["extended_to"] == 530
+    assert position_limit(approx.load(out)) == 530
+
+
 @pytest.mark.parametrize(
     "split, score_split, max_length, words, note",
     [

@@ -82,7 +82,10 @@ def test_scorer_reads_the_examples_past_skip_and_refuses_what_cannot_be_kept(che
     examples, _ = get_task("mrpc").load("train", source="local", data_dir=str(fixture_dir), limit=9)
     scorer = task_scorer(model, tok, "mrpc", split="train", skip=4, limit=5, data_dir=str(fixture_dir))
     assert scorer.examples == examples[4:9]
-    assert scorer.describe()["examples"] == "4 to 9 (of the split, in its order)" and scorer.describe()["count"] == 5
+    assert (
+        scorer.describe()["examples"] == "4 to 9 (of the split, as its limit reads them)"
+        and scorer.describe()["count"] == 5
+    )
     with pytest.raises(ValueError, match="no metric 'f2'.*f1, accuracy"):
         task_scorer(model, tok, "mrpc", split="train", metric="f2", data_dir=str(fixture_dir))
     with pytest.raises(ValueError, match="no examples past the first 500"):
@@ -93,6 +96,20 @@ def test_scorer_reads_the_examples_past_skip_and_refuses_what_cannot_be_kept(che
     assert short.describe()["count"] == held - 4
     with pytest.raises(ValueError, match="lower when better.*kl target"):
         task_scorer(model, tok, "wikitext2", split="valid", metric="perplexity", data_dir=str(fixture_dir))
+
+
+def test_squad_doc_scorer_never_reads_the_calibration_questions(checkpoints, fixture_dir):
+    """squad-doc's limit takes questions round-robin over the articles: the scorer had taken the first of a larger
+    limit past ``skip`` in file order, many of them calibration questions (50 of 64 at the docs' settings)."""
+    model, tok = _loaded(checkpoints["squad"])
+    task = get_task("squad-doc")
+    whole, _ = task.load("dev", source="local", data_dir=str(fixture_dir))
+    skip = 2
+    calibration, _ = task.load("dev", source="local", data_dir=str(fixture_dir), limit=skip)
+    assert [e["id"] for e in calibration] != [e["id"] for e in whole[:skip]]  # the case that went wrong
+    scorer = task_scorer(model, tok, "squad-doc", split="dev", skip=skip, limit=3, max_length=128,
+                         data_dir=str(fixture_dir))  # fmt: skip
+    assert len(scorer.examples) == 3 and not {e["id"] for e in calibration} & {e["id"] for e in scorer.examples}
 
 
 # ------------------------------------------------------------------------------------------- the choice
@@ -213,7 +230,7 @@ def test_cli_score_target_scores_the_split_past_the_calibration(tmp_path, checkp
     assert scorer == record["tuning"]["score"]["scorer"]
     assert (scorer["split"], scorer["examples"], scorer["count"], scorer["metric"]) == (
         "train",
-        "6 to 13 (of the split, in its order)",
+        "6 to 13 (of the split, as its limit reads them)",
         7,
         "accuracy",
     )

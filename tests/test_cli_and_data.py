@@ -354,6 +354,7 @@ CLI_MISTAKES = [
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--threads", "0"], "--threads must be"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--batch-size", "0"], "--batch-size is at least 1"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--windows", "0"], "--windows is at least 1"),
+    (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--length", "2"], "--length is at least 3, got 2"),
     (["fit", "--output-dir", "{tmp}/o", "--stats-windows", "-3"], "--stats-windows is at least 0"),
     (["fit", "--output-dir", "{tmp}/o", "--method", "linformer:mode=fitted", "--stats-windows", "1"], "no attention"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--length", "100000", "--quiet"], "fit on at most 512"),
@@ -643,3 +644,24 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_the_work(tmp_
     for output, words in (("/proc/approx-nope", "cannot write in /proc"), (afile, "a file, not a folder")):
         assert main([*command, "--output-dir", str(output)]) == 2
         assert f"--output-dir {output}: {words}" in capsys.readouterr().err
+
+
+BENCHMARK_COUNTS = [
+    (name, flag)
+    for name in ("attention_op", "favor_chunks", "flex_vs_gather", "short_inputs", "sparsefinder_flex", "whole_model")
+    for flag in ("--repeats", "--lengths")
+] + [("cost_model", "--lengths"), ("entmax_partial_sort", "--repeats")]
+
+
+@pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])
+def test_benchmark_counts_and_lengths_below_one_are_refused_before_any_work(
+    name, flag, benchmark_script, capsys, monkeypatch
+):
+    """``--repeats 0`` had crashed after the setup (the median of no timings) and ``--lengths -5`` written a JSON and
+    a plot of a negative length: argparse refuses both."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))  # as run from there
+    bench = benchmark_script(name)
+    for value in ("0", "-5"):
+        with pytest.raises(SystemExit) as e:
+            bench.main([flag, value])
+        assert e.value.code == 2 and f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err

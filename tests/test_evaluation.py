@@ -539,6 +539,27 @@ def test_each_result_has_its_paired_interval_against_full_attention(fixture_dir,
     assert "intervals" in _run(path, "cola", ["full"], fixture_dir, resamples=100, level=0.9)[0]
 
 
+def test_interval_levels_print_as_given_and_one_table_holds_one_evaluation(fixture_dir, checkpoints):
+    """A level printed to a whole percent read 0.999 as "100%" and 0.975 as "98%"; results of other levels or tasks
+    were put under the first one's header and full-attention row (or failed on a missing column); one example
+    gives no interval, and a warning says so rather than a column that is not there."""
+    from approx.harness.resampling import level_label
+
+    assert [level_label(x) for x in (0.95, 0.999, 0.975, 0.9, 0.5)] == ["95%", "99.9%", "97.5%", "90%", "50%"]
+    path = checkpoints("sequence-classification")
+    fine = _run(path, "cola", ["clustered:clusters=2"], fixture_dir, resamples=10_000, level=0.999)
+    assert "matthews_correlation vs full (99.9% interval)" in approx.markdown_report(fine)
+    coarse = _run(path, "cola", ["efficient"], fixture_dir, resamples=100, level=0.5)
+    with pytest.raises(ValueError, match="differ in interval level: report each evaluation on its own"):
+        approx.markdown_report(fine + coarse)
+    other = _run(path, "sst2", ["efficient"], fixture_dir, resamples=0)
+    with pytest.raises(ValueError, match="differ in task \\(cola, sst2\\)"):
+        approx.markdown_report(fine + other)
+    with pytest.warns(UserWarning, match="no intervals: a paired bootstrap needs at least 2 examples, and 1 was"):
+        (one,) = _run(path, "cola", ["efficient"], fixture_dir, limit=1)
+    assert "intervals" not in one
+
+
 def test_model_without_the_needed_head_is_refused(fixture_dir, checkpoints):
     with pytest.raises(ValueError, match="sequence-classification head"):
         _run(checkpoints("base"), "sst2", ["full"], fixture_dir)

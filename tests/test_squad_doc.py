@@ -102,6 +102,28 @@ def test_limit_and_halves_come_after_the_articles_and_match_squad(synthetic, rea
         }
 
 
+def test_examples_past_a_calibration_never_overlap_it(synthetic, real):
+    """A score target reads the examples past the calibration's limit. squad-doc's limit takes questions round-robin
+    over the articles (back in file order), so the first ones of a larger limit are not the calibration's: the
+    scorer had scored 50 of 64 calibration questions at the docs' --limit 64 --score-examples 400. load_after gives
+    what the larger limit adds, and every task that cuts a prefix gives its slice, as before."""
+    for root in (synthetic[0], real[0]):
+        whole, _ = DOC.load(source="local", data_dir=str(root))
+        for skip, limit in ((2, 3), (64, 400), (1, None)):
+            if skip + (limit or 0) > len(whole):
+                continue
+            calibration, _ = DOC.load(source="local", data_dir=str(root), limit=skip)
+            after, _ = DOC.load_after(None, skip, limit=limit, source="local", data_dir=str(root))
+            ids = {e["id"] for e in calibration}
+            assert not ids & {e["id"] for e in after}
+            assert len(after) == (len(whole) - skip if limit is None else limit)
+            if limit is not None:
+                both, _ = DOC.load(source="local", data_dir=str(root), limit=skip + limit)
+                assert [e["id"] for e in both if e["id"] not in ids] == [e["id"] for e in after]
+        plain, _ = SQUAD.load(source="local", data_dir=str(root))
+        assert SQUAD.load_after(None, 3, limit=4, source="local", data_dir=str(root))[0] == plain[3:7]
+
+
 def test_hub_rows_give_the_local_articles(synthetic, monkeypatch):
     """``--source hub``: the question rows of `rajpurkar/squad` (faked from the local file: no network) are
     built into the same articles as the local file."""

@@ -7,12 +7,29 @@ import argparse
 
 import torch
 
-__all__ = ["Once", "check_device", "looks_like_path", "set_threads"]
+__all__ = ["Once", "at_least", "check_device", "looks_like_path", "set_threads"]
 
 
 def looks_like_path(name: str) -> bool:
     """A local path rather than a hub id (``org/name``)."""
     return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+
+
+def at_least(least: int):
+    """An argparse ``type`` for an integer of at least ``least`` (the benchmarks' ``--repeats 1``, ``--lengths``): a
+    count of 0 had crashed after the setup (the median of no timings), a length of 0 or below written a plot."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"  # how argparse names the type in its errors
+    return parse
 
 
 def set_threads(threads: int | None) -> None:

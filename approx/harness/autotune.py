@@ -91,6 +91,7 @@ from ..layer import ApproxAttention
 from ..registry import get_method
 from .fidelity import AttentionProbe
 from .fitting import as_batches, input_list
+from .resampling import level_label
 from .scoring import relative
 from .spec import Setup, as_setup, heads_label, short_label
 
@@ -438,9 +439,7 @@ class Tuning:
             )
             if self.score.get("interval"):
                 low, high = self.score["interval"]["relative"]
-                what += (
-                    f" ({self.score['interval']['level']:.0%} interval over these examples: {low:.4f} to {high:.4f})"
-                )
+                what += f" ({level_label(self.score['interval']['level'])} interval over these examples: {low:.4f} to {high:.4f})"
         lines.append(
             f"{what}{'' if self.score is not None else ': met' if self.met else ': NOT met'}; measured "
             f"{self.measure or 'fidelity'} {self.fidelity:.5f} on "

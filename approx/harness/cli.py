@@ -390,7 +390,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         )
     options = _fit_options(args, setup.method)
     _check_output(args.output_dir, "--output-dir", folder_out=True)
-    for flag, value, least in (("--windows", args.windows, 1), ("--length", args.length, 2),
+    for flag, value, least in (("--windows", args.windows, 1), ("--length", args.length, 3),
                                ("--batch-size", args.batch_size, 1), ("--stats-windows", args.stats_windows, 0)):  # fmt: skip
         if value < least:
             raise ValueError(f"{flag} is at least {least}, got {value}")
@@ -537,6 +537,11 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
+    lengths = [b["input_ids"].shape[-1] if isinstance(b, dict) else len(b) for b in data]  # batches, or windows
+    lengths += [len(f.input_ids) for f in score.features] if score else []
+    positions = _extend_for_tuning(model, tokenizer, max(lengths, default=0))
+    if positions is not None:
+        described["positions"] = positions
     tuning = autotune(
         model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost, cost_data=cost_data,
         head_counts=args.head_counts, score=score, uniform=not args.path_only, batch_size=args.batch_size,
@@ -554,6 +559,27 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     folder = str(out) if os.sep in str(out) else f"./{out}"  # ./window: the folder, not the method of that name
     print(f"wrote {out} ({_eval_hint(args, task, folder, score_split)})", file=sys.stderr)
     return 0
+
+
+def _extend_for_tuning(model, tokenizer, longest: int) -> dict | None:
+    """Calibration or scored inputs longer than the model's learned positions: extended to ``longest`` for good, as
+    ``approx finetune`` does, so that the tuned model is saved with the positions it was tuned at (the trained rows
+    copied block after block, as Longformer did). What was done, for the record; None when nothing was needed. A
+    model that cannot be extended is refused with what was found."""
+    from ..positions import extend_positions, position_limit
+
+    limit = position_limit(model)
+    if limit is None:
+        configured = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(configured, int) and longest > configured:
+            extend_positions(model, longest, tokenizer=tokenizer)  # raises, listing what was found
+        return None
+    if longest <= limit:
+        return None
+    extend_positions(model, longest, tokenizer=tokenizer)
+    log.warning("inputs of up to %d tokens are longer than the model's %d learned positions: extended them for the "
+                "tuning and the tuned model (trained rows copied block after block, as Longformer did)", longest, limit)  # fmt: skip
+    return {"extended_from": limit, "extended_to": longest, "rule": "approx.extend_positions (trained rows tiled)"}
 
 
 def _autotune_data_flags(args: argparse.Namespace) -> None:

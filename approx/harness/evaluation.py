@@ -56,7 +56,14 @@ from ..saved import FIT_RECORD
 from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
-from .resampling import DEFAULT_LEVEL, DEFAULT_RESAMPLES, interval_options, interval_text, paired_interval
+from .resampling import (
+    DEFAULT_LEVEL,
+    DEFAULT_RESAMPLES,
+    interval_options,
+    interval_text,
+    level_label,
+    paired_interval,
+)
 from .spec import PER_LAYER, Setup, as_setup, layer_spans, saved_folder, short_label
 from .tasks import Feature, Task, get_task
 from .tasks.base import splits_overlap
@@ -506,6 +513,12 @@ def _results(
             _say_if_exact(result)
     for note in undefined_notes(results) if run.main_process else []:  # in words, rather than a NaN in a table
         warnings.warn(f"approx: {note}", stacklevel=3)  # evaluate's caller
+    if run.main_process and results and intervals is not None and reference_metrics and len(ref_predictions) < 2:
+        warnings.warn(  # rather than a column that is silently not there
+            f"approx: no intervals: a paired bootstrap needs at least 2 examples, and {len(ref_predictions)} was "
+            "evaluated",
+            stacklevel=3,
+        )
     return results
 
 
@@ -694,6 +707,16 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     if not results:
         return ""
     first = results[0]
+    keys = ("task", "task_version", "mode", "examples")
+    differ = [k for k in keys if any(r.get(k) != first.get(k) for r in results)]
+    levels = {r["intervals"]["level"] for r in results if "intervals" in r}
+    if differ or len(levels) > 1:
+        what = ", ".join(f"{k} ({', '.join(sorted({str(r.get(k)) for r in results}))})" for k in differ)
+        what += (", " if what else "") + ("interval level" if len(levels) > 1 else "")
+        raise ValueError(
+            f"markdown_report makes one table of one evaluation's results (one full-attention row, one header); "
+            f"these differ in {what}: report each evaluation on its own"
+        )
     metric_names = list(first["reference_metrics"])
     task_fid = [k for k in ("agreement", "kl_divergence", "mean_abs_difference") if k in first["fidelity"]]
     cosines = [("last", "hidden cos (last)")]
@@ -702,7 +725,7 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     with_interval = all(r.get("intervals", {}).get("metrics", {}).get(primary) for r in results)
     level = results[0]["intervals"]["level"] if with_interval else None
     head = ["method", *metric_names]
-    head += [f"{primary} vs full ({level:.0%} interval)"] if with_interval else []
+    head += [f"{primary} vs full ({level_label(level)} interval)"] if with_interval else []
     head += [*task_fid, *(h for _, h in cosines)]
     matmul = all(r["fidelity"]["cost"].get("matmul_vs_softmax_model") is not None for r in results)
     head += ["attn rel. err", "attn FLOPs vs full", *(["matmul vs softmax (model)"] if matmul else [])]

@@ -37,7 +37,14 @@ import numpy as np
 
 from .tasks import Task
 
-__all__ = ["DEFAULT_LEVEL", "DEFAULT_RESAMPLES", "interval_options", "interval_text", "paired_interval"]
+__all__ = [
+    "DEFAULT_LEVEL",
+    "DEFAULT_RESAMPLES",
+    "interval_options",
+    "interval_text",
+    "level_label",
+    "paired_interval",
+]
 
 DEFAULT_RESAMPLES = 1000
 _BATCH_ELEMENTS = 1 << 24  # per-example differences gathered at once by the vectorised path (128 MiB of float64)
@@ -51,6 +58,12 @@ METHOD = (
 TAIL = 5  # resamples beyond each end of an interval, at least
 
 
+def level_label(level: float) -> str:
+    """An interval's level as a percentage, to the digits it has (0.95 -> "95%", 0.999 -> "99.9%"): a whole percent
+    had printed 0.999 as "100%" and 0.975 as "98%"."""
+    return f"{level * 100:.6g}%"
+
+
 def check(resamples: int, level: float) -> None:
     """Refuse a number of resamples or a level that cannot make an interval."""
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
@@ -60,7 +73,7 @@ def check(resamples: int, level: float) -> None:
     least = math.ceil(2 * TAIL / (1 - level) - 1e-9)
     if resamples < least:  # a percentile interval's ends are order statistics of the resamples beyond them
         raise ValueError(
-            f"{resamples} resamples leave fewer than {TAIL} beyond each end of a {level:.0%} interval, whose ends are "
+            f"{resamples} resamples leave fewer than {TAIL} beyond each end of a {level_label(level)} interval, whose ends are "
             f"then no estimate: give at least {least} (1000 is the default)"
         )
 

@@ -95,7 +95,7 @@ class TaskScorer:
             "mode": self.mode,
             "metric": self.metric,
             "split": self.split,
-            "examples": f"{self.skip} to {self.skip + len(self.examples)} (of the split, in its order)",
+            "examples": f"{self.skip} to {self.skip + len(self.examples)} (of the split, as its limit reads them)",
             "count": len(self.examples),
             "max_length": self.max_length,
             "source": self.source,
@@ -118,9 +118,11 @@ def task_scorer(
     progress: bool = False,
 ) -> TaskScorer:
     """A :class:`TaskScorer` of ``task``'s ``metric`` (default: the task's primary metric) on the labelled examples
-    ``skip`` to ``skip + limit`` of ``split``, for the head ``model`` has. Use the data the model was trained on (or
-    other labelled data it will not be evaluated on), past the examples the tuning calibrates on: ``skip`` = the
-    calibration's ``limit`` when both read the same split.
+    ``skip`` to ``skip + limit`` of ``split`` (those that a limit of ``skip + limit`` reads and one of ``skip`` does
+    not: :meth:`~approx.harness.tasks.base.Task.load_after`; the split's order, or ``squad-doc``'s round-robin over
+    articles), for the head ``model`` has. Use the data the model was trained on (or other labelled data it will not
+    be evaluated on), past the examples the tuning calibrates on: ``skip`` = the calibration's ``limit`` when both
+    read the same split.
 
     Only a metric where higher is better can be kept as a fraction (``score>=0.99``); a loss or perplexity is refused
     (use a ``kl`` target instead)."""
@@ -129,8 +131,7 @@ def task_scorer(
     if skip < 0 or (limit is not None and limit < 1) or batch_size < 1:
         raise ValueError(f"skip >= 0, limit >= 1 and batch_size >= 1 expected; got {skip}, {limit}, {batch_size}")
     mode = spec.mode_for(model_head_from_name(type(model).__name__))
-    examples, where = spec.load(split, source=source, data_dir=data_dir, limit=None if limit is None else skip + limit)
-    examples = examples[skip:]
+    examples, where = spec.load_after(split, skip, limit=limit, source=source, data_dir=data_dir)
     if not examples:
         raise ValueError(f"{spec.name} {split}: no examples past the first {skip}; read fewer for calibration")
     if limit is not None and len(examples) < limit:

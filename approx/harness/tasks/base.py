@@ -231,10 +231,32 @@ class Task:
         if half is not None:
             examples = cross_fit_half(examples, half)
         if limit is not None:
-            if limit < 1:
-                raise ValueError(f"limit must be at least 1, got {limit}")
-            examples = examples[:limit]
+            examples = [examples[i] for i in self.pick(examples, limit)]
         return examples, where
+
+    def pick(self, examples: list[dict[str, Any]], limit: int) -> list[int]:
+        """The positions, in ``examples``' order, of the examples a ``limit`` reads: the first ``limit``. A task that
+        spreads a subset otherwise overrides this (``squad-doc``); :meth:`load` and :meth:`load_after` both use it."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit!r}")
+        return list(range(min(limit, len(examples))))
+
+    def load_after(
+        self,
+        split: str | None,
+        skip: int,
+        *,
+        limit: int | None = None,
+        source: str | None = None,
+        data_dir: str | None = None,
+    ) -> tuple[list[dict[str, Any]], DataSource]:
+        """``(examples, source)``: the examples that ``load(split, limit=skip + limit)`` reads and ``load(split,
+        limit=skip)`` does not (every example ``load(split)`` holds past those when ``limit`` is None), in the split's
+        order: labelled examples that never overlap a calibration that read ``skip`` of the same split."""
+        examples, where = self.load(split, source=source, data_dir=data_dir)
+        taken = set(self.pick(examples, skip)) if skip else set()
+        chosen = range(len(examples)) if limit is None else self.pick(examples, skip + limit)
+        return [examples[i] for i in sorted(set(chosen) - taken)], where
 
     # -------------------------------------------------------------------------------------- protocol
     def mode_for(self, head: str) -> str:

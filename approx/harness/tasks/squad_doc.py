@@ -170,20 +170,16 @@ class SquadDoc(Squad):
     def read_local(self, folder, split):
         return with_articles(super().read_local(folder, split))
 
-    def load(self, split=None, *, source=None, data_dir=None, limit=None):
-        """As :meth:`Task.load`, but ``limit`` takes questions round-robin over the articles (every article's
-        first question in file order, then every article's second, ...), so that a subset reads as many
-        articles, and as many article lengths, as it can; the chosen questions keep the file's order."""
-        examples, where = super().load(split, source=source, data_dir=data_dir)
-        if limit is not None:
-            if limit < 1:
-                raise ValueError(f"limit must be at least 1, got {limit}")
-            rank, seen = [], {}
-            for i, ex in enumerate(examples):
-                seen[ex["title"]] = seen.get(ex["title"], -1) + 1
-                rank.append((seen[ex["title"]], i))
-            examples = [examples[i] for i in sorted(i for _, i in sorted(rank)[:limit])]  # back in file order
-        return examples, where
+    def pick(self, examples, limit):
+        """``limit`` questions taken round-robin over the articles (every article's first question in file order,
+        then every article's second, ...), so that a subset reads as many articles, and as many article lengths, as
+        it can; the chosen questions keep the file's order (:meth:`Task.load` reads them)."""
+        super().pick(examples, limit)  # the same checks of limit
+        rank, seen = [], {}
+        for i, ex in enumerate(examples):
+            seen[ex["title"]] = seen.get(ex["title"], -1) + 1
+            rank.append((seen[ex["title"]], i))
+        return sorted(i for _, i in sorted(rank)[:limit])
 
     def read_hub(self, split):
         return with_articles(super().read_hub(split))
