@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eager-max", type=int, default=4096, help="largest N for the eager baseline and dense methods (N^2 memory)"
     )
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument(
@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--background-load",
-        type=int,
+        type=at_least(0),
         default=0,
         metavar="JOBS",
         help="time every contender a second time while JOBS single-threaded CPU jobs (matrix products) run "

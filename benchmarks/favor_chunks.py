@@ -37,10 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=at_least(1), nargs="+", default=[4096, 16384])
-    p.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--rows", type=at_least(1), nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=at_least(1), default=5)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--background-load", type=int, default=0, metavar="JOBS", help="a second, loaded pass")
+    p.add_argument("--threads", type=at_least(1), default=2)
+    p.add_argument("--background-load", type=at_least(0), default=0, metavar="JOBS", help="a second, loaded pass")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "favor_chunks_cpu.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--lengths", type=at_least(1), nargs="+", default=[128, 256, 384, 512, 768, 1024], help="tokens per row N"
     )
     p.add_argument("--repeats", type=at_least(1), default=7, help="timed calls per contender (median reported)")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
     p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
     p.add_argument("--setups", nargs="+", default=None, help=f"labels to run (default all: {', '.join(LABELS)})")
     p.add_argument("--seed", type=int, default=0)

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed calls per contender and N (median reported)")
     p.add_argument("--methods", nargs="+", default=list(OPTIONS), help="approx methods (options as in OPTIONS)")
     p.add_argument("--no-fallback", action="store_true", help="no METHOD+exact<L rows")
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="model dtype")
     p.add_argument(

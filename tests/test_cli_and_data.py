@@ -650,7 +650,17 @@ BENCHMARK_COUNTS = [
     (name, flag)
     for name in ("attention_op", "favor_chunks", "flex_vs_gather", "short_inputs", "sparsefinder_flex", "whole_model")
     for flag in ("--repeats", "--lengths")
-] + [("cost_model", "--lengths"), ("entmax_partial_sort", "--repeats")]
+] + [
+    ("cost_model", "--lengths"),
+    ("entmax_partial_sort", "--repeats"),
+    ("entmax_partial_sort", "--windows"),
+    ("entmax_partial_sort", "--ks"),
+    ("favor_chunks", "--rows"),
+    ("flex_vs_gather", "--window"),
+    ("flex_vs_gather", "--block"),
+    ("sparsefinder_flex", "--block"),
+    ("attention_op", "--threads"),
+]
 
 
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])

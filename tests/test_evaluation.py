@@ -550,7 +550,9 @@ def test_interval_levels_print_as_given_and_one_table_holds_one_evaluation(fixtu
     fine = _run(path, "cola", ["clustered:clusters=2"], fixture_dir, resamples=10_000, level=0.999)
     assert "matthews_correlation vs full (99.9% interval)" in approx.markdown_report(fine)
     coarse = _run(path, "cola", ["efficient"], fixture_dir, resamples=100, level=0.5)
-    with pytest.raises(ValueError, match="differ in interval level: report each evaluation on its own"):
+    with pytest.raises(
+        ValueError, match="differ in interval level \\(50%, 99.9%\\): report each evaluation on its own"
+    ):
         approx.markdown_report(fine + coarse)
     other = _run(path, "sst2", ["efficient"], fixture_dir, resamples=0)
     with pytest.raises(ValueError, match="differ in task \\(cola, sst2\\)"):

@@ -269,6 +269,9 @@ def test_cost_is_reported(method):
     assert cost.matmul_macs is not None and 0 < 2 * cost.matmul_macs <= cost.flops, cost
     full = get_method("full").cost(get_method("full").config_class(), n=1024, s=1024, d=64, dv=64)
     assert full.matmul_macs == 2 * 1024 * 1024 * 64  # softmax: 2 N^2 d, the MonarchAttention paper's count
+    # a batch row without a real token (all padding) costs nothing; MonarchAttention's cost had divided by zero
+    empty = spec.cost(spec.config_class(**small_budget(method)), n=0, s=0, d=64, dv=64)
+    assert (empty.flops, empty.qk_pairs) == (0, 0), empty
 
 
 FALLBACK = [m for m in METHODS if "exact_below" in get_method(m).config_class.option_names()]

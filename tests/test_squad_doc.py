@@ -5,6 +5,7 @@ tiny checkpoints (against a plain forward pass), and the same cross-fitting halv
 import hashlib
 import json
 
+import numpy as np
 import pytest
 import torch
 from evalfixtures import write_checkpoint, write_data
@@ -122,6 +123,9 @@ def test_examples_past_a_calibration_never_overlap_it(synthetic, real):
                 assert [e["id"] for e in both if e["id"] not in ids] == [e["id"] for e in after]
         plain, _ = SQUAD.load(source="local", data_dir=str(root))
         assert SQUAD.load_after(None, 3, limit=4, source="local", data_dir=str(root))[0] == plain[3:7]
+        assert SQUAD.load(source="local", data_dir=str(root), limit=np.int64(4))[0] == plain[:4]  # a sweep's integer
+    with pytest.raises(ValueError, match="wikitext2: one example, the whole text"):  # its limit counts windows
+        get_task("wikitext2").load_after("valid", 2, limit=3)
 
 
 def test_hub_rows_give_the_local_articles(synthetic, monkeypatch):

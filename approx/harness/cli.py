@@ -539,7 +539,8 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
     lengths = [b["input_ids"].shape[-1] if isinstance(b, dict) else len(b) for b in data]  # batches, or windows
     lengths += [len(f.input_ids) for f in score.features] if score else []
-    positions = _extend_for_tuning(model, tokenizer, max(lengths, default=0))
+    length = (args.max_length or task.default_max_length) if args.task is not None else args.length
+    positions = _extend_for_tuning(model, tokenizer, max(lengths, default=0), length)
     if positions is not None:
         described["positions"] = positions
     tuning = autotune(
@@ -561,11 +562,12 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _extend_for_tuning(model, tokenizer, longest: int) -> dict | None:
-    """Calibration or scored inputs longer than the model's learned positions: extended to ``longest`` for good, as
-    ``approx finetune`` does, so that the tuned model is saved with the positions it was tuned at (the trained rows
-    copied block after block, as Longformer did). What was done, for the record; None when nothing was needed. A
-    model that cannot be extended is refused with what was found."""
+def _extend_for_tuning(model, tokenizer, longest: int, length: int) -> dict | None:
+    """Calibration or scored inputs (the longest of ``longest`` tokens) longer than the model's learned positions:
+    extended for good to the data's length (``--max-length`` or ``--length``, or the longest input if longer), as
+    ``approx finetune`` extends them to its ``max_length``, so that the tuned model is saved with the positions it was
+    tuned at (the trained rows copied block after block, as Longformer did). What was done, for the record; None when
+    nothing was needed. A model that cannot be extended is refused with what was found."""
     from ..positions import extend_positions, position_limit
 
     limit = position_limit(model)
@@ -576,10 +578,12 @@ def _extend_for_tuning(model, tokenizer, longest: int) -> dict | None:
         return None
     if longest <= limit:
         return None
-    extend_positions(model, longest, tokenizer=tokenizer)
-    log.warning("inputs of up to %d tokens are longer than the model's %d learned positions: extended them for the "
-                "tuning and the tuned model (trained rows copied block after block, as Longformer did)", longest, limit)  # fmt: skip
-    return {"extended_from": limit, "extended_to": longest, "rule": "approx.extend_positions (trained rows tiled)"}
+    to = max(longest, length)
+    extend_positions(model, to, tokenizer=tokenizer)
+    log.warning("inputs of up to %d tokens are longer than the model's %d learned positions: extended them to %d for "
+                "the tuning and the tuned model (trained rows copied block after block, as Longformer did)",
+                longest, limit, to)  # fmt: skip
+    return {"extended_from": limit, "extended_to": to, "rule": "approx.extend_positions (trained rows tiled)"}
 
 
 def _autotune_data_flags(args: argparse.Namespace) -> None:

@@ -711,8 +711,9 @@ def markdown_report(results: list[dict[str, Any]], *, model_label: str | None = 
     differ = [k for k in keys if any(r.get(k) != first.get(k) for r in results)]
     levels = {r["intervals"]["level"] for r in results if "intervals" in r}
     if differ or len(levels) > 1:
-        what = ", ".join(f"{k} ({', '.join(sorted({str(r.get(k)) for r in results}))})" for k in differ)
-        what += (", " if what else "") + ("interval level" if len(levels) > 1 else "")
+        parts = [f"{k} ({', '.join(map(str, dict.fromkeys(r.get(k) for r in results)))})" for k in differ]
+        parts += [f"interval level ({', '.join(level_label(x) for x in sorted(levels))})"] if len(levels) > 1 else []
+        what = ", ".join(parts)
         raise ValueError(
             f"markdown_report makes one table of one evaluation's results (one full-attention row, one header); "
             f"these differ in {what}: report each evaluation on its own"

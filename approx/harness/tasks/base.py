@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...config import as_integer
 from ...registry import Registry
 from ..data import ENV_VAR, MAX_FIELD, DataError, find_data_dir, read_text
 
@@ -237,9 +238,10 @@ class Task:
     def pick(self, examples: list[dict[str, Any]], limit: int) -> list[int]:
         """The positions, in ``examples``' order, of the examples a ``limit`` reads: the first ``limit``. A task that
         spreads a subset otherwise overrides this (``squad-doc``); :meth:`load` and :meth:`load_after` both use it."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        count = as_integer(limit)
+        if count is None or count < 1:
             raise ValueError(f"limit must be at least 1, got {limit!r}")
-        return list(range(min(limit, len(examples))))
+        return list(range(min(count, len(examples))))
 
     def load_after(
         self,

@@ -98,6 +98,12 @@ class WikiText(Task):
             raise ValueError(f"limit must be at least 1, got {limit}")
         return [{**examples[0], "windows": limit}], where
 
+    def load_after(self, split, skip, *, limit=None, source=None, data_dir=None):
+        raise ValueError(
+            f"{self.name}: one example, the whole text, of which a limit counts windows from its start: there are no "
+            "examples past a calibration's to read (calibrate on valid, evaluate on test)"
+        )
+
     def features(self, examples, tokenizer, *, max_length, mode):
         ex = examples[0]
         windows = token_windows(tokenizer, ex["text"], length=max_length, count=ex.get("windows"), source=ex["source"])
