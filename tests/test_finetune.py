@@ -42,6 +42,30 @@ def test_finetune_learns_saves_and_evaluates(base_model, fixture_dir, tmp_path):
     assert again["reference_metrics"] == ev["reference_metrics"]
 
 
+def test_the_record_says_how_many_epochs_max_steps_ran_and_the_limit(base_model, fixture_dir, tmp_path):
+    """max_steps sets the steps in place of the epochs (as transformers' Trainer): the record had said "epochs": 1
+    beside the 6 steps that were 3 epochs of 8 examples, and had no limit."""
+    rec = _run(base_model, fixture_dir, tmp_path / "ft", epochs=1, max_steps=6, limit=8, warmup=0.0)
+    assert len(rec["losses"]) == 6 and rec["limit"] == 8
+    assert rec["settings"]["max_steps"] == 6 and rec["settings"]["steps"] == 6 and rec["settings"]["epochs_run"] == 3
+    rec = _run(base_model, fixture_dir, tmp_path / "ft2", epochs=0.5, limit=8, warmup=0.0)
+    assert rec["settings"]["steps"] == 1 and rec["settings"]["epochs_run"] == 0.5 and rec["limit"] == 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a GPU")
+def test_fp16_on_a_cpu_and_a_head_of_another_size_are_refused_in_one_line(base_model, fixture_dir, tmp_path, capsys):
+    """accelerate turns fp16 off on a CPU without a word (the run was float32, recorded as fp16); a checkpoint whose
+    classification head has another label count had crashed with transformers' traceback."""
+    with pytest.raises(ValueError, match="fp16 .* needs a GPU"):
+        _run(base_model, fixture_dir, tmp_path / "a", max_steps=1, mixed_precision="fp16")
+    three = write_checkpoint(tmp_path / "three", "sequence-classification", num_labels=3)
+    argv = ["finetune", "--model", str(three), "--task", "rte", "--data-dir", str(fixture_dir), "--train-split",
+            "dev/0", "--max-steps", "1", "--output-dir", str(tmp_path / "b"), "--quiet"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "classification head has 3 label(s) and rte needs 2" in err
+
+
 def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_path):
     _run(base_model, fixture_dir, tmp_path / "a", max_steps=6)
     stopped = _run(base_model, fixture_dir, tmp_path / "b", max_steps=6, stop_after=4)

@@ -80,7 +80,9 @@ class FinetuneConfig(MethodConfig):
     method: ClassVar[str] = "finetune"  # the name errors are reported under
 
     epochs: float = option(3.0, "training epochs (may be fractional)")
-    max_steps: int | None = option(None, "cap on optimizer steps (default: none, the epochs decide)")
+    max_steps: int | None = option(
+        None, "optimizer steps, in place of the epochs (as transformers' Trainer; default: none, the epochs decide)"
+    )
     learning_rate: float = option(5e-5, "AdamW peak learning rate")
     weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)")
     warmup: float = option(0.1, "share of steps with linear warm-up")
@@ -166,6 +168,23 @@ def _head(net: torch.nn.Module, model: str, head: str) -> dict[str, Any]:
             )
         record["tied_to_word_embeddings"] = tied
     return record
+
+
+def _check_head_size(model: str, task: Task) -> None:
+    """Refuse, before it loads, a checkpoint whose classification head has another number of labels than the task
+    (transformers would raise its own error, a traceback on the command line)."""
+    wanted = task.head_options().get("num_labels")
+    if wanted is None or "sequence-classification" not in checkpoint_heads(model):
+        return
+    from transformers import AutoConfig
+
+    have = AutoConfig.from_pretrained(model).num_labels
+    if have != wanted:
+        raise ValueError(
+            f"{model}: its classification head has {have} label(s) and {task.name} needs {wanted}; fine-tune from a "
+            "checkpoint without that head (its encoder: AutoModel.from_pretrained(...).save_pretrained(folder)) or "
+            f"with {wanted}"
+        )
 
 
 def _schedule(optimizer, warmup: int, total: int):
@@ -372,6 +391,7 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
         # the seed of the method's random state at the end, when --redraw-every redrew it (the model's settings)
         **({"state_seed": _state_seed(tr)} if tr.setup is not None and _state_seed(tr) is not None else {}),
         "train_split": train_split,
+        "limit": (tr.run or {}).get("limit"),  # the first N training examples (WikiText: windows), or None: all
         "eval_split": eval_split,
         "head": tr.head,
         **({"positions": tr.positions} if tr.positions else {}),
@@ -380,7 +400,9 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
         "features": tr.features,
         "settings": {
             "epochs": cfg.epochs,
-            "steps": tr.total,
+            "max_steps": cfg.max_steps,
+            "steps": tr.total,  # max_steps, or the epochs' steps
+            "epochs_run": round(tr.total / tr.steps_per_epoch, 4),
             "learning_rate": cfg.learning_rate,
             "weight_decay": cfg.weight_decay,
             "warmup": cfg.warmup,
@@ -450,8 +472,8 @@ def finetune(
     ``settings``: the fields of :class:`FinetuneConfig` (``epochs``, ``max_steps``, ``learning_rate``,
     ``batch_size``, ``redraw_every``, ...), over ``config`` when both are given. ``method``: patch the model
     before training (``"favor"``, ``"clustered:clusters=25"``, a config...); ``redraw_every``: redraw the
-    method's random state every that many optimizer steps. ``epochs`` may be fractional; ``max_steps`` caps the
-    optimizer steps. ``resume``: continue from ``output_dir/checkpoint``; ``stop_after``: run at most that many
+    method's random state every that many optimizer steps. ``epochs`` may be fractional; ``max_steps`` sets the
+    number of optimizer steps in place of the epochs (as transformers' Trainer does). ``resume``: continue from ``output_dir/checkpoint``; ``stop_after``: run at most that many
     steps in this call (checkpointed; continue with ``resume=True``), to split a long run across jobs with a time
     limit. The final checkpoint is written when training completes. ``callback(step, model)`` is called after
     every optimizer step with the unwrapped model (in training mode; restore it if the callback changes it),
@@ -469,6 +491,11 @@ def finetune(
     base = config.to_dict() if config is not None else {}
     cfg = FinetuneConfig.from_options(**{**base, **settings})  # unknown names: ValueError with the valid ones
     cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
+    if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate's device here: the CPU
+        raise ValueError(  # accelerate turns fp16 off on a CPU without a word: the run was float32, recorded as fp16
+            "mixed_precision fp16 (--mixed-precision) needs a GPU: on a CPU accelerate trains in float32 without a "
+            "word; use bf16 there, or no"
+        )
     entries = None if method is None else layer_entries(method)
     if entries is not None:  # a folder or patched layers: layer by layer, only the layers they hold
         setup = Setup(PER_LAYER, {"layers": entries})
@@ -488,6 +515,7 @@ def finetune(
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
     if resume:  # before anything is loaded (a checkpoint of another method would not even load)
         _check_resume(state_dir, run)
+    _check_head_size(model, task_def)
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)
     origin = "the patched layers given" if isinstance(method, dict) else method
     tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin)

@@ -142,7 +142,8 @@ class WikiText(Task):
 
     def train_protocol(self, max_length):
         return (
-            f"consecutive [CLS] chunk [SEP] windows of {max_length} tokens over the whole split, masked anew in every "
+            f"consecutive [CLS] chunk [SEP] windows of {max_length} tokens from the split's start (all of them, or the "
+            f"first `limit`, as the record's limit says), masked anew in every "
             f"epoch (BERT's dynamic masking): {MASK_FRACTION:.0%} of each chunk's positions drawn from (seed, epoch, "
             "window), of which 80 % become [MASK], 10 % a random non-special token and 10 % stay; cross-entropy at "
             "those positions"
