@@ -698,7 +698,17 @@ def load_pretrained(
         if os.path.isdir(name_or_path):
             saved.check_tokenizer_folder(name_or_path)
         tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
-    model = classes[task].from_pretrained(name_or_path, **kwargs)
+    try:
+        model = classes[task].from_pretrained(name_or_path, **kwargs)
+    except RuntimeError as e:  # transformers' refusal of a head of other sizes: one line, naming what was asked
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        asked = ", ".join(f"{k}={v}" for k, v in kwargs.items() if k == "num_labels") or "the task's"
+        raise ValueError(
+            f"{name_or_path}: its {task} head's weights have other sizes than the head asked for ({asked}, e.g. "
+            "another number of labels); use it on a task its head fits, or start from a checkpoint without that head "
+            "(its encoder: AutoModel.from_pretrained(...).save_pretrained(folder))"
+        ) from None
     saved.check_vocabulary(str(name_or_path), len(tokenizer), model.get_input_embeddings().num_embeddings)
     return model, tokenizer
 

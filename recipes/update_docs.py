@@ -368,7 +368,7 @@ def minilm_mlm_block(path: str = MINILM_MLM) -> str:
     return (
         f"**MiniLM-L6 with a masked-LM head** (`python recipes/minilm_mlm.py`; {_provenance_line(r['provenance'])}): "
         f"fine-tuned on the {ck['features']} WikiText-2 validation windows of {s['max_length']} tokens, "
-        f"{s['epochs']:g} epoch(s), {s['steps']} steps of {s['batch_size']} windows, learning rate "
+        f"{s.get('epochs_run', s['epochs']):g} epoch(s), {s['steps']} steps of {s['batch_size']} windows, learning rate "
         f"{s['learning_rate']:g} (training loss {losses[0]:.2f} nats at the first step, {sum(tail) / len(tail):.2f} "
         f"over the last {len(tail)}); CPU wall time fine-tuning {w['finetune'] / 60:.0f} min, evaluation "
         f"{evaluations} ({r['provenance']['torch_threads']} torch threads). Bits per token = masked-LM loss / ln 2 "

@@ -3,6 +3,7 @@ models, cross-fitting halves and SQuAD's training targets."""
 
 import json
 import re
+import shutil
 import warnings
 
 import pytest
@@ -53,17 +54,39 @@ def test_the_record_says_how_many_epochs_max_steps_ran_and_the_limit(base_model,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 runs on a GPU")
-def test_fp16_on_a_cpu_and_a_head_of_another_size_are_refused_in_one_line(base_model, fixture_dir, tmp_path, capsys):
-    """accelerate turns fp16 off on a CPU without a word (the run was float32, recorded as fp16); a checkpoint whose
-    classification head has another label count had crashed with transformers' traceback."""
+def test_fp16_on_a_cpu_is_refused(base_model, fixture_dir, tmp_path, monkeypatch):
+    """accelerate turns fp16 off on a CPU without a word: the run was float32, recorded as fp16."""
     with pytest.raises(ValueError, match="fp16 .* needs a GPU"):
         _run(base_model, fixture_dir, tmp_path / "a", max_steps=1, mixed_precision="fp16")
+
+
+def test_a_head_of_other_sizes_is_refused_in_one_line_and_a_span_head_is_sized_for_spans(
+    base_model, fixture_dir, tmp_path, capsys
+):
+    """A checkpoint whose classification head has another label count had crashed with transformers' traceback;
+    on SQuAD the config's label count had sized the fresh span head (3 outputs, then a failed unpacking)."""
     three = write_checkpoint(tmp_path / "three", "sequence-classification", num_labels=3)
     argv = ["finetune", "--model", str(three), "--task", "rte", "--data-dir", str(fixture_dir), "--train-split",
             "dev/0", "--max-steps", "1", "--output-dir", str(tmp_path / "b"), "--quiet"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "classification head has 3 label(s) and rte needs 2" in err
+    assert err.count("\n") == 1 and "sequence-classification head's weights have other sizes" in err
+    assert "num_labels=2" in err
+    rec = _run(str(three), fixture_dir, tmp_path / "qa", task="squad", max_steps=1, limit=2)
+    assert len(rec["losses"]) == 1 and rec["head"]["fresh"]
+
+
+def test_a_partial_run_records_the_epochs_so_far_and_no_data_is_refused(base_model, fixture_dir, tmp_path):
+    rec = _run(base_model, fixture_dir, tmp_path / "p", max_steps=6, limit=8, stop_after=2, warmup=0.0)
+    assert rec["partial"] and rec["settings"]["epochs_run"] == 1 and rec["settings"]["steps"] == 6
+    empty = tmp_path / "data"
+    shutil.copytree(fixture_dir, empty)
+    rows = (empty / "glue/RTE/dev.tsv").read_text().splitlines()
+    (empty / "glue/RTE/dev.tsv").write_text("\n".join(rows[:2]) + "\n")  # one example: one half of it is empty
+    half = next(h for h in ("dev/0", "dev/1") if not cross_fit_half(get_task("rte").load("dev", data_dir=str(empty),
+                                                                              source="local")[0], int(h[-1])))  # fmt: skip
+    with pytest.raises(ValueError, match=f"rte {half}: no examples to train on"):
+        _run(base_model, empty, tmp_path / "e", max_steps=1, train_split=half)
 
 
 def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_path):

@@ -359,7 +359,11 @@ def _add_finetune_parser(sub) -> None:
     p.add_argument("--train-split", default="train", help="split to train on (default train; dev/0 for a half)")
     p.add_argument("--eval-split", help="split to evaluate on at the end (e.g. dev, dev/1)")
     _data_args(p)
-    p.add_argument("--limit", type=int, help="first N training examples only (--eval-split is scored whole)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        help="N training examples only, as the task's limit reads them (--eval-split is scored whole)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
     p.add_argument("--stop-after", type=int, help="stop after N steps in this call (continue later with --resume)")
     p.add_argument("--quiet", action="store_true")

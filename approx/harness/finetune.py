@@ -170,21 +170,12 @@ def _head(net: torch.nn.Module, model: str, head: str) -> dict[str, Any]:
     return record
 
 
-def _check_head_size(model: str, task: Task) -> None:
-    """Refuse, before it loads, a checkpoint whose classification head has another number of labels than the task
-    (transformers would raise its own error, a traceback on the command line)."""
-    wanted = task.head_options().get("num_labels")
-    if wanted is None or "sequence-classification" not in checkpoint_heads(model):
-        return
-    from transformers import AutoConfig
+def _trains_on_cpu() -> bool:
+    """Whether accelerate will train on the CPU: ``_start`` asks for it without CUDA, and ``ACCELERATE_USE_CPU``
+    (``accelerate launch --cpu``) forces it (read before an ``Accelerator`` is made, whose state is process-wide)."""
+    from accelerate.utils import parse_flag_from_env
 
-    have = AutoConfig.from_pretrained(model).num_labels
-    if have != wanted:
-        raise ValueError(
-            f"{model}: its classification head has {have} label(s) and {task.name} needs {wanted}; fine-tune from a "
-            "checkpoint without that head (its encoder: AutoModel.from_pretrained(...).save_pretrained(folder)) or "
-            f"with {wanted}"
-        )
+    return not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
 
 
 def _schedule(optimizer, warmup: int, total: int):
@@ -249,6 +240,8 @@ def _start(
     elif setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
+    if not features:  # nothing to learn from: a traceback (or a model saved untrained) otherwise
+        raise ValueError(f"{task.name}: the training data holds no examples to train on ({len(examples)} read)")
     positions = _extend_for_training(net, tokenizer, cfg.max_length, features)
     sampler, collate = _EpochSampler(len(features), cfg.seed), _Collate(task, tokenizer, cfg.seed)
     # its own generator: making an iterator (every epoch, and on resuming mid-epoch) then draws nothing from the
@@ -402,7 +395,7 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
             "epochs": cfg.epochs,
             "max_steps": cfg.max_steps,
             "steps": tr.total,  # max_steps, or the epochs' steps
-            "epochs_run": round(tr.total / tr.steps_per_epoch, 4),
+            "epochs_run": round(tr.step / tr.steps_per_epoch, 4),  # a partial run: so far
             "learning_rate": cfg.learning_rate,
             "weight_decay": cfg.weight_decay,
             "warmup": cfg.warmup,
@@ -491,7 +484,7 @@ def finetune(
     base = config.to_dict() if config is not None else {}
     cfg = FinetuneConfig.from_options(**{**base, **settings})  # unknown names: ValueError with the valid ones
     cfg = dataclasses.replace(cfg, max_length=cfg.max_length or task_def.default_max_length)
-    if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate's device here: the CPU
+    if cfg.mixed_precision == "fp16" and _trains_on_cpu():
         raise ValueError(  # accelerate turns fp16 off on a CPU without a word: the run was float32, recorded as fp16
             "mixed_precision fp16 (--mixed-precision) needs a GPU: on a CPU accelerate trains in float32 without a "
             "word; use bf16 there, or no"
@@ -515,8 +508,9 @@ def finetune(
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
     if resume:  # before anything is loaded (a checkpoint of another method would not even load)
         _check_resume(state_dir, run)
-    _check_head_size(model, task_def)
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)
+    if not examples:  # before the model loads
+        raise ValueError(f"{task_def.name} {train_split}: no examples to train on")
     origin = "the patched layers given" if isinstance(method, dict) else method
     tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin)
     tr.run = run

@@ -278,7 +278,9 @@ class Squad(Task):
         return feats
 
     def head_options(self) -> dict[str, Any]:
-        return {}
+        # a span head: start and end. Said, as the config's num_labels would otherwise size a fresh head (a
+        # 3-label classification checkpoint's gave 3 outputs, and training failed on unpacking them)
+        return {"num_labels": 2}
 
     def outputs(self, model_output, inputs, features, mode):
         start, end = model_output.start_logits.float().cpu(), model_output.end_logits.float().cpu()
