@@ -466,9 +466,9 @@ def finetune(
     ``batch_size``, ``redraw_every``, ...), over ``config`` when both are given. ``method``: patch the model
     before training (``"favor"``, ``"clustered:clusters=25"``, a config...); ``redraw_every``: redraw the
     method's random state every that many optimizer steps. ``epochs`` may be fractional; ``max_steps`` sets the
-    number of optimizer steps in place of the epochs (as transformers' Trainer does). ``resume``: continue from ``output_dir/checkpoint``; ``stop_after``: run at most that many
-    steps in this call (checkpointed; continue with ``resume=True``), to split a long run across jobs with a time
-    limit. The final checkpoint is written when training completes. ``callback(step, model)`` is called after
+    number of optimizer steps in place of the epochs (as transformers' Trainer does). ``resume``: continue from
+    ``output_dir/checkpoint``; ``stop_after``: run at most that many steps in this call (checkpointed; continue with
+    ``resume=True``), to split a long run across jobs with a time limit. The final checkpoint is written when training completes. ``callback(step, model)`` is called after
     every optimizer step with the unwrapped model (in training mode; restore it if the callback changes it),
     e.g. to evaluate during training.
 
