@@ -705,7 +705,7 @@ def load_pretrained(
             raise
         asked = ", ".join(f"{k}={v}" for k, v in kwargs.items() if k == "num_labels") or "the task's"
         raise ValueError(
-            f"{name_or_path}: its {task} head's weights have other sizes than the head asked for ({asked}, e.g. "
+            f"{name_or_path}: its {task or 'encoder'} weights have other sizes than the model asked for ({asked}, e.g. "
             "another number of labels); use it on a task its head fits, or start from a checkpoint without that head "
             "(its encoder: AutoModel.from_pretrained(...).save_pretrained(folder))"
         ) from None

@@ -187,9 +187,10 @@ def warn_seed_record(layers: list[ApproxAttention]) -> None:
         return
     seeds = sorted({layer.config.seed for layer in wrong})
     said = ", ".join(map(str, seeds))
+    where = ", ".join(str(layer.layer_index) for layer in wrong)
     warnings.warn(
         f"approx: the {', '.join(sorted({layer.method.name for layer in wrong}))} state loaded into "
-        f"{'a patched layer' if len(wrong) == 1 else f'{len(wrong)} patched layers'} was not drawn from its seed "
+        f"layer{'s' if len(wrong) > 1 else ''} {where} was not drawn from its seed "
         f"option ({said}); approx.settings and approx.save go on recording seed {said}, from which approx.patch would "
         "draw other state (the loaded state is kept and saved). If approx.redraw(model, seed=S) drew it (a "
         "RedrawSchedule draws seed + k), calling approx.redraw(model, seed=S) again records S and draws the same state",

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-tokens", type=at_least(0), default=1)
     p.add_argument("--block", type=at_least(1), default=64, help="block size of both kernels")
     p.add_argument("--repeats", type=at_least(1), default=3)
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (CPU); default: torch's")
+    p.add_argument("--threads", type=at_least(0), default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)

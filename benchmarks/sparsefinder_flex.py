@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=at_least(1), nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--block", type=at_least(1), default=64, help="FlexAttention's block size")
     p.add_argument("--repeats", type=at_least(1), default=3)
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (CPU); default: torch's")
+    p.add_argument("--threads", type=at_least(0), default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, help="default: benchmarks/results/sparsefinder_flex_<device type>.json")

@@ -33,7 +33,7 @@ from _shared import RESULTS, ROOT, write_json  # noqa: E402
 
 import approx  # noqa: E402
 from approx.harness.provenance import provenance  # noqa: E402
-from approx.harness.resampling import interval_text, paired_interval  # noqa: E402
+from approx.harness.resampling import interval_text, level_label, paired_interval  # noqa: E402
 from approx.harness.spec import short_label  # noqa: E402
 from approx.harness.tasks import get_task  # noqa: E402
 from approx.integration import checkpoint_heads, load_pretrained  # noqa: E402
@@ -176,7 +176,7 @@ def markdown(payload: dict[str, Any]) -> str:
     level = payload["level"]
     rows = [
         f"| record | task | cost | uniform setting | its cost | its metric | best tuned at no more cost | tuned minus uniform "
-        f"({level:.0%} interval) | verdict | reproduced |",
+        f"({level_label(level)} interval) | verdict | reproduced |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for c in payload["cases"]:

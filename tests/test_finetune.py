@@ -60,17 +60,33 @@ def test_fp16_on_a_cpu_is_refused(base_model, fixture_dir, tmp_path, monkeypatch
         _run(base_model, fixture_dir, tmp_path / "a", max_steps=1, mixed_precision="fp16")
 
 
+def test_accelerate_trains_on_the_cpu_without_cuda_or_when_told(monkeypatch):
+    """The fp16 refusal follows accelerate's own choice of the CPU: no CUDA, or ACCELERATE_USE_CPU (accelerate
+    launch --cpu), where fp16 is dropped without a word even on a GPU machine."""
+    from approx.harness.finetune import _trains_on_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert not _trains_on_cpu()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    assert _trains_on_cpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    assert _trains_on_cpu()
+
+
 def test_a_head_of_other_sizes_is_refused_in_one_line_and_a_span_head_is_sized_for_spans(
     base_model, fixture_dir, tmp_path, capsys
 ):
     """A checkpoint whose classification head has another label count had crashed with transformers' traceback;
     on SQuAD the config's label count had sized the fresh span head (3 outputs, then a failed unpacking)."""
     three = write_checkpoint(tmp_path / "three", "sequence-classification", num_labels=3)
+    capsys.readouterr()  # writing it may show a progress bar
     argv = ["finetune", "--model", str(three), "--task", "rte", "--data-dir", str(fixture_dir), "--train-split",
             "dev/0", "--max-steps", "1", "--output-dir", str(tmp_path / "b"), "--quiet"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "sequence-classification head's weights have other sizes" in err
+    assert err.count("\n") == 1 and "sequence-classification weights have other sizes" in err
     assert "num_labels=2" in err
     rec = _run(str(three), fixture_dir, tmp_path / "qa", task="squad", max_steps=1, limit=2)
     assert len(rec["losses"]) == 1 and rec["head"]["fresh"]

@@ -260,7 +260,11 @@ def _add_eval_parser(sub) -> None:
     )
     _data_args(p)
     p.add_argument("--split", help="split to evaluate (default: the task's, dev or test)")
-    p.add_argument("--limit", type=int, help="first N examples only (WikiText: N windows), for quick looks")
+    p.add_argument(
+        "--limit",
+        type=int,
+        help="N examples only, for quick looks (the first N; squad-doc: round-robin over the articles; WikiText: N windows)",
+    )
     p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
     p.add_argument("--batch-size", type=int, default=32, help="inputs per batch (default 32)")
     p.add_argument("--seed", type=int, default=0, help="torch seed, and the seed of methods that have one (default 0)")
@@ -739,7 +743,9 @@ def _add_autotune_parser(sub) -> None:
         "--split",
         help="the task's split to calibrate on (default: the task's); keep it apart from the one you evaluate on",
     )
-    p.add_argument("--limit", type=int, help="first N examples of the split")
+    p.add_argument(
+        "--limit", type=int, help="N examples of the split (the first N; squad-doc: round-robin over the articles)"
+    )
     p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
     p.add_argument("--windows", type=int, help="without --task: WikiText-2 validation windows (default 16)")
     p.add_argument("--length", type=int, help="without --task: tokens per window (default 512)")

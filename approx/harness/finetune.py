@@ -89,7 +89,7 @@ class FinetuneConfig(MethodConfig):
     batch_size: int = option(32, "inputs per batch (per process)")
     max_length: int | None = option(None, "max tokens per input (default: the task's)")
     seed: int = option(0, "seed of the data order, a fresh head's weights and the method's random state")
-    mixed_precision: str = option("no", "accelerate mixed precision: no, fp16 or bf16")
+    mixed_precision: str = option("no", "accelerate mixed precision: no, fp16 (GPU only) or bf16")
     redraw_every: int | None = option(None, "redraw the method's random state every N steps (default: never)")
     checkpoint_every: int | None = option(None, "also save training state every N steps (default: every epoch)")
     attention_dropout: float | None = option(
@@ -384,7 +384,7 @@ def _record(tr: _Training, task: Task, model: str, train_split, eval_split, exam
         # the seed of the method's random state at the end, when --redraw-every redrew it (the model's settings)
         **({"state_seed": _state_seed(tr)} if tr.setup is not None and _state_seed(tr) is not None else {}),
         "train_split": train_split,
-        "limit": (tr.run or {}).get("limit"),  # the first N training examples (WikiText: windows), or None: all
+        "limit": (tr.run or {}).get("limit"),  # N training examples as the task's limit reads them, or None: all
         "eval_split": eval_split,
         "head": tr.head,
         **({"positions": tr.positions} if tr.positions else {}),
