@@ -299,6 +299,22 @@ def test_cli_autotune_extends_positions_for_longer_inputs_and_records_it(tmp_pat
     assert position_limit(approx.load(out)) == 530
 
 
+def test_cli_autotune_extends_positions_for_a_tasks_longer_inputs(tmp_path, data_dir):
+    """The same from a task's inputs (batches of input dicts): squad-doc's windows of --max-length tokens over the
+    real articles (the fixture's are shorter than 512 tokens)."""
+    from evalfixtures import write_checkpoint
+
+    from approx.positions import position_limit
+
+    reader = write_checkpoint(tmp_path / "qa", "question-answering")
+    out = tmp_path / "tuned-doc"
+    argv = ["autotune", "--model", str(reader), "--data-dir", str(data_dir), "--task", "squad-doc", "--split", "dev",
+            "--limit", "4", "--max-length", "600", "--method", "efficient", "--output-dir", str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads((out / "approx_autotune.json").read_text())["calibration_data"]
+    assert record["positions"]["extended_to"] == 600 and position_limit(approx.load(out)) == 600
+
+
 @pytest.mark.parametrize(
     "split, score_split, max_length, words, note",
     [
