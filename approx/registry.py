@@ -12,6 +12,7 @@ exact attention (``exact_limit``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -242,6 +243,48 @@ def _row_lengths(b: int, n: int, key_mask: torch.Tensor | None) -> list[int]:
 _METHODS: Registry[Method] = Registry("attention method", "approx.attention", plural="methods")
 
 
+def _empty_safe(attend: AttendFn) -> AttendFn:
+    """``attend`` that gives an input without any query or key (B, N or S = 0) an output of zeros (B, H, N, dv) without
+    calling the method: a softmax over no key is 0, as torch's SDPA gives, and a method's arithmetic (chunk sizes,
+    block counts, maxima over the keys) need not expect empty tensors. The zeros stay attached to the inputs' graph."""
+
+    @functools.wraps(attend)
+    def guarded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if q.shape[0] and q.shape[-2] and k.shape[-2]:
+            return attend(q, k, v, **kwargs)
+        zeros = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        return zeros + 0 * (q.sum() + k.sum() + v.sum()) if torch.is_grad_enabled() else zeros
+
+    return guarded
+
+
+def _empty_safe_weights(weights: WeightsFn | None) -> WeightsFn | None:
+    """``weights`` that gives an input without any query or key an empty (B, H, N, S) matrix (see :func:`_empty_safe`)."""
+    if weights is None:
+        return None
+
+    @functools.wraps(weights)
+    def guarded(q: torch.Tensor, k: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if q.shape[0] and q.shape[-2] and k.shape[-2]:
+            return weights(q, k, **kwargs)
+        return q.new_zeros(*q.shape[:-1], k.shape[-2])
+
+    return guarded
+
+
+def _empty_safe_cost(cost: CostFn) -> CostFn:
+    """``cost`` that is 0 where there is no query or no key (nothing to attend), whatever the method's formula counts
+    for the other side (a kernel method's feature maps of the queries, a hash of the keys)."""
+
+    @functools.wraps(cost)
+    def guarded(config: MethodConfig, *, n: int, s: int, **kwargs: Any) -> Cost:
+        if n <= 0 or s <= 0:
+            return Cost(0, 0, 0)
+        return cost(config, n=n, s=s, **kwargs)
+
+    return guarded
+
+
 def register(
     name: str,
     config_class: type[MethodConfig],
@@ -275,10 +318,10 @@ def register(
             Method(
                 name,
                 config_class,
-                attend,
-                cost,
+                _empty_safe(attend),
+                _empty_safe_cost(cost),
                 init_state,
-                weights,
+                _empty_safe_weights(weights),
                 summary,
                 fit=fit,
                 stats=stats,
@@ -288,7 +331,7 @@ def register(
                 fit_config=fit_config,
                 fit_when=fit_when,
                 batch_cost=batch_cost,
-                head_cost=head_cost,
+                head_cost=None if head_cost is None else _empty_safe_cost(head_cost),
             ),
         )
         return attend

@@ -274,6 +274,27 @@ def test_cost_is_reported(method):
     assert (empty.flops, empty.qk_pairs) == (0, 0), empty
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(1, 0, 0), (0, 7, 7), (2, 5, 0), (2, 0, 6)], ids=["N=0", "B=0", "S=0", "N=0,S>0"])
+def test_an_empty_input_gives_an_empty_output(method, shape):
+    """No query or no key: zeros of the right shape (a softmax over no key is 0, as full attention gives), gradients
+    that flow, weights of the right shape and a cost of 0 (a kernel method had counted its queries' features with no key). Eight methods had crashed here, each its own way (a chunk
+    step of 0, a maximum over no key, a concatenation of no chunk)."""
+    b, n, s = shape
+    q = torch.randn(b, H, n, D, requires_grad=True)
+    k, v = torch.randn(b, H, s, D), torch.randn(b, H, s, D + 2)
+    lyr = layer(method, **small_budget(method))
+    out = lyr(q, k, v, torch.ones(b, s, dtype=torch.bool) if n == s else None)
+    assert out.shape == (b, H, n, D + 2) and not out.any()
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+    if get_method(method).weights is not None:
+        assert lyr.weights(q.detach(), k).shape == (b, H, n, s)
+    if n == 0 or s == 0:  # (a cost is per batch row: B = 0 has no row to count)
+        cost = get_method(method).cost(lyr.config, n=n, s=s, d=D, dv=D + 2)
+        assert (cost.flops, cost.qk_pairs, cost.matmul_macs) == (0, 0, 0), cost
+
+
 FALLBACK = [m for m in METHODS if "exact_below" in get_method(m).config_class.option_names()]
 
 

@@ -1,6 +1,8 @@
 """Patching real transformers models (tiny ones built from configs): every supported family and task head,
 exactness of ``full``, unpatch, layer selection, save/load, refusals."""
 
+import re
+
 import pytest
 import torch
 from conftest import FAMILIES, HEADS, batch, model_output, tiny_config, tiny_model
@@ -375,3 +377,23 @@ def test_casting_a_patched_model_to_half_precision_keeps_the_state_as_drawn(meth
     with torch.no_grad():
         assert torch.equal(model_output(cast_late, **batch(24, pad=5)), model_output(cast_early, **batch(24, pad=5)))
     assert all(t.dtype == torch.float64 for t in approx.patched_layers(cast_late.double())[0].state().values())
+
+
+def test_one_texts_unbatched_ids_fit_as_a_batch_of_one_and_fail_as_unpatched_in_a_forward():
+    """``approx.fit(model, tokenizer(text))`` (a mapping of 1-D lists) fits on a batch of one: it had crashed with an
+    IndexError from the patched model's question lookup. A forward of 1-D ``input_ids`` fails with the error the
+    unpatched model gives (transformers' own), not inside approx; other shapes are refused naming them."""
+    ids = batch(40)["input_ids"][0]
+    one = {"input_ids": ids.tolist(), "attention_mask": [1] * len(ids)}
+    model = approx.patch(tiny_model("bert"), "sparsefinder")
+    assert approx.fit(model, one, progress=False, steps=2)["layers"] == [0, 1]
+    batched = approx.patch(tiny_model("bert"), "sparsefinder")
+    approx.fit(batched, [{k: torch.tensor([v]) for k, v in one.items()}], progress=False, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), batched.state_dict().values()))
+    with pytest.raises(ValueError, match=r"input_ids \(1, 1, 40\)"):
+        approx.fit(model, {"input_ids": ids[None, None]}, progress=False, steps=2)
+    unpatched = tiny_model("bert")
+    with pytest.raises(Exception) as plain:
+        unpatched(input_ids=ids)
+    with pytest.raises(type(plain.value), match=re.escape(str(plain.value))):
+        approx.patch(unpatched, "window", question_global=True)(input_ids=ids)

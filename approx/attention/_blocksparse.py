@@ -557,11 +557,20 @@ def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: 
     """Two softmax outputs over disjoint pairs, (..., N, dv) with their log-sum-exps (..., N), merged into the
     softmax over both: ``(exp(L1 - L) O1 + exp(L2 - L) O2, L)`` with ``L = logaddexp(L1, L2)``; a query with no
     pair in either gets 0. A running merge holds two outputs where :func:`combine` over a list holds them all
-    (LSH merges each round as it ends). Without gradients to track, ``out`` is overwritten with the result."""
-    total = torch.logaddexp(lse, other_lse)
+    (LSH merges each round as it ends). Without gradients to track, ``out`` is overwritten with the result.
+
+    The log-sum-exps and weights are computed in float64 (from float32 or half log-sum-exps): torch computes
+    ``logaddexp`` and ``exp`` in vector lanes and a scalar tail whose boundaries move with the tensor's size (and
+    its split between threads), and the two round the same input differently in the last bit, so an input's
+    output changed with what else its batch held (LSH: one token by 3e-7 in one layer of MiniLM, then, across near
+    ties in a later layer's sort, by up to 0.2 in its last hidden states). A last-bit difference in float64 is
+    lost when the weights are rounded to the inputs' dtype (but for the rare value within that bit of a rounding
+    boundary). The returned log-sum-exp keeps its dtype."""
+    dt = lse.dtype
+    total = torch.logaddexp(lse.to(torch.float64), other_lse)
     finite = total.masked_fill(torch.isinf(total), 0.0)  # no pair anywhere: both weights exp(-inf) = 0
     w, w_other = torch.exp(lse - finite)[..., None], torch.exp(other_lse - finite)[..., None]
-    w, w_other = w.to(out.dtype), w_other.to(other.dtype)
+    w, w_other, total = w.to(out.dtype), w_other.to(other.dtype), total.to(dt)
     if torch.is_grad_enabled() and (out.requires_grad or other.requires_grad or w.requires_grad):
         return out * w + other * w_other, total
     return out.mul_(w).addcmul_(other, w_other), total

@@ -84,7 +84,10 @@ def question_of(
     ``token_type_ids`` (the first SEP closes segment 0: it is the token just before the first token of segment 1).
     A row without a SEP (or without a second segment) has no question. None when neither input is given or when no
     row has a question (e.g. single-segment inputs): a method that needs one then says so instead of running
-    without it."""
+    without it. Inputs that are not (B, N) (one text's ids unbatched) have none: the model's own check refuses them
+    as it would unpatched."""
+    if (input_ids is not None and input_ids.dim() != 2) or (token_type_ids is not None and token_type_ids.dim() != 2):
+        return None
     if sep_token_id is not None and input_ids is not None:
         is_sep = input_ids == sep_token_id
         # a second segment: a SEP after the first (BERT's [SEP] q [SEP] c [SEP], RoBERTa's </s></s>); a single

@@ -238,9 +238,11 @@ def _merge_round(out, lse, so, slse, src, w: _Scratch) -> None:
         o = torch.index_select(so, 0, src[a:b], out=w.prev[: b - a])
         o_lse = torch.index_select(slse, 0, src[a:b], out=w.prev_lse[: b - a])
         prev, prev_lse = out[a:b], lse[a:b]
-        total = torch.logaddexp(prev_lse, o_lse)
+        # the weights in float64 (see _blocksparse.merge: the same bits whatever the batch holds)
+        total = torch.logaddexp(prev_lse.to(torch.float64), o_lse)
         finite = total.masked_fill(torch.isinf(total), 0.0)  # guards a -inf in both (rows always have a pair)
-        prev.mul_((prev_lse - finite).exp_()[:, None]).addcmul_(o, (o_lse - finite).exp_()[:, None])
+        w_prev, w_o = (prev_lse - finite).exp_().to(prev.dtype), (o_lse - finite).exp_().to(prev.dtype)
+        prev.mul_(w_prev[:, None]).addcmul_(o, w_o[:, None])
         prev_lse.copy_(total)
 
 

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 def input_list(data: Iterable | Mapping) -> list:
     """``data`` as a list of input dicts (batches: any mapping, e.g. a tokenizer's ``BatchEncoding``, and one alone
-    is one batch) or of token-id lists; a ``ValueError`` naming the item for anything else (text, a number)."""
+    is one batch; a mapping of 1-D values, one text's ids as ``tokenizer(text)`` gives them, is a batch of one) or
+    of token-id lists; a ``ValueError`` naming the item for anything else (text, a number, other shapes)."""
     if isinstance(data, Mapping):
         data = [data]
     items = [dict(x) if isinstance(x, Mapping) else x for x in data]
@@ -50,6 +51,14 @@ def input_list(data: Iterable | Mapping) -> list:
                             f"input {i}: {key!r} is not a tensor, nor rows of one length: pad the batch "
                             "(tokenizer(..., padding=True, return_tensors='pt'))"
                         ) from None
+            dims = {value.dim() for value in x.values() if isinstance(value, torch.Tensor)}
+            if dims == {1}:  # one text's ids, unbatched (tokenizer(text)): a batch of one
+                x.update((key, value[None]) for key, value in x.items() if isinstance(value, torch.Tensor))
+            elif dims - {2}:
+                shapes = ", ".join(f"{key} {tuple(value.shape)}" for key, value in x.items())
+                raise ValueError(
+                    f"input {i}: {shapes}: give (batch, tokens) tensors, or one text's 1-D ids (a batch of one)"
+                )
             continue
         if isinstance(x, (str, bytes)) or not hasattr(x, "__len__") or not hasattr(x, "__iter__"):
             raise ValueError(
