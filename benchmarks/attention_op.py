@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, check_device
 from approx.harness.provenance import provenance
 
 B, H, D = 1, 12, 64
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["float32", "float16", "bfloat16"],
         help="dtype of q, k, v (half precision: SDPA picks FlashAttention on a GPU)",
     )
-    p.add_argument("--sdpa-max", type=int, default=16384, help="largest N for the SDPA baseline (O(N^2) time)")
+    p.add_argument("--sdpa-max", type=at_least(1), default=16384, help="largest N for the SDPA baseline (O(N^2) time)")
     p.add_argument(
         "--fallback",
         action="append",
@@ -118,10 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="override a method option (repeatable)",
     )
     p.add_argument(
-        "--eager-max", type=int, default=4096, help="largest N for the eager baseline and dense methods (N^2 memory)"
+        "--eager-max",
+        type=at_least(1),
+        default=4096,
+        help="largest N for the eager baseline and dense methods (N^2 memory)",
     )
     p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of the random inputs")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument(
         "--no-ops", action="store_true", help="skip counting the operator calls of one call (torch.profiler events)"
@@ -174,6 +177,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if method not in args.methods or not item.endswith("]") or not pairs or any(not eq for _, eq, _ in pairs):
             p.error(f"--variant {item!r}: expected METHOD[KEY=VALUE,...] with METHOD in {args.methods}")
         args.variants[item] = (method, {k: _value(v) for k, _, v in pairs})
+    try:  # a device this machine lacks, an option value a method refuses: one line now, not a traceback later
+        check_device(args.device)
+        all_configs(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 

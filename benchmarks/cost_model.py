@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lengths", type=at_least(1), nargs="+", default=[2**i for i in range(9, 17)], help="sequence lengths"
     )
-    p.add_argument("--methods", nargs="+", default=None, help="methods (default: all registered)")
+    p.add_argument(
+        "--methods", nargs="+", default=None, choices=approx.methods(), metavar="METHOD",
+        help="methods (default: all registered)",
+    )  # fmt: skip
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/cost_model.json", help="JSON path (PNG next to it)"
     )

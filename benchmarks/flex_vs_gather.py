@@ -41,7 +41,7 @@ from approx import ApproxAttention
 from approx.attention import _blocksparse, _flex
 from approx.attention import window as window_mod
 from approx.attention.window import WindowConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, device_checked
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,9 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=at_least(0), default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "flex_vs_gather_cpu.json")
-    return p.parse_args(argv)
+    return device_checked(p, p.parse_args(argv))
 
 
 def flex_block_mask(config: WindowConfig, n: int, device: str):

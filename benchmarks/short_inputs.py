@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
     p.add_argument("--padding", action=argparse.BooleanOptionalAction, default=True, help="rows of N/2 ... N tokens")
     p.add_argument("--setups", nargs="+", default=None, help=f"labels to run (default all: {', '.join(LABELS)})")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--no-memory", action="store_true", help="skip the allocation peaks")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks/out/short_inputs.json", help="JSON path")
     p.add_argument("--replot", type=Path, default=None, help="only draw the PNG of a result JSON again")

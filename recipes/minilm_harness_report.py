@@ -17,7 +17,8 @@ halves) and LSH (2 rounds of 32). Most STS-B sentences fit these budgets, and th
 Nyström, whole: each result's ``fidelity.exact_inputs`` (the notes under the report's table) counts the inputs on
 which a method ran exact attention.
 
-    python recipes/minilm_harness_report.py     # about 12 minutes on 2 CPU cores (298 s and 384 s on 2026-11-29, at 074805b)
+    python recipes/minilm_harness_report.py     # about 12 minutes on 2 CPU cores (299 s and 413 s at a8b55e2)
+    python recipes/minilm_harness_report.py --only stsb --limit 16 --results-dir /tmp/h   # smoke
 
 Writes recipes/results/minilm_stsb_zero_shot.json and recipes/results/minilm_wikitext2_harness.json (one
 result per method, with provenance) and prints the tables with each run's wall time.
@@ -35,6 +36,7 @@ from approx.attention.clustered import ClusteredConfig
 from approx.attention.entmax import EntmaxConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
+from approx.harness.argcheck import at_least
 from approx.harness.data import default_model_path
 from approx.harness.evaluation import markdown_report
 
@@ -67,12 +69,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
     parser.add_argument("--only", choices=[t for t, _, _ in RUNS], help="run one task only")
+    parser.add_argument(
+        "--limit", type=at_least(1), help="first N examples of each task (smoke runs; default: the runs')"
+    )
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where the JSON go (default recipes/results)")
     args = parser.parse_args(argv)
     for task, options, filename in RUNS:
         if args.only and task != args.only:
             continue
+        options = {**options, **({} if args.limit is None else {"limit": args.limit})}
         results = approx.evaluate(default_model_path(), task, METHODS, data_dir=args.data_dir, **options)
-        out = RESULTS / filename
+        out = args.results_dir / filename
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2) + "\n")
         print(markdown_report(results, model_label=MINILM_LABEL))
         print(f"\nwall time {results[0]['provenance']['wall_seconds']:.0f} s; wrote {out}\n")

@@ -41,6 +41,7 @@ first step, 5.6 over the last 10), so ``--epochs 3`` should do better, at about 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 import approx
+from approx.harness.argcheck import at_least
 from approx.harness.finetune import FinetuneConfig
 from approx.harness.provenance import provenance
 from approx.integration import load_pretrained
@@ -128,15 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="bare encoder to give a masked-LM head (default: MiniLM-L6 from the wheel)")
     p.add_argument("--epochs", type=float, help=f"fine-tuning epochs (default {TRAINING.epochs})")
-    p.add_argument("--max-steps", type=int, help="cap the fine-tuning's optimizer steps (smoke runs)")
-    p.add_argument("--train-limit", type=int, help="fine-tune on the first N windows of valid only (smoke runs)")
-    p.add_argument("--windows", type=int, help="test windows per length (default: every window the split holds)")
+    p.add_argument("--max-steps", type=at_least(1), help="cap the fine-tuning's optimizer steps (smoke runs)")
     p.add_argument(
-        "--lengths", type=int, nargs=2, default=list(LENGTHS), metavar=("TRAINED", "LONG"),
+        "--train-limit", type=at_least(1), help="fine-tune on the first N windows of valid only (smoke runs)"
+    )
+    p.add_argument(
+        "--windows", type=at_least(1), help="test windows per length (default: every window the split holds)"
+    )
+    p.add_argument(
+        "--lengths", type=at_least(3), nargs=2, default=list(LENGTHS), metavar=("TRAINED", "LONG"),
         help="the fine-tuned length and the zero-shot one (default 512 4096)",
     )  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=8, help="evaluation windows per batch at the trained length")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--batch-size", type=at_least(1), default=8, help="evaluation windows per batch at the trained length"
+    )
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="cache of fine-tuned checkpoints")
     p.add_argument("--results", type=Path, default=RESULTS / "minilm_mlm.json", help="the result file")
@@ -152,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
 
     base = args.model or default_model_path()
     trained, long = args.lengths
+    config = Path(base) / "config.json"  # (a hub id: checked when its positions are extended)
+    positions = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    if positions is not None and not trained <= positions < long:
+        raise SystemExit(
+            f"--lengths {trained} {long}: the model has {positions} positions; TRAINED must be at most {positions} "
+            f"(it is fine-tuned there) and LONG more than {positions} (read zero-shot with its positions copied)"
+        )
     chosen = settings(args)
     with Timer() as t_ft:
         folder, record, reused = ensure_checkpoint(

@@ -34,6 +34,7 @@ import approx
 from approx.attention import sparsefinder as sf
 from approx.attention._fitting import gold_graph
 from approx.attention.sparsefinder import SparsefinderConfig
+from approx.harness.argcheck import at_least
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches, graph_summary
 from approx.harness.provenance import provenance
@@ -188,11 +189,13 @@ def plot(curves: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
-    parser.add_argument("--fit-windows", type=int, default=16, help="validation windows to fit on (default 16)")
-    parser.add_argument("--test-windows", type=int, default=16, help="test windows to measure on (default 16)")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per layer (default 300)")
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the 2 cores are shared)")
+    parser.add_argument("--fit-windows", type=at_least(1), default=16, help="validation windows to fit on (default 16)")
+    parser.add_argument("--test-windows", type=at_least(1), default=16, help="test windows to measure on (default 16)")
+    parser.add_argument("--steps", type=at_least(1), default=300, help="optimizer steps per layer (default 300)")
+    parser.add_argument("--length", type=at_least(3), default=512)
+    parser.add_argument(
+        "--threads", type=at_least(1), default=1, help="torch threads (default 1: the 2 cores are shared)"
+    )
     parser.add_argument("--output", default=str(RESULTS / "minilm_sparsefinder.json"))
     args = parser.parse_args(argv)
     wall = time.perf_counter()

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 import approx
+from approx.harness.argcheck import at_least
 from approx.harness.provenance import provenance
 from approx.harness.spec import short_label
 from approx.integration import load_pretrained
@@ -285,7 +286,9 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     provenance (the first run's taken from ``old`` when it has none); ``best`` is recomputed."""
     check_mergeable(old, new)
     fresh = {_result_key(r): r for r in new["results"]}
-    kept = [r for r in old["results"] if _result_key(r) not in fresh]
+    # (a record merged before a new option was normalised in the key holds a setting twice: the later result stands)
+    latest = {_result_key(r): i for i, r in enumerate(old["results"])}
+    kept = [r for i, r in enumerate(old["results"]) if _result_key(r) not in fresh and latest[_result_key(r)] == i]
     replaced = [short_label(r["method"]) for r in old["results"] if _result_key(r) in fresh]
     order = {name: i for i, name in enumerate(METHODS)}
     sets = list(old["layer_sets"])
@@ -499,17 +502,20 @@ def common_parser() -> argparse.ArgumentParser:
     outputs."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=["cpu", "gpu"], default="gpu" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--questions", type=int, help="questions read in all (default: the profile's)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--questions", type=at_least(1), help="questions read in all (default: the profile's)")
+    p.add_argument("--batch-size", type=at_least(1), default=16)
+    p.add_argument("--threads", type=at_least(1), help="torch CPU threads")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument("--source", choices=["auto", "local", "hub"])
     p.add_argument("--model", help="base model of the reader (default: MiniLM-L6)")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="the checkpoint cache")
-    p.add_argument("--max-steps", type=int, help="smoke runs: cap the reader's fine-tuning steps")
-    p.add_argument("--train-limit", type=int, help="smoke runs (with --max-steps): first N training questions")
+    p.add_argument("--max-steps", type=at_least(1), help="smoke runs: cap the reader's fine-tuning steps")
+    p.add_argument("--train-limit", type=at_least(1), help="smoke runs (with --max-steps): first N training questions")
     p.add_argument("--output", type=Path, default=OUTPUT)
-    p.add_argument("--figure", type=Path, default=FIGURE)
+    p.add_argument(
+        "--figure", type=Path, default=FIGURE,
+        help="default: the recipe's figure in recipes/results/figures; beside --output (as .png) when that is not the default",
+    )  # fmt: skip
     p.add_argument("--report", action="store_true", help="only print the tables and redraw the figure")
     p.add_argument("--quiet", action="store_true")
     return p

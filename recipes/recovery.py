@@ -28,6 +28,7 @@ import torch
 
 import approx
 from approx.config import MethodConfig
+from approx.harness.argcheck import at_least
 from approx.harness.finetune import FinetuneConfig, finetune
 from approx.harness.provenance import provenance
 from approx.harness.spec import parse_setup
@@ -93,18 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_METHODS,
         help="methods to swap in, each name[:opt=val,...] (default: %(default)s); run one after another",
     )
-    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of each patched model")
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--steps", type=at_least(1), default=60, help="fine-tuning steps of each patched model")
+    p.add_argument("--eval-every", type=at_least(1), default=10)
     p.add_argument("--learning-rate", type=float, help="default: FinetuneConfig's")
-    p.add_argument("--batch-size", type=int, help="default: FinetuneConfig's")
-    p.add_argument("--limit", type=int, help="first N examples of each half (smoke runs)")
-    p.add_argument("--base-steps", type=int, help="cap the steps of the base checkpoint's fine-tuning (smoke)")
+    p.add_argument("--batch-size", type=at_least(1), help="default: FinetuneConfig's")
+    p.add_argument("--limit", type=at_least(1), help="first N examples of each half (smoke runs)")
+    p.add_argument("--base-steps", type=at_least(1), help="cap the steps of the base checkpoint's fine-tuning (smoke)")
     p.add_argument("--data-dir")
     p.add_argument("--source", choices=["auto", "local", "hub"])
     p.add_argument("--checkpoints", type=Path, default=clustered_table.CHECKPOINTS)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--work-dir", type=Path, help="where the patched fine-tunings write (default: under --checkpoints)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     try:

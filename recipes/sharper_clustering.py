@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import approx
+from approx.harness.argcheck import at_least
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches
 from approx.harness.provenance import provenance
@@ -322,17 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: MiniLM-L6 from the wheel")
     p.add_argument("--data-dir", default=None, help="default: $APPROX_DATA_DIR, then ../shared/data")
-    p.add_argument("--windows", type=int, default=4, help="WikiText-2 windows for the output error")
-    p.add_argument("--seeds", type=int, default=3, help="seeds of the planes and offsets for the output error")
-    p.add_argument("--length", type=int, default=512, help="tokens per WikiText-2 window")
-    p.add_argument("--questions", type=int, default=400, help="SQuAD questions of dev half 1")
-    p.add_argument("--pairs", type=int, default=None, help="MRPC dev pairs (default: every one)")
+    p.add_argument("--windows", type=at_least(1), default=4, help="WikiText-2 windows for the output error")
+    p.add_argument("--seeds", type=at_least(1), default=3, help="seeds of the planes and offsets for the output error")
+    p.add_argument("--length", type=at_least(3), default=512, help="tokens per WikiText-2 window")
+    p.add_argument("--questions", type=at_least(1), default=400, help="SQuAD questions of dev half 1")
+    p.add_argument("--pairs", type=at_least(1), default=None, help="MRPC dev pairs (default: every one)")
     p.add_argument("--source", choices=["auto", "local", "hub"], default=None, help="data source")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="cache of fine-tuned checkpoints")
-    p.add_argument("--max-steps", type=int, default=None, help="smoke runs: cap the fine-tuning steps")
-    p.add_argument("--train-limit", type=int, default=None, help="smoke runs: fine-tune on the first N examples")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--max-steps", type=at_least(1), default=None, help="smoke runs: cap the fine-tuning steps")
+    p.add_argument(
+        "--train-limit", type=at_least(1), default=None, help="smoke runs: fine-tune on the first N examples"
+    )
+    p.add_argument("--batch-size", type=at_least(1), default=32)
+    p.add_argument("--threads", type=at_least(0), default=0)
     p.add_argument("--output", type=Path, default=OUTPUT)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report", action="store_true", help="print the table of --output, run nothing")

@@ -38,6 +38,7 @@ import torch
 import approx
 from approx.attention.entmax import EntmaxConfig
 from approx.attention.sparsefinder import SparsefinderConfig
+from approx.harness.argcheck import at_least
 from approx.harness.crossfit import merge_halves
 from approx.harness.fitting import as_batches
 from approx.harness.provenance import provenance
@@ -272,15 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", nargs="+", choices=list(TARGETS), default=list(TARGETS), help="default: both")
     p.add_argument("--model", help="base model to fine-tune (default: MiniLM-L6 from the wheel)")
-    p.add_argument("--limit", type=int, help="first N examples of each half, for fine-tuning, fitting and scoring")
-    p.add_argument("--max-steps", type=int, help="cap the steps of each fine-tuning (smoke runs)")
     p.add_argument(
-        "--fit-steps", type=int, help="optimizer steps of the projections per layer (default: the method's fit_config)"
+        "--limit", type=at_least(1), help="first N examples of each half, for fine-tuning, fitting and scoring"
     )
-    p.add_argument("--fit-batch-size", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=32, help="evaluation batch size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the 2 cores are shared)")
+    p.add_argument("--max-steps", type=at_least(1), help="cap the steps of each fine-tuning (smoke runs)")
+    p.add_argument(
+        "--fit-steps",
+        type=at_least(1),
+        help="optimizer steps of the projections per layer (default: the method's fit_config)",
+    )
+    p.add_argument("--fit-batch-size", type=at_least(1), default=16)
+    p.add_argument("--batch-size", type=at_least(1), default=32, help="evaluation batch size")
+    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (default 1: the 2 cores are shared)")
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument("--source", choices=["auto", "local", "hub"], help="data source")
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="cache of fine-tuned checkpoints")

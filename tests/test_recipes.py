@@ -516,6 +516,64 @@ def test_monarch_protocol_update_replaces_keeps_and_refuses():
             recipe.merge({**old, "checkpoints": [ckpt]}, {**new, "checkpoints": [ckpt], **change})
 
 
+def test_monarch_protocol_update_keeps_one_row_of_a_setting_recorded_twice():
+    """A record merged before ``engine`` existed held LSH's settings twice (one row without the option, one with its
+    default), and both reached the docs' tables: a recorded option without ``engine`` means "eager", so the two
+    rows are one setting, and a merge keeps the later of them."""
+    recipe = _recipe("monarch_protocol")
+    old = _fake_record(
+        [
+            _fake_result("all", "lsh", 35.0, 0.45, cluster_size=32, rounds=2),
+            _fake_result("all", "lsh", 36.0, 0.45, cluster_size=32, rounds=2, engine="eager"),
+        ],
+        "a",
+    )
+    merged = recipe.merge(old, _fake_record([_fake_result("all", "window", 45.0, 0.35, window=16)], "b"))
+    assert [(r["method"]["name"], r["metrics"]["f1"]) for r in merged["results"]] == [("window", 45.0), ("lsh", 36.0)]
+
+
+def test_recipe_figures_follow_their_results_and_reports_name_a_missing_file(tmp_path):
+    """A run whose results go elsewhere (a smoke run to /tmp) draws its figure beside them, not over the committed one;
+    ``--report`` on a file that is not there says so (it had ended in a plotting traceback)."""
+    from _shared import figure_beside
+
+    recipe = _recipe("monarch_protocol")
+    parser = recipe.build_parser()
+    args = parser.parse_args([])
+    assert figure_beside(parser, args.figure, args.output) == recipe.FIGURE
+    args = parser.parse_args(["--output", str(tmp_path / "r.json")])
+    assert figure_beside(parser, args.figure, args.output) == tmp_path / "r.png"
+    args = parser.parse_args(["--output", str(tmp_path / "r.json"), "--figure", str(tmp_path / "f.png")])
+    assert figure_beside(parser, args.figure, args.output) == tmp_path / "f.png"
+    for name, flag in (("monarch_protocol", "--output"), ("autotune_pareto", "--output"), ("long_inputs", "--results")):
+        with pytest.raises(SystemExit, match="no results at"):
+            _recipe(name).main(["--report", flag, str(tmp_path / "none.json")])
+
+
+def test_recipe_flags_refused_before_any_work(tmp_path, capsys):
+    """Counts below their least, a long length within the model's positions, --json without --report and --help of
+    the heads confirmation (which had run the 20-minute recipe) end before anything runs."""
+    for name, argv in (
+        ("long_inputs", ["--questions", "0"]),
+        ("monarch_protocol", ["--questions", "-5"]),
+        ("recovery", ["--eval-every", "0"]),
+        ("clustered_table", ["--json"]),
+        ("autotune_heads_confirm", ["--help"]),
+    ):
+        with pytest.raises(SystemExit):
+            _recipe(name).main(argv)
+    assert "--tuned TUNED" in capsys.readouterr().out  # its usage: --help printed it and stopped
+    from _shared import wikitext_fidelity_main
+
+    with pytest.raises(SystemExit):
+        wikitext_fidelity_main([], tmp_path / "w.json", "", ["--windows", "0"])
+    with pytest.raises(SystemExit, match="the model has 512 positions"):
+        _recipe("minilm_mlm").main(["--lengths", "128", "256", "--checkpoints", str(tmp_path), "--results", "x.json"])
+    assert not any(tmp_path.iterdir())  # nothing fine-tuned
+    missing = _recipe("autotune_heads_confirm").main(["--tuned", str(tmp_path)])
+    assert missing == 2 and "missing" in capsys.readouterr().err
+
+
 def test_monarch_protocol_sparse_settings_build_and_span_the_axis():
     """The sparse patterns of the recipe build and patch a model, and on SQuAD-like inputs (96 to 384 real tokens, a
     question of 9 to 20) each method's settings cost from about a fifth of softmax's matmuls to less than all of them,

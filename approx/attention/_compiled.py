@@ -50,6 +50,7 @@ def engine_option(meaning: str | None = None) -> Any:
         or "'eager': plain PyTorch, operator by operator (the measured fastest on the CPU); 'compiled': the same "
         "functions without host synchronisation through torch.compile, a few fused kernels (for GPUs; slower on "
         "the CPU: see the docs' Speed page; i-clustered's recomputation stays eager under attention dropout)",
+        absent="eager",  # a record written before the option existed ran eagerly
     )
 
 

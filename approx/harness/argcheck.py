@@ -64,6 +64,16 @@ def check_device(device: str | None) -> None:
     raise ValueError(f"--device {device}: {kind.type} is not available here; use cpu, cuda, cuda:N or mps")
 
 
+def device_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` once :func:`check_device` accepts ``args.device``; else the parser's one-line error (a script's
+    ``--device``: the benchmarks)."""
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
 class Once(argparse.Action):
     """A flag that may be given once: a repeat is an error, not a silent override."""
 
