@@ -765,6 +765,14 @@ def figure(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _cost_examples_arg(text: str) -> int:
+    """``--cost-examples``: 0 (the held-out calibration inputs) or at least 2 (lengths to take costs at)."""
+    value = at_least(0)(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("0 (the held-out calibration inputs) or at least 2, got 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", choices=TASK_ORDER, default=[t for t in TASK_ORDER if t != "squad-doc"],
@@ -794,7 +802,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned-dir", type=Path, default=TUNED, help="where the tuned models are saved")
     p.add_argument("--calibration", type=at_least(2), help=f"calibration examples per checkpoint (default {CALIBRATION}; "
                    f"squad-doc {DOC['calibration']})")  # fmt: skip
-    p.add_argument("--cost-examples", type=at_least(2), help=f"training examples whose lengths the costs are taken at "
+    p.add_argument("--cost-examples", type=_cost_examples_arg, help=f"training examples whose lengths the costs are taken at "
                    f"(default {COST_EXAMPLES}; 0: the held-out calibration inputs')")  # fmt: skip
     p.add_argument("--limit", type=at_least(1), help="smoke runs: evaluate the first N examples of each split")
     p.add_argument("--max-steps", type=at_least(1), help="smoke runs: cap the checkpoints' fine-tuning steps")
