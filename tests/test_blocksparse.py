@@ -155,8 +155,18 @@ def test_flex_says_why_it_cannot_run():
         _blocksparse.attend(q.double(), k.double(), v.double(), p, key_mask=None, scale=1.0, kernel="flex")
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 9, "dilation": 2, "global_tokens": 3, "block": 32},
+        # contiguous: blocks wholly within the window are FlexAttention's full blocks, and a window one short of a
+        # block multiple puts the reach at a block's edge (its full blocks had been taken one block too far)
+        {"window": 30, "dilation": 1, "global_tokens": 1, "block": 16},
+    ],
+    ids=["dilated", "contiguous"],
+)
 @pytest.mark.parametrize("rows", ["apart", "mask"])
-def test_flex_gives_the_gather_output(rows, monkeypatch):
+def test_flex_gives_the_gather_output(rows, options, monkeypatch):
     """Compiled FlexAttention on the window pattern (global tokens, dilation, a padded row, N not a multiple of the
     block) gives the gather kernel's output, the global queries' rows computed after the kernel or inside its block
     mask; skipped with the reason where it cannot compile (no C++ compiler)."""
@@ -165,7 +175,6 @@ def test_flex_gives_the_gather_output(rows, monkeypatch):
     q, k, v = qkv(n, 5, dtype=torch.float32)
     mask = torch.ones(B, n, dtype=torch.bool)
     mask[1, 250:] = False
-    options = {"window": 9, "dilation": 2, "global_tokens": 3, "block": 32}
     gather = ApproxAttention("window", WindowConfig(kernel="gather", **options), head_dim=D)
     flex = ApproxAttention("window", WindowConfig(kernel="flex", **options), head_dim=D)
     with torch.no_grad():

@@ -250,3 +250,24 @@ def test_bad_options_name_the_option(method, options, words):
         approx.get_method(method).make_config(**options)
     for w in words:
         assert w in str(e.value)
+
+
+@pytest.mark.parametrize("method", [*KERNELS, "favor"])
+def test_non_finite_padding_never_reaches_a_real_row(method):
+    """inf and NaN in padded keys or values (whatever a model leaves at padding) change no real output: the padded
+    keys' features and values are zeroed before the sums (a mutation that kept the values survived the finite poison
+    of the generic tests: 0 times NaN is NaN)."""
+    q, k, v = qkv(2, 2, 20, 20, 8, 8, seed=3, dtype=torch.float32)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 12:] = False
+    lyr = layer(method, 8, **({"features": 16} if method == "favor" else {}))
+    clean = lyr(q, k, v, mask)
+    for poisoned in ("keys", "values"):
+        bad_k, bad_v = k.clone(), v.clone()
+        bad = bad_k if poisoned == "keys" else bad_v
+        bad[1, :, 12:] = float("inf")
+        bad[1, 0, 15:] = float("nan")
+        out = lyr(q, bad_k, bad_v, mask)
+        assert torch.isfinite(out[1, :, :12]).all(), poisoned
+        torch.testing.assert_close(out[:, :, :12], clean[:, :, :12], rtol=0, atol=0)
+        torch.testing.assert_close(out[0], clean[0], rtol=0, atol=0)

@@ -625,3 +625,18 @@ def test_mean_pooling_cost_counts_the_products_that_run(n):
     with FlopCounterMode(display=False) as counter:
         method.attend(q, k, v, key_mask=None, query_mask=None, scale=0.25, config=config, state={})
     assert counter.get_total_flops() // 2 + n * 32 == method.cost(config, n=n, s=n, d=16, dv=16).matmul_macs
+
+
+@pytest.mark.parametrize("n, landmarks, iterations", [(64, 8, 6), (200, 16, 3)])
+def test_nystrom_cost_counts_the_products_that_run(n, landmarks, iterations):
+    """Nyström's ``matmul_macs`` (and so its flops) is the products that run, counted by torch's FlopCounterMode (an
+    independent count): the three factors and the iterative pseudo-inverse's four (m x m) products per step (a
+    count of three had survived the tests)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    method = get_method("nystrom")
+    config = method.make_config(landmarks=landmarks, pinv_iterations=iterations)
+    q, k, v = (torch.randn(1, 1, n, 16) for _ in range(3))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        method.attend(q, k, v, key_mask=None, query_mask=None, scale=0.25, config=config, state={})
+    assert counter.get_total_flops() // 2 == method.cost(config, n=n, s=n, d=16, dv=16).matmul_macs

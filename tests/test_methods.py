@@ -301,7 +301,8 @@ FALLBACK = [m for m in METHODS if "exact_below" in get_method(m).config_class.op
 @pytest.mark.parametrize("method", with_kernels(FALLBACK))
 def test_exact_below_threshold_equals_reference(method):
     """``exact_below``: a batch row with fewer real tokens gets exact attention (float64 reference); a row
-    at or above the threshold is approximated, in the same batch and on the whole-batch short cut."""
+    at or above the threshold (exactly at it too, as the cost model counts it) is approximated, in the same batch and
+    on the whole-batch short cut."""
     q, k, v = make_qkv(dtype=torch.float64)
     mask = padded_mask(120, 90)  # row 0: 120 real tokens, row 1: 90
     ref = naive_attention(q, k, v, mask)
@@ -313,6 +314,8 @@ def test_exact_below_threshold_equals_reference(method):
     assert (approx_only[1] - ref[1]).abs().max() > 1e-3
     everything = layer(method, exact_below=121, **small_budget(method))(q, k, v, mask)
     torch.testing.assert_close(everything, ref, rtol=1e-9, atol=1e-9)
+    at = layer(method, exact_below=90, **small_budget(method))(q, k, v, mask)  # row 1 has exactly 90: approximated
+    torch.testing.assert_close(at, approx_only, rtol=1e-9, atol=1e-9)
     if get_method(method).weights is None:
         return  # no dense path to check (Nystrom's implied matrix is signed)
     w = layer(method, exact_below=100, **small_budget(method)).weights(q, k, mask)
@@ -718,3 +721,61 @@ def test_a_row_of_padding_alone_adds_nothing_to_the_graph_statistics(method):
         pytest.skip(f"{method} reports no graph statistics")
     for name in alone:
         torch.testing.assert_close(both[name], alone[name], msg=name)
+
+
+def test_kmeans_centroid_update_is_the_members_majority_and_a_tie_keeps_the_bit():
+    """The Hamming K-means update, against its definition bit by bit: each centroid bit is the sign of its members'
+    vote, a tied vote keeps the centroid's bit, and an empty cluster takes the fresh code given (or keeps its own).
+    (The incremental and fixed-iteration paths share it, so comparing them could not catch a wrong tie rule.)"""
+    g = torch.Generator().manual_seed(0)
+    groups, clusters, bits = 3, 5, 7
+    cent = torch.randint(0, 2, (groups, clusters, bits), generator=g).float() * 2 - 1
+    members = torch.randint(0, 4, (groups, clusters), generator=g)
+    members[0, 1] = 0  # an empty cluster
+    members[1, 2] = 2  # two members: ties likely
+    votes = torch.zeros(groups, clusters, bits + 1)
+    for gi in range(groups):
+        for c in range(clusters):
+            for _ in range(int(members[gi, c])):
+                votes[gi, c, :bits] += torch.randint(0, 2, (bits,), generator=g).float() * 2 - 1
+            votes[gi, c, bits] = members[gi, c]
+    fresh = torch.full((groups, clusters, bits), 7.0)
+    for codes in (None, fresh):
+        new, empty = _kmeans._majority(votes, cent, codes)
+        for gi in range(groups):
+            for c in range(clusters):
+                assert bool(empty[gi, c]) == (int(members[gi, c]) == 0)
+                for b in range(bits):
+                    vote = float(votes[gi, c, b])
+                    want = cent[gi, c, b] if vote == 0 else (1.0 if vote > 0 else -1.0)
+                    if codes is not None and int(members[gi, c]) == 0:
+                        want = 7.0
+                    assert float(new[gi, c, b]) == want, (gi, c, b, vote)
+    assert bool((votes[..., :bits] == 0).any()), "the draw should hold a tied vote"
+
+
+def test_cost_models_are_the_docs_formulas():
+    """Each cost model against the formula docs/methods.md states for it, written out here: the generic cost test
+    only bounds the counts, and a K-means count off by one iteration, a halved top-k term or FAVOR+'s value products
+    counted for the queries only had survived it.
+    clustered: hashing 2 N B d + K-means 2 (I + 1) N C B + attention 2 C S (d + dv) (+ refine 2 N C d + 2 N d),
+    C S pairs, C S (d + dv) products; i-clustered: clustered plus 2 N k (d + dv), N k pairs; FAVOR+: 2 (N + S) m' d
+    for the features plus 2 (N + S) m (dv + 1), and its products the projections (N + S) m' d plus (N + S) m dv (the
+    kernel family's)."""
+    n, s, d, dv = 300, 260, 16, 24
+    c, b, it, k = 12, 31, 7, 9
+    for refine in (0, 1):
+        config = get_method("clustered").make_config(clusters=c, bits=b, iterations=it, refine=refine)
+        cost = get_method("clustered").cost(config, n=n, s=s, d=d, dv=dv)
+        flops = 2 * n * b * d + 2 * (it + 1) * n * c * b + 2 * c * s * (d + dv) + refine * (2 * n * c * d + 2 * n * d)
+        assert (cost.flops, cost.qk_pairs, cost.matmul_macs) == (flops, c * s, c * s * (d + dv))
+        improved = get_method("i-clustered").make_config(clusters=c, bits=b, iterations=it, refine=refine, topk=k)
+        icost = get_method("i-clustered").cost(improved, n=n, s=s, d=d, dv=dv)
+        assert icost.flops == flops + 2 * n * k * (d + dv) and icost.qk_pairs == c * s + n * k
+        assert icost.matmul_macs == c * s * (d + dv) + n * k * (d + dv)
+    for hyperbolic, m, directions in ((True, 64, 32), (False, 64, 64)):
+        config = get_method("favor").make_config(features=m, hyperbolic=hyperbolic)
+        assert config.directions == directions
+        cost = get_method("favor").cost(config, n=n, s=s, d=d, dv=dv)
+        assert cost.flops == 2 * (n + s) * directions * d + 2 * (n + s) * m * (dv + 1) and cost.qk_pairs == 0
+        assert cost.matmul_macs == (n + s) * directions * d + (n + s) * m * dv

@@ -478,3 +478,27 @@ def test_save_removes_the_fit_and_tuning_records_of_what_was_saved_there_before(
     assert all((folder / record).exists() for record in TOOL_RECORDS)
     approx.save(approx.patch(tiny_model("bert"), "lsh", cluster_size=8), folder)
     assert not any((folder / record).exists() for record in TOOL_RECORDS) and approx.settings(approx.load(folder))
+
+
+def test_a_refused_state_file_leaves_every_layer_as_it_was(tmp_path):
+    """``read_state`` loads all or nothing: a file whose second layer's state has another shape is refused, naming
+    that layer, and the first layer (loaded before the refusal) is put back (no test had caught its rollback
+    removed)."""
+    from safetensors.torch import load_file, save_file
+
+    from approx.saved import read_state
+
+    approx.save(approx.patch(tiny_model("bert"), "favor", features=8, seed=1), tmp_path / "m")
+    file = tmp_path / "m" / STATE_FILE
+    state = load_file(str(file))
+    second = next(key for key in sorted(state) if key.startswith("layer.1."))
+    state[second] = state[second][:-1]
+    save_file(state, str(file))
+    target = approx.patch(tiny_model("bert"), "favor", features=8, seed=2)
+    layers = approx.patched_layers(target)
+    before = {i: {name: t.clone() for name, t in layer.state().items()} for i, layer in layers.items()}
+    assert not torch.equal(before[0]["omega"], state["layer.0.omega"])  # a load of layer 0 would show
+    with pytest.raises(ValueError, match="layer 1"):
+        read_state(layers, tmp_path / "m")
+    for i, layer in layers.items():
+        assert all(torch.equal(t, before[i][name]) for name, t in layer.state().items())

@@ -407,3 +407,38 @@ def test_saved_layers_leave_the_model_as_it_was(tmp_path):
     assert not approx.is_patched(other) and other.config._attn_implementation == "eager"
     assert sorted(layers) == [0, 1] and int(layers[0].state()["fitted"]) == 1
     torch.testing.assert_close(layers[1].state()["proj_q"], approx.patched_layers(model)[1].state()["proj_q"])
+
+
+def test_buckets_hold_equally_many_real_keys_whatever_the_padding():
+    """Bucketing against its definition: with a row's real keys ranked per projected dimension (distinct values),
+    key of rank i falls in bucket #{m in 1..beta-1 : floor(m n / beta) <= i} (n real keys), so each bucket holds
+    floor or ceil of n / beta of them; a query takes the bucket of the keys it falls among; padding (huge, at the
+    end or not) changes no real id. (Boundaries taken over the padded length, or ties sent to the lower bucket,
+    had survived every test.)"""
+    from approx.attention._graph import bucket_ids
+
+    g = torch.Generator().manual_seed(0)
+    b, h, s, r, beta = 2, 3, 37, 4, 5
+    kp = torch.randn(b, h, s, r, generator=g, dtype=torch.float64)
+    qp = torch.randn(b, h, 11, r, generator=g, dtype=torch.float64)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 29:] = False  # row 1: 29 real keys
+    padded = kp.clone()
+    padded[1, :, 29:] = 1e6
+    q_ids, k_ids = bucket_ids(qp, padded, mask, beta)
+    for row, n in ((0, s), (1, 29)):
+        bounds_at = [m * n // beta for m in range(1, beta)]
+        for head in range(h):
+            for dim in range(r):
+                real = kp[row, head, :n, dim]
+                rank = real.argsort().argsort()
+                want = torch.tensor([sum(p <= int(i) for p in bounds_at) for i in rank])
+                assert torch.equal(k_ids[row, head, :n, dim], want)
+                counts = torch.bincount(want, minlength=beta)
+                assert int(counts.max()) - int(counts.min()) <= 1
+                ordered = real.sort().values
+                for j, x in enumerate(qp[row, head, :, dim]):  # a query: the bucket of the keys at or below it
+                    below = int((ordered <= x).sum())
+                    assert int(q_ids[row, head, j, dim]) == sum(p < below for p in bounds_at)
+    unpadded_q, unpadded_k = bucket_ids(qp[1:], kp[1:, :, :29], None, beta)
+    assert torch.equal(k_ids[1, :, :29], unpadded_k[0]) and torch.equal(q_ids[1], unpadded_q[0])
