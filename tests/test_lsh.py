@@ -368,8 +368,9 @@ def test_merging_a_round_gives_an_input_the_same_bits_whatever_its_batch_holds(p
     the last bit, and an element falls in the tail or not with the tensor's size: merged in float32, a row's output
     depended on the rows merged with it. In a real model (MiniLM, positions extended, a 1500-token input alone and
     beside a short one), one token of layer 0 moved by 3e-7 and the last hidden states, past near ties in later
-    layers' sorts, by up to 0.2. The weights are now computed in float64: the same bits for a row merged alone (48
-    log-sum-exps: 16 of them in a 32-lane loop's tail) and beside another."""
+    layers' sorts, by up to 0.2. The differentiable path now merges in float64, the inference path on buffers a
+    whole number of 64 lanes long: the same bits for a row merged alone (48 log-sum-exps: 16 of them in a 32-lane
+    loop's tail) and beside another."""
     from approx.attention import _blocksparse, _lshrounds
 
     g = torch.Generator().manual_seed(0)

@@ -565,7 +565,8 @@ def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: 
     output changed with what else its batch held (LSH: one token by 3e-7 in one layer of MiniLM, then, across near
     ties in a later layer's sort, by up to 0.2 in its last hidden states). A last-bit difference in float64 is
     lost when the weights are rounded to the inputs' dtype (but for the rare value within that bit of a rounding
-    boundary). The returned log-sum-exp keeps its dtype."""
+    boundary). The returned log-sum-exp keeps its dtype. (LSH's inference path, where speed matters most, merges in
+    float32 on buffers without a scalar tail instead: ``_lshrounds._merge_round``.)"""
     dt = lse.dtype
     total = torch.logaddexp(lse.to(torch.float64), other_lse)
     finite = total.masked_fill(torch.isinf(total), 0.0)  # no pair anywhere: both weights exp(-inf) = 0

@@ -171,7 +171,13 @@ class _Scratch:
         self.prob = torch.empty(per, blk, blk, dtype=dt, device=dev)
         self.top = torch.empty(per, blk, 1, dtype=dt, device=dev)
         self.prev = torch.empty(per * blk, dv, dtype=dt, device=dev)
-        self.prev_lse = torch.empty(per * blk, dtype=dt, device=dev)
+        # the merge's log-sum-exps and weights, a whole number of LANES long (see _merge_round)
+        lanes = -(-per * blk // LANES) * LANES
+        self.prev_lse = torch.empty(lanes, dtype=dt, device=dev)
+        self.run_lse = torch.empty(lanes, dtype=dt, device=dev)
+        self.total = torch.empty(lanes, dtype=dt, device=dev)
+        self.w_prev = torch.empty(lanes, dtype=dt, device=dev)
+        self.w_o = torch.empty(lanes, dtype=dt, device=dev)
         self.qs = torch.empty(per * blk, d, dtype=dt, device=dev)
         self.ks = torch.empty(per * blk, d, dtype=dt, device=dev)
         self.vs = torch.empty(per * blk, dv, dtype=dt, device=dev)
@@ -192,7 +198,17 @@ def _slots(order: torch.Tensor, slots: int) -> torch.Tensor:
 
 
 def _softmax_chunk(
-    w: _Scratch, qs, ks, vs, kept, pairs: list, scale: float, p: int, out: torch.Tensor, lse: torch.Tensor
+    w: _Scratch,
+    qs,
+    ks,
+    vs,
+    kept,
+    pairs: list,
+    scale: float,
+    p: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    lse_lanes: torch.Tensor,
 ) -> None:
     """Query clusters ``qs`` (P, c, d) against their key clusters ``ks`` (P, c, d): the softmax over the pairs left,
     normalised, into ``out`` (P, c, dv), with its log-sum-exp into ``lse`` (P, c, 1). A row with no pair left (a
@@ -200,7 +216,8 @@ def _softmax_chunk(
     a log-sum-exp about ``-drop``, which :func:`_merge_round` weighs at exactly 0 beside the finite one of round 0.
     Dropped: the keys that ``kept`` (P, 1, c) has at 0 rather than 1 (None: none; padded keys are zeroed in the key
     table, so their scores are finite), and the ``pairs`` of earlier rounds, (query target (P, c, 1), key cluster
-    (P, 1, c)) per round as floats (:func:`id_dtype`), equal where that round found the pair.
+    (P, 1, c)) per round as floats (:func:`id_dtype`), equal where that round found the pair. ``lse_lanes``: the flat
+    buffer ``lse`` starts, a whole number of :data:`LANES` long (its log runs there: no element in a scalar tail).
 
     The drops are found with arithmetic rather than boolean masks (a broadcast ``eq`` per earlier round, their
     ``or`` and a ``masked_fill`` took 142 ms of a 671 ms call under torch.profiler at N = 16384 with 4 rounds of
@@ -224,26 +241,46 @@ def _softmax_chunk(
     sc.baddbmm_(qs, ks.mT, beta=drop, alpha=scale)
     top = torch.amax(sc, -1, keepdim=True, out=w.top[:p])
     prob = torch.softmax(sc, -1, out=w.prob[:p])
-    torch.amax(prob, -1, keepdim=True, out=lse).log_().neg_().add_(top)
+    torch.amax(prob, -1, keepdim=True, out=lse)
+    lse_lanes.log_()  # (past the chunk: the next chunk's slots, or spare ones; written again before they are read)
+    lse.neg_().add_(top)
     torch.bmm(prob, vs, out=out)
+
+
+# torch computes elementwise ``exp``, ``log`` and ``logaddexp`` in vector lanes, then a scalar tail that rounds some
+# inputs differently in the last bit; whether an element falls in the tail depends on its place in the tensor, which
+# depends on what else the batch holds. Run on a whole number of LANES elements (a multiple of every CPU's vector
+# loop: 2 x 16 floats with AVX-512), no element is in a tail: an input gets the same bits in any batch.
+LANES = 64
+
+
+def _lanes(n: int) -> int:
+    return -(-n // LANES) * LANES
 
 
 def _merge_round(out, lse, so, slse, src, w: _Scratch) -> None:
     """Merge a round (``so`` (slots, dv), ``slse`` (slots,) in its sorted order) into the running ``out``/``lse``
     (original order), a block of rows at a time: row i takes slot ``src[i]``. Read by gathers, written in place
-    (a scatter of the round's rows, ``index_copy_``, cost 3.5-6.5x a gather of as many rows, one-off)."""
+    (a scatter of the round's rows, ``index_copy_``, cost 3.5-6.5x a gather of as many rows, one-off). The
+    log-sum-exps and weights are computed on :data:`LANES`-padded buffers (0 past the block's rows), so that a row's
+    bits do not depend on where its block ends."""
     step = w.prev.shape[0]
     for a in range(0, out.shape[0], step):
         b = min(out.shape[0], a + step)
-        o = torch.index_select(so, 0, src[a:b], out=w.prev[: b - a])
-        o_lse = torch.index_select(slse, 0, src[a:b], out=w.prev_lse[: b - a])
-        prev, prev_lse = out[a:b], lse[a:b]
-        # the weights in float64 (see _blocksparse.merge: the same bits whatever the batch holds)
-        total = torch.logaddexp(prev_lse.to(torch.float64), o_lse)
-        finite = total.masked_fill(torch.isinf(total), 0.0)  # guards a -inf in both (rows always have a pair)
-        w_prev, w_o = (prev_lse - finite).exp_().to(prev.dtype), (o_lse - finite).exp_().to(prev.dtype)
-        prev.mul_(w_prev[:, None]).addcmul_(o, w_o[:, None])
-        prev_lse.copy_(total)
+        m, padded = b - a, _lanes(b - a)
+        o = torch.index_select(so, 0, src[a:b], out=w.prev[:m])
+        o_lse, prev_lse = w.prev_lse[:padded], w.run_lse[:padded]
+        torch.index_select(slse, 0, src[a:b], out=o_lse[:m])
+        prev_lse[:m].copy_(lse[a:b])
+        if padded > m:
+            o_lse[m:].zero_()
+            prev_lse[m:].zero_()
+        total = torch.logaddexp(prev_lse, o_lse, out=w.total[:padded])
+        lse[a:b].copy_(total[:m])
+        total.masked_fill_(torch.isinf(total), 0.0)  # guards a -inf in both (rows always have a pair)
+        w_prev = torch.sub(prev_lse, total, out=w.w_prev[:padded]).exp_()
+        w_o = torch.sub(o_lse, total, out=w.w_o[:padded]).exp_()
+        out[a:b].mul_(w_prev[:m, None]).addcmul_(o, w_o[:m, None])
 
 
 def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
@@ -259,7 +296,8 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
     out = torch.empty(bh * n, dv, dtype=dt, device=dev)  # the rounds so far, merged, in the original order
     lse = torch.empty(bh * n, dtype=dt, device=dev)
     so = torch.empty(min(bh, group) * tq, blk, dv, dtype=dt, device=dev)  # a group's round, in its sorted order
-    slse = torch.empty(so.shape[0], blk, 1, dtype=dt, device=dev)
+    slse_flat = torch.empty(_lanes(so.shape[0] * blk) + LANES, dtype=dt, device=dev)  # spare lanes at the end
+    slse = slse_flat[: so.shape[0] * blk].view(so.shape[0], blk, 1)
     work = _Scratch(min(per, so.shape[0]), blk, d, dv, dt, dev)
     ids = id_dtype(dt, t.tk)  # the earlier rounds' cluster numbers as floats, converted once
     as_ids = dataclasses.replace(hashed, target=hashed.target[:-1].to(ids), k_cluster=hashed.k_cluster[:-1].to(ids))
@@ -296,6 +334,7 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
                     c1 - c0,
                     so[c0 - x0 : c1 - x0],
                     slse[c0 - x0 : c1 - x0],
+                    slse_flat[(c0 - x0) * blk : (c0 - x0) * blk + _lanes((c1 - c0) * blk)],
                 )
             slots = src[r][rows] - x0 * blk
             if r == 0:
