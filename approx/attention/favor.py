@@ -72,7 +72,11 @@ class FavorConfig(MethodConfig):
     kernel: str = option("softmax", "'softmax': positive features estimating exp(s q.k); 'relu': ReLU(w.x) + eps")
     orthogonal: bool = option(True, "draw the directions in exactly orthogonal blocks (lower variance than i.i.d.)")
     hyperbolic: bool = option(True, "use m/2 directions and their negatives (+-w): lower error at the same cost")
-    stabilizer: float = option(1e-12, "floor of the normaliser D; acts only if every feature of a row underflows")
+    stabilizer: float = option(
+        1e-12,
+        "threshold of the normaliser D: a real query row whose D falls below it (its features underflowed: "
+        "large-norm inputs) gets exact attention, counted and warned about",
+    )
     relu_eps: float = option(1e-3, "eps added to the relu kernel's features (the Performer code's default)")
     seed: int = option(0, "seed of the random directions")
     exact_below: int = option(

@@ -28,9 +28,9 @@ Choices made here:
   budget, rule 5 of the method rules), counted in the cost. Not with ``pinv="exact"``, where the formula
   itself is exact there (each real token is its own landmark; an empty landmark, possible only when a row is
   shorter than m, is left out of every softmax and gets zero rows and columns in the matrix inverted).
-* No ``exact_below`` option: the generic tests check that option against dense attention weights, and the
-  matrix Nystrom implies is not a distribution (the pseudo-inverse makes entries negative), so no ``weights``
-  are registered either. The "at most m real tokens" rule above covers the rows where Nystrom cannot pay.
+* No ``weights``: the matrix Nystrom implies is not a distribution (the pseudo-inverse makes entries negative).
+  ``exact_below`` is the generic fallback, as for every method; the "at most m real tokens" rule above covers the
+  rows where Nystrom cannot pay.
 * Left out: the paper's depthwise convolution of V added to the output (a skip connection with trained
   weights, which pretrained encoders do not have).
 * Half precision: computed in float32 (the landmark sums, the softmaxes and the iteration); float64 stays
