@@ -442,3 +442,19 @@ def test_buckets_hold_equally_many_real_keys_whatever_the_padding():
                     assert int(q_ids[row, head, j, dim]) == sum(p < below for p in bounds_at)
     unpadded_q, unpadded_k = bucket_ids(qp[1:], kp[1:, :, :29], None, beta)
     assert torch.equal(k_ids[1, :, :29], unpadded_k[0]) and torch.equal(q_ids[1], unpadded_q[0])
+
+
+def test_cost_counts_the_window_the_docs_define():
+    """The cost's estimate of the predicted graph, written out from the definitions: a query's group (``top_clusters``
+    clusters of S / ``clusters`` keys: balanced), its window |i - j| <= w (2w + 1 keys), and the global tokens, whose
+    rows attend every key. (A window counted as 2w keys had survived the tests.)"""
+    from approx import get_method
+
+    spec = get_method("sparsefinder")
+    n, d, dv = 200, 16, 24
+    for w, glob, last, clusters, top in ((3, 0, False, 200, 1), (5, 2, True, 10, 2), (0, 1, False, 25, 1)):
+        config = SparsefinderConfig(window=w, global_tokens=glob, last_token=last, clusters=clusters, top_clusters=top)
+        cost = spec.cost(config, n=n, s=n, d=d, dv=dv)
+        g = glob + int(last)
+        per_query = top * -(-n // clusters) + (2 * w + 1 if w else 0) + g
+        assert cost.qk_pairs == n * per_query + g * n, (w, glob, last, clusters, top)
