@@ -793,3 +793,60 @@ def test_cli_path_only(tmp_path, base_model, fixture_dir):
     assert main(argv) == 0
     record = json.loads((out / "approx_autotune.json").read_text())["tuning"]
     assert [r["choice"] for r in record["uniform"]] == ["efficient"]
+
+
+def test_autotune_kl_is_scipys_per_distribution_and_per_real_masked_token():
+    """The search's KL of the head's outputs (``_kl``: a sum and a count, so that batches add up): per distribution
+    KL(reference || model) against scipy, with a relative tolerance (the end-to-end tests' absolute 1e-6 could not
+    see a swapped direction on values of 1e-7); a masked LM's counts only the real tokens' distributions."""
+    from scipy.stats import entropy
+
+    from approx.harness.autotune import _kl
+
+    g = torch.Generator().manual_seed(0)
+    ref, out = torch.randn(4, 6, generator=g) * 2, torch.randn(4, 6, generator=g) * 2
+    total, count = _kl(ref.log_softmax(-1), out.log_softmax(-1), torch.ones(4, dtype=torch.bool), "logits")
+    want = entropy(ref.softmax(-1).numpy(), out.softmax(-1).numpy(), axis=-1)
+    assert count == 4 and total == pytest.approx(float(want.sum()), rel=1e-6)
+    ref, out = torch.randn(2, 5, 6, generator=g) * 2, torch.randn(2, 5, 6, generator=g) * 2  # (B, N, vocab)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    total, count = _kl(ref.log_softmax(-1), out.log_softmax(-1), mask, "logits")
+    want = entropy(ref.softmax(-1).numpy(), out.softmax(-1).numpy(), axis=-1)
+    assert count == 8 and total == pytest.approx(float(want[mask.numpy()].sum()), rel=1e-6)
+
+
+def test_the_seed_draws_the_halves_and_the_candidates_state(bert):
+    """``seed`` shuffles the calibration inputs before they are halved and draws each candidate's random state, as
+    ``approx.patch(seed=...)`` would (ignoring it in either place had survived the tests): the same seed gives the
+    same halves and state, another seed others; the halves split the inputs; each layer's state is its own."""
+    from approx.harness.autotune import _candidate_layers, _split
+    from approx.harness.spec import as_setup
+
+    rows = [[5 + i, 6 + i, 7 + i] for i in range(20)]
+    halves = {seed: _split(rows, seed, 4, 0) for seed in (0, 0, 1)}
+    ids = {seed: [b["input_ids"][:, 0].tolist() for b in fit] for seed, (fit, _) in halves.items()}
+    assert ids[0] != ids[1]
+    fit, check = _split(rows, 0, 4, 0)
+    assert [b["input_ids"].tolist() for b in fit] == [b["input_ids"].tolist() for b in halves[0][0]]
+    seen = sorted(x for part in (fit, check) for b in part for x in b["input_ids"][:, 0].tolist())
+    assert seen == [5 + i for i in range(20)]
+    drawn = {s: _candidate_layers(bert, [as_setup("favor:features=8", s)])[0] for s in (0, 1)}
+    again = _candidate_layers(bert, [as_setup("favor:features=8", 0)])[0]
+    patched = approx.patch(copy.deepcopy(bert), "favor", features=8, seed=1)
+    for i, layer in drawn[0].items():
+        assert torch.equal(layer.state()["omega"], again[i].state()["omega"])
+        assert not torch.equal(layer.state()["omega"], drawn[1][i].state()["omega"])
+        assert torch.equal(drawn[1][i].state()["omega"], approx.patched_layers(patched)[i].state()["omega"])
+    # each layer draws its own state from the seed and its index (one draw shared by every layer had survived)
+    assert not torch.equal(drawn[0][0].state()["omega"], drawn[0][1].state()["omega"])
+
+
+def test_hull_path_passes_every_point_of_a_hull_edge_in_layer_order_on_ties():
+    """Collinear options of a layer (one edge of its hull): the path takes each in turn, nearest first, so a target
+    met halfway along the edge is met there (taking the edge's far end at once had survived, and a target met at 0.75
+    then fell back to 1); equal slopes in two layers are taken layer by layer, as documented."""
+    loss = [[0.0, 0.25, 0.5, 0.75]]
+    cost = [[1.0, 0.75, 0.5, 0.25]]
+    assert hull_path(loss, cost) == [[0], [1], [2], [3]]
+    two = hull_path([[0.0, 0.5], [0.0, 0.5]], [[1.0, 0.5], [1.0, 0.5]])
+    assert two == [[0, 0], [1, 0], [1, 1]]

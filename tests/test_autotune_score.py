@@ -391,3 +391,13 @@ def test_a_task_naming_an_unknown_primary_metric_is_refused():
     with pytest.raises(ValueError, match="primary / lower_is_better name f1, not among its metrics"):
         register_task(Broken)
     assert "broken-rte" not in approx.harness.tasks.tasks()
+
+
+def test_a_score_above_the_unpatched_models_is_kept_as_it_is():
+    """``relative``: a score as a fraction of the unpatched model's, above 1 where the patched model scores more
+    (a cap at 1 had survived: records would understate it); a non-positive reference is refused."""
+    from approx.harness.scoring import relative
+
+    assert relative(1.05, 1.0) == pytest.approx(1.05) and relative(30.0, 60.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="positive score"):
+        relative(1.0, 0.0)

@@ -713,3 +713,26 @@ def test_benchmark_counts_and_lengths_below_one_are_refused_before_any_work(
         with pytest.raises(SystemExit) as e:
             bench.main([flag, value])
         assert e.value.code == 2 and f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err
+
+
+def test_squad_training_labels_are_the_tokens_of_the_answer_and_no_more(tmp_path):
+    """A span's training labels are the first and last tokens whose characters overlap the answer's, from the
+    offsets: an answer followed by punctuation ("Broncos,") or ending where the next token starts ends at its own
+    last token (a label taking a token that starts at the answer's end had survived: no fixture answer touched
+    punctuation)."""
+    from transformers import AutoTokenizer, BertTokenizer
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "who", "won", "?", "the", "denver", "broncos", ",", "champions", "."]
+    BertTokenizer(vocab={w: i for i, w in enumerate(words)}).save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")  # the fast tokenizer: offsets
+    context = "the denver broncos, champions."
+    task = approx.harness.tasks.get_task("squad")
+    for answer in ("denver broncos", "broncos", "champions", "the denver broncos, champions"):
+        example = {"id": answer, "question": "who won?", "context": context, "answers": [answer],
+                   "answer_start": context.index(answer)}  # fmt: skip
+        (feat,) = task.train_features([example], tok, max_length=48)
+        labels, offsets = feat.extra["labels"], feat.extra["offsets"]
+        start, end = example["answer_start"], example["answer_start"] + len(answer)
+        inside = [i for i, o in enumerate(offsets) if o is not None and o[0] < end and o[1] > start]
+        assert (labels["start_positions"], labels["end_positions"]) == (inside[0], inside[-1]), answer
+        assert tok.decode(feat.input_ids[inside[0] : inside[-1] + 1]).replace(" ,", ",") == answer

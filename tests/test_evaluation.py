@@ -56,12 +56,15 @@ def _run(model, task, methods, data, **kw):
     return approx.evaluate(model, task, methods, data_dir=str(data), source="local", progress=False, **kw)
 
 
-def _plain_logits(path, task_name, data):
-    """Independent reference: the unpatched checkpoint run example by example, no batching, no harness."""
+def _plain_logits(path, task_name, data, method=None):
+    """Independent reference: the unpatched checkpoint (or patched with ``method``, ``(name, options)``) run example
+    by example, no batching, no harness."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    if method is not None:
+        approx.patch(model, method[0], **method[1])
     examples, _ = get_task(task_name).load(source="local", data_dir=str(data))
     with torch.no_grad():
         logits = [
@@ -136,6 +139,16 @@ def test_attention_error_matches_a_float64_reference(fixture_dir, checkpoints):
     got = r["fidelity"]["attention_relative_error"]["per_layer"]
     for i in num:
         assert got[str(i)] == pytest.approx(math.sqrt(num[i] / den[i]), rel=1e-4)
+    assert r["fidelity"]["attention_relative_error"]["mean"] == pytest.approx(sum(got.values()) / len(num))
+    # one layer of two patched: the mean is over the patched layers only (not halved by the unpatched one: a mean
+    # over every layer had survived)
+    one = approx.patch(
+        AutoModelForSequenceClassification.from_pretrained(path).eval(), "clustered", clusters=2, layers=[1]
+    )
+    (r1,) = _run(path, "sst2", [approx.patched_layers(one)], fixture_dir, limit=3, batch_size=3)
+    error = r1["fidelity"]["attention_relative_error"]
+    assert list(error["per_layer"]) == ["1"] and error["per_layer"]["1"] > 0
+    assert error["mean"] == pytest.approx(error["per_layer"]["1"])
 
 
 def test_label_mapping_by_name(fixture_dir, tmp_path):
@@ -365,6 +378,18 @@ def test_squad_best_span_over_windows_by_hand():
     assert task.predict(ex, [f1, f2], [w1, w2], "fine-tuned") == ["gamma"]
     w3 = torch.tensor([[lo, lo, lo, lo, 4, lo], [lo, lo, 5, lo, lo, lo]])  # end before start: invalid
     assert task.predict(ex, [f1, f2], [w1, w3], "fine-tuned") == ["alpha"]
+    # at most 30 tokens: a 31-token span loses to a worse one of 30 (a limit of 31 had survived)
+    words = [f"w{i}" for i in range(40)]
+    long = [{"context": " ".join(words), "answers": ["w0"]}]
+    spans = (
+        [None]
+        + [(sum(len(w) + 1 for w in words[:i]), sum(len(w) + 1 for w in words[:i]) + len(words[i])) for i in range(40)]
+        + [None]
+    )
+    f3 = Feature(0, [0] * 42, None, {"offsets": spans})
+    start, end = torch.full((42,), lo), torch.full((42,), lo)
+    start[1], end[31], end[30] = 5.0, 5.0, 4.0  # tokens 1..31: 31 words; 1..30: 30 words
+    assert task.predict(long, [f3], [torch.stack([start, end])], "fine-tuned") == [" ".join(words[:30])]
 
 
 def test_wikitext_masked_lm_loss_against_a_plain_forward(fixture_dir, checkpoints):
@@ -1194,3 +1219,43 @@ def test_a_result_of_some_layers_is_labelled_with_its_layers(checkpoints, fixtur
         line.split(" |")[0] for line in approx.markdown_report([last, every]).splitlines() if line.startswith("| favor")
     ]
     assert rows == ["| favor:features=8[layers 1 of 2]", "| favor:features=8"]  # ... told apart in the report
+
+
+def test_wikitext_masked_positions_follow_the_protocol():
+    """The masked-LM loss's positions against the protocol: round(15 %) of a window's body tokens (at least one),
+    distinct, inside the body (never [CLS] at 0 or [SEP] after it), the same for a window wherever it is read, and
+    not the same for two windows. (The loss test reads the positions from the code itself, so a count over the
+    special tokens too, or the body shifted onto [CLS], had survived.)"""
+    from approx.harness.tasks.wikitext import mask_positions
+
+    for body in (1, 7, 30, 510):
+        for window in (0, 3):
+            pos = mask_positions(window, body)
+            assert len(pos) == max(1, round(0.15 * body)) and len(set(pos)) == len(pos)
+            assert all(1 <= p <= body for p in pos) and pos == sorted(pos)
+            assert pos == mask_positions(window, body)
+    assert mask_positions(0, 510) != mask_positions(1, 510)
+    covered = set().union(*(mask_positions(w, 30) for w in range(60)))
+    assert covered == set(range(1, 31))  # every body position is drawn for some window, none outside
+
+
+def test_kl_divergence_is_scipys_kl_of_the_unpatched_from_the_patched_outputs(fixture_dir, checkpoints):
+    """The result's ``kl_divergence``: the mean over examples of KL(softmax(unpatched) || softmax(patched)), against
+    scipy on logits computed example by example outside the harness; and each task's ``divergence`` takes the
+    unpatched output first (the tests had checked the value's sign only: a swapped direction survived. On the tiny
+    checkpoint the two directions agree to 1e-7, so the direction is checked on the task's own divergence.)"""
+    from scipy.stats import entropy
+
+    path = checkpoints("sequence-classification")
+    (r,) = _run(path, "sst2", ["linear"], fixture_dir, batch_size=4)
+    _, ref = _plain_logits(path, "sst2", fixture_dir)
+    _, out = _plain_logits(path, "sst2", fixture_dir, method=("linear", {}))
+    want = [
+        entropy(a.softmax(-1).double().numpy(), b.softmax(-1).double().numpy()) for a, b in zip(ref, out, strict=True)
+    ]
+    assert r["fidelity"]["kl_divergence"] == pytest.approx(sum(want) / len(want), rel=1e-3)
+    a, b = torch.tensor([2.0, -1.0, 0.5]), torch.tensor([-0.5, 1.5, 0.0])
+    for task, mode in ((get_task("sst2"), "fine-tuned"), (get_task("squad"), "fine-tuned")):
+        got = task.divergence(a, b, mode)
+        assert got == pytest.approx(float(entropy(a.softmax(-1).numpy(), b.softmax(-1).numpy())), rel=1e-6)
+        assert got != pytest.approx(float(entropy(b.softmax(-1).numpy(), a.softmax(-1).numpy())), rel=1e-3)

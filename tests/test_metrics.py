@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from approx.harness import metrics as M
 
@@ -55,6 +56,9 @@ def test_squad_exact_match_and_f1_by_hand():
     assert M.squad_exact_match(preds, golds) == pytest.approx(100 / 3)
     # 2nd: vs "denver broncos": common 2, p = 2/3, r = 1 -> 0.8; vs "broncos": p = 1/3, r = 1 -> 0.5; best 0.8
     assert M.squad_f1(preds, golds) == pytest.approx(100 * (1 + 0.8 + 0) / 3)
+    # the best of the gold answers, wherever it is in the list (scoring against the first one alone had survived)
+    assert M.squad_exact_match(["Broncos"], [["Denver Broncos", "the Broncos"]]) == 100.0
+    assert M.squad_f1(["Broncos"], [["Denver Broncos", "Broncos team"]]) == pytest.approx(100 * 2 / 3)
 
 
 @pytest.mark.filterwarnings("ignore:A single label was found")  # scikit-learn on the all-zero row, as intended
@@ -78,3 +82,17 @@ def test_row_metrics_equal_scikit_learn_and_scipy_row_by_row():
         for b in range(len(x)):
             want = getattr(M, name)(x[b].tolist(), y[b].tolist())
             assert (math.isnan(got[b]) and math.isnan(want)) or got[b] == pytest.approx(want, abs=1e-9), (name, b)
+
+
+def test_task_kl_is_scipys_kl_of_the_reference_from_the_model_averaged_over_inputs():
+    """``Task.kl`` against scipy: KL(softmax(reference) || softmax(logits)) per distribution, the mean over the
+    leading dimensions (its direction swapped, or a sum for the mean, had survived: the tests checked its sign)."""
+    from scipy.stats import entropy
+
+    from approx.harness.tasks.base import Task
+
+    g = torch.Generator().manual_seed(0)
+    ref, logits = torch.randn(3, 5, 7, generator=g) * 2, torch.randn(3, 5, 7, generator=g) * 2
+    want = entropy(ref.softmax(-1).numpy(), logits.softmax(-1).numpy(), axis=-1).mean()
+    assert Task.kl(ref, logits) == pytest.approx(float(want), rel=1e-6)
+    assert Task.kl(ref, logits) != pytest.approx(Task.kl(logits, ref), rel=1e-3)  # the inputs are not symmetric
