@@ -165,7 +165,7 @@ def test_score_target_end_to_end_with_a_task_scorer_measured_independently(check
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an unmet target warns; met or not, the record is what is checked
         tuning = approx.autotune(model, inputs, target="score>=0.5", score=scorer, methods=["efficient", "linear"],
-                                 batch_size=2, progress=False)  # fmt: skip
+                                 batch_size=2, progress=False, seed=2)  # fmt: skip
     assert tuning.choices != ["full"] * 2  # an approximation was kept, so the two scores below differ
     folder = approx.save(model, tmp_path / "tuned", tokenizer=tok)
     (result,) = approx.evaluate(original, "stsb", [str(folder)], tokenizer=tok, split="dev", limit=12, batch_size=1,
@@ -188,6 +188,7 @@ def test_score_target_end_to_end_with_a_task_scorer_measured_independently(check
     reference = tuning.score["reference"]
     assert iv["relative"] == pytest.approx([1 + entry["low"] / reference, 1 + entry["high"] / reference], rel=1e-9)
     assert iv["level"] == 0.95 and "interval over these examples" in tuning.summary()
+    assert tuning.seed == iv["seed"] == 2  # drawn with the search's seed, not the default (dropping it had survived)
     reloaded = approx.restore(copy.deepcopy(original), folder)
     assert approx.integration.tuning(reloaded)["score"] == json.loads(json.dumps(tuning.score))
 

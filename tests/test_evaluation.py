@@ -310,6 +310,11 @@ def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
     assert full["metrics"] == full["reference_metrics"] and full["fidelity"]["agreement"] == 1.0
     assert 0 <= fav["metrics"]["f1"] <= 100 and fav["fidelity"]["kl_divergence"] > 0
     assert "stride 16" in full["protocol"]
+    # seconds per example are per question, not per window (a division by the windows had survived)
+    for r in (full, fav):
+        f = r["fidelity"]
+        assert f["seconds_per_example"] == pytest.approx(f["seconds"] / r["examples"])
+        assert f["reference_seconds_per_example"] == pytest.approx(f["reference_seconds"] / r["examples"])
 
 
 def test_the_cost_counts_each_inputs_global_question(fixture_dir, checkpoints):
@@ -1259,3 +1264,45 @@ def test_kl_divergence_is_scipys_kl_of_the_unpatched_from_the_patched_outputs(fi
         got = task.divergence(a, b, mode)
         assert got == pytest.approx(float(entropy(a.softmax(-1).numpy(), b.softmax(-1).numpy())), rel=1e-6)
         assert got != pytest.approx(float(entropy(b.softmax(-1).numpy(), a.softmax(-1).numpy())), rel=1e-3)
+
+
+def test_an_input_counts_as_exact_attention_within_the_relative_tolerance_only():
+    """``fidelity.exact_inputs``: an input whose attention output is within ``exact_tolerance`` (a relative error, 1e-5
+    in float32) of exact attention's counts as exact; one 1e-3 off does not (the tolerance compared with the squared
+    error unsquared, which let 3e-3 count as exact, had survived)."""
+    from reference import naive_attention
+
+    from approx.harness.fidelity import AttentionProbe
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
+    exact = naive_attention(q.double(), k.double(), v.double(), None, 8**-0.5).float()
+    for relative, counted in ((0.0, 2), (1e-6, 2), (1e-3, 0)):
+        probe, layer = AttentionProbe(), approx.ApproxAttention("full", head_dim=8)
+        probe(layer, q, k, v, None, 8**-0.5, exact * (1 + relative))
+        assert probe.exact_inputs == [counted, 2], relative
+
+
+def test_the_evaluation_passes_the_unpatched_output_first_to_divergence(fixture_dir, checkpoints, monkeypatch):
+    """``kl_divergence`` is KL(unpatched || patched): the harness hands each task's ``divergence`` the unpatched
+    model's output first. Each output it hands over is matched to logits computed outside the harness, example by
+    example: the first is nearer the unpatched model's, the second the patched one's (on this tiny checkpoint the
+    two differ by about 1e-4, batching by about 1e-7; swapping them had survived)."""
+    task = get_task("sst2")
+    seen = []
+    real = type(task).divergence
+    monkeypatch.setattr(
+        type(task), "divergence", lambda self, r, o, mode: seen.append((r, o)) or real(self, r, o, mode)
+    )
+    path = checkpoints("sequence-classification")
+    _run(path, "sst2", ["linear"], fixture_dir, batch_size=4)
+    _, plain = _plain_logits(path, "sst2", fixture_dir)
+    _, patched = _plain_logits(path, "sst2", fixture_dir, method=("linear", {}))
+    plain, patched = torch.stack(plain), torch.stack(patched)
+
+    def nearest(x, table):
+        return float((table - x).abs().amax(-1).min())
+
+    assert seen
+    for r, o in seen:
+        assert nearest(r, plain) < nearest(r, patched) and nearest(o, patched) < nearest(o, plain)

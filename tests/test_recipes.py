@@ -36,7 +36,8 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
     union, not an average of halves); agreement likewise."""
     head = "question-answering" if task == "squad" else "sequence-classification"
     path = str(write_checkpoint(tmp_path / "m", head))
-    opts = dict(data_dir=str(fixture_dir), source="local", progress=False, batch_size=3)
+    # (a seed other than the default: the merge's interval is drawn with the halves' seed, not its own default)
+    opts = dict(data_dir=str(fixture_dir), source="local", progress=False, batch_size=3, seed=3)
     methods = ["clustered:clusters=2", "favor:features=4", "entmax"]
     whole = approx.evaluate(path, task, methods, split="dev", **opts)
     halves = [approx.evaluate(path, task, methods, split=s, predictions=True, **opts) for s in ("dev/1", "dev/0")]
@@ -62,11 +63,11 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
         preds = [p for h in halves for p in h[k]["predictions"]]
         refs = [p for h in halves for p in h[k]["reference_predictions"]]
         every = [e for ex in examples for e in ex]
-        expected = paired_interval(get_task(task), m["mode"], every, preds, refs, seed=0)
+        expected = paired_interval(get_task(task), m["mode"], every, preds, refs, seed=3)
         assert {k: m["intervals"][k] for k in ("level", "resamples", "seed")} == {
             "level": 0.95,
             "resamples": 1000,
-            "seed": 0,
+            "seed": 3,
         }
         for metric, entry in expected["metrics"].items():
             assert m["intervals"]["metrics"][metric] == pytest.approx(entry, nan_ok=True)
