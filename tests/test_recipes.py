@@ -1052,3 +1052,26 @@ def test_a_cross_fitted_row_written_before_rows_kept_their_limit_is_the_same_row
     assert recipe._mismatch({**new, "limit": None}, new) is None
     assert recipe._mismatch({**new, "limit": None, "halves": None}, new) == "limit 500 against None"
     assert recipe._mismatch({**new, "limit": None, "batch_size": 16}, new) == "batch_size 32 against 16"
+
+
+def test_merged_halves_of_unequal_size_score_the_union(fixture_dir, tmp_path):
+    """Halves of 4 and 6 questions: the merge's metrics are the task's score over the union of their predictions, not
+    the average of the halves' scores (with halves of equal size, as in the test above, the two agree for a mean
+    like F1, so averaging had survived)."""
+    path = str(write_checkpoint(tmp_path / "m", "question-answering"))
+    opts = dict(data_dir=str(fixture_dir), source="local", progress=False, batch_size=3, predictions=True)
+    halves = [
+        approx.evaluate(path, "squad", ["favor:features=4"], split="dev/1", limit=4, **opts),
+        approx.evaluate(path, "squad", ["favor:features=4"], split="dev/0", **opts),
+    ]
+    examples = [
+        get_task("squad").load("dev/1", source="local", data_dir=str(fixture_dir), limit=4)[0],
+        get_task("squad").load("dev/0", source="local", data_dir=str(fixture_dir))[0],
+    ]
+    (merged,) = merge_halves(halves, examples)
+    every = [e for ex in examples for e in ex]
+    for key, preds in (("metrics", "predictions"), ("reference_metrics", "reference_predictions")):
+        union = get_task("squad").score(every, [p for h in halves for p in h[0][preds]], "fine-tuned")
+        assert merged[key] == pytest.approx(union)
+    averaged = {m: (halves[0][0]["metrics"][m] + halves[1][0]["metrics"][m]) / 2 for m in merged["metrics"]}
+    assert merged["metrics"] != pytest.approx(averaged)  # the fixture tells the two apart
