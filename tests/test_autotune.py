@@ -839,6 +839,13 @@ def test_the_seed_draws_the_halves_and_the_candidates_state(bert):
         assert torch.equal(drawn[1][i].state()["omega"], approx.patched_layers(patched)[i].state()["omega"])
     # each layer draws its own state from the seed and its index (one draw shared by every layer had survived)
     assert not torch.equal(drawn[0][0].state()["omega"], drawn[0][1].state()["omega"])
+    # and a search draws its candidates with its seed (drawing them with the default had survived)
+    from approx.harness.autotune import Search
+
+    search = Search(copy.deepcopy(bert), _data(8, 1), check_data=_data(8, 2), methods=["favor:features=8"],
+                    batch_size=4, progress=False, seed=1)  # fmt: skip
+    for i, layer in search.options[0].items():
+        assert torch.equal(layer.state()["omega"], approx.patched_layers(patched)[i].state()["omega"])
 
 
 def test_hull_path_passes_every_point_of_a_hull_edge_in_layer_order_on_ties():
