@@ -34,10 +34,11 @@ path was 1.35x faster than the loop at N = 4096 and 1.68x at 16384, then with th
 output now differs from the loop's by rounding, about 1e-6 relative in float32), and the groups and the merge by
 gathers another 1.06-1.12x (median of 15 or 7 interleaved calls, N = 1024 to 16384), with the same arithmetic: the
 same bits at power-of-two lengths, elsewhere within 1-2 ulp (the merge's ``logaddexp`` rounds differently in its
-vectorised loop and its scalar tail, and the merge's blocks now end at different rows). When a key cluster other
-than cluster t serves query cluster t (fewer real keys than queries), each round also copies the small per-key masks
-and cluster ids into query cluster order. tests/test_lsh.py checks this path and the differentiable one against a
-loop reference from the papers' definition; the docs' Speed page has the measurements.
+vectorised loop and its scalar tail, and the merge's blocks then ended at different rows; the merge now runs on
+buffers without a scalar tail here and in float64 on the differentiable path, see :func:`_merge_round`). When a key
+cluster other than cluster t serves query cluster t (fewer real keys than queries), each round also copies the small
+per-key masks and cluster ids into query cluster order. tests/test_lsh.py checks this path and the differentiable
+one against a loop reference from the papers' definition; the docs' Speed page has the measurements.
 """
 
 from __future__ import annotations
