@@ -352,6 +352,24 @@ CLI_MISTAKES = [
     (["eval", "--model", "{model}", "--task", "rte", "--method", "window", "--window"], "--window expects a value"),
     (["eval", "--model", "{model}", "--task", "rtee"], "unknown task 'rtee' (did you mean 'rte'?)"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--threads", "0"], "--threads must be"),
+    # a settings flag given twice had silently taken the last value (the config flags, --model, --eval-split)
+    (
+        ["finetune", "--task", "rte", "--output-dir", "{tmp}/o", "--learning-rate", "1e-5", "--learning-rate", "3e-5"],
+        "--learning-rate given twice (1e-05 and 3e-05)",
+    ),
+    (
+        ["finetune", "--task", "rte", "--output-dir", "{tmp}/o", "--model", "{model}", "--model", "{model}"],
+        "--model given twice",
+    ),
+    (
+        ["finetune", "--task", "rte", "--output-dir", "{tmp}/o", "--eval-split", "dev", "--eval-split", "dev/1"],
+        "--eval-split given twice",
+    ),
+    (
+        ["finetune", "--task", "rte", "--output-dir", "{tmp}/o", "--method", "favor", "--method", "linear"],
+        "at most one --method",
+    ),
+    (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--steps", "3", "--steps", "4"], "--steps given twice"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--batch-size", "0"], "--batch-size is at least 1"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--windows", "0"], "--windows is at least 1"),
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--length", "2"], "--length is at least 3, got 2"),

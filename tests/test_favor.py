@@ -129,6 +129,12 @@ def test_redraw_schedule():
     omega = approx.patched_layers(model)[1].state()["omega"].clone()
     assert [schedule.step() for _ in range(6)] == [False, False, True, False, False, True]
     assert not torch.equal(approx.patched_layers(model)[1].state()["omega"], omega)
+    # draw k uses seed + k, as documented: after two draws the model's state is patch(seed=7)'s, and recorded so
+    # (seed + steps had survived the tests)
+    drawn = approx.patch(tiny_model("bert"), "favor", features=64, seed=7)
+    for i, layer in approx.patched_layers(model).items():
+        assert torch.equal(layer.state()["omega"], approx.patched_layers(drawn)[i].state()["omega"])
+    assert approx.settings(model)[0]["config"]["seed"] == 7
     with pytest.raises(ValueError, match="every"):
         approx.RedrawSchedule(model, every=0)
 

@@ -356,12 +356,12 @@ def _add_finetune_parser(sub) -> None:
         "--method, saves a Hugging Face checkpoint (plus approx settings when patched) and evaluates it on "
         "--eval-split. Cross-fitting: --train-split dev/0 --eval-split dev/1, then the swap.",
     )
-    p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6)")
+    p.add_argument("--model", action=Once, help="local folder or hub id (default: MiniLM-L6)")
     p.add_argument("--task", required=True, action=Once, help="a task (see `approx tasks`)")
     p.add_argument("--output-dir", required=True, action=Once, help="where the checkpoint (and training state) go")
     p.add_argument("--method", metavar="METHOD[:OPT=VAL,...]", action="append", help="patch before training")
     p.add_argument("--train-split", default="train", help="split to train on (default train; dev/0 for a half)")
-    p.add_argument("--eval-split", help="split to evaluate on at the end (e.g. dev, dev/1)")
+    p.add_argument("--eval-split", action=Once, help="split to evaluate on at the end (e.g. dev, dev/1)")
     _data_args(p)
     p.add_argument(
         "--limit",

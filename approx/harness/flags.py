@@ -9,6 +9,7 @@ import argparse
 from .. import methods
 from ..config import MethodConfig
 from ..registry import get_method
+from .argcheck import Once
 from .spec import check_not_a_folder, option_types, parse_setup, parse_value, saved_folder, spec_options
 
 __all__ = ["config_flags", "config_values", "eval_setups", "method_flags", "method_option_args", "split_method_args"]
@@ -151,6 +152,7 @@ def config_flags(p, config_class: type[MethodConfig], *, owner: str | None = Non
         p.add_argument(
             flag,
             dest=opt["name"],
+            action=Once,  # a repeat is refused, not silently the last value
             metavar=kind.upper(),
             type=lambda v, kind=kind, name=opt["name"]: parse_value(v, kind, name, owner or config_class.method),
             help=f"{opt['help']}{default}",
