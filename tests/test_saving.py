@@ -502,3 +502,34 @@ def test_a_refused_state_file_leaves_every_layer_as_it_was(tmp_path):
         read_state(layers, tmp_path / "m")
     for i, layer in layers.items():
         assert all(torch.equal(t, before[i][name]) for name, t in layer.state().items())
+
+
+def test_saving_a_stateless_model_over_a_folder_with_state_leaves_a_loadable_folder(tmp_path):
+    """A folder saved from FAVOR+ (random features: a state file), then saved again from a window model (no state):
+    the old state file goes, and the folder loads as the window model (a kept file had made the load fail: "holds
+    state of layers 0, which are not patched")."""
+    folder = tmp_path / "m"
+    approx.save(approx.patch(tiny_model("bert"), "favor", features=8), folder)
+    assert (folder / STATE_FILE).is_file()
+    window = approx.patch(tiny_model("bert"), "window", window=2, block=4)
+    approx.save(window, folder)
+    assert not (folder / STATE_FILE).exists()
+    loaded = approx.load(folder)
+    assert [s["method"] for s in approx.settings(loaded)] == ["window", "window"]
+    assert torch.equal(outputs(loaded), outputs(window))
+
+
+def test_a_config_pickled_before_an_option_existed_means_what_it_meant():
+    """Unpickling a config whose state predates ``refine`` (added with a default that changes the method) gives its
+    ``absent`` value, 0, not today's default (ignoring ``absent`` there had survived the tests)."""
+    import pickle
+
+    from approx.attention.clustered import ClusteredConfig
+
+    config = ClusteredConfig(clusters=6)
+    old = pickle.loads(pickle.dumps(config))
+    state = dict(old.__dict__)
+    del state["refine"]
+    fresh = ClusteredConfig.__new__(ClusteredConfig)
+    fresh.__setstate__(state)
+    assert fresh.refine == 0 and ClusteredConfig().refine == 1
