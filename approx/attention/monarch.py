@@ -117,7 +117,7 @@ def _block_for(config: MonarchConfig, n: int) -> int:
 
 
 def cost(config: MonarchConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    if exact_for_length(n, exact_below=config.exact_below) or n == 0 or s == 0:  # no real token: nothing (0)
+    if exact_for_length(n, exact_below=config.exact_below):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     b = min(_block_for(config, s), max(n, s))  # a block longer than the sequence is the sequence
     mq, mk = -(-n // b), -(-s // b)
