@@ -445,3 +445,111 @@ def test_redraw_every_without_random_state_is_refused_before_loading(fixture_dir
     the model loads (the model folder here does not exist)."""
     with pytest.raises(ValueError, match=f"redraw_every \\(--redraw-every\\) 2: {words}"):
         _run(str(tmp_path / "absent"), fixture_dir, tmp_path / "o", method=method, redraw_every=2, max_steps=2)
+
+
+# ---------------------------------------------------------------------------- the schedule, redraws, stops, epochs
+
+
+def test_the_learning_rate_warms_up_then_decays_linearly_to_zero(base_model, fixture_dir, tmp_path, monkeypatch):
+    """The learning rate of every optimizer step, read from the optimizer as it steps, against the schedule's
+    definition: W = int(warmup * steps) warm-up steps at lr (s + 1) / W, then lr (T - s) / (T - W) down to 0 at T
+    (transformers' linear schedule after its warm-up; its warm-up starts at 0, which would waste a step)."""
+    used = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        used.append(self.param_groups[0]["lr"])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    lr, steps, warmup = 1e-3, 10, 0.35  # W = 3
+    _run(base_model, fixture_dir, tmp_path / "s", max_steps=steps, warmup=warmup, learning_rate=lr)
+    w = int(warmup * steps)
+    expected = [lr * (s + 1) / w if s < w else lr * (steps - s) / (steps - w) for s in range(steps)]
+    assert used == pytest.approx(expected, rel=1e-12)
+    from transformers import get_linear_schedule_with_warmup
+
+    reference = get_linear_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=lr), w, steps)
+    theirs = []
+    for _ in range(steps):
+        theirs.append(reference.get_last_lr()[0])
+        reference.optimizer.step()
+        reference.step()
+    assert used[w:] == pytest.approx(theirs[w:], rel=1e-12)
+
+
+def _layer_state(model) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in approx.patched_layers(model)[0].state().items()}
+
+
+def test_redraws_happen_after_every_nth_step_and_a_run_stopped_there_resumes_exactly(base_model, fixture_dir, tmp_path):
+    """With ``redraw_every=2`` the state the model trains with is the one patch draws from seed 0 for steps 1 and 2,
+    from seed 1 for steps 3 and 4, from seed 2 for 5 and 6 (each redraw after the step that ends a period). A run
+    stopped at a redraw step, twice (``stop_after`` counts from where each call starts), then resumed, ends with the
+    weights and state of a run that went straight through."""
+    from transformers import AutoModelForSequenceClassification
+
+    seen = {}
+    common = dict(method="favor:features=8", max_steps=6, redraw_every=2, limit=8, warmup=0.0)
+    _run(base_model, fixture_dir, tmp_path / "a", callback=lambda s, m: seen.setdefault(s, _layer_state(m)), **common)
+    drawn = {}
+    for seed in range(4):
+        fresh = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=2)
+        drawn[seed] = _layer_state(approx.patch(fresh, "favor", features=8, seed=seed))
+    assert sorted(seen) == [1, 2, 3, 4, 5, 6]
+    for step, state in seen.items():  # after step s (callback after the redraw): the state of steps s + 1 ...
+        seed = step // 2
+        assert all(torch.equal(state[n], drawn[seed][n]) for n in state), (step, seed)
+    first = _run(base_model, fixture_dir, tmp_path / "b", stop_after=2, **common)
+    second = _run(base_model, fixture_dir, tmp_path / "b", stop_after=2, resume=True, **common)
+    assert first["step"] == 2 and second["step"] == 4 and second["partial"]
+    _run(base_model, fixture_dir, tmp_path / "b", resume=True, **common)
+    from safetensors.torch import load_file
+
+    for file in ("model.safetensors", "approx_state.safetensors"):
+        a, b = load_file(tmp_path / "a" / file), load_file(tmp_path / "b" / file)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_every_epoch_sees_every_example_once_in_its_own_order(base_model, fixture_dir, tmp_path, monkeypatch):
+    """The batches of three epochs of 8 examples (2 steps each), read as the loss gets them: each epoch holds every
+    example exactly once, and the epochs' orders differ (a shuffle per epoch, not one order for the run)."""
+    from approx.harness import finetune as ft
+
+    rows = []
+    real_loss = ft._loss
+
+    def loss(tr, batch):
+        for ids, real in zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist()):
+            rows.append(tuple(ids[: sum(real)]))  # without the batch's padding
+        return real_loss(tr, batch)
+
+    monkeypatch.setattr(ft, "_loss", loss)
+    _run(base_model, fixture_dir, tmp_path / "e", max_steps=6, limit=8, warmup=0.0)
+    assert len(rows) == 24
+    epochs = [rows[i : i + 8] for i in range(0, 24, 8)]
+    assert len(set(epochs[0])) == 8 and all(sorted(e) == sorted(epochs[0]) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1
+
+
+def test_a_run_that_crashes_mid_epoch_resumes_from_the_end_of_the_last_epoch(base_model, fixture_dir, tmp_path):
+    """Without ``checkpoint_every`` the training state is saved at the end of every epoch: a run that fails in step 3
+    (epochs of 2 steps) resumes from step 2 and ends where a run without the failure ends."""
+
+    def crash(step, model):
+        if step == 3:
+            raise RuntimeError("the job was killed")
+
+    common = dict(max_steps=6, limit=8, warmup=0.0)
+    with pytest.raises(RuntimeError, match="killed"):
+        _run(base_model, fixture_dir, tmp_path / "c", callback=crash, **common)
+    assert json.loads((tmp_path / "c" / "checkpoint" / "progress.json").read_text())["step"] == 2
+    _run(base_model, fixture_dir, tmp_path / "c", resume=True, **common)
+    _run(base_model, fixture_dir, tmp_path / "d", **common)
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "c" / "model.safetensors"), load_file(tmp_path / "d" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -5,6 +5,7 @@ model exactly as it was (issue 15)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -533,3 +534,61 @@ def test_a_config_pickled_before_an_option_existed_means_what_it_meant():
     fresh = ClusteredConfig.__new__(ClusteredConfig)
     fresh.__setstate__(state)
     assert fresh.refine == 0 and ClusteredConfig().refine == 1
+
+
+# corruptions that a folder's digests would catch first (an edited state file's SHA-256 differs; an edited layer
+# list's too): in a folder saved before the digests existed, each must still be caught by its own check
+OLD_FOLDER_CORRUPTIONS = {
+    "NaN state": (CORRUPTIONS["NaN state"], "layer.0.offsets holds values that are not finite"),
+    "infinite state": (
+        lambda f: _write_state(f, lambda s: {**s, "layer.0.planes": s["layer.0.planes"].fill_(float("inf"))}),
+        "layer.0.planes holds values that are not finite",
+    ),
+    "a layer given twice": (
+        lambda f: _edit_settings(f, lambda m: m["layers"].append(dict(m["layers"][0]))),
+        "layer 0 is given twice",
+    ),
+    "state of another layer": (CORRUPTIONS["state of another layer"], "holds state of layers 1, which are not patched"),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(OLD_FOLDER_CORRUPTIONS))
+def test_a_folder_saved_before_the_digests_is_still_checked(tmp_path, corruption):
+    """Folders saved before 2026-11-29 have neither ``layers_sha256`` nor ``state_sha256`` and load as they are; NaN
+    state or a layer listed twice is then caught by its own check, with its own message (with the digests in place the
+    digest check refused these first, so the tests above never reached the checks)."""
+    model, folder = saved_folder(tmp_path / "m")
+    _edit_settings(folder, lambda m: (m.pop("layers_sha256"), m.pop("state_sha256")))
+    assert torch.equal(outputs(approx.load(folder)), outputs(model))  # as saved: loads
+    corrupt, words = OLD_FOLDER_CORRUPTIONS[corruption]
+    corrupt(folder)
+    fresh = tiny_model("bert", seed=4)
+    ref = outputs(fresh)
+    with pytest.raises(ValueError, match=re.escape(words)) as e:
+        approx.restore(fresh, folder)
+    assert str(folder) in str(e.value)
+    assert_untouched(fresh, ref, False, [])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "embeddings", "refused"),
+    [
+        (99, 99, False),  # the model's own
+        (90, 100, False),  # embeddings padded by a few rows: 90 % covered
+        (89, 100, True),  # under 90 %: another (smaller) vocabulary
+        (100, 99, True),  # ids beyond the embeddings
+        (0, 99, True),
+    ],
+)
+def test_a_tokenizer_must_cover_at_least_nine_tenths_of_the_embeddings_and_no_more_than_all(
+    tokens, embeddings, refused
+):
+    """The documented rule of ``check_vocabulary`` at its edges (the threshold had survived mutation: the tests used a
+    vocabulary four times the tokenizer's)."""
+    from approx.saved import check_vocabulary
+
+    if refused:
+        with pytest.raises(ValueError, match=f"has {tokens} tokens but the model has {embeddings} token embeddings"):
+            check_vocabulary("m", tokens, embeddings)
+    else:
+        check_vocabulary("m", tokens, embeddings)
