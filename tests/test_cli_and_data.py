@@ -754,3 +754,25 @@ def test_squad_training_labels_are_the_tokens_of_the_answer_and_no_more(tmp_path
         inside = [i for i, o in enumerate(offsets) if o is not None and o[0] < end and o[1] > start]
         assert (labels["start_positions"], labels["end_positions"]) == (inside[0], inside[-1]), answer
         assert tok.decode(feat.input_ids[inside[0] : inside[-1] + 1]).replace(" ,", ",") == answer
+
+
+@pytest.mark.parametrize("gap", [" ", "     "])
+def test_the_first_windows_of_a_text_are_those_of_the_whole_text(tmp_path, gap):
+    """``count`` windows are cut from a prefix of the text for speed; they must be the whole text's first windows,
+    also when runs of spaces make many empty words (a prefix of count x body + 1000 words then held too few tokens
+    and 20 windows were refused as more than the text holds)."""
+    import random
+
+    from evalfixtures import WORDS, write_checkpoint
+    from transformers import AutoTokenizer
+
+    from approx.harness.data import token_windows
+
+    tok = AutoTokenizer.from_pretrained(str(write_checkpoint(tmp_path / "m", "base")))
+    rng = random.Random(0)
+    text = gap.join(rng.choice(WORDS) for _ in range(3000))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    length, count = 64, 20
+    body = length - 2
+    expected = [[tok.cls_token_id, *ids[i * body : (i + 1) * body], tok.sep_token_id] for i in range(count)]
+    assert [list(w) for w in token_windows(tok, text, length=length, count=count)] == expected

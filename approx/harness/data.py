@@ -105,10 +105,17 @@ def token_windows(tokenizer: Any, text: str, *, length: int, count: int | None =
     if length < 3:
         raise ValueError(f"window length must be at least 3, got {length}")
     body = length - 2
-    if count is not None:  # tokenise only as much text as needed (about 1.3 tokens per word)
+    ids = None
+    if count is not None:
+        # tokenise only as much text as needed: the tokenizers split on spaces first, so the first words give the
+        # first tokens of the whole text, and a word gives at least one token; runs of spaces make empty words,
+        # which give none: when too few tokens come of them, the whole text is tokenised
         words = text.split(" ")
-        text = " ".join(words[: int(count * body * 1.0) + 1000])
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if len(words) > count * body + 1000:
+            ids = tokenizer(" ".join(words[: count * body + 1000]), add_special_tokens=False, verbose=False)
+            ids = ids["input_ids"] if len(ids["input_ids"]) >= count * body else None
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n = len(ids) // body if count is None else min(count, len(ids) // body)
     if n == 0:
         raise DataError(

@@ -8,9 +8,9 @@ each wrapped as ``[CLS] chunk [SEP]``; ``--limit`` keeps the first windows.
 * ``masked-lm`` mode (a checkpoint with a masked-LM head): in each window 15 % of the chunk's positions
   (at least one), drawn by a generator seeded with the window's index, are replaced by the mask token
   (no 80/10/10 mixing). Metrics: the mean cross-entropy at those positions (``mlm_loss``, nats),
-  ``perplexity`` = exp(mlm_loss) and ``bits_per_token`` = mlm_loss / ln 2 (the unit of the Longformer
-  paper's WikiText tables). This is a single-pass estimate, not Salazar et al.'s one-token-at-a-time
-  pseudo-perplexity (which needs one forward pass per token). Fidelity: top-1 agreement at the masked
+  ``perplexity`` = exp(mlm_loss) and ``bits_per_token`` = mlm_loss / ln 2 (the same loss in bits per
+  masked token; the text after the last whole window is not scored). This is a single-pass estimate, not
+  Salazar et al.'s one-token-at-a-time pseudo-perplexity (which needs one forward pass per token). Fidelity: top-1 agreement at the masked
   positions and the KL divergence of the predicted token distributions there.
 * ``fidelity`` mode (any encoder): the unmasked windows; no task metric, only the fidelity the harness
   measures for every task (hidden-state cosine per layer, attention-output error).
