@@ -1180,6 +1180,23 @@ def test_provenance_names_the_processor(tmp_path, monkeypatch):
     assert prov.cpu_capability() is None and prov.provenance()["cpu_capability"] is None
 
 
+def test_provenance_records_the_load_average(monkeypatch):
+    """Timings suffer when other work holds a core: every record keeps the load averages when it was taken, or None
+    where the system has none."""
+    import os
+
+    from approx.harness import provenance as prov
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.3456, 1.0, 0.5))
+    assert prov.provenance()["load_average"] == [2.35, 1.0, 0.5]
+
+    def none():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(os, "getloadavg", none)
+    assert prov.provenance()["load_average"] is None
+
+
 def test_provenance_flags_a_commit_made_while_the_process_ran(monkeypatch):
     """A run loads its modules when it starts: a later commit (or change to the package) is not the code it runs, so
     the record keeps the commit of the process's first provenance beside the checkout's (and the docs say so)."""

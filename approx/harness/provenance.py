@@ -95,6 +95,17 @@ def cpu_capability() -> str | None:
         return None
 
 
+def load_average() -> list[float] | None:
+    """The system's 1-, 5- and 15-minute load averages now (``os.getloadavg``), None where the system has none
+    (Windows). The run's own busy threads count in them: on a machine where nothing else runs, the 1-minute figure
+    at the end of a timed run is about its ``torch_threads``; well above that, other work shared the cores and the
+    times measured are suspect."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 # The checkout's commit when this process first took its provenance (see :func:`provenance`)
 _AT_START: dict[str, str | None] = {}
 
@@ -122,6 +133,7 @@ def provenance(seed: int | None = None, device: str | torch.device | None = None
         "cpu_capability": cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load_average": load_average(),
         "device": str(device) if device is not None else "cpu",
         "accelerator": accelerator(device),
         "seed": seed,
