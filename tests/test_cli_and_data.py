@@ -776,3 +776,41 @@ def test_the_first_windows_of_a_text_are_those_of_the_whole_text(tmp_path, gap):
     body = length - 2
     expected = [[tok.cls_token_id, *ids[i * body : (i + 1) * body], tok.sep_token_id] for i in range(count)]
     assert [list(w) for w in token_windows(tok, text, length=length, count=count)] == expected
+
+
+def test_zero_and_false_on_the_command_line_are_values_not_absences():
+    """``--weight-decay 0``, ``--warmup 0``, ``--steps 0`` and ``--fit-projections-too false`` reach the settings as
+    given (a test of truth instead of ``is not None`` would drop them for the defaults)."""
+    import argparse
+
+    from approx.attention._fitting import SparsefinderFitConfig
+    from approx.harness.finetune import FinetuneConfig
+    from approx.harness.flags import config_flags, config_values
+
+    p = argparse.ArgumentParser()
+    config_flags(p, FinetuneConfig)
+    args = p.parse_args(["--weight-decay", "0", "--warmup", "0"])
+    assert config_values(args, FinetuneConfig) == {"weight_decay": 0.0, "warmup": 0.0}
+    p = argparse.ArgumentParser()
+    config_flags(p, SparsefinderFitConfig)
+    args = p.parse_args(["--steps", "0", "--fit-projections-too", "false", "--margin", "0"])
+    assert config_values(args, SparsefinderFitConfig) == {"steps": 0, "fit_projections_too": False, "margin": 0.0}
+
+
+def test_a_specs_own_seed_wins_over_the_runs_and_a_fraction_is_not_an_integer():
+    from approx.harness.spec import as_setup, parse_setup
+
+    assert as_setup("clustered:seed=5", seed=0).options["seed"] == 5
+    assert as_setup("clustered", seed=3).options["seed"] == 3
+    with pytest.raises(ValueError, match="option 'clusters' expects an integer, got '2.5'"):
+        parse_setup("clustered:clusters=2.5")
+
+
+def test_a_per_layer_label_merges_only_consecutive_layers():
+    from approx.harness.spec import short_label
+
+    def record(layers):
+        return {"name": "per-layer", "layers": [{"layer": i, "method": "full", "config": {}} for i in layers]}
+
+    assert short_label(record([0, 1, 2])) == "per-layer[0-2 full]"
+    assert short_label(record([0, 3])) == "per-layer[0 full; 3 full]"

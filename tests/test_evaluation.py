@@ -1197,6 +1197,37 @@ def test_provenance_records_the_load_average(monkeypatch):
     assert prov.provenance()["load_average"] is None
 
 
+def test_provenance_records_the_device_and_threads_given_and_a_dirty_package(monkeypatch):
+    """The device and torch's thread count as they are, and ``+dirty`` after the commit when git reports a change
+    to the package's code (only the code's paths are asked about: an edited README changes no result)."""
+    import subprocess
+
+    from approx.harness import provenance as prov
+
+    assert prov.provenance(device="cuda:0")["device"] == "cuda:0"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert prov.provenance()["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(threads)
+    asked, status = [], {"out": " M approx/layer.py"}
+
+    def run(cmd, **kwargs):
+        asked.append(cmd)
+        out = "abc123" if "rev-parse" in cmd else status["out"]
+        return subprocess.CompletedProcess(cmd, 0, stdout=out + "\n", stderr="")
+
+    monkeypatch.setattr(prov.subprocess, "run", run)
+    if prov.git_commit() is None:  # installed without a checkout around it: nothing to ask git
+        pytest.skip("approx is not in a git checkout here")
+    assert prov.git_commit() == "abc123+dirty"
+    status["out"] = ""
+    assert prov.git_commit() == "abc123"
+    (status_cmd,) = {tuple(c) for c in asked if "status" in c}
+    assert status_cmd[status_cmd.index("--") + 1 :] == ("approx", "pyproject.toml")
+
+
 def test_provenance_flags_a_commit_made_while_the_process_ran(monkeypatch):
     """A run loads its modules when it starts: a later commit (or change to the package) is not the code it runs, so
     the record keeps the commit of the process's first provenance beside the checkout's (and the docs say so)."""

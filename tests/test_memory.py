@@ -227,3 +227,29 @@ def test_the_harness_times_and_measures_a_method_without_the_probe(base_model, f
                               source="local", limit=2, max_length=24, progress=False)  # fmt: skip
     assert calls and not any(inside)
     assert all(r["fidelity"]["attention_relative_error"]["mean"] > 0 for r in results)  # the probe did measure
+
+
+def test_the_cpu_peak_is_the_high_water_mark_above_the_start_in_mib_kept_across_excluded_blocks(monkeypatch):
+    """The resident set's figures scripted (KiB, as /proc/self/status gives them): 3 MiB above the start, then an
+    excluded block (not counted), 1 MiB, a second excluded block, half a MiB: the peak is 3.0 MiB (KiB / 1024, and
+    the peak before the first excluded block kept through the second)."""
+    from approx.harness import memory
+
+    kib = {"VmRSS": 1024, "VmHWM": 1024}
+
+    def reset() -> bool:
+        kib["VmHWM"] = kib["VmRSS"]
+        return True
+
+    monkeypatch.setattr(memory, "_status_kib", lambda field: kib[field])
+    monkeypatch.setattr(memory, "_reset_cpu_peak", reset)
+    monkeypatch.setattr(memory, "_trim", lambda: None)
+    with memory.PeakMemory("cpu") as m:
+        kib["VmHWM"] = 1024 + 3 * 1024
+        with memory.excluded():
+            kib["VmHWM"] = 10**6
+        kib["VmHWM"] = 1024 + 1024
+        with memory.excluded():
+            kib["VmHWM"] = 10**6
+        kib["VmHWM"] = 1024 + 512
+    assert m.mib == 3.0
