@@ -10,8 +10,8 @@ each wrapped as ``[CLS] chunk [SEP]``; ``--limit`` keeps the first windows.
   (no 80/10/10 mixing). Metrics: the mean cross-entropy at those positions (``mlm_loss``, nats),
   ``perplexity`` = exp(mlm_loss) and ``bits_per_token`` = mlm_loss / ln 2 (the same loss in bits per
   masked token; the text after the last whole window is not scored). This is a single-pass estimate, not
-  Salazar et al.'s one-token-at-a-time pseudo-perplexity (which needs one forward pass per token). Fidelity: top-1 agreement at the masked
-  positions and the KL divergence of the predicted token distributions there.
+  Salazar et al.'s one-token-at-a-time pseudo-perplexity (which needs one forward pass per token). Fidelity:
+  top-1 agreement at the masked positions and the KL divergence of the predicted token distributions there.
 * ``fidelity`` mode (any encoder): the unmasked windows; no task metric, only the fidelity the harness
   measures for every task (hidden-state cosine per layer, attention-output error).
 
