@@ -1026,7 +1026,9 @@ def test_warm_up_keeps_one_time_costs_out_of_the_timing(fixture_dir, checkpoints
         assert len(calls) == 2 * batches + (3 if warmup else 0)  # full attention and the method, per batch
         assert results[warmup]["warmup"] is warmup
     cold, warm = results[False]["fidelity"]["seconds"], results[True]["fidelity"]["seconds"]
-    assert cold - warm > 0.9  # the sleep was timed without the warm-up, not with it
+    # the sleep was timed without the warm-up, not with it (each bound alone: their difference moved by 0.15 s with
+    # another job on the cores, and a bound on it failed)
+    assert cold >= 1.0 > warm
 
 
 def test_a_pass_that_compiles_a_new_shape_is_timed_again(fixture_dir, checkpoints, monkeypatch):
@@ -1043,7 +1045,7 @@ def test_a_pass_that_compiles_a_new_shape_is_timed_again(fixture_dir, checkpoint
         if q.shape[-2] not in seen:  # a new shape: "compiled", once
             seen.add(q.shape[-2])
             counters["stats"]["unique_graphs"] += 1
-            time.sleep(0.5)
+            time.sleep(1.0)
 
     results, calls = {}, {}
     for warmup in (True, False):
@@ -1058,7 +1060,7 @@ def test_a_pass_that_compiles_a_new_shape_is_timed_again(fixture_dir, checkpoint
     assert warm["retimed_batches"] == lengths - 1 and warm["reference_retimed_batches"] == 0
     assert len(calls[True]) == 2 * batches + 3 + (lengths - 1)  # warm-up, full and method per batch, the re-runs
     assert cold["retimed_batches"] == 0 and len(calls[False]) == 2 * batches
-    assert cold["seconds"] - warm["seconds"] > 0.5 * lengths - 0.2  # every "compilation" timed cold, none warm
+    assert cold["seconds"] >= 1.0 * lengths > 1.0 > warm["seconds"]  # every "compilation" timed cold, none warm
 
 
 def test_a_retimed_pass_keeps_the_second_time_and_the_larger_peak(monkeypatch, caplog):
