@@ -37,7 +37,6 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
@@ -66,10 +65,11 @@ class EluFeatures(FeatureMap):
         self.features = d
 
     def queries(self, x: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+        # elu(x) + 1 = exp(min(x, 0)) + max(x, 0): about 25 % faster on CPU than elu_ then add_, and exact where
+        # elu(x) + 1 cancels (x = -30: -1 + 9e-14 in float64 keeps 3 digits; below about -17 float32 gives 0)
         buf = scratch("phi", x.numel())
-        if buf is None:
-            return F.elu(x) + 1.0
-        # elu(x) + 1 = exp(min(x, 0)) + max(x, 0): about 25 % faster on CPU than elu_ then add_
+        if buf is None:  # out of place (gradients, the dense weights)
+            return torch.clamp(x, max=0.0).exp() + x.relu()
         return torch.clamp(x, max=0.0, out=buf.view(x.shape)).exp_().add_(x.relu())
 
     keys = queries
