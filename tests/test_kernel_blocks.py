@@ -132,3 +132,23 @@ def test_cluster_blocks_of_a_hand_made_assignment():
     spare = 10  # one past the last query
     assert dest[:3].tolist() == [[0, 3, 5, 8], [1, 2, 4, 6], [7, 9, spare, spare]]
     assert (dest[3:] == spare).all()
+
+
+def test_taylor_normalises_queries_and_keys_of_tiny_norm_too():
+    """Taylor's weights 1 + q^.k^ with q^ = q / |q|: a key of norm 1e-4 and a query of norm 1e-5 are still unit
+    directions (the norm's floor is far below them), against the float64 formula."""
+    g = torch.Generator().manual_seed(5)
+    q, k = (
+        torch.randn(1, 1, 3, 4, generator=g, dtype=torch.float64),
+        torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64),
+    )
+    v = torch.randn(1, 1, 5, 2, generator=g, dtype=torch.float64)
+    q[0, 0, 1] *= 1e-5 / q[0, 0, 1].norm()
+    k[0, 0, 2] *= 1e-4 / k[0, 0, 2].norm()
+    qh, kh = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    a = 1 + qh @ kh.transpose(-1, -2)
+    w = a / a.sum(-1, keepdim=True)
+    layer = ApproxAttention("taylor", approx.get_method("taylor").make_config(), head_dim=4)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.weights(q, k, None, scale=0.5), w, rtol=1e-12, atol=0)
+        torch.testing.assert_close(layer(q, k, v), w @ v, rtol=1e-12, atol=1e-14)

@@ -2,6 +2,7 @@
 ``test_options`` and ``exact_limit``), so a new method is covered without editing this file; the
 clustered-specific ones check the paper's properties."""
 
+import math
 import re
 import warnings
 
@@ -752,6 +753,54 @@ def test_kmeans_centroid_update_is_the_members_majority_and_a_tie_keeps_the_bit(
                         want = 7.0
                     assert float(new[gi, c, b]) == want, (gi, c, b, vote)
     assert bool((votes[..., :bits] == 0).any()), "the draw should hold a tied vote"
+
+
+def test_more_cost_models_are_their_formulas():
+    """The cost models of the low-rank, kernel and Monarch families, entmax and i-clustered's ``spread`` against their
+    formulas written out here (d != dv, so a d for a dv shows; a sixth mutation round found a Linformer E/F term
+    counting keys only, Nystrom's m x m pairs, i-clustered's spread product and short-sequence caps untested):
+    Nystrom: n m (d + dv) + m^2 d + m s (d + dv) + m^2 dv, plus 4 I m^3 (iterative) or 11 m^3 (SVD), flops twice
+    that plus the landmark sums (n + s) d, pairs n m + m^2 + m s; Linformer: s (d + dv) pooling, + k L (d + dv)
+    for E and F (random, fitted), + n k (d + dv), k at most S for mean; the kernel family (m features, f flops per
+    input element): f (n + s) d + 2 (n + s) m (dv + 1) + n dv flops, (n + s) m dv products; MonarchAttention with
+    t steps (b, gq = gk = n, mq = mk = n / b): pairs t gk b + t gq mk; entmax: full attention's products plus
+    n s (ceil(log2 s) + 10) (exact sort) or 4 I n s (bisection)."""
+    n, s, d, dv = 300, 260, 16, 24
+    for pinv, extra in (("iterative", 4 * 6 * 8**3), ("exact", 11 * 8**3)):
+        config = get_method("nystrom").make_config(landmarks=8, pinv=pinv, pinv_iterations=6)
+        cost = get_method("nystrom").cost(config, n=n, s=s, d=d, dv=dv)
+        macs = n * 8 * (d + dv) + 64 * d + 8 * s * (d + dv) + 64 * dv + extra
+        assert (cost.matmul_macs, cost.flops, cost.qk_pairs) == (macs, 2 * macs + (n + s) * d, n * 8 + 64 + 8 * s)
+    for mode in ("random", "fitted"):
+        config = get_method("linformer").make_config(mode=mode, projections=16, length=128)
+        cost = get_method("linformer").cost(config, n=n, s=s, d=d, dv=dv)
+        macs = s * (d + dv) + 16 * 128 * (d + dv) + n * 16 * (d + dv)
+        assert (cost.matmul_macs, cost.flops, cost.qk_pairs) == (macs, 2 * macs, n * 16)
+    short = get_method("linformer").cost(get_method("linformer").make_config(projections=64), n=n, s=40, d=d, dv=dv)
+    assert short.qk_pairs == n * 40 and short.matmul_macs == 40 * (d + dv) + n * 40 * (d + dv)
+    for name, m, f in (("linear", d, 3), ("efficient", d, 4), ("taylor", d + 1, 3)):
+        cost = get_method(name).cost(get_method(name).make_config(), n=n, s=s, d=d, dv=dv)
+        flops = f * (n + s) * d + 2 * (n + s) * m * (dv + 1) + n * dv
+        assert (cost.flops, cost.matmul_macs, cost.qk_pairs) == (flops, (n + s) * m * dv, 0), name
+    config = get_method("monarch").make_config(block_size=4, steps=2)
+    cost = get_method("monarch").cost(config, n=16, s=16, d=d, dv=dv)
+    assert cost.qk_pairs == 2 * 16 * 4 + 2 * 16 * 4
+    assert cost.flops == 2 * cost.matmul_macs + 2 * 2 * 16 * 4  # the entropies: a dot of length b per (block, slot)
+    one = get_method("monarch").cost(get_method("monarch").make_config(block_size=16, steps=2), n=16, s=16, d=d, dv=dv)
+    assert one.flops == 2 * one.matmul_macs + 16 * (d + 1)  # one key block: each slot's query mean
+    for alpha, mapping in ((1.5, n * s * (math.ceil(math.log2(s)) + 10)), (1.3, n * s * 4 * 50)):
+        cost = get_method("entmax").cost(get_method("entmax").make_config(alpha=alpha), n=n, s=s, d=d, dv=dv)
+        assert cost.flops == 2 * n * s * (d + dv) + mapping and cost.matmul_macs == n * s * (d + dv)
+    c, b, it, k = 12, 31, 7, 9
+    options = dict(clusters=c, bits=b, iterations=it, refine=0, topk=k)
+    centroid = get_method("i-clustered").cost(get_method("i-clustered").make_config(**options), n=n, s=s, d=d, dv=dv)
+    spread = get_method("i-clustered").make_config(**options, topk_by="spread")
+    cost = get_method("i-clustered").cost(spread, n=n, s=s, d=d, dv=dv)
+    assert cost.matmul_macs == centroid.matmul_macs + c * s * d and cost.qk_pairs == centroid.qk_pairs
+    assert cost.flops == centroid.flops + 2 * n * d + 2 * c * s * d
+    few = get_method("i-clustered").cost(get_method("i-clustered").make_config(**{**options, "topk": 64}), n=n, s=40,
+                                         d=d, dv=dv)  # fmt: skip
+    assert few.qk_pairs == c * 40 + n * 40  # at most S keys per query
 
 
 def test_cost_models_are_the_docs_formulas():
