@@ -276,3 +276,25 @@ def test_a_fit_of_zero_steps_is_allowed_and_negative_steps_are_not():
     pq, pk, info = _fitting.fit_projections(samples, 1.5, 3, settings, seed=0)
     start = _fitting.random_projections(2, 4, 3, seed=0)
     assert torch.equal(pq, start[0]) and torch.equal(pk, start[1]) and info["steps"] == 0
+
+
+def test_linformers_fit_error_is_the_relative_output_error_over_the_real_queries():
+    """``fit_error`` of ``mean`` on a batch row of exactly L real tokens (then padding) equals the relative squared
+    error of the layer's own ``mean`` output against float64 exact attention, over the real query rows only (the
+    padded rows' targets out of the denominator too)."""
+    g = torch.Generator().manual_seed(6)
+    n, d, length = 12, 4, 8
+    q, k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(1, n, dtype=torch.bool)
+    mask[0, length:] = False
+    config = approx.get_method("linformer").make_config(mode="mean", projections=4, length=length)
+    from approx.attention.linformer import fit_error
+
+    error = fit_error(config, {}, [(q, k, mask, d**-0.5, v)])
+    layer = approx.ApproxAttention("linformer", config, head_dim=d)
+    with torch.no_grad():
+        out = layer(q, k, v, mask)[:, :, :length].double()
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5
+    exact = scores.masked_fill(~mask[:, None, None, :], float("-inf")).softmax(-1) @ v
+    exact = exact[:, :, :length]
+    assert error == pytest.approx(float((out - exact).square().sum() / exact.square().sum()), rel=1e-5)
