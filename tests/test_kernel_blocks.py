@@ -1,5 +1,6 @@
 """The kernels' building blocks where real runs take several slices or chunks, or meet their edge cases, against
-float64 references written here (a fifth mutation round found these paths untested: every test ran one slice)."""
+float64 references (tests/reference.py's, or written here where a pattern or a bias is needed; a fifth mutation round
+found these paths untested: every test ran one slice)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from reference import naive_attention, taylor_kernel_attention
 
 import approx
 from approx import ApproxAttention
@@ -65,9 +67,8 @@ def test_a_row_with_exactly_as_many_real_tokens_as_clusters_is_exact():
     layer = ApproxAttention("clustered", approx.get_method("clustered").make_config(clusters=25), head_dim=d)
     with torch.no_grad():
         out = layer(q, k, v, mask)
-    bias = torch.zeros(n, dtype=torch.float64).masked_fill(~mask[1], float("-inf"))
-    ref = _softmax_reference(q[1], k[1], v[1], bias, d**-0.5)
-    torch.testing.assert_close(out[1, :, :25], ref[:, :25], rtol=0, atol=1e-10)
+    ref = naive_attention(q[1:], k[1:], v[1:], mask[1:])
+    torch.testing.assert_close(out[1:, :, :25], ref[:, :, :25], rtol=0, atol=1e-10)
 
 
 def test_the_linear_kernels_normaliser_has_its_floor():
@@ -145,10 +146,8 @@ def test_taylor_normalises_queries_and_keys_of_tiny_norm_too():
     v = torch.randn(1, 1, 5, 2, generator=g, dtype=torch.float64)
     q[0, 0, 1] *= 1e-5 / q[0, 0, 1].norm()
     k[0, 0, 2] *= 1e-4 / k[0, 0, 2].norm()
-    qh, kh = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
-    a = 1 + qh @ kh.transpose(-1, -2)
-    w = a / a.sum(-1, keepdim=True)
+    weights = taylor_kernel_attention(q, k, torch.eye(5, dtype=torch.float64)[None, None])  # V = I: the weights
     layer = ApproxAttention("taylor", approx.get_method("taylor").make_config(), head_dim=4)
     with torch.no_grad():
-        torch.testing.assert_close(layer.weights(q, k, None, scale=0.5), w, rtol=1e-12, atol=0)
-        torch.testing.assert_close(layer(q, k, v), w @ v, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(layer.weights(q, k, None, scale=0.5), weights, rtol=1e-12, atol=0)
+        torch.testing.assert_close(layer(q, k, v), taylor_kernel_attention(q, k, v), rtol=1e-12, atol=1e-14)
