@@ -78,8 +78,34 @@ _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose 
 _MODULE_ORIGINAL = "_approx_eager_attention"
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
-# AttentionInterface in transformers 5 (checked by the test suite on tiny models of each).
-SUPPORTED_MODEL_TYPES = ("bert", "roberta", "distilbert", "electra", "xlm-roberta", "albert", "camembert")
+# AttentionInterface in transformers 5 (checked by the test suite on tiny models of each, with every task head the
+# family has): no bias added to the scores, no window or other mask pattern beside the key padding. ESM-2, EuroBERT,
+# NomicBERT and Jina v3 rotate q and k by their positions (RoPE) before the attention function: the methods see the
+# rotated ones, as softmax does. Not here, and refused: DeBERTa-v2 and MPNet (relative-position terms in the scores,
+# not routed through the interface), ModernBERT (sliding-window layers), and every model type not verified here.
+SUPPORTED_MODEL_TYPES = (
+    "bert",
+    "roberta",
+    "distilbert",
+    "electra",
+    "xlm-roberta",
+    "albert",
+    "camembert",
+    "data2vec-text",
+    "ernie",
+    "esm",
+    "eurobert",
+    "jina_embeddings_v3",
+    "layoutlm",
+    "markuplm",
+    "mobilebert",
+    "nomic_bert",
+    "roberta-prelayernorm",
+    "roc_bert",
+    "splinter",
+    "xlm-roberta-xl",
+    "xmod",
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -111,6 +137,15 @@ def _key_padding_mask(
     """Mask function for ``AttentionMaskInterface``: (B, S) padding -> (B, 1, 1, S) bool, True = attend."""
     if use_vmap:  # transformers sets it when a model adds its own mask pattern on top of padding
         raise NotImplementedError("approx attention supports key-padding masks only, not custom mask functions")
+    from transformers.masking_utils import bidirectional_mask_function
+
+    if mask_function is not None and mask_function is not bidirectional_mask_function:
+        # a causal, sliding-window or chunked mask: returning the padding alone would drop that pattern silently
+        name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
+        raise NotImplementedError(
+            f"approx attention supports plain bidirectional attention with a key-padding mask only; this model asked "
+            f"for another mask pattern ({name}: causal, sliding-window or chunked attention)"
+        )
     if q_offset or kv_offset:
         raise NotImplementedError("approx attention does not support key/value caches")
     if attention_mask is None:
@@ -119,6 +154,12 @@ def _key_padding_mask(
     if allow_is_bidirectional_skip and bool(mask.all()):
         return None
     return mask[:, None, None, -kv_length:]  # (B, 1, 1, S)
+
+
+# attention-function arguments of transformers' models that change what softmax is taken over (a sliding window, a
+# cap on the scores, attention sinks, causal attention): refused when set (0 included), never ignored
+# (and packed sequences' boundaries, which flash attention reads from cu_seq_lens_*: softmax would cross them)
+_SCORE_CHANGES = ("sliding_window", "softcap", "s_aux", "sinks", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
 def _attention_forward(
@@ -133,6 +174,12 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The function registered as ``"approx"``: (B, H, N, d) tensors in, (B, N, H, dv) out, and the layer's
     dense (B, H, N, S) attention weights when the caller asked for ``output_attentions`` (else None)."""
+    changed = [name for name in _SCORE_CHANGES if kwargs.get(name) is not None and kwargs.get(name) is not False]
+    if changed:  # a window, a cap on the scores, sink logits: softmax over the padded keys would silently drop them
+        raise NotImplementedError(
+            f"approx attention computes softmax over the real keys only; this layer also passes "
+            f"{', '.join(changed)}, which no method here takes into account"
+        )
     key_mask = _key_mask(attention_mask, query.shape[0], key.shape[-2])
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = getattr(module, _CHILD, None)
@@ -143,6 +190,11 @@ def _attention_forward(
             additive = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device)
             additive = additive.masked_fill_(~key_mask, torch.finfo(query.dtype).min)[:, None, None, :]
         return eager(module, query, key, value, additive, dropout=dropout, scaling=scale, **kwargs)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention (EuroBERT's option): as transformers' repeat_kv,
+        groups = query.shape[1] // max(key.shape[1], 1)  # query head h reads key/value head h // groups
+        if groups * key.shape[1] != query.shape[1]:
+            raise ValueError(f"{query.shape[1]} query heads cannot share {key.shape[1]} key/value heads evenly")
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if layer is None:  # a layer left unpatched by `layers=`: exact attention (SDPA, as an sdpa model ran it)
         out = exact_attention(query, key, value, key_mask, scale, dropout)
     else:
@@ -162,16 +214,22 @@ _QUESTION_TOKENS = threading.local()  # per thread: the context tokens of the fo
 
 
 def question_positions(
-    model: nn.Module, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None = None
+    model: nn.Module,
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The question's positions in a batch for ``model`` (every token before the first SEP, from ``input_ids`` and
-    ``config.sep_token_id`` or from ``token_type_ids``), as a patched forward finds them; else what the caller set
-    with ``approx.tokens(question_mask=...)``; None when neither has one. See ``approx.attention._context``."""
+    ``config.sep_token_id`` or from ``token_type_ids``; SEPs among the real tokens of ``attention_mask`` only, when
+    given), as a patched forward finds them; else what the caller set with ``approx.tokens(question_mask=...)``; None
+    when neither has one. See ``approx.attention._context``."""
     config = getattr(model, "config", None)
     sep = getattr(config, "sep_token_id", None)
     if sep is None:  # RoBERTa-style configs name their separator </s> only as eos
         sep = getattr(config, "eos_token_id", None)
-    question = _context.question_of(input_ids, token_type_ids, sep)
+    if isinstance(sep, (list, tuple)):  # a config listing several end tokens: none of them is a separator to trust
+        sep = None
+    question = _context.question_of(input_ids, token_type_ids, sep, attention_mask)
     return _context.question_mask() if question is None else question
 
 
@@ -195,7 +253,7 @@ def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
                 "train without it (model.gradient_checkpointing_disable()), or with question_global=False"
             )
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-    question = question_positions(model, input_ids, kwargs.get("token_type_ids"))
+    question = question_positions(model, input_ids, kwargs.get("token_type_ids"), kwargs.get("attention_mask"))
     stack = getattr(_QUESTION_TOKENS, "stack", None)
     if stack is None:
         stack = _QUESTION_TOKENS.stack = []
@@ -315,9 +373,10 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _head_dim(module: nn.Module, model: nn.Module) -> int:
-    size = getattr(module, "attention_head_size", None)
-    if isinstance(size, int):
-        return size
+    for name in ("attention_head_size", "head_dim"):  # BERT's modules name it the first way, Llama-style the second
+        size = getattr(module, name, None)
+        if isinstance(size, int):
+            return size
     return model.config.hidden_size // model.config.num_attention_heads
 
 

@@ -78,6 +78,14 @@ def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[s
         if not isinstance(getattr(config, "max_position_embeddings", None), int):
             problems.append("the config has no integer `max_position_embeddings`")
     tables = [n for n, m in model.named_modules() if isinstance(getattr(m, "position_embeddings", None), nn.Embedding)]
+    rotary = sorted({type(m).__name__ for m in model.modules() if "rotary" in type(m).__name__.lower()})
+    if rotary and not tables:  # RoPE (ESM-2, EuroBERT, NomicBERT, Jina v3): positions rotate q and k, no table to grow
+        found.append(f"rotary position modules: {rotary}")
+        problems.append(
+            "positions are rotary (RoPE): there is no table to extend; the model reads inputs up to "
+            f"config.max_position_embeddings ({getattr(config, 'max_position_embeddings', None)!r}) as it is"
+        )
+        return problems, found
     if len(tables) != 1:
         found.append(f"position tables: {[f'{n}.position_embeddings' for n in tables]}")
         problems.append(

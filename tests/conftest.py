@@ -23,6 +23,37 @@ torch.set_num_threads(1)
 # unpatches bit-exactly): a family added to SUPPORTED_MODEL_TYPES is tested without editing this list
 FAMILIES = list(SUPPORTED_MODEL_TYPES)
 HEADS = ["base", "sequence-classification", "question-answering", "masked-lm"]
+# families whose positions are one learned absolute table (approx.extend_positions works on them); the others rotate
+# q and k (RoPE) and have no table to extend (tests/test_positions.py checks both sides of this split)
+ROTARY = ["esm", "eurobert", "jina_embeddings_v3", "nomic_bert"]
+ABSOLUTE_POSITIONS = [f for f in FAMILIES if f not in ROTARY]
+
+# what a family's tiny config needs beside the common sizes: token ids inside the tiny vocabulary, a bottleneck as
+# small as the model, a default language, ESM-2's rotary positions
+_TINY_EXTRA = {
+    "albert": dict(embedding_size=16),
+    "esm": dict(pad_token_id=1, mask_token_id=2, position_embedding_type="rotary"),
+    # (with grouped-query attention, which EuroBERT's config offers: two query heads per key/value head)
+    "eurobert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3, num_key_value_heads=2),
+    # (its layers have no normalisation: at the default initialiser range the tiny model's attention is near uniform)
+    "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, initializer_range=0.1),
+    "xmod": dict(default_language="en_XX"),
+}
+
+
+def heads_of(family: str) -> list[str]:
+    """The task heads of ``HEADS`` that transformers has for ``family`` ("base" always)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    names = {
+        "sequence-classification": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "question-answering": auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+        "masked-lm": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    }
+    return [h for h in HEADS if h == "base" or family in names[h]]
+
+
+FAMILY_HEADS = [(f, h) for f in FAMILIES for h in heads_of(f)]
 
 
 def pytest_addoption(parser):
@@ -36,10 +67,14 @@ def tiny_config(family: str, **overrides):
         kw = dict(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=512)
     else:
         kw = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
-        if family == "albert":
-            kw["embedding_size"] = 16
+        kw.update(_TINY_EXTRA.get(family, {}))
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
+
+
+# the query and key projections of every family (BERT's query/key and its relatives', DistilBERT's q_lin/k_lin, the
+# q_proj/k_proj of EuroBERT, NomicBERT and Jina v3)
+_QK_WEIGHTS = ("query.weight", "key.weight", "q_lin.weight", "k_lin.weight", "q_proj.weight", "k_proj.weight")
 
 
 def tiny_model(family: str, head: str = "base", seed: int = 0, **overrides):
@@ -57,7 +92,7 @@ def tiny_model(family: str, head: str = "base", seed: int = 0, **overrides):
     # approximation looks exact): scale up query and key projections.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("query.weight", "key.weight", "q_lin.weight", "k_lin.weight")):
+            if name.endswith(_QK_WEIGHTS):
                 p.mul_(25.0)
     return model
 

@@ -778,6 +778,33 @@ def test_the_first_windows_of_a_text_are_those_of_the_whole_text(tmp_path, gap):
     assert [list(w) for w in token_windows(tok, text, length=length, count=count)] == expected
 
 
+def test_windows_of_a_tokenizer_without_cls_and_sep_use_its_bos_and_eos(tmp_path):
+    """ESM's tokenizer has <cls> and <eos> but no SEP, EuroBERT's BOS and EOS only: windows start and end with those
+    (the SEP slot held None before), and a tokenizer with neither end is refused by name."""
+    from types import SimpleNamespace
+
+    from transformers import EsmTokenizer
+
+    from approx.harness.data import token_windows
+
+    vocab = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab))
+    tok = EsmTokenizer(str(tmp_path / "vocab.txt"))
+    assert tok.sep_token_id is None and tok.cls_token_id == 0 and tok.eos_token_id == 2
+    text = " ".join("LAGVSERTIDPKQNFYMHWC")
+    body = [vocab.index(a) for a in "LAGVSERTIDPKQNFYMHWC"]
+    assert token_windows(tok, text, length=8, count=2) == [[0, *body[:6], 2], [0, *body[6:12], 2]]
+
+    class Ends(SimpleNamespace):  # a tokenizer with BOS and EOS only, splitting on spaces
+        def __call__(self, text, **kw):
+            return {"input_ids": [int(w) for w in text.split()]}
+
+    plain = Ends(cls_token_id=None, sep_token_id=None, bos_token_id=90, eos_token_id=91)
+    assert token_windows(plain, "5 6 7 8 9 10", length=5) == [[90, 5, 6, 7, 91], [90, 8, 9, 10, 91]]
+    with pytest.raises(ValueError, match="no SEP or EOS"):
+        token_windows(Ends(cls_token_id=0, sep_token_id=None, bos_token_id=None, eos_token_id=None), "5 6 7", length=3)
+
+
 def test_zero_and_false_on_the_command_line_are_values_not_absences():
     """``--weight-decay 0``, ``--warmup 0``, ``--steps 0`` and ``--fit-projections-too false`` reach the settings as
     given (a test of truth instead of ``is not None`` would drop them for the defaults)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAMILY_HEADS
 from evalfixtures import write_checkpoint, write_data
 
 import approx
@@ -110,6 +111,25 @@ def test_glue_classification_end_to_end(task_name, fixture_dir, checkpoints):
         **approx.get_method("clustered").config_class(clusters=2).to_dict(),
     }
     assert full["examples"] == len(examples) and full["provenance"]["seed"] == 0
+
+
+@pytest.mark.parametrize("family", [f for f, head in FAMILY_HEADS if head == "sequence-classification"])
+def test_every_family_through_the_harness(family, fixture_dir, tmp_path):
+    """SST-2 on a tiny checkpoint of every family with a classification head (the fixtures' word-level tokenizer):
+    the unpatched model's accuracy, from a plain forward example by example; ``full`` reproduces it with fidelity 1;
+    an approximation is measured, not assumed; and the model shape and cost are the family's own (MobileBERT's
+    bottleneck heads of 4, ALBERT's one shared layer)."""
+    path = str(write_checkpoint(tmp_path / family, "sequence-classification", family=family))
+    full, lsh = _run(path, "sst2", ["full", "lsh:cluster_size=4,rounds=1"], fixture_dir, batch_size=5)
+    examples, logits = _plain_logits(path, "sst2", fixture_dir)
+    accuracy = 100 * sum(int(x.argmax()) == ex["label"] for x, ex in zip(logits, examples)) / len(examples)
+    assert full["reference_metrics"]["accuracy"] == pytest.approx(accuracy)
+    f = full["fidelity"]
+    assert full["metrics"] == full["reference_metrics"] and f["agreement"] == 1.0 and f["kl_divergence"] < 1e-9
+    assert f["attention_relative_error"]["mean"] < 1e-5 and f["cost"]["flops_vs_full"] == 1.0
+    assert lsh["fidelity"]["attention_relative_error"]["mean"] > 1e-3
+    head_dim = {"mobilebert": 4}.get(family, 8)
+    assert full["model_shape"] == {"attention_layers": 1 if family == "albert" else 2, "heads": 4, "head_dim": head_dim}
 
 
 def test_attention_error_matches_a_float64_reference(fixture_dir, checkpoints):
@@ -397,12 +417,15 @@ def test_squad_best_span_over_windows_by_hand():
     assert task.predict(long, [f3], [torch.stack([start, end])], "fine-tuned") == [" ".join(words[:30])]
 
 
-def test_wikitext_masked_lm_loss_against_a_plain_forward(fixture_dir, checkpoints):
+@pytest.mark.parametrize("family", [f for f, head in FAMILY_HEADS if head == "masked-lm"])
+def test_wikitext_masked_lm_loss_against_a_plain_forward(family, fixture_dir, checkpoints, tmp_path):
+    """WikiText-2's masked-LM loss, perplexity and bits per token against a plain forward of the checkpoint, window by
+    window, for every family with a masked-LM head (the fixtures' tokenizer)."""
     from transformers import AutoModelForMaskedLM
 
     from approx.harness.tasks.wikitext import mask_positions
 
-    path = checkpoints("masked-lm")
+    path = checkpoints("masked-lm") if family == "bert" else str(write_checkpoint(tmp_path, "masked-lm", family=family))
     (r,) = _run(path, "wikitext2", ["full"], fixture_dir, max_length=32, limit=3)
     assert r["mode"] == "masked-lm" and r["examples"] == 3
     model = AutoModelForMaskedLM.from_pretrained(path).eval()

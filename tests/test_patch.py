@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import FAMILIES, HEADS, batch, model_output, tiny_config, tiny_model
+from conftest import FAMILIES, FAMILY_HEADS, HEADS, batch, heads_of, model_output, tiny_config, tiny_model
 
 import approx
 from approx.integration import SUPPORTED_MODEL_TYPES, UnsupportedModelError, _key_mask
@@ -27,8 +27,7 @@ def patched(model, method, **opts):
     return model
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("family, head", FAMILY_HEADS)
 def test_full_reproduces_unpatched_model(family, head):
     model = tiny_model(family, head)
     inputs = batch(48, pad=13)
@@ -46,6 +45,7 @@ def test_every_supported_family_has_a_tiny_model():
     assert list(FAMILIES) == list(SUPPORTED_MODEL_TYPES)
     for family in FAMILIES:
         assert tiny_model(family).config.model_type == family
+    assert [h for f, h in FAMILY_HEADS if f == "bert"] == HEADS  # every head, where the family has it
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -204,6 +204,24 @@ def test_saved_state_is_used_not_redrawn(tmp_path):
     assert torch.equal(approx.patched_layers(loaded)[0].state()["planes"], lyr.state()["planes"])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_saves_and_loads(family, tmp_path):
+    """approx.save then approx.load gives the same outputs bit for bit (FAVOR+'s random features are its state), with
+    the family's last task head, and unpatching the loaded model gives the unpatched model's outputs."""
+    head = heads_of(family)[-1]
+    model = tiny_model(family, head)
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        plain = model_output(model, **inputs)
+        out = model_output(approx.patch(model, "favor", features=16, seed=3), **inputs)
+        approx.save(model, tmp_path)
+        loaded = approx.load(tmp_path, type(model)).eval()
+        assert approx.settings(loaded) == approx.settings(model)
+        assert torch.equal(model_output(loaded, **inputs), out)
+        assert not torch.equal(out, plain), "the patch had no effect, so this test could not fail"
+        assert torch.equal(model_output(approx.unpatch(loaded), **inputs), plain)
+
+
 def test_method_state_save_and_load(tmp_path):
     """save_method_state writes the patched layers' state (None for stateless methods); load_method_state puts it
     back, refusing names or shapes that differ."""
@@ -239,6 +257,116 @@ def test_models_outside_the_registry_are_refused(family):
         approx.patch(model, "full")
     assert "AttentionInterface" in str(e.value) and family in str(e.value)
     assert not approx.is_patched(model)
+
+
+def test_sliding_window_layers_are_refused():
+    """ModernBERT routes through AttentionInterface but mixes sliding-window layers in: refused by type when patched,
+    and, were its type listed without checking, its first forward would refuse the window (the key-padding mask alone
+    would silently make the local layers global)."""
+    from transformers import AutoModel
+
+    from approx import integration
+
+    config = tiny_config("modernbert", pad_token_id=0, bos_token_id=1, eos_token_id=2, global_attn_every_n_layers=2,
+                         local_attention=8)  # fmt: skip
+    model = AutoModel.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="model type 'modernbert' is not supported"):
+        approx.patch(model, "full")
+    assert not approx.is_patched(model)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(integration, "SUPPORTED_MODEL_TYPES", (*integration.SUPPORTED_MODEL_TYPES, "modernbert"))
+        approx.patch(model, "full")
+        # the mask function refuses first, asked for the local layers' window (the attention function's refusal of
+        # sliding_window, next in line, is tested below)
+        with pytest.raises(NotImplementedError, match="another mask pattern"):
+            model(**batch(24, pad=5))
+
+
+def test_grouped_query_attention_is_expanded_as_transformers_does():
+    """EuroBERT's tiny model shares each key/value head between two query heads: a patched layer and a layer left
+    unpatched (exact attention through approx's function) both reproduce the unpatched model."""
+    model = tiny_model("eurobert")
+    assert model.config.num_key_value_heads * 2 == model.config.num_attention_heads
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        for layers in ([0], [1], None):
+            out = model_output(approx.patch(model, "full", layers=layers), **inputs)
+            torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+            approx.unpatch(model)
+
+
+def test_a_head_size_other_than_hidden_over_heads_is_read_from_the_module():
+    """Llama-style modules (EuroBERT) may set head_dim apart from hidden_size / heads: methods with state sized by the
+    head (FAVOR+'s features, LSH's directions) are drawn for the head the module has."""
+    model = tiny_model("eurobert", head_dim=16)  # 4 heads of 16 on a hidden size of 32
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        for method in ("favor", "lsh"):
+            out = model_output(approx.patch(model, method), **inputs)
+            assert out.shape == ref.shape and torch.isfinite(out).all()
+        assert approx.patched_layers(model)[0].state()["directions"].shape[-1] == 16 + 2
+
+
+def test_unpatched_layers_of_an_eager_grouped_query_model_run_as_they_did():
+    """A model loaded with eager attention runs its own eager function in the layers left unpatched, on the key/value
+    heads as they come (it expands them itself): EuroBERT patched on one layer gives the unpatched outputs."""
+    from transformers import AutoModel
+
+    config = tiny_config("eurobert")
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, attn_implementation="eager").eval()
+    inputs = batch(48, pad=13)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        for layers in ([0], [1]):
+            out = model_output(approx.patch(model, "full", layers=layers), **inputs)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            approx.unpatch(model)
+
+
+def test_mask_patterns_beside_padding_are_refused():
+    """The registered mask function hands over the key padding only: asked for a causal, sliding-window or chunked
+    pattern (a model type listed by mistake, or a new transformers release), it refuses instead of dropping it."""
+    from transformers import masking_utils as mu
+
+    from approx.integration import _key_padding_mask
+
+    padding = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    mask = _key_padding_mask(2, 6, 6, mask_function=mu.bidirectional_mask_function, attention_mask=padding)
+    assert torch.equal(mask, padding.bool()[:, None, None, :])
+    for other in (mu.causal_mask_function, mu.sliding_window_bidirectional_mask_function(3)):
+        with pytest.raises(NotImplementedError, match="another mask pattern"):
+            _key_padding_mask(2, 6, 6, mask_function=other, attention_mask=padding)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("sliding_window", 4),
+        ("softcap", 30.0),
+        ("s_aux", torch.zeros(4)),
+        ("sinks", torch.zeros(4)),
+        ("is_causal", True),
+        ("cu_seq_lens_q", torch.tensor([0, 3, 6])),
+        ("cu_seq_lens_k", torch.tensor([0, 3, 6])),
+    ],
+)
+def test_arguments_that_change_the_scores_are_refused(name, value):
+    """The registered attention function refuses, rather than ignores, the arguments of transformers' attention
+    functions that change what softmax is taken over (a window, a cap on the scores, sink logits, causal attention,
+    the boundaries of packed sequences)."""
+    from approx.integration import _attention_forward
+
+    model = approx.patch(tiny_model("bert"), "full")
+    module = approx.integration.attention_modules(model)[0]
+    q = k = v = torch.randn(1, 4, 6, 8)
+    unset = dict(sliding_window=None, softcap=None, is_causal=False, cu_seq_lens_q=None, cu_seq_lens_k=None)
+    out, _ = _attention_forward(module, q, k, v, None, **unset)
+    assert out.shape == (1, 6, 4, 8)  # unset (None, False), they change nothing and pass
+    with pytest.raises(NotImplementedError, match=name):
+        _attention_forward(module, q, k, v, None, **{name: value})
 
 
 def test_decoder_and_cross_attention_are_refused():

@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, batch, model_output, tiny_model
+from conftest import ABSOLUTE_POSITIONS, ROTARY, batch, model_output, tiny_model
 
 import approx
 
@@ -40,7 +40,7 @@ def assert_same_state(before: dict[str, torch.Tensor], model) -> None:
         assert before[k].shape == after[k].shape and torch.equal(before[k], after[k]), k
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ABSOLUTE_POSITIONS)
 def test_trained_rows_are_kept_and_tiled(family):
     model = tiny_model(family, "base", max_position_embeddings=ROWS)
     old = table(model).detach().clone()
@@ -64,7 +64,7 @@ def test_trained_rows_are_kept_and_tiled(family):
     assert "position_ids" in dict(emb.named_buffers())  # still registered buffers
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ABSOLUTE_POSITIONS)
 def test_short_inputs_are_unchanged_and_long_inputs_run(family):
     original = tiny_model(family, "base", max_position_embeddings=ROWS)
     extended = approx.extend_positions(copy.deepcopy(original), NEW)
@@ -79,7 +79,7 @@ def test_short_inputs_are_unchanged_and_long_inputs_run(family):
     assert out.shape[1] == NEW and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ABSOLUTE_POSITIONS)
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_reads_past_the_old_limit(family, method):
     spec = approx.get_method(method)
@@ -91,6 +91,19 @@ def test_every_method_reads_past_the_old_limit(family, method):
     with torch.no_grad():
         out = model_output(model, **batch(NEW, pad=13))
     assert out.shape[1] == NEW and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("family", ROTARY)
+def test_rotary_positions_are_refused_and_left_alone(family):
+    """Families that rotate q and k (RoPE) have no position table to extend: refused, nothing changed. (Their inputs
+    may run up to ``config.max_position_embeddings``, which the harness reads instead.)"""
+    model = tiny_model(family, "base")
+    before = state(model)
+    assert approx.positions.position_limit(model) is None
+    with pytest.raises(ValueError, match=r"positions are rotary \(RoPE\)") as e:
+        approx.extend_positions(model, NEW)
+    assert f"({model.config.max_position_embeddings})" in str(e.value) and "RotaryEmbedding" in str(e.value)
+    assert_same_state(before, model)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -109,7 +122,7 @@ def test_extend_after_patch(method):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ABSOLUTE_POSITIONS)
 def test_saved_model_keeps_the_new_length(family, tmp_path):
     from transformers import AutoModel
 

@@ -143,6 +143,27 @@ def test_question_is_found_from_ids_or_token_types():
     assert torch.equal(_context.question_of(pair, None, 2), torch.tensor([[1, 1, 0, 0, 0, 0, 0], [0] * 7]).bool())
 
 
+def test_padding_that_shares_the_sep_id_is_no_second_segment():
+    """EuroBERT pads with its eos id, the id approx takes as SEP: a padded single segment [bos, a, b, eos, pad, pad]
+    has no question, its padding not counted as SEPs; a pair keeps its question. Through a model's config too."""
+    from conftest import tiny_model
+
+    eos = 2
+    ids = torch.tensor([[1, 5, 6, eos, eos, eos], [1, 5, eos, 7, 8, eos]])
+    real = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    want = torch.tensor([[0] * 6, [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(_context.question_of(ids, None, eos, real), want)
+    assert _context.question_of(ids[:1], None, eos, real[:1]) is None
+    assert _context.question_of(ids[:1], None, eos) is not None  # (what the padding made of it without the mask)
+    model = tiny_model("eurobert", pad_token_id=eos, eos_token_id=eos)
+    assert torch.equal(approx.integration.question_positions(model, ids, None, real), want)
+    seen = []
+    approx.patch(model, "full")
+    with torch.no_grad(), approx.integration.attention_probe(lambda *a: seen.append(_context.question_mask())):
+        model(input_ids=ids, attention_mask=real)
+    assert seen and all(torch.equal(m, want) for m in seen)  # what a patched forward hands its methods
+
+
 def test_a_patched_model_passes_its_question(monkeypatch):
     """A patched BERT sets the question mask from token_type_ids at every forward, and clears it after."""
     from conftest import tiny_model

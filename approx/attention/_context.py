@@ -78,18 +78,24 @@ def question_mask() -> torch.Tensor | None:
 
 
 def question_of(
-    input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None, sep_token_id: int | None
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    sep_token_id: int | None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Every position before the first SEP, (B, N) bool: from ``input_ids`` when the SEP id is known, else from
     ``token_type_ids`` (the first SEP closes segment 0: it is the token just before the first token of segment 1).
     A row without a SEP (or without a second segment) has no question. None when neither input is given or when no
     row has a question (e.g. single-segment inputs): a method that needs one then says so instead of running
     without it. Inputs that are not (B, N) (one text's ids unbatched) have none: the model's own check refuses them
-    as it would unpatched."""
+    as it would unpatched. ``attention_mask`` (B, N), when given: only real tokens count as SEPs (models whose padding
+    id is their SEP id, as EuroBERT's eos, would otherwise see a second segment in every padded row)."""
     if (input_ids is not None and input_ids.dim() != 2) or (token_type_ids is not None and token_type_ids.dim() != 2):
         return None
     if sep_token_id is not None and input_ids is not None:
         is_sep = input_ids == sep_token_id
+        if attention_mask is not None and attention_mask.shape == input_ids.shape:
+            is_sep &= attention_mask.to(torch.bool)
         # a second segment: a SEP after the first (BERT's [SEP] q [SEP] c [SEP], RoBERTa's </s></s>); a single
         # segment ends with its only SEP, and everything before it is no question
         has = is_sep.sum(-1, keepdim=True) >= 2

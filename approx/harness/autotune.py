@@ -364,7 +364,9 @@ def _masks(
         raise ValueError(
             f"{what} needs input_ids and attention_mask; got {got} (give batches, or token-id lists, not both)"
         )
-    question = question_positions(model, inputs["input_ids"], inputs.get("token_type_ids"))
+    question = question_positions(
+        model, inputs["input_ids"], inputs.get("token_type_ids"), inputs.get("attention_mask")
+    )
     return inputs["attention_mask"].bool().cpu(), None if question is None else question.cpu()
 
 

@@ -100,10 +100,25 @@ def wikitext_windows(
     return token_windows(tokenizer, read_wikitext(path), length=length, count=count, source=str(path))
 
 
+def window_ends(tokenizer: Any) -> tuple[int, int]:
+    """The ids a window of text starts and ends with: CLS and SEP, or, for tokenizers without them, BOS and EOS (ESM's
+    ``<cls> ... <eos>``, EuroBERT's ``<|begin_of_text|> ... <|end_of_text|>``); ValueError naming what is missing."""
+    start = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+    end = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    if start is None or end is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no {'CLS or BOS' if start is None else 'SEP or EOS'} token to "
+            "start and end a window of text with"
+        )
+    return start, end
+
+
 def token_windows(tokenizer: Any, text: str, *, length: int, count: int | None = None, source: str = "text"):
-    """``[CLS] chunk [SEP]`` windows of ``length`` tokens over ``text`` (see :func:`wikitext_windows`)."""
+    """``[CLS] chunk [SEP]`` windows of ``length`` tokens over ``text`` (see :func:`wikitext_windows`; BOS and EOS for
+    tokenizers without CLS and SEP: :func:`window_ends`)."""
     if length < 3:
         raise ValueError(f"window length must be at least 3, got {length}")
+    cls, sep = window_ends(tokenizer)
     body = length - 2
     ids = None
     if count is not None:
@@ -124,7 +139,6 @@ def token_windows(tokenizer: Any, text: str, *, length: int, count: int | None =
         )
     if count is not None and n < count:
         raise DataError(f"{source} holds only {n} windows of {length} tokens, {count} requested")
-    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     return [[cls, *ids[i * body : (i + 1) * body], sep] for i in range(n)]
 
 

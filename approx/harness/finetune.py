@@ -142,15 +142,25 @@ def masked_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], decod
     """The masked-LM cross-entropy of ``model`` (with a masked-LM head) on ``batch`` (labels -100 where no loss is
     taken), projecting onto the vocabulary only the labelled positions: the hidden states reaching ``decoder``
     (the model's output embeddings, the (H -> V) projection) are cut to those rows first. The model's own loss
-    computes (B, N, V) logits, of which masked-LM training uses 15 %; the result is the same number."""
+    computes (B, N, V) logits, of which masked-LM training uses 15 %; the result is the same number. A head that reads
+    the decoder's weights without calling it (MobileBERT's) never reaches the hook: its (B, N, V) logits are cut
+    afterwards."""
     inputs = dict(batch)
     labels = inputs.pop("labels")
     keep = labels != IGNORE  # (B, N)
-    hook = decoder.register_forward_pre_hook(lambda module, args: (args[0][keep], *args[1:]))  # (B, N, H) -> (M, H)
+    called = []
+
+    def rows(module, args):  # (B, N, H) -> (M, H)
+        called.append(True)
+        return (args[0][keep], *args[1:])
+
+    hook = decoder.register_forward_pre_hook(rows)
     try:
-        logits = model(**inputs).logits  # (M, V)
+        logits = model(**inputs).logits  # (M, V), or (B, N, V) when the decoder was not called
     finally:
         hook.remove()
+    if not called:
+        logits = logits[keep]
     return torch.nn.functional.cross_entropy(logits, labels[keep])  # under autocast: in float32
 
 
