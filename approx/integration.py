@@ -65,6 +65,7 @@ __all__ = [
     "unpatch",
     "UnsupportedModelError",
     "load_pretrained",
+    "local_layers",
     "saved_layers",
 ]
 
@@ -81,8 +82,10 @@ _MODULE_ORIGINAL = "_approx_eager_attention"
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each, with every task head the
 # family has): no bias added to the scores, no window or other mask pattern beside the key padding. ESM-2, EuroBERT,
 # NomicBERT and Jina v3 rotate q and k by their positions (RoPE) before the attention function: the methods see the
-# rotated ones, as softmax does. Not here, and refused: DeBERTa-v2 and MPNet (relative-position terms in the scores,
-# not routed through the interface), ModernBERT (sliding-window layers), and every model type not verified here.
+# rotated ones, as softmax does. ModernBERT (RoPE too) interleaves sliding-window layers with its full-attention ones:
+# approx patches the full-attention layers; the sliding-window ones always run the model's own attention (see
+# `local_layers`). Not here, and refused: DeBERTa-v2 and MPNet (relative-position terms in the scores, not routed
+# through the interface), and every model type not verified here.
 SUPPORTED_MODEL_TYPES = (
     "bert",
     "roberta",
@@ -99,6 +102,7 @@ SUPPORTED_MODEL_TYPES = (
     "layoutlm",
     "markuplm",
     "mobilebert",
+    "modernbert",
     "nomic_bert",
     "roberta-prelayernorm",
     "roc_bert",
@@ -137,8 +141,16 @@ def _key_padding_mask(
     """Mask function for ``AttentionMaskInterface``: (B, S) padding -> (B, 1, 1, S) bool, True = attend."""
     if use_vmap:  # transformers sets it when a model adds its own mask pattern on top of padding
         raise NotImplementedError("approx attention supports key-padding masks only, not custom mask functions")
-    from transformers.masking_utils import bidirectional_mask_function
+    if q_offset or kv_offset:
+        raise NotImplementedError("approx attention does not support key/value caches")
+    from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
 
+    if kwargs.get("local_size") is not None and _symmetric(mask_function):
+        # a bidirectional sliding-window layer's mask (ModernBERT's local layers): those layers run the model's own
+        # attention (`_own_attention`), so they get the mask transformers' SDPA path builds for them, (B, 1, N, S)
+        # bool or None (causal and chunked windows, which transformers asks for with a local size too, are refused)
+        args = (batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        return sdpa_mask(*args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
     if mask_function is not None and mask_function is not bidirectional_mask_function:
         # a causal, sliding-window or chunked mask: returning the padding alone would drop that pattern silently
         name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
@@ -146,8 +158,6 @@ def _key_padding_mask(
             f"approx attention supports plain bidirectional attention with a key-padding mask only; this model asked "
             f"for another mask pattern ({name}: causal, sliding-window or chunked attention)"
         )
-    if q_offset or kv_offset:
-        raise NotImplementedError("approx attention does not support key/value caches")
     if attention_mask is None:
         return None
     mask = attention_mask.to(torch.bool)
@@ -174,6 +184,8 @@ def _attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The function registered as ``"approx"``: (B, H, N, d) tensors in, (B, N, H, dv) out, and the layer's
     dense (B, H, N, S) attention weights when the caller asked for ``output_attentions`` (else None)."""
+    if _is_local(module):  # a sliding-window layer: never patched, it runs the model's own attention
+        return _own_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     changed = [name for name in _SCORE_CHANGES if kwargs.get(name) is not None and kwargs.get(name) is not False]
     if changed:  # a window, a cap on the scores, sink logits: softmax over the padded keys would silently drop them
         raise NotImplementedError(
@@ -208,6 +220,54 @@ def _attention_forward(
             dense_softmax(query, key, key_mask, scale) if exact else layer.weights(query, key, key_mask, scale=scale)
         )
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _symmetric(mask_function: Any, size: int = 12) -> bool:
+    """Whether a transformers mask function (batch, head, query, key) -> bool is the same with query and key swapped
+    on a few positions: a bidirectional window is, a causal or chunked causal one is not."""
+    if mask_function is None:
+        return False
+    zero, idx = torch.zeros((), dtype=torch.long), torch.arange(size)
+    grid = torch.as_tensor(mask_function(zero, zero, idx[:, None], idx[None, :])).expand(size, size)
+    return bool(torch.equal(grid, grid.T))
+
+
+def _is_local(module: nn.Module) -> bool:
+    """Whether an attention module attends within a sliding window (ModernBERT's local layers set ``sliding_window``;
+    its full-attention layers and every other supported family leave it None or unset)."""
+    return getattr(module, "sliding_window", None) is not None
+
+
+def _own_attention(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs):
+    """A sliding-window layer as the model ran it before it was patched: its family's eager function on the additive
+    mask eager attention takes, for a model loaded with eager attention; else transformers' SDPA function on the
+    boolean mask its SDPA path builds (what the mask function hands such a layer), so the same numbers."""
+    eager = getattr(module, _MODULE_ORIGINAL, None)
+    if eager is not None:
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+            attention_mask = additive.masked_fill_(~attention_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, weights = sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+    if weights is None and _attentions_requested():  # every layer's weights, as the patched layers give theirs
+        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        elif attention_mask is not None:  # an additive mask the caller made
+            scores = scores + attention_mask.float()
+        weights = torch.softmax(scores, dim=-1).to(query.dtype)
+    return out, weights
+
+
+def local_layers(model: nn.Module) -> list[int]:
+    """The attention layers of ``model`` that attend within a sliding window (ModernBERT's local layers): approx
+    never patches them (its methods approximate attention over the whole input); they run the model's own windowed
+    attention, and ``layers=None`` means every other layer."""
+    return [i for i, m in enumerate(attention_modules(model)) if _is_local(m)]
 
 
 _QUESTION_TOKENS = threading.local()  # per thread: the context tokens of the forwards in progress (a stack)
@@ -406,8 +466,8 @@ def patch(
 ) -> nn.Module:
     """Replace the self-attention of a loaded Hugging Face model by ``method``, in place; returns the model.
 
-    ``layers`` selects attention layers by index (default: all); patch again with other ``layers`` to mix
-    methods. ``on_heads`` runs the method on those heads of each selected layer only (default: every head), the
+    ``layers`` selects attention layers by index (default: all, but a model's sliding-window layers, which keep its
+    own attention: see :func:`local_layers`); patch again with other ``layers`` to mix methods. ``on_heads`` runs the method on those heads of each selected layer only (default: every head), the
     other heads keeping exact attention (not with fitted state; ``heads`` is an option of some methods, e.g. the
     Sparse Transformer's). ``options`` are the fields of the method's
     config class (see ``approx methods``). Raises ``ValueError`` on an unknown method, option, layer or head and
@@ -418,6 +478,8 @@ def patch(
     config = spec.make_config(**options)
     modules = attention_modules(model)
     indices = select_layers(layers, len(modules))
+    if layers is None:  # every layer approx can patch: a sliding-window layer keeps the model's own attention
+        indices = [i for i in indices if not _is_local(modules[i])]
     chosen = check_heads(on_heads, _num_heads(model))
     new = {
         i: ApproxAttention(spec.name, config, head_dim=_head_dim(modules[i], model), layer_index=i, heads=chosen).to(
@@ -431,6 +493,14 @@ def patch(
 def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, ApproxAttention]) -> nn.Module:
     """Attach ``layers`` (layer index -> module) to the attention ``modules`` of ``model`` and route its attention
     through ``"approx"``, remembering the original implementation the first time."""
+    local = sorted(i for i in layers if _is_local(modules[i]))
+    if local:  # (every path that attaches layers comes here: patch, restore, load, the harness's layer sets)
+        others = [i for i in range(len(modules)) if not _is_local(modules[i])]
+        raise ValueError(
+            f"layers {local} of {type(model).__name__} attend within a sliding window and keep the model's own "
+            f"attention (approx's methods approximate attention over the whole input); the layers approx patches: "
+            f"{others} (layers=None selects them all)"
+        )
     _register()
     model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):

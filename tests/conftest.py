@@ -25,7 +25,7 @@ FAMILIES = list(SUPPORTED_MODEL_TYPES)
 HEADS = ["base", "sequence-classification", "question-answering", "masked-lm"]
 # families whose positions are one learned absolute table (approx.extend_positions works on them); the others rotate
 # q and k (RoPE) and have no table to extend (tests/test_positions.py checks both sides of this split)
-ROTARY = ["esm", "eurobert", "jina_embeddings_v3", "nomic_bert"]
+ROTARY = ["esm", "eurobert", "jina_embeddings_v3", "modernbert", "nomic_bert"]
 ABSOLUTE_POSITIONS = [f for f in FAMILIES if f not in ROTARY]
 
 # what a family's tiny config needs beside the common sizes: token ids inside the tiny vocabulary, a bottleneck as
@@ -37,6 +37,19 @@ _TINY_EXTRA = {
     "eurobert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3, num_key_value_heads=2),
     # (its layers have no normalisation: at the default initialiser range the tiny model's attention is near uniform)
     "mobilebert": dict(embedding_size=16, intra_bottleneck_size=16, initializer_range=0.1),
+    # layer 0 full attention, layer 1 a sliding window of 4 tokens on each side (shorter than the tests' inputs); its
+    # special tokens those of the evaluation fixtures' vocabulary (tests/evalfixtures.py), as a checkpoint's match its
+    # tokenizer (ModernBERT's config names its CLS and SEP, which the question-global window reads)
+    "modernbert": dict(
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        cls_token_id=2,
+        sep_token_id=3,
+        mask_token_id=4,
+        global_attn_every_n_layers=2,
+        local_attention=8,
+    ),
     "xmod": dict(default_language="en_XX"),
 }
 
@@ -94,6 +107,8 @@ def tiny_model(family: str, head: str = "base", seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith(_QK_WEIGHTS):
                 p.mul_(25.0)
+            elif name.endswith("Wqkv.weight"):  # ModernBERT's fused projection: q and k are its first two thirds
+                p[: 2 * p.shape[0] // 3].mul_(25.0)
     return model
 
 

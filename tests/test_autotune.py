@@ -100,6 +100,15 @@ def test_hull_path_is_optimal_at_each_of_its_costs(seed, cost_unit, loss_unit):
     assert totals[-1][0] == pytest.approx(cheapest)  # ends with every layer at its cheapest
 
 
+def test_a_model_with_sliding_window_layers_is_refused_before_measuring():
+    """autotune chooses a method for every attention layer; ModernBERT's local layers are never patched: refused at
+    once, naming them (rather than failing midway, or tuning around them silently)."""
+    model = tiny_model("modernbert")
+    with pytest.raises(ValueError, match=r"layers \[1\] of ModernBertModel attend within a sliding window"):
+        approx.autotune(model, [[1, 5, 6, 7, 2]] * 4, target="cosine>=0.99", progress=False)
+    assert not approx.is_patched(model)
+
+
 def test_parse_target():
     assert (parse_target(0.98).measure, parse_target(0.98).value) == ("cosine", 0.98)
     assert str(parse_target("kl <= 0.01")) == "kl<=0.01"

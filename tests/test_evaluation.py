@@ -130,6 +130,34 @@ def test_every_family_through_the_harness(family, fixture_dir, tmp_path):
     assert lsh["fidelity"]["attention_relative_error"]["mean"] > 1e-3
     head_dim = {"mobilebert": 4}.get(family, 8)
     assert full["model_shape"] == {"attention_layers": 1 if family == "albert" else 2, "heads": 4, "head_dim": head_dim}
+    # every layer approx can patch is patched; ModernBERT's sliding-window layer 1 is said, and leaves the whole-model
+    # ratio (softmax over the input in every layer: the MonarchAttention paper's axis) undefined
+    layers = full["model_shape"]["attention_layers"]
+    if family == "modernbert":
+        assert f["cost"]["layers"] == {"patched": [0], "total": 2, "sliding_window": [1]}
+        assert f["cost"]["matmul_vs_softmax_model"] is None
+    else:
+        assert f["cost"]["layers"] == {"patched": list(range(layers)), "total": layers}
+        assert f["cost"]["matmul_vs_softmax_model"] == pytest.approx(f["cost"]["matmul_vs_softmax"])
+
+
+def test_modernbert_finds_the_question_from_its_separator(fixture_dir, tmp_path):
+    """ModernBERT has no token types: the question-global window finds each question from the SEP id its config names
+    (the fixtures' [SEP]), the question being every token before the first SEP of a pair."""
+    from approx.attention import _context
+
+    path = str(write_checkpoint(tmp_path, "question-answering", family="modernbert"))
+    seen = []
+    spec = "window:window=2,block=4,question_global=true"
+    with approx.integration.attention_probe(lambda *a: seen.append(_context.question_mask().clone())):
+        (r,) = _run(path, "squad", [spec], fixture_dir, max_length=48, batch_size=4, warmup=False)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    examples, _ = get_task("squad").load(source="local", data_dir=str(fixture_dir))
+    first = tok(examples[0]["question"], examples[0]["context"], max_length=48, truncation="only_second")["input_ids"]
+    assert seen and int(seen[0][0].sum()) == first.index(tok.sep_token_id)  # [CLS] and the question's tokens
+    assert r["examples"] == len(examples)
 
 
 def test_attention_error_matches_a_float64_reference(fixture_dir, checkpoints):

@@ -259,27 +259,74 @@ def test_models_outside_the_registry_are_refused(family):
     assert not approx.is_patched(model)
 
 
-def test_sliding_window_layers_are_refused():
-    """ModernBERT routes through AttentionInterface but mixes sliding-window layers in: refused by type when patched,
-    and, were its type listed without checking, its first forward would refuse the window (the key-padding mask alone
-    would silently make the local layers global)."""
+def test_sliding_window_layers_keep_the_models_own_attention():
+    """ModernBERT's local layers attend within a sliding window: approx never patches them. ``layers=None`` patches
+    the full-attention layers, naming a local layer is refused (the model left as it was), and the local layers run
+    the model's own windowed attention, in a model loaded with SDPA or with eager attention: ``full`` on the other
+    layers gives the unpatched outputs."""
     from transformers import AutoModel
 
-    from approx import integration
+    from approx.integration import local_layers
 
-    config = tiny_config("modernbert", pad_token_id=0, bos_token_id=1, eos_token_id=2, global_attn_every_n_layers=2,
-                         local_attention=8)  # fmt: skip
-    model = AutoModel.from_config(config).eval()
-    with pytest.raises(UnsupportedModelError, match="model type 'modernbert' is not supported"):
-        approx.patch(model, "full")
+    model = tiny_model("modernbert")  # layer 0 full attention, layer 1 a window of 4 tokens on each side
+    assert local_layers(model) == [1]
+    with pytest.raises(ValueError, match=r"layers \[1\] of ModernBertModel attend within a sliding window.*: \[0\]"):
+        approx.patch(model, "lsh", layers=[0, 1])
     assert not approx.is_patched(model)
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(integration, "SUPPORTED_MODEL_TYPES", (*integration.SUPPORTED_MODEL_TYPES, "modernbert"))
-        approx.patch(model, "full")
-        # the mask function refuses first, asked for the local layers' window (the attention function's refusal of
-        # sliding_window, next in line, is tested below)
-        with pytest.raises(NotImplementedError, match="another mask pattern"):
-            model(**batch(24, pad=5))
+    approx.patch(model, "lsh")
+    assert [e["layer"] for e in approx.settings(model)] == [0]
+    inputs = batch(48, pad=13)
+    for implementation in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        plain = AutoModel.from_config(tiny_config("modernbert"), attn_implementation=implementation).eval()
+        with torch.no_grad():
+            ref = model_output(plain, **inputs)
+            out = model_output(approx.patch(plain, "full"), **inputs)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    # training: the local layer's attention dropout too, drawn as the unpatched model draws it
+    torch.manual_seed(0)
+    plain = AutoModel.from_config(tiny_config("modernbert", attention_dropout=0.3)).train()
+    torch.manual_seed(1)
+    ref = model_output(plain, **inputs)
+    approx.patch(plain, "full")
+    torch.manual_seed(1)
+    torch.testing.assert_close(model_output(plain, **inputs), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_a_patched_modernbert_gives_every_layers_attention_weights():
+    """``output_attentions`` of a patched SDPA-loaded ModernBERT: a weight tensor per layer, the sliding-window layer's
+    (run by SDPA, which gives none) computed from its band, equal to the unpatched eager model's."""
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    eager = AutoModel.from_config(tiny_config("modernbert"), attn_implementation="eager").eval()
+    torch.manual_seed(0)
+    model = approx.patch(AutoModel.from_config(tiny_config("modernbert")).eval(), "full")
+    inputs = batch(24, pad=5)
+    with torch.no_grad():
+        ref = eager(**inputs, output_attentions=True).attentions
+        got = model(**inputs, output_attentions=True).attentions
+    assert len(got) == len(ref) == 2
+    for r, g in zip(ref, got, strict=True):
+        torch.testing.assert_close(g[0], r[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g[1, :, :19, :19], r[1, :, :19, :19], rtol=1e-5, atol=1e-6)  # real rows, real keys
+        assert float(g[1, :, :19, 19:].abs().max()) == 0.0  # no weight on padding
+
+
+def test_the_mask_of_a_sliding_window_layer_is_its_band_and_padding():
+    """Asked for a sliding-window mask (transformers passes ``local_size``), the mask function hands over the dense
+    mask of the window and the padding, for the layer's own attention: |i - j| <= w and key j real."""
+    from transformers import masking_utils as mu
+
+    from approx.integration import _key_padding_mask
+
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8])
+    mask = _key_padding_mask(
+        2, 8, 8, mask_function=mu.sliding_window_bidirectional_mask_function(2), attention_mask=padding, local_size=2
+    )
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    want = ((i - j).abs() <= 2)[None, None] & padding.bool()[:, None, None, :]
+    assert mask.shape == (2, 1, 8, 8) and torch.equal(mask, want)
 
 
 def test_grouped_query_attention_is_expanded_as_transformers_does():
@@ -339,6 +386,11 @@ def test_mask_patterns_beside_padding_are_refused():
     for other in (mu.causal_mask_function, mu.sliding_window_bidirectional_mask_function(3)):
         with pytest.raises(NotImplementedError, match="another mask pattern"):
             _key_padding_mask(2, 6, 6, mask_function=other, attention_mask=padding)
+    # a causal window, asked for with a local size as a bidirectional one is (which a local layer's own attention
+    # gets, see test_the_mask_of_a_sliding_window_layer_is_its_band_and_padding), is refused too
+    for causal in (mu.sliding_window_causal_mask_function(3), mu.chunked_causal_mask_function(3, torch.zeros(2))):
+        with pytest.raises(NotImplementedError, match="another mask pattern"):
+            _key_padding_mask(2, 6, 6, mask_function=causal, attention_mask=padding, local_size=3)
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,7 @@ from ..integration import (
     attention_probe,
     attention_shape,
     is_patched,
+    local_layers,
     model_head_from_name,
     patch,
     patched_layers,
@@ -1077,6 +1078,13 @@ def autotune(
     """
     if isinstance(target, _DefaultTarget) and budget is not None:  # a budget alone, as on the command line
         target = None
+    local = local_layers(model)
+    if local:  # (refused before anything is measured)
+        raise ValueError(
+            f"autotune chooses a method for every attention layer, and layers {local} of {type(model).__name__} attend "
+            "within a sliding window, which approx does not patch: tune such a model by hand (approx.patch or "
+            "approx.evaluate on its other layers)"
+        )
     goal = check_goal(target, budget)  # refused before anything is measured
     scoring = check_score(goal, score)
     if measure is not None and goal is not None and not scoring and measure != goal.measure:

@@ -44,6 +44,7 @@ from ..integration import (
     checkpoint_heads,
     is_patched,
     load_pretrained,
+    local_layers,
     model_head_from_name,
     patch,
     patched_layers,
@@ -257,7 +258,7 @@ def _run_batch(
         # timed and measured without the probe: its work (exact attention on the same inputs, the O(N^2) attention
         # graph) is neither the method's time nor its memory, and sharing the pass slowed the method's layers
         (_, mem), retimed = _timed(forward, retime)
-        probe = fid.AttentionProbe(total_layers=run.attention_layers)
+        probe = fid.AttentionProbe(total_layers=run.attention_layers, local_layers=local_layers(run.model))
         out, _ = _method_forward(run, inputs, method_layers, probe, measured=False)  # fidelity: the same outputs
         outputs = task.outputs(out, inputs, feats, mode)
         sums = fid.batch_sums(

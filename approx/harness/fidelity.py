@@ -21,7 +21,9 @@ The ``fidelity`` dict, per method:
   ``matmul_macs``, the multiply-accumulates of the attention matrix products, its ratio to softmax's over the
   patched layers (``matmul_vs_softmax``) and over *every* attention layer of the model, unpatched ones counted as
   softmax (``matmul_vs_softmax_model``: the x axis of that paper's figures, where some layers stay exact);
-  ``layers``: the indices of the patched layers and the number of attention layers;
+  ``layers``: the indices of the patched layers and the number of attention layers, and a model's sliding-window
+  layers (``sliding_window``: ModernBERT's local layers, never patched; its whole-model ratio is then None, as such
+  a layer is neither softmax over the input nor a method);
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
 * ``exact_inputs``: of the (patched layer call, input) pairs measured, those whose attention output equalled exact
@@ -81,7 +83,7 @@ class AttentionProbe:
     the method and of full attention at each row's real length, and graph counts; ``seconds`` is its own
     time. The harness runs it in a pass of its own, not in the pass it times and measures."""
 
-    def __init__(self, total_layers: int | None = None) -> None:
+    def __init__(self, total_layers: int | None = None, local_layers: list[int] | None = None) -> None:
         self.err_num: dict[str, float] = {}
         self.err_den: dict[str, float] = {}
         # the same sums per head, (H,) float64 tensors: which heads a method changes least (approx.autotune)
@@ -90,6 +92,7 @@ class AttentionProbe:
         # method FLOPs, method pairs, full FLOPs, full pairs, method matmul MACs, full matmul MACs
         self.cost = [0, 0, 0, 0, 0, 0]
         self.total_layers = total_layers  # attention layers of the model, patched or not
+        self.local_layers = list(local_layers or [])  # those attending within a sliding window (never patched)
         self.seconds = 0.0
         self._full = get_method("full")
         self.graph = GraphStatsProbe()  # methods that predict an attention graph (Sparsefinder)
@@ -206,6 +209,7 @@ def batch_sums(
         "error_den": dict(probe.err_den),
         "cost": list(probe.cost),
         "total_layers": probe.total_layers,
+        "local_layers": probe.local_layers,
         "graph": graph,
         "graph_skipped": probe.graph_skipped,
         "fallback_rows": probe.fallback_rows(),
@@ -276,6 +280,7 @@ _COMBINE: dict[str, Callable[[Any, Any], Any]] = {
     "error_den": _add_keyed,
     "cost": _add_lists,
     "total_layers": _extreme(max),
+    "local_layers": lambda a, b: a or b,  # the same model's: the same list (absent from records written before it)
     "graph": _add_graph,
     "graph_skipped": _add_counts,
     "fallback_rows": _add,
@@ -317,6 +322,7 @@ def cost_block(
     *,
     patched_layers: list[str] | None = None,
     total_layers: int | None = None,
+    local_layers: list[int] | None = None,
 ) -> dict[str, Any]:
     """The ``fidelity["cost"]`` entry: a method's attention FLOPs and query-key pairs and their ratio to full
     attention's (patched layers), and the matrix-product count of the literature, over the patched layers and
@@ -333,11 +339,14 @@ def cost_block(
     block.update(matmul_macs=macs, matmul_vs_softmax=macs / full_macs if full_macs else None)
     model_ratio = None
     patched = len(patched_layers) if patched_layers is not None else None
-    if full_macs and patched and total_layers:
+    if full_macs and patched and total_layers and not local_layers:
         per_layer = full_macs / patched
         model_ratio = (macs + (total_layers - patched) * per_layer) / (total_layers * per_layer)
     indices = None if patched_layers is None else [int(i) for i in patched_layers]
-    block.update(matmul_vs_softmax_model=model_ratio, layers={"patched": indices, "total": total_layers})
+    layers: dict[str, Any] = {"patched": indices, "total": total_layers}
+    if local_layers:  # a sliding-window layer is neither softmax over the input nor a method: no whole-model ratio
+        layers["sliding_window"] = [int(i) for i in local_layers]
+    block.update(matmul_vs_softmax_model=model_ratio, layers=layers)
     return block
 
 
@@ -358,7 +367,12 @@ def summarize(task, mode: str, sums: dict[str, Any], ref_predictions: list, pred
         "mean": sum(errors) / len(errors) if errors else None,
         "per_layer": dict(zip(layers, errors, strict=True)),
     }
-    fidelity["cost"] = cost_block(*sums["cost"], patched_layers=layers, total_layers=sums.get("total_layers"))
+    fidelity["cost"] = cost_block(
+        *sums["cost"],
+        patched_layers=layers,
+        total_layers=sums.get("total_layers"),
+        local_layers=sums.get("local_layers"),
+    )
     seconds, ref_seconds = sums["seconds"], sums["reference_seconds"]
     fidelity.update(seconds=seconds, reference_seconds=ref_seconds, speedup=ref_seconds / seconds if seconds else None)
     examples = max(len(predictions), 1)
