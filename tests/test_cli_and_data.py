@@ -719,6 +719,27 @@ def test_whole_model_records_every_option_of_its_contenders(benchmark_script, tm
     assert configs["clustered+exact<2048"] == {"method": "clustered", **default, "exact_below": 2048}
 
 
+def test_whole_model_on_modernbert_patches_its_full_attention_layers(benchmark_script, tmp_path, monkeypatch):
+    """``--architecture modernbert-base``: ModernBERT-base's shape with random weights; a method patches its 8
+    full-attention layers (every third), the sliding-window ones run as they are, and the record says which model
+    it measured; more than its 8192 positions is refused before anything is built."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    bench = benchmark_script("whole_model")
+    args = bench.parse_args(["--architecture", "modernbert-base", "--methods", "window", "--no-fallback"])
+    args.lengths = [16]
+    models = bench.build_models(args)
+    assert [e["layer"] for e in approx.settings(models["window"])] == list(range(0, 22, 3))
+    assert approx.integration.local_layers(models["window"]) == [i for i in range(22) if i % 3]
+    out = tmp_path / "wm.json"
+    monkeypatch.setattr(bench, "build_models", lambda _: models)  # (the same models: one build of 22 layers x 3)
+    bench.main(["--architecture", "modernbert-base", "--methods", "window", "--no-fallback", "--lengths", "16",
+                "--repeats", "1", "--output", str(out)])  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["architecture"] == "modernbert-base" and record["model"].startswith("ModernBERT-base architecture")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--architecture", "modernbert-base", "--lengths", "16384"])
+
+
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])
 def test_benchmark_counts_and_lengths_below_one_are_refused_before_any_work(
     name, flag, benchmark_script, capsys, monkeypatch
