@@ -55,6 +55,7 @@ WHOLE_MODEL = [
     "benchmarks/results/whole_model_cuda_h200.json",
     "benchmarks/results/whole_model_cuda_bf16_sparse.json",
     "benchmarks/results/whole_model_cpu_memory.json",
+    "benchmarks/results/whole_model_cpu_modernbert.json",
 ]
 HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
@@ -279,9 +280,13 @@ def whole_model_block(path: str) -> str:
     load = res["provenance"].get("loadavg_before")
     random = "random weights" in res.get("model", "")
     what = "architecture with random weights" if random else "with positions extended (random beyond 512)"
+    model, layers = "MiniLM-L6", "every layer"
+    if res.get("architecture") == "modernbert-base":
+        model = "ModernBERT-base"
+        layers = "its 8 full-attention layers (its 14 sliding-window layers as they are, SDPA on their band mask)"
     return (
-        f"**Whole model**, MiniLM-L6 {what}, batch 1, {_hardware(res)}, "
-        f"median of {res['repeats']} interleaved calls, every layer patched with the "
+        f"**Whole model**, {model} {what}, batch 1, {_hardware(res)}, "
+        f"median of {res['repeats']} interleaved calls, {layers} patched with the "
         f"attention-op settings (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
         + (f"; load average {load[0]:.1f} before the run" if load else "")
         + "). *no-attention* returns the values unchanged: the ceiling of any attention approximation."
