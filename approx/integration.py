@@ -197,10 +197,7 @@ def _attention_forward(
     layer = getattr(module, _CHILD, None)
     eager = getattr(module, _MODULE_ORIGINAL, None)
     if layer is None and eager is not None:  # left unpatched in a model loaded with eager attention: as it ran
-        additive = None
-        if key_mask is not None:  # eager attention adds its mask to the scores
-            additive = torch.zeros(key_mask.shape, dtype=query.dtype, device=query.device)
-            additive = additive.masked_fill_(~key_mask, torch.finfo(query.dtype).min)[:, None, None, :]
+        additive = None if key_mask is None else _additive(key_mask, query.dtype)[:, None, None, :]
         return eager(module, query, key, value, additive, dropout=dropout, scaling=scale, **kwargs)
     if key.shape[1] != query.shape[1]:  # grouped-query attention (EuroBERT's option): as transformers' repeat_kv,
         groups = query.shape[1] // max(key.shape[1], 1)  # query head h reads key/value head h // groups
@@ -220,6 +217,12 @@ def _attention_forward(
             dense_softmax(query, key, key_mask, scale) if exact else layer.weights(query, key, key_mask, scale=scale)
         )
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive one eager attention adds to its scores: 0 or the dtype's
+    most negative number."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _symmetric(mask_function: Any, size: int = 12) -> bool:
@@ -245,8 +248,7 @@ def _own_attention(module, query, key, value, attention_mask, *, dropout, scalin
     eager = getattr(module, _MODULE_ORIGINAL, None)
     if eager is not None:
         if attention_mask is not None and attention_mask.dtype == torch.bool:
-            additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
-            attention_mask = additive.masked_fill_(~attention_mask, torch.finfo(query.dtype).min)
+            attention_mask = _additive(attention_mask, query.dtype)
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -467,8 +469,9 @@ def patch(
     """Replace the self-attention of a loaded Hugging Face model by ``method``, in place; returns the model.
 
     ``layers`` selects attention layers by index (default: all, but a model's sliding-window layers, which keep its
-    own attention: see :func:`local_layers`); patch again with other ``layers`` to mix methods. ``on_heads`` runs the method on those heads of each selected layer only (default: every head), the
-    other heads keeping exact attention (not with fitted state; ``heads`` is an option of some methods, e.g. the
+    own attention: see :func:`local_layers`); patch again with other ``layers`` to mix methods. ``on_heads`` runs
+    the method on those heads of each selected layer only (default: every head), the other heads keeping exact
+    attention (not with fitted state; ``heads`` is an option of some methods, e.g. the
     Sparse Transformer's). ``options`` are the fields of the method's
     config class (see ``approx methods``). Raises ``ValueError`` on an unknown method, option, layer or head and
     :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on
