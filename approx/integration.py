@@ -48,6 +48,7 @@ __all__ = [
     "ATTENTION_NAME",
     "attention_probe",
     "checkpoint_heads",
+    "check_local",
     "is_patched",
     "load",
     "load_method_state",
@@ -66,7 +67,10 @@ __all__ = [
     "UnsupportedModelError",
     "load_pretrained",
     "local_layers",
+    "local_mode",
+    "LOCAL_MODES",
     "saved_layers",
+    "saved_local",
 ]
 
 ATTENTION_NAME = "approx"
@@ -77,6 +81,11 @@ _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose 
 # attribute on every attention module of a model patched from eager attention: its family's eager function, which a
 # layer left unpatched runs again (eager attention's arithmetic differs from SDPA's in the last bits)
 _MODULE_ORIGINAL = "_approx_eager_attention"
+# attribute on every sliding-window module of a model patched with ``local="band"``: its window computed by approx's
+# banded kernel (see `patch`); absent: the model's own attention
+_LOCAL = "_approx_local"
+LOCAL_MODES = ("model", "band")  # how a patched model's sliding-window layers run (`patch`'s ``local``)
+_BAND_BLOCK = 64  # query rows per block of the banded kernel for a local layer (speed only)
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each, with every task head the
@@ -172,6 +181,11 @@ def _key_padding_mask(
 _SCORE_CHANGES = ("sliding_window", "softcap", "s_aux", "sinks", "is_causal", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
+def _score_changes(kwargs: dict[str, Any], but: tuple[str, ...] = ()) -> list[str]:
+    """The arguments of :data:`_SCORE_CHANGES` set in ``kwargs`` (0 included), ``but`` those."""
+    return [n for n in _SCORE_CHANGES if n not in but and kwargs.get(n) is not None and kwargs.get(n) is not False]
+
+
 def _attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -186,7 +200,7 @@ def _attention_forward(
     dense (B, H, N, S) attention weights when the caller asked for ``output_attentions`` (else None)."""
     if _is_local(module):  # a sliding-window layer: never patched, it runs the model's own attention
         return _own_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    changed = [name for name in _SCORE_CHANGES if kwargs.get(name) is not None and kwargs.get(name) is not False]
+    changed = _score_changes(kwargs)
     if changed:  # a window, a cap on the scores, sink logits: softmax over the padded keys would silently drop them
         raise NotImplementedError(
             f"approx attention computes softmax over the real keys only; this layer also passes "
@@ -244,7 +258,11 @@ def _is_local(module: nn.Module) -> bool:
 def _own_attention(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs):
     """A sliding-window layer as the model ran it before it was patched: its family's eager function on the additive
     mask eager attention takes, for a model loaded with eager attention; else transformers' SDPA function on the
-    boolean mask its SDPA path builds (what the mask function hands such a layer), so the same numbers."""
+    boolean mask its SDPA path builds (what the mask function hands such a layer), so the same numbers. With
+    ``local="band"`` (`patch`), the same window by approx's banded kernel where it can run the call."""
+    band = _band_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if band is not None:
+        return band, _window_weights(query, key, attention_mask, scaling) if _attentions_requested() else None
     eager = getattr(module, _MODULE_ORIGINAL, None)
     if eager is not None:
         if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -256,13 +274,97 @@ def _own_attention(module, query, key, value, attention_mask, *, dropout, scalin
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
     if weights is None and _attentions_requested():  # every layer's weights, as the patched layers give theirs
-        scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, float("-inf"))
-        elif attention_mask is not None:  # an additive mask the caller made
-            scores = scores + attention_mask.float()
-        weights = torch.softmax(scores, dim=-1).to(query.dtype)
+        weights = _window_weights(query, key, attention_mask, scaling)
     return out, weights
+
+
+def _window_weights(query, key, attention_mask, scaling) -> torch.Tensor:
+    """A sliding-window layer's dense attention weights (B, H, N, S), from its mask (``output_attentions``)."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    elif attention_mask is not None:  # an additive mask the caller made
+        scores = scores + attention_mask.float()
+    return torch.softmax(scores, dim=-1).to(query.dtype)
+
+
+def _window_reach(module: nn.Module) -> int | None:
+    """How far a sliding-window layer's queries reach on each side (the mask's |i - j| <= reach): the ``sliding_window``
+    of its config, which transformers' bidirectional sliding-window mask reads (ModernBERT: ``local_attention // 2``;
+    the module's own ``sliding_window`` is one more, flash attention's convention). None: not readable."""
+    reach = getattr(getattr(module, "config", None), "sliding_window", None)
+    return reach if isinstance(reach, int) and not isinstance(reach, bool) and reach >= 0 else None
+
+
+def _band_attention(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs) -> torch.Tensor | None:
+    """A ``local="band"`` layer's output (B, N, H, dv) by the banded kernel (:mod:`approx.attention._band`): O(N w)
+    rather than the O(N^2) of SDPA on the dense band mask, the same softmax over the same keys (equal to rounding).
+    None where it does not run and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
+    measured there: transformers' kernels stay), with gradients or attention dropout (the kernel is for inference),
+    a mask that is not the boolean (B, 1, N, N) one the mask function builds for these layers, or an argument that
+    changes the scores beside the window (a cap, sinks: the model's own function takes them into account)."""
+    if module.__dict__.get(_LOCAL) != "band" or query.device.type != "cpu":
+        return None
+    from .attention import _band
+
+    b, h, n, _ = query.shape
+    reach = _window_reach(module)
+    if reach is None or key.shape[1] != h or key.shape[2] != n or _score_changes(kwargs, but=("sliding_window",)):
+        return None
+    key_mask = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, n, n):
+            return None
+        # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
+        key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    if _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout) is not None:
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = _band.attend(
+        query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, shared_keys=None, scale=scale
+    )
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def local_mode(model: nn.Module) -> str:
+    """How the sliding-window layers of ``model`` run (one of :data:`LOCAL_MODES`): ``"band"`` after
+    ``patch(..., local="band")``, else ``"model"`` (their own attention; a model without such layers too)."""
+    modules = attention_modules(model) if is_patched(model) else []
+    return "band" if any(m.__dict__.get(_LOCAL) == "band" for m in modules) else "model"
+
+
+def check_local(model: nn.Module, modules: list[nn.Module], local: str | None, where: str = "local") -> None:
+    """Refuse a ``local`` that is not one of :data:`LOCAL_MODES`, or ``"band"`` for a model without sliding-window
+    layers whose window approx can read."""
+    if local is None:
+        return
+    if local not in LOCAL_MODES:
+        raise ValueError(f"{where}={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}")
+    if local != "band":
+        return
+    windows = [m for m in modules if _is_local(m)]
+    if not windows:
+        raise ValueError(
+            f"{where}='band': {type(model).__name__} has no sliding-window layers (approx.local_layers(model) is "
+            "empty); 'band' computes those layers' windows (ModernBERT's local layers)"
+        )
+    unread = sorted(i for i, m in enumerate(modules) if _is_local(m) and _window_reach(m) is None)
+    if unread:
+        raise ValueError(
+            f"{where}='band': the window of layers {unread} of {type(model).__name__} cannot be read (their config "
+            "has no integer sliding_window)"
+        )
+
+
+def _set_local(modules: list[nn.Module], local: str | None) -> None:
+    if local is None:
+        return
+    for m in modules:
+        if _is_local(m):
+            if local == "band":
+                m.__dict__[_LOCAL] = "band"
+            else:
+                m.__dict__.pop(_LOCAL, None)
 
 
 def local_layers(model: nn.Module) -> list[int]:
@@ -464,6 +566,7 @@ def patch(
     *,
     layers: int | Iterable[int] | None = None,
     on_heads: int | Iterable[int] | None = None,
+    local: str | None = None,
     **options: Any,
 ) -> nn.Module:
     """Replace the self-attention of a loaded Hugging Face model by ``method``, in place; returns the model.
@@ -473,13 +576,20 @@ def patch(
     the method on those heads of each selected layer only (default: every head), the other heads keeping exact
     attention (not with fitted state; ``heads`` is an option of some methods, e.g. the
     Sparse Transformer's). ``options`` are the fields of the method's
-    config class (see ``approx methods``). Raises ``ValueError`` on an unknown method, option, layer or head and
+    config class (see ``approx methods``).
+
+    ``local`` says how a model's sliding-window layers run (ModernBERT's local layers; see :func:`local_mode`):
+    ``"model"``, their own attention as transformers runs it (bit for bit), or ``"band"``, the same window computed
+    by approx's banded kernel in O(N w) time rather than SDPA's O(N^2) on a dense band mask (equal to rounding, not
+    to the bit; on the CPU in inference: with gradients, attention dropout or on a GPU they run their own
+    attention). None (the default) keeps what the model had (``"model"`` at first). Raises ``ValueError`` on an unknown method, option, layer or head and
     :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on
     any error the model is left as it was.
     """
     spec = get_method(method)
     config = spec.make_config(**options)
     modules = attention_modules(model)
+    check_local(model, modules, local)
     indices = select_layers(layers, len(modules))
     if layers is None:  # every layer approx can patch: a sliding-window layer keeps the model's own attention
         indices = [i for i in indices if not _is_local(modules[i])]
@@ -490,7 +600,9 @@ def patch(
         )
         for i in indices
     }
-    return _install(model, modules, new)
+    _install(model, modules, new)
+    _set_local(modules, local)
+    return model
 
 
 def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, ApproxAttention]) -> nn.Module:
@@ -583,6 +695,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         if hasattr(module, _CHILD):
             delattr(module, _CHILD)
         module.__dict__.pop(_MODULE_ORIGINAL, None)
+        module.__dict__.pop(_LOCAL, None)
     model.__dict__.pop("set_attn_implementation", None)
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
@@ -723,6 +836,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     save_method_state(model, path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
     meta.update(state_sha256=saved.state_digest(path), layers=settings(model))
+    if local_mode(model) != "model":  # how its sliding-window layers run (absent: their own attention)
+        meta["local"] = local_mode(model)
     if tuning(model) is not None:
         meta["tuning"] = tuning(model)
     saved.write_settings(path, meta)
@@ -761,6 +876,8 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     first."""
     modules = attention_modules(model)
     layers = _saved_layers(model, modules, path)
+    local = saved.read_settings(path).get("local")
+    check_local(model, modules, local, where=f"{Path(path) / saved.SETTINGS_FILE}: local")
     if is_patched(model):
         mine = ", ".join(f"{e['layer']} {e['method']}" for e in settings(model))
         raise ValueError(
@@ -768,6 +885,7 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
             "saved model; approx.unpatch(model) first, or approx.load(path) for a fresh copy"
         )
     _install(model, modules, layers)
+    _set_local(modules, local)
     record = saved.read_settings(path).get("tuning")
     if record is not None:
         set_tuning(model, record)
@@ -849,10 +967,12 @@ def load_pretrained(
 # used by the evaluation harness
 
 
-def attach(model: nn.Module, layers: dict[int, ApproxAttention]) -> nn.Module:
+def attach(model: nn.Module, layers: dict[int, ApproxAttention], *, local: str | None = None) -> nn.Module:
     """Patch ``model`` with existing :class:`ApproxAttention` modules (e.g. taken from
-    :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is."""
+    :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is; ``local`` as in
+    :func:`patch`."""
     modules = attention_modules(model)
+    check_local(model, modules, local)
     select_layers(list(layers), len(modules))
     count = _num_heads(model)
     for i, layer in layers.items():
@@ -861,7 +981,20 @@ def attach(model: nn.Module, layers: dict[int, ApproxAttention]) -> nn.Module:
                 check_heads(layer.heads, count)
             except ValueError as e:
                 raise ValueError(f"layer {i}: {e}") from None
-    return _install(model, modules, layers)
+    _install(model, modules, layers)
+    _set_local(modules, local)
+    return model
+
+
+def saved_local(path: str | os.PathLike) -> str:
+    """How the model saved in ``path`` ran its sliding-window layers (``"local"`` of its ``approx_config.json``;
+    ``"model"`` when absent), one of :data:`LOCAL_MODES`: ``ValueError`` naming the file otherwise."""
+    local = saved.read_settings(path).get("local", "model")
+    if local not in LOCAL_MODES:
+        raise ValueError(
+            f"{Path(path) / saved.SETTINGS_FILE}: local={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}"
+        )
+    return local
 
 
 def checkpoint_heads(name_or_path: str) -> list[str]:

@@ -24,7 +24,9 @@ without the wheel (a lent GPU has no network): the time of every contender is th
 defaults: 22 layers, hidden 768, 12 heads of 64, a full-attention layer every third, the others a sliding window of
 64 tokens on each side, rotary positions up to 8192), random weights (no checkpoint here; timing only). Each method
 patches its 8 full-attention layers; the 14 sliding-window layers run as they are (approx never patches them), and
-``no-attention`` replaces every layer's attention, those included.
+``no-attention`` replaces every layer's attention, those included. ``--local-band`` adds ``METHOD+band`` rows, and
+``full+band`` (the exact model): the sliding-window layers on approx's banded kernel
+(``approx.patch(model, method, local="band")``), O(N w) instead of SDPA's O(N^2) on a dense band mask.
 
 Every contender is its own copy of the model, run side by side in this process, interleaved (one warm-up
 each, then per repeat one timed call of each); the median is reported and ratio = median(sdpa) /
@@ -90,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(ARCHITECTURES),
         help="minilm (default) or modernbert-base (random weights, up to 8192 tokens; see above)",
     )
+    p.add_argument(
+        "--local-band",
+        action="store_true",
+        help="modernbert-base: also every method, and full (exact), with the sliding-window layers on approx's banded "
+        "kernel (approx.patch(..., local='band')): rows METHOD+band and full+band",
+    )
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of the tokens and of the extra positions")
     p.add_argument(
         "--memory",
@@ -102,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
     )
     args = device_checked(p, p.parse_args(argv))
+    if args.local_band and args.architecture != "modernbert-base":
+        p.error("--local-band: only --architecture modernbert-base has sliding-window layers")
     if args.architecture == "modernbert-base" and max(args.lengths) > MODERNBERT_POSITIONS:
         p.error(f"ModernBERT-base reads at most {MODERNBERT_POSITIONS} tokens (its config's max_position_embeddings)")
     return args
@@ -159,8 +169,16 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any]]
         for m in args.methods:
             if m in FALLBACK:
                 out[f"{m}+exact<{FALLBACK[m]}"] = (m, {**OPTIONS.get(m, {}), "exact_below": FALLBACK[m]})
+    if getattr(args, "local_band", False):  # the sliding-window layers on the banded kernel: exact, then each method
+        for m in ["full", *args.methods]:
+            out[f"{m}+band"] = (m, {**OPTIONS.get(m, {}), "local": "band"})
     out["no-attention"] = None
     return out
+
+
+def _method_options(options: dict[str, Any]) -> dict[str, Any]:
+    """A contender's options without ``local`` (an argument of ``approx.patch``, not an option of the method)."""
+    return {k: v for k, v in options.items() if k != "local"}
 
 
 def build_models(args: argparse.Namespace) -> dict[str, nn.Module]:
@@ -257,7 +275,10 @@ LINEAR = 1.2
 
 def _title(res: dict[str, Any]) -> str:
     """The model a record measured, as reports name it (records before --architecture: MiniLM-L6)."""
-    return ARCHITECTURES[res.get("architecture", "minilm")]
+    title = ARCHITECTURES[res.get("architecture", "minilm")]
+    if any(c.endswith("+band") for c in res.get("contenders", {})):
+        title = title.replace("as they are)", "as they are, on approx's banded kernel in the +band rows)")
+    return title
 
 
 def _allocator(res: dict[str, Any]) -> str:
@@ -389,7 +410,11 @@ def main(argv: list[str] | None = None) -> None:
         "contenders": {c: (None if s is None else {"method": s[0], **s[1]}) for c, s in contenders(args).items()},
         # every option of every contender, defaults included (a later default must not change what a record says)
         "configs": {
-            c: {"method": s[0], **approx.get_method(s[0]).make_config(**s[1]).to_dict()}
+            c: {
+                "method": s[0],
+                **approx.get_method(s[0]).make_config(**_method_options(s[1])).to_dict(),
+                **({"local": s[1]["local"]} if "local" in s[1] else {}),
+            }
             for c, s in contenders(args).items()
             if s is not None
         },

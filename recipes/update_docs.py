@@ -283,7 +283,10 @@ def whole_model_block(path: str) -> str:
     model, layers = "MiniLM-L6", "every layer"
     if res.get("architecture") == "modernbert-base":
         model = "ModernBERT-base"
-        layers = "its 8 full-attention layers (its 14 sliding-window layers as they are, SDPA on their band mask)"
+        layers = "its 8 full-attention layers (its 14 sliding-window layers as they are, SDPA on their band mask"
+        if any(c.endswith("+band") for c in names):
+            layers += '; in the +band rows on approx\'s banded kernel, `approx.patch(..., local="band")`'
+        layers += ")"
     return (
         f"**Whole model**, {model} {what}, batch 1, {_hardware(res)}, "
         f"median of {res['repeats']} interleaved calls, {layers} patched with the "

@@ -740,6 +740,32 @@ def test_whole_model_on_modernbert_patches_its_full_attention_layers(benchmark_s
         bench.parse_args(["--architecture", "modernbert-base", "--lengths", "16384"])
 
 
+def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(benchmark_script, tmp_path, monkeypatch):
+    """``--local-band``: rows ``full+band`` and ``METHOD+band`` whose models run their sliding-window layers on the
+    banded kernel (``local="band"``), recorded as such; refused for MiniLM, which has no sliding-window layers."""
+    import transformers
+    from conftest import tiny_config
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    bench = benchmark_script("whole_model")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--local-band"])
+    # a tiny ModernBERT (with the token ids the benchmark draws, from 1000)
+    monkeypatch.setattr(transformers, "ModernBertConfig", lambda: tiny_config("modernbert", vocab_size=1100))
+    argv = ["--architecture", "modernbert-base", "--methods", "window", "--no-fallback", "--local-band"]
+    models = bench.build_models(bench.parse_args([*argv, "--lengths", "16"]))
+    assert list(models) == ["sdpa", "window", "full+band", "window+band", "no-attention"]
+    assert [approx.local_mode(models[c]) for c in ("window", "full+band", "window+band")] == ["model", "band", "band"]
+    assert [e["method"] for e in approx.settings(models["full+band"])] == ["full"]
+    out = tmp_path / "wm.json"
+    bench.main([*argv, "--lengths", "16", "--repeats", "1", "--output", str(out)])
+    record = json.loads(out.read_text())
+    assert record["contenders"]["window+band"] == {"method": "window", "window": 256, "local": "band"}
+    window = approx.get_method("window").make_config(window=256).to_dict()
+    assert record["configs"]["window+band"] == {"method": "window", **window, "local": "band"}
+    assert "local" not in record["configs"]["window"]
+
+
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])
 def test_benchmark_counts_and_lengths_below_one_are_refused_before_any_work(
     name, flag, benchmark_script, capsys, monkeypatch

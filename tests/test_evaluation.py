@@ -141,6 +141,51 @@ def test_every_family_through_the_harness(family, fixture_dir, tmp_path):
         assert f["cost"]["matmul_vs_softmax_model"] == pytest.approx(f["cost"]["matmul_vs_softmax"])
 
 
+def test_local_band_through_the_harness_and_the_cli(fixture_dir, tmp_path, monkeypatch):
+    """``local="band"``: every method's model runs ModernBERT's sliding-window layer on the banded kernel (counted), the
+    reference stays the unpatched model, so ``full`` reproduces its metrics to rounding; each result says so (``local``,
+    its protocol, its label); a folder given as a method brings its own record, which ``local`` overrides; the CLI
+    passes ``--local``; an unknown mode is refused before anything loads, and ``band`` for a model without
+    sliding-window layers before anything runs."""
+    from transformers import AutoModelForSequenceClassification
+
+    from approx.attention import _band
+    from approx.harness.evaluation import result_label
+
+    calls, attend = [0], _band.attend
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(_band, "attend", counted)
+    path = str(write_checkpoint(tmp_path / "modernbert", "sequence-classification", family="modernbert"))
+    full, lsh = _run(path, "sst2", ["full", "lsh:cluster_size=4,rounds=1"], fixture_dir, batch_size=5, local="band")
+    assert calls[0] > 0
+    f = full["fidelity"]
+    assert full["metrics"] == full["reference_metrics"] and f["agreement"] == 1.0 and f["kl_divergence"] < 1e-9
+    assert f["hidden_state_cosine"]["last"] == pytest.approx(1.0, abs=1e-5)
+    assert full["local"] == lsh["local"] == "band" and "banded kernel (local='band')" in full["protocol"]
+    assert result_label(lsh) == "lsh:cluster_size=4,rounds=1+band[layers 0 of 2]"
+    assert f["cost"]["layers"] == {"patched": [0], "total": 2, "sliding_window": [1]}  # (the band is not a method's)
+    model = approx.patch(AutoModelForSequenceClassification.from_pretrained(path), "full", local="band")
+    approx.save(model, tmp_path / "full-band")
+    calls[0] = 0
+    (folder,) = _run(path, "sst2", [str(tmp_path / "full-band")], fixture_dir, batch_size=5)
+    assert folder["local"] == "band" and calls[0] > 0
+    (own,) = _run(path, "sst2", [str(tmp_path / "full-band")], fixture_dir, batch_size=5, local="model")
+    assert "local" not in own and "banded" not in own["protocol"]
+    out = tmp_path / "cli.json"
+    argv = ["eval", "--model", path, "--task", "sst2", "--method", "full", "--data-dir", str(fixture_dir)]
+    assert main([*argv, "--source", "local", "--quiet", "--local", "band", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["local"] == "band"
+    with pytest.raises(ValueError, match=r"local='banded': choose one of 'model', 'band'"):
+        _run("/nonexistent", "sst2", ["full"], fixture_dir, local="banded")
+    bert = str(write_checkpoint(tmp_path / "bert", "sequence-classification"))
+    with pytest.raises(ValueError, match=r"local='band': BertForSequenceClassification has no sliding-window layers"):
+        _run(bert, "sst2", ["full"], fixture_dir, local="band")
+
+
 def test_modernbert_finds_the_question_from_its_separator(fixture_dir, tmp_path):
     """ModernBERT has no token types: the question-global window finds each question from the SEP id its config names
     (the fixtures' [SEP]), the question being every token before the first SEP of a pair."""

@@ -2,6 +2,7 @@
 exactness of ``full``, unpatch, layer selection, save/load, refusals."""
 
 import re
+import types
 
 import pytest
 import torch
@@ -311,6 +312,144 @@ def test_a_patched_modernbert_gives_every_layers_attention_weights():
         torch.testing.assert_close(g[0], r[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g[1, :, :19, :19], r[1, :, :19, :19], rtol=1e-5, atol=1e-6)  # real rows, real keys
         assert float(g[1, :, :19, 19:].abs().max()) == 0.0  # no weight on padding
+
+
+def _left_and_right_padded(seq_len: int = 40) -> dict[str, torch.Tensor]:
+    """Three rows: unpadded, padded after 13 real tokens (longer than the tiny window), padded before 9."""
+    inputs = batch(seq_len, batch_size=3)
+    inputs["attention_mask"][1, 13:] = 0
+    inputs["attention_mask"][2, :9] = 0
+    inputs["input_ids"].masked_fill_(inputs["attention_mask"] == 0, 0)
+    return inputs
+
+
+def _count_band_calls(monkeypatch) -> list[int]:
+    """Count the calls of the banded kernel (a one-element list, incremented per call)."""
+    from approx.attention import _band
+
+    calls, attend = [0], _band.attend
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(_band, "attend", counted)
+    return calls
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_local_band_computes_the_sliding_window_layers_own_attention(implementation, monkeypatch):
+    """``local="band"``: ModernBERT's sliding-window layer runs approx's banded kernel, and the model gives the unpatched
+    model's outputs on every real token to rounding (padding after and before the real tokens, a window shorter than
+    them), with any method on the other layers as that method with the layer's own attention gives them, and the layer's
+    attention weights when asked; unpatch restores the model bit for bit."""
+    calls = _count_band_calls(monkeypatch)
+    inputs = _left_and_right_padded()
+    real = inputs["attention_mask"].bool()
+    plain = tiny_model("modernbert")  # layer 0 full attention, layer 1 a window of 4 tokens on each side
+    plain.set_attn_implementation(implementation)
+    eager = tiny_model("modernbert")  # the same weights, with eager attention, which gives the weights
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = plain(**inputs)
+        want_weights = eager(**inputs, output_attentions=True).attentions[1]
+        assert approx.local_mode(approx.patch(plain, "full")) == "model"
+        assert calls[0] == 0  # ("full" on layer 0 is SDPA: eager attention rounds otherwise)
+        torch.testing.assert_close(model_output(plain, **inputs), ref.last_hidden_state, rtol=1e-6, atol=1e-6)
+        approx.patch(plain, "full", local="band")
+        assert approx.local_mode(plain) == "band" and approx.settings(plain)[0]["layer"] == 0
+        got = plain(**inputs, output_attentions=True)
+        assert calls[0] == 1  # the local layer, once
+        torch.testing.assert_close(got.last_hidden_state[real], ref.last_hidden_state[real], rtol=1e-5, atol=1e-5)
+        weights = got.attentions[1]  # the local layer's, over the real keys of real rows
+        for row in range(3):
+            keys = real[row]
+            torch.testing.assert_close(weights[row][:, keys][..., keys], want_weights[row][:, keys][..., keys])
+        lsh_band = model_output(approx.patch(plain, "lsh", cluster_size=8, rounds=2), **inputs)  # local kept: band
+        assert approx.local_mode(plain) == "band" and calls[0] == 2
+        lsh_own = model_output(approx.patch(plain, "lsh", cluster_size=8, rounds=2, local="model"), **inputs)
+        assert approx.local_mode(plain) == "model" and calls[0] == 2
+        torch.testing.assert_close(lsh_band[real], lsh_own[real], rtol=1e-5, atol=1e-5)
+        assert (lsh_band[real] - ref.last_hidden_state[real]).abs().max() > 1e-3  # (LSH approximates layer 0)
+        approx.patch(plain, "full", local="band")
+        approx.unpatch(plain)
+        assert approx.local_mode(plain) == "model"
+        assert torch.equal(model_output(plain, **inputs), ref.last_hidden_state) and calls[0] == 2
+        assert approx.local_mode(approx.patch(plain, "full")) == "model"  # a new patch starts from the model's own
+        model_output(plain, **inputs)
+        assert calls[0] == 2
+
+
+def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(monkeypatch):
+    """The banded kernel is for inference: with gradients (and attention dropout in training) the sliding-window layer
+    runs its own attention, so the model trains exactly as the unpatched one, to the bit."""
+    calls = _count_band_calls(monkeypatch)
+    inputs = batch(40, pad=11)
+    for dropout in (0.0, 0.3):
+        plain = tiny_model("modernbert", attention_dropout=dropout).train()
+        torch.manual_seed(3)
+        ref = model_output(plain, **inputs)
+        approx.patch(plain, "full", local="band")
+        torch.manual_seed(3)
+        out = model_output(plain, **inputs)
+        assert out.requires_grad and torch.equal(out, ref)
+    assert calls[0] == 0
+
+
+def test_local_band_is_refused_where_there_is_no_window_and_unknown_modes_list_the_known():
+    """``local`` other than 'model' or 'band' is refused, listing both; 'band' on a model without sliding-window layers
+    is refused as such; either leaves the model as it was."""
+    model = tiny_model("modernbert")
+    with pytest.raises(ValueError, match=r"local='banded': choose one of 'model', 'band'"):
+        approx.patch(model, "full", local="banded")
+    assert not approx.is_patched(model)
+    bert = tiny_model("bert")
+    with pytest.raises(ValueError, match=r"local='band': BertModel has no sliding-window layers"):
+        approx.patch(bert, "full", local="band")
+    assert not approx.is_patched(bert)
+    assert approx.local_mode(approx.patch(bert, "full", local="model")) == "model"
+    no_window = tiny_model("modernbert")
+    no_window.layers[1].attn.config = types.SimpleNamespace()  # (a layer whose window approx cannot read)
+    with pytest.raises(ValueError, match=r"the window of layers \[1\] of ModernBertModel cannot be read"):
+        approx.patch(no_window, "full", local="band")
+    assert not approx.is_patched(no_window)
+
+
+def test_local_band_is_saved_and_loaded_and_a_bad_record_is_refused(tmp_path):
+    """``approx.save`` records ``local`` ("band"; absent for the model's own attention) and ``approx.load`` brings it
+    back; a folder whose ``local`` is unknown, or ``band`` for a model without a window, is refused naming the file,
+    the model left as it was."""
+    import json
+
+    from transformers import AutoModel
+
+    inputs = _left_and_right_padded()
+    model = approx.patch(tiny_model("modernbert"), "lsh", cluster_size=8, rounds=2, local="band")
+    with torch.no_grad():
+        want = model_output(model, **inputs)
+    approx.save(model, tmp_path / "band")
+    settings = json.loads((tmp_path / "band" / "approx_config.json").read_text())
+    assert settings["local"] == "band"
+    loaded = approx.load(tmp_path / "band").eval()
+    assert approx.local_mode(loaded) == "band"
+    with torch.no_grad():
+        assert torch.equal(model_output(loaded, **inputs), want)
+    approx.save(approx.patch(model, "full", local="model"), tmp_path / "own")
+    assert "local" not in json.loads((tmp_path / "own" / "approx_config.json").read_text())
+    assert approx.local_mode(approx.load(tmp_path / "own")) == "model"
+    settings["local"] = "banded"
+    (tmp_path / "band" / "approx_config.json").write_text(json.dumps(settings))
+    fresh = AutoModel.from_config(tiny_config("modernbert"))
+    with pytest.raises(ValueError, match=r"approx_config.json: local='banded': choose one of"):
+        approx.restore(fresh, tmp_path / "band")
+    assert not approx.is_patched(fresh)
+    approx.save(approx.patch(tiny_model("bert"), "full"), tmp_path / "bert")
+    settings = json.loads((tmp_path / "bert" / "approx_config.json").read_text())
+    (tmp_path / "bert" / "approx_config.json").write_text(json.dumps({**settings, "local": "band"}))
+    bert = AutoModel.from_config(tiny_config("bert"))
+    with pytest.raises(ValueError, match=r"approx_config.json: local='band': BertModel has no sliding-window layers"):
+        approx.restore(bert, tmp_path / "bert")
+    assert not approx.is_patched(bert)
 
 
 def test_the_mask_of_a_sliding_window_layer_is_its_band_and_padding():

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .. import __version__, _json, methods
 from ..config import MethodConfig, did_you_mean
+from ..integration import LOCAL_MODES
 from ..registry import get_method
 from ..saved import AUTOTUNE_RECORD, FIT_RECORD
 from .argcheck import Once, check_device, looks_like_path, set_threads
@@ -232,6 +233,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         allocations=args.allocations,
         resamples=args.resamples,
         level=args.level,
+        local=args.local,
     )
     if not PartialState().is_main_process:
         return 0
@@ -291,6 +293,13 @@ def _add_eval_parser(sub) -> None:
         "at least 10 / (1 - level), 200 at the default level; 0: no intervals)",
     )
     p.add_argument("--level", type=float, default=0.95, help="the intervals' level (default 0.95)")
+    p.add_argument(
+        "--local",
+        choices=LOCAL_MODES,
+        help="a model with sliding-window layers (ModernBERT): run them, under every method, as the model does "
+        "(model) or on approx's banded kernel (band: the same window, equal to rounding, faster on long inputs on "
+        "the CPU); default: as a folder given as --method records it, else model",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     method_option_args(p)
     p.set_defaults(func=_cmd_eval)

@@ -37,10 +37,12 @@ from tqdm.auto import tqdm
 
 from ..config import MethodConfig
 from ..integration import (
+    LOCAL_MODES,
     attach,
     attention_modules,
     attention_probe,
     attention_shape,
+    check_local,
     checkpoint_heads,
     is_patched,
     load_pretrained,
@@ -49,6 +51,7 @@ from ..integration import (
     patch,
     patched_layers,
     saved_layers,
+    saved_local,
     unpatch,
 )
 from ..positions import extend_positions, extended_positions, position_limit
@@ -176,10 +179,19 @@ def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar, allocati
     return peaks, allocated
 
 
-def _method_forward(run: _Run, inputs, method_layers, probe=None, measured: bool = True):
+@dataclasses.dataclass
+class _MethodLayers:
+    """A method's patched layers, made once (their state kept across batches), and how the model's sliding-window
+    layers run under it (``local`` of :func:`approx.patch`)."""
+
+    layers: dict
+    local: str = "model"
+
+
+def _method_forward(run: _Run, inputs, method_layers: _MethodLayers, probe=None, measured: bool = True):
     """The model's forward with a method's layers attached (and detached again, whatever happens), under the
     fidelity ``probe`` when one is given: (output, its :class:`PeakMemory`, or None when not ``measured``)."""
-    attach(run.model, method_layers)
+    attach(run.model, method_layers.layers, local=method_layers.local)
     try:
         with attention_probe(probe) if probe is not None else contextlib.nullcontext():
             if not measured:
@@ -442,26 +454,39 @@ def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
             )
 
 
-def _method_layers(model, setups: list[Setup], methods: Sequence, device) -> list[dict]:
-    """Each method's patched layers, made once so their state is kept across batches."""
+def _method_layers(model, setups: list[Setup], methods: Sequence, device, local: str | None) -> list[_MethodLayers]:
+    """Each method's patched layers, made once so their state is kept across batches, and how the sliding-window
+    layers run under it: ``local`` when given, else as a saved folder records it, else their own attention."""
     layers = []
     for s, given in zip(setups, methods, strict=True):
+        mode = local or "model"
         if isinstance(given, dict):
-            layers.append({i: lyr.to(device) for i, lyr in given.items()})
+            made = {i: lyr.to(device) for i, lyr in given.items()}
         elif saved_folder(given):
-            layers.append({i: lyr.to(device) for i, lyr in saved_layers(model, given).items()})
+            made = {i: lyr.to(device) for i, lyr in saved_layers(model, given).items()}
+            mode = local or saved_local(given)
         else:
             patch(model, s.method, **s.options)
-            layers.append(patched_layers(model))
+            made = patched_layers(model)
             unpatch(model)
+        check_local(model, attention_modules(model), mode, where=f"{s.label}: local" if local is None else "local")
+        layers.append(_MethodLayers(made, mode))
     return layers
 
 
 def _results(
-    run: _Run, setups, records, settings: dict[str, Any], prov, predictions: bool, intervals: dict[str, Any] | None
+    run: _Run,
+    setups,
+    records,
+    settings: dict[str, Any],
+    prov,
+    predictions: bool,
+    intervals: dict[str, Any] | None,
+    local: list[str],
 ) -> list[dict[str, Any]]:
     """One self-describing result per method from the gathered batch records; ``intervals``: the options of
-    :func:`~approx.harness.resampling.paired_interval` (resamples, level, seed), or None for none."""
+    :func:`~approx.harness.resampling.paired_interval` (resamples, level, seed), or None for none; ``local``: how
+    each method's model ran its sliding-window layers."""
     task, mode, examples, n = run.task, run.mode, run.examples, len(run.features)
     ref_predictions = task.predict(examples, run.features, _in_feature_order(records, n), mode)
     reference_metrics = task.score(examples, ref_predictions, mode)
@@ -478,6 +503,8 @@ def _results(
                 f"; the model's {p['extended_from']} learned positions extended to {p['extended_to']} "
                 "(trained rows copied block after block)"
             )
+        if local[s] == "band":
+            protocol += "; the sliding-window layers on approx's banded kernel (local='band'), full attention unpatched"
         result = {
             "task": task.name,
             "task_version": task.version,
@@ -489,6 +516,7 @@ def _results(
             **({"positions": run.positions} if run.positions else {}),
             **run.model_info,
             "method": {"name": setup.method, **setup.config()},
+            **({"local": local[s]} if local[s] != "model" else {}),
             "metrics": task.score(examples, method_predictions, mode),
             "reference_metrics": reference_metrics,
             "fidelity": fid.summarize(task, mode, sums, ref_predictions, method_predictions),
@@ -556,8 +584,9 @@ def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
 def result_label(result: dict[str, Any]) -> str:
     """A result's label: its method's (:func:`~approx.harness.spec.short_label`), and the layers it patched when they
     are not all the model's (``favor[layers 4-5 of 6]``: a folder or patched layers of some layers only carry
-    their method's name, and two results of different models would read the same)."""
-    label = short_label(result["method"])
+    their method's name, and two results of different models would read the same); ``+band`` when the model's
+    sliding-window layers ran on approx's banded kernel (``"local"``)."""
+    label = short_label(result["method"]) + ("+band" if result.get("local") == "band" else "")
     layers = (result.get("fidelity", {}).get("cost") or {}).get("layers") or {}
     patched, total = layers.get("patched"), layers.get("total")
     if result["method"]["name"] == PER_LAYER or not patched or total is None or len(patched) == total:
@@ -605,6 +634,7 @@ def evaluate(
     allocations: bool = False,
     resamples: int | None = DEFAULT_RESAMPLES,
     level: float = DEFAULT_LEVEL,
+    local: str | None = None,
 ) -> list[dict[str, Any]]:
     """Evaluate ``task`` on ``model`` under each of ``methods`` and under full attention, on the same batches.
 
@@ -627,6 +657,12 @@ def evaluate(
     the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator reuses memory it kept (CUDA: the
     allocator's peak). Under several processes each measures its own longest batch; the largest is kept.
 
+    ``local`` (a model with sliding-window layers, ModernBERT's): how those layers run under every method, as
+    :func:`approx.patch` takes it: ``"model"`` (their own attention) or ``"band"`` (approx's banded kernel: the same
+    window, equal to rounding, faster on long inputs on the CPU); None (the default): as a folder given as a method
+    records it, else ``"model"``. Full attention, the reference, is always the unpatched model. A result under
+    ``"band"`` says so (``"local"``, its ``protocol``).
+
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
     gets its own table back afterwards) and every result says so (``"positions"``, its ``protocol`` and
@@ -647,6 +683,8 @@ def evaluate(
     methods = _method_list(methods)
     setups = _setups(methods, seed, batch_size)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
+    if local is not None and local not in LOCAL_MODES:
+        raise ValueError(f"local={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}")
     max_length = task.default_max_length if max_length is None else max_length
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
@@ -661,7 +699,7 @@ def evaluate(
                 "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
                 f"device (got warmup={warmup}, device {run.device}; on CUDA peak_memory_mib is the allocator's peak)"
             )
-        layers = _method_layers(run.model, setups, methods, run.device)
+        layers = _method_layers(run.model, setups, methods, run.device, local)
         order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
         batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
         labels = [short_label({"name": s.method, **s.config()}) for s in setups]
@@ -684,7 +722,7 @@ def evaluate(
         **({"positions": run.positions} if run.positions else {}),
     )
     settings = dict(max_length=max_length, batch_size=batch_size, limit=limit, warmup=warmup, allocations=allocations)
-    return _results(run, setups, records, settings, prov, predictions, intervals)
+    return _results(run, setups, records, settings, prov, predictions, intervals, [m.local for m in layers])
 
 
 # hidden-state cosines shown after the last layer's, when every result has them (older result files do not)
