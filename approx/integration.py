@@ -86,6 +86,8 @@ _MODULE_ORIGINAL = "_approx_eager_attention"
 _LOCAL = "_approx_local"
 LOCAL_MODES = ("model", "band")  # how a patched model's sliding-window layers run (`patch`'s ``local``)
 _BAND_BLOCK = 64  # query rows per block of the banded kernel for a local layer (speed only)
+# attribute of a sliding-window mask the mask function built (the band and the key padding): the band's reach
+_BAND_REACH = "_approx_band_reach"
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each, with every task head the
@@ -159,7 +161,13 @@ def _key_padding_mask(
         # attention (`_own_attention`), so they get the mask transformers' SDPA path builds for them, (B, 1, N, S)
         # bool or None (causal and chunked windows, which transformers asks for with a local size too, are refused)
         args = (batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
-        return sdpa_mask(*args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
+        mask = sdpa_mask(*args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
+        reach = _band_reach(mask_function, kwargs["local_size"])
+        if mask is not None and reach is not None and tuple(mask.shape) == (batch_size, 1, q_length, kv_length):
+            # built here as the band |i - j| <= reach and the key padding: what `local="band"` may compute instead
+            # (a mask a caller made, which transformers passes through as it is, carries no such mark)
+            setattr(mask, _BAND_REACH, reach)
+        return mask
     if mask_function is not None and mask_function is not bidirectional_mask_function:
         # a causal, sliding-window or chunked mask: returning the padding alone would drop that pattern silently
         name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
@@ -249,6 +257,19 @@ def _symmetric(mask_function: Any, size: int = 12) -> bool:
     return bool(torch.equal(grid, grid.T))
 
 
+def _band_reach(mask_function: Any, reach: Any, extra: int = 2) -> int | None:
+    """``reach`` when ``mask_function`` is the band |i - j| <= reach on the first ``reach + extra`` positions
+    (checked from query 0 and from the last of them), else None."""
+    if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0:
+        return None
+    zero, idx = torch.zeros((), dtype=torch.long), torch.arange(reach + extra)
+    for q in (idx[:1], idx[-1:]):
+        got = torch.as_tensor(mask_function(zero, zero, q[:, None], idx[None, :])).reshape(-1)
+        if not torch.equal(got, (idx - q).abs() <= reach):
+            return None
+    return reach
+
+
 def _is_local(module: nn.Module) -> bool:
     """Whether an attention module attends within a sliding window (ModernBERT's local layers set ``sliding_window``;
     its full-attention layers and every other supported family leave it None or unset)."""
@@ -301,22 +322,22 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     rather than the O(N^2) of SDPA on the dense band mask, the same softmax over the same keys (equal to rounding).
     None where it does not run and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
     measured there: transformers' kernels stay), with gradients or attention dropout (the kernel is for inference),
-    a mask that is not the boolean (B, 1, N, N) one the mask function builds for these layers, or an argument that
-    changes the scores beside the window (a cap, sinks: the model's own function takes them into account)."""
-    if module.__dict__.get(_LOCAL) != "band" or query.device.type != "cpu":
-        return None
+    a mask other than the boolean (B, 1, N, N) band the mask function built and marked with its reach (a mask the
+    caller made, which transformers hands such a layer as it is; no mask, where the window covers every pair), or
+    an argument that changes the scores beside the window (a cap, sinks: the model's own function takes them into
+    account)."""
+    if module.__dict__.get(_LOCAL) != "band" or query.device.type != "cpu" or attention_mask is None:
+        return None  # (no mask: transformers skipped it, the window covering every pair; SDPA's own path is fast)
     from .attention import _band
 
     b, h, n, _ = query.shape
-    reach = _window_reach(module)
+    reach = getattr(attention_mask, _BAND_REACH, None)  # None: not the mask function's band (a caller's own mask)
     if reach is None or key.shape[1] != h or key.shape[2] != n or _score_changes(kwargs, but=("sliding_window",)):
         return None
-    key_mask = None
-    if attention_mask is not None:
-        if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, n, n):
-            return None
-        # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
-        key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, n, n):
+        return None
+    # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
+    key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
     if _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout) is not None:
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling

@@ -740,9 +740,12 @@ def test_whole_model_on_modernbert_patches_its_full_attention_layers(benchmark_s
         bench.parse_args(["--architecture", "modernbert-base", "--lengths", "16384"])
 
 
-def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(benchmark_script, tmp_path, monkeypatch):
+def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(
+    benchmark_script, tmp_path, monkeypatch, capsys
+):
     """``--local-band``: rows ``full+band`` and ``METHOD+band`` whose models run their sliding-window layers on the
-    banded kernel (``local="band"``), recorded as such; refused for MiniLM, which has no sliding-window layers."""
+    banded kernel (``local="band"``), recorded as such; refused for MiniLM, which has no sliding-window layers, and on a
+    GPU, where the kernel does not run."""
     import transformers
     from conftest import tiny_config
 
@@ -750,6 +753,10 @@ def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(benchm
     bench = benchmark_script("whole_model")
     with pytest.raises(SystemExit):
         bench.parse_args(["--local-band"])
+    monkeypatch.setattr(bench, "device_checked", lambda parser, args: args)  # (a GPU asked for: the kernel is CPU's)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--architecture", "modernbert-base", "--local-band", "--device", "cuda"])
+    assert "--local-band: approx's banded kernel runs on the CPU only" in capsys.readouterr().err
     # a tiny ModernBERT (with the token ids the benchmark draws, from 1000)
     monkeypatch.setattr(transformers, "ModernBertConfig", lambda: tiny_config("modernbert", vocab_size=1100))
     argv = ["--architecture", "modernbert-base", "--methods", "window", "--no-fallback", "--local-band"]

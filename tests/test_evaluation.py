@@ -166,7 +166,7 @@ def test_local_band_through_the_harness_and_the_cli(fixture_dir, tmp_path, monke
     assert full["metrics"] == full["reference_metrics"] and f["agreement"] == 1.0 and f["kl_divergence"] < 1e-9
     assert f["hidden_state_cosine"]["last"] == pytest.approx(1.0, abs=1e-5)
     assert full["local"] == lsh["local"] == "band" and "banded kernel (local='band')" in full["protocol"]
-    assert result_label(lsh) == "lsh:cluster_size=4,rounds=1+band[layers 0 of 2]"
+    assert result_label(lsh) == "lsh:cluster_size=4,rounds=1[layers 0 of 2] +band"
     assert f["cost"]["layers"] == {"patched": [0], "total": 2, "sliding_window": [1]}  # (the band is not a method's)
     model = approx.patch(AutoModelForSequenceClassification.from_pretrained(path), "full", local="band")
     approx.save(model, tmp_path / "full-band")
@@ -181,6 +181,10 @@ def test_local_band_through_the_harness_and_the_cli(fixture_dir, tmp_path, monke
     assert json.loads(out.read_text())["local"] == "band"
     with pytest.raises(ValueError, match=r"local='banded': choose one of 'model', 'band'"):
         _run("/nonexistent", "sst2", ["full"], fixture_dir, local="banded")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (asked for a GPU: refused before anything runs)
+    with pytest.raises(ValueError, match=r"local='band' \(for full\) runs approx's banded kernel on the CPU only"):
+        _run(path, "sst2", ["full"], fixture_dir, local="band", device="meta")
+    monkeypatch.undo()
     bert = str(write_checkpoint(tmp_path / "bert", "sequence-classification"))
     with pytest.raises(ValueError, match=r"local='band': BertForSequenceClassification has no sliding-window layers"):
         _run(bert, "sst2", ["full"], fixture_dir, local="band")

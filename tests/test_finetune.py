@@ -193,6 +193,20 @@ def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_
     assert any(not torch.equal(saved[n], drawn[n]) for n in saved)  # redrawn during training, and kept
 
 
+def test_finetuning_from_a_folder_keeps_its_sliding_window_layers_on_the_banded_kernel(fixture_dir, tmp_path):
+    """A folder saved with ``local="band"`` (ModernBERT) given as the method: the model trains (its window layers on their
+    own attention, as gradients need), is saved with ``local`` as the folder had it, and is evaluated so."""
+    from transformers import AutoModelForSequenceClassification
+
+    base = write_checkpoint(tmp_path / "base", "sequence-classification", family="modernbert")
+    model = approx.patch(AutoModelForSequenceClassification.from_pretrained(base), "full", local="band")
+    approx.save(model, tmp_path / "band")
+    rec = _run(str(base), fixture_dir, tmp_path / "f", method=str(tmp_path / "band"), max_steps=2, eval_split="dev/1")
+    assert json.loads((tmp_path / "f" / "approx_config.json").read_text())["local"] == "band"
+    (ev,) = rec["evaluation"]
+    assert ev["local"] == "band"
+
+
 @pytest.mark.parametrize("method", ["i-clustered:clusters=4,topk=8", "nystrom:landmarks=4"])
 def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path, method):
     """accelerate's bf16 mixed precision runs the model under torch.autocast, where improved clustered attention

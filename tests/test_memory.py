@@ -173,7 +173,7 @@ def test_the_fidelity_probe_does_not_count_in_a_methods_peak_memory():
 
     model = tiny_model("bert", num_attention_heads=4, hidden_size=32, max_position_embeddings=1024).eval()
     patch(model, "window", window=16)
-    layers = patched_layers(model)
+    layers = evaluation._MethodLayers(patched_layers(model))
     unpatch(model)
     run = evaluation._Run(model, "tiny", None, "", "", [], None, [], torch.device("cpu"), 0, {})
     inputs = {"input_ids": torch.randint(5, 99, (2, 1024)), "attention_mask": torch.ones(2, 1024, dtype=torch.long)}

@@ -337,14 +337,16 @@ def _count_band_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_local_band_computes_the_sliding_window_layers_own_attention(implementation, monkeypatch):
+@pytest.mark.parametrize("implementation, seq_len", [("sdpa", 40), ("eager", 40), ("sdpa", 150)])
+def test_local_band_computes_the_sliding_window_layers_own_attention(implementation, seq_len, monkeypatch):
     """``local="band"``: ModernBERT's sliding-window layer runs approx's banded kernel, and the model gives the unpatched
     model's outputs on every real token to rounding (padding after and before the real tokens, a window shorter than
-    them), with any method on the other layers as that method with the layer's own attention gives them, and the layer's
-    attention weights when asked; unpatch restores the model bit for bit."""
+    them; inputs within one of the kernel's blocks of 64 rows and over several), with any method on the other layers as
+    that method with the layer's own attention gives them, and the layer's attention weights when asked; a mask the
+    caller made (which transformers hands the layer as it is, without the window) runs the layer's own attention;
+    unpatch restores the model bit for bit."""
     calls = _count_band_calls(monkeypatch)
-    inputs = _left_and_right_padded()
+    inputs = _left_and_right_padded(seq_len)
     real = inputs["attention_mask"].bool()
     plain = tiny_model("modernbert")  # layer 0 full attention, layer 1 a window of 4 tokens on each side
     plain.set_attn_implementation(implementation)
@@ -365,6 +367,13 @@ def test_local_band_computes_the_sliding_window_layers_own_attention(implementat
         for row in range(3):
             keys = real[row]
             torch.testing.assert_close(weights[row][:, keys][..., keys], want_weights[row][:, keys][..., keys])
+        if implementation == "sdpa":  # (eager attention adds a boolean mask to its scores as numbers: not compared)
+            own_mask = {**inputs, "attention_mask": real[:, None, None, :].expand(3, 1, seq_len, seq_len).clone()}
+            unpatched = tiny_model("modernbert")
+            torch.testing.assert_close(
+                model_output(plain, **own_mask), model_output(unpatched, **own_mask), rtol=1e-6, atol=1e-6
+            )
+            assert calls[0] == 1  # (the caller's 4D mask: no window in it, so the layer ran its own attention)
         lsh_band = model_output(approx.patch(plain, "lsh", cluster_size=8, rounds=2), **inputs)  # local kept: band
         assert approx.local_mode(plain) == "band" and calls[0] == 2
         lsh_own = model_output(approx.patch(plain, "lsh", cluster_size=8, rounds=2, local="model"), **inputs)

@@ -94,6 +94,10 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
         merge_halves(halves, examples[::-1])
     with pytest.raises(ValueError, match="the same half given twice"):
         merge_halves([halves[0], halves[0]], [examples[0], examples[0]])
+    # halves whose sliding-window layers ran otherwise (approx.evaluate(local=...)) are not one evaluation
+    banded = [{**r, "local": "band"} for r in halves[1]]
+    with pytest.raises(ValueError, match=r"the halves differ in 'local': \[None, 'band'\]"):
+        merge_halves([halves[0], banded], examples)
     assert halves[0][0]["limit"] is None  # recorded with the other settings (None: the whole half)
 
 

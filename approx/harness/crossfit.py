@@ -68,7 +68,7 @@ def merge_halves(
         splits = [r.get("split") for r in per_method]
         if None not in splits and len(set(splits)) != len(splits):
             raise ValueError(f"the same half given twice: {splits}")
-        for key in ("task", "task_version", "mode", "max_length"):
+        for key in ("task", "task_version", "mode", "max_length", "local"):
             if len({json.dumps(r.get(key)) for r in per_method}) != 1:
                 raise ValueError(f"the halves differ in {key!r}: {[r.get(key) for r in per_method]}")
         task = get_task(first["task"])

@@ -584,14 +584,15 @@ def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
 def result_label(result: dict[str, Any]) -> str:
     """A result's label: its method's (:func:`~approx.harness.spec.short_label`), and the layers it patched when they
     are not all the model's (``favor[layers 4-5 of 6]``: a folder or patched layers of some layers only carry
-    their method's name, and two results of different models would read the same); ``+band`` when the model's
-    sliding-window layers ran on approx's banded kernel (``"local"``)."""
-    label = short_label(result["method"]) + ("+band" if result.get("local") == "band" else "")
+    their method's name, and two results of different models would read the same); `` +band`` at the end when the
+    model's sliding-window layers ran on approx's banded kernel (``"local"``)."""
+    label = short_label(result["method"])
+    band = " +band" if result.get("local") == "band" else ""
     layers = (result.get("fidelity", {}).get("cost") or {}).get("layers") or {}
     patched, total = layers.get("patched"), layers.get("total")
     if result["method"]["name"] == PER_LAYER or not patched or total is None or len(patched) == total:
-        return label
-    return f"{label}[layers {layer_spans(patched)} of {total}]"
+        return label + band
+    return f"{label}[layers {layer_spans(patched)} of {total}]{band}"
 
 
 def _say_if_exact(result: dict[str, Any]) -> None:
@@ -700,6 +701,12 @@ def evaluate(
                 f"device (got warmup={warmup}, device {run.device}; on CUDA peak_memory_mib is the allocator's peak)"
             )
         layers = _method_layers(run.model, setups, methods, run.device, local)
+        banded = [s.label for s, m in zip(setups, layers, strict=True) if m.local == "band"]
+        if banded and run.device.type != "cpu":  # the kernel would not run, and the results would say it had
+            raise ValueError(
+                f"local='band' (for {', '.join(banded)}) runs approx's banded kernel on the CPU only; on {run.device} "
+                "the sliding-window layers run their own attention: evaluate there with local='model'"
+            )
         order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
         batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
         labels = [short_label({"name": s.method, **s.config()}) for s in setups]

@@ -48,19 +48,21 @@ from ..integration import (
     checkpoint_heads,
     load_method_state,
     load_pretrained,
+    local_mode,
     own_attention_dropout,
     patch,
     patched_layers,
     record_redraw_seed,
     save,
     save_method_state,
+    saved_local,
     unpatch,
 )
 from ..integration import redraw as redraw_layers
 from ..positions import extend_positions, position_limit
 from ..registry import get_method
 from .evaluation import _collate
-from .spec import PER_LAYER, Setup, as_setup, layer_entries
+from .spec import PER_LAYER, Setup, as_setup, layer_entries, saved_folder
 from .tasks import Feature, Task, get_task
 from .tasks.base import splits_overlap
 
@@ -241,9 +243,14 @@ def _start(
     net, tokenizer = load_pretrained(model, task=head_name, progress=progress, **task.head_options(), **overrides)
     head = _head(net, model, head_name)
     if setup is not None and setup.method == PER_LAYER:  # a saved per-layer model (approx.autotune): layer by layer
+        # (and a folder's sliding-window layers as it ran them: trained on their own attention, saved as it was)
+        local = saved_local(origin) if isinstance(origin, (str, os.PathLike)) and saved_folder(origin) else None
         for entry in setup.options["layers"]:
             try:  # a folder's head or layer the model lacks: say which folder and layer
-                patch(net, entry["method"], layers=[entry["layer"]], on_heads=entry.get("heads"), **entry["config"])
+                patch(
+                    net, entry["method"], layers=[entry["layer"]], on_heads=entry.get("heads"), local=local,
+                    **entry["config"],
+                )  # fmt: skip
             except ValueError as e:  # "layer 7 does not exist ..." names its layer; a head's error does not
                 where = "" if str(e).startswith(f"layer {entry['layer']}") else f"layer {entry['layer']}: "
                 raise ValueError(f"{origin}: {where}{e}") from None
@@ -442,12 +449,14 @@ def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, 
     from .evaluation import evaluate
 
     layers = patched_layers(net)
+    local = local_mode(net) if layers else "model"  # (how its sliding-window layers ran, as saved)
     if layers:
         unpatch(net)
     cfg = tr.config
     return evaluate(
         net, task, [layers] if layers else ["full"], tokenizer=tr.tokenizer, split=eval_split, **data,
         max_length=cfg.max_length, batch_size=cfg.batch_size, seed=cfg.seed, progress=progress,
+        local=None if local == "model" else local,
     )  # fmt: skip
 
 
