@@ -378,14 +378,23 @@ def check_local(model: nn.Module, modules: list[nn.Module], local: str | None, w
 
 
 def _set_local(modules: list[nn.Module], local: str | None) -> None:
+    """Set ``local`` on the sliding-window modules (None: leave them); warn when ``band`` is set on layers that are
+    not on the CPU, where the kernel does not run."""
     if local is None:
         return
-    for m in modules:
-        if _is_local(m):
-            if local == "band":
-                m.__dict__[_LOCAL] = "band"
-            else:
-                m.__dict__.pop(_LOCAL, None)
+    windows = [m for m in modules if _is_local(m)]
+    for m in windows:
+        if local == "band":
+            m.__dict__[_LOCAL] = "band"
+        else:
+            m.__dict__.pop(_LOCAL, None)
+    elsewhere = sorted({str(_device(m)) for m in windows if _device(m).type != "cpu"})
+    if local == "band" and elsewhere:
+        warnings.warn(
+            f"approx: local='band' runs approx's banded kernel on the CPU only; the sliding-window layers on "
+            f"{', '.join(elsewhere)} run their own attention there (move the model to the CPU to use it)",
+            stacklevel=3,
+        )
 
 
 def local_layers(model: nn.Module) -> list[int]:

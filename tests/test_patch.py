@@ -407,7 +407,8 @@ def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(mo
 
 def test_local_band_is_refused_where_there_is_no_window_and_unknown_modes_list_the_known():
     """``local`` other than 'model' or 'band' is refused, listing both; 'band' on a model without sliding-window layers
-    is refused as such; either leaves the model as it was."""
+    is refused as such; either leaves the model as it was. 'band' on layers off the CPU, where the kernel does not run,
+    is said."""
     model = tiny_model("modernbert")
     with pytest.raises(ValueError, match=r"local='banded': choose one of 'model', 'band'"):
         approx.patch(model, "full", local="banded")
@@ -417,6 +418,10 @@ def test_local_band_is_refused_where_there_is_no_window_and_unknown_modes_list_t
         approx.patch(bert, "full", local="band")
     assert not approx.is_patched(bert)
     assert approx.local_mode(approx.patch(bert, "full", local="model")) == "model"
+    with pytest.warns(
+        UserWarning, match=r"runs approx's banded kernel on the CPU only; the sliding-window layers on meta"
+    ):
+        approx.patch(tiny_model("modernbert").to("meta"), "full", local="band")  # (a device the kernel does not run on)
     no_window = tiny_model("modernbert")
     no_window.layers[1].attn.config = types.SimpleNamespace()  # (a layer whose window approx cannot read)
     with pytest.raises(ValueError, match=r"the window of layers \[1\] of ModernBertModel cannot be read"):
