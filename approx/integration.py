@@ -88,6 +88,7 @@ LOCAL_MODES = ("model", "band")  # how a patched model's sliding-window layers r
 _BAND_BLOCK = 64  # query rows per block of the banded kernel for a local layer (speed only)
 # attribute of a sliding-window mask the mask function built (the band and the key padding): the band's reach
 _BAND_REACH = "_approx_band_reach"
+_BAND_CHECKED = "_approx_band_checked"  # ... and whether it was found to be that band (checked at first use)
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each, with every task head the
@@ -162,11 +163,11 @@ def _key_padding_mask(
         # bool or None (causal and chunked windows, which transformers asks for with a local size too, are refused)
         args = (batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
         mask = sdpa_mask(*args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
-        reach = _band_reach(mask_function, kwargs["local_size"])
-        if mask is not None and reach is not None and tuple(mask.shape) == (batch_size, 1, q_length, kv_length):
-            # built here as the band |i - j| <= reach and the key padding: what `local="band"` may compute instead
-            # (a mask a caller made, which transformers passes through as it is, carries no such mark)
-            setattr(mask, _BAND_REACH, reach)
+        if mask is not None:
+            # built here for a window of this reach: `local="band"` may compute it instead, once `_band_mask_reach`
+            # has checked that it is that band (a mask a caller made, which transformers passes through as it is,
+            # carries no such mark)
+            setattr(mask, _BAND_REACH, kwargs["local_size"])
         return mask
     if mask_function is not None and mask_function is not bidirectional_mask_function:
         # a causal, sliding-window or chunked mask: returning the padding alone would drop that pattern silently
@@ -257,17 +258,38 @@ def _symmetric(mask_function: Any, size: int = 12) -> bool:
     return bool(torch.equal(grid, grid.T))
 
 
-def _band_reach(mask_function: Any, reach: Any, extra: int = 2) -> int | None:
-    """``reach`` when ``mask_function`` is the band |i - j| <= reach on the first ``reach + extra`` positions
-    (checked from query 0 and from the last of them), else None."""
-    if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0:
+def _is_band(mask: torch.Tensor, reach: Any) -> bool:
+    """Whether ``mask`` (B, 1, N, N) bool is exactly the band |i - j| <= ``reach`` over the keys its diagonal marks
+    real (the pattern `local="band"` computes): every pair of the band is as its key says, and the mask holds no
+    other True (its count), so O(N w) comparisons and one count."""
+    if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0 or mask.dtype != torch.bool:
+        return False
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        return False
+    n = mask.shape[2]
+    m = mask[:, 0]
+    keys = m.diagonal(dim1=-2, dim2=-1)  # (B, N): key j real where query j may attend it
+    inside = 0
+    for off in range(-min(reach, n - 1), min(reach, n - 1) + 1):
+        pairs = m.diagonal(offset=off, dim1=-2, dim2=-1)  # (B, N - |off|): the pairs (i, i + off)
+        want = keys[:, off:] if off >= 0 else keys[:, : n + off]  # their keys j = i + off
+        if not torch.equal(pairs, want):
+            return False
+        inside += int(want.sum())
+    return int(m.count_nonzero()) == inside
+
+
+def _band_mask_reach(mask: torch.Tensor) -> int | None:
+    """The reach of a sliding-window mask the mask function built, once checked to be that band (:func:`_is_band`,
+    the answer kept on the mask: the model's sliding-window layers share it); None for any other mask."""
+    reach = getattr(mask, _BAND_REACH, None)
+    if reach is None:
         return None
-    zero, idx = torch.zeros((), dtype=torch.long), torch.arange(reach + extra)
-    for q in (idx[:1], idx[-1:]):
-        got = torch.as_tensor(mask_function(zero, zero, q[:, None], idx[None, :])).reshape(-1)
-        if not torch.equal(got, (idx - q).abs() <= reach):
-            return None
-    return reach
+    checked = getattr(mask, _BAND_CHECKED, None)
+    if checked is None:
+        checked = _is_band(mask, reach)
+        setattr(mask, _BAND_CHECKED, checked)
+    return reach if checked else None
 
 
 def _is_local(module: nn.Module) -> bool:
@@ -321,17 +343,26 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     """A ``local="band"`` layer's output (B, N, H, dv) by the banded kernel (:mod:`approx.attention._band`): O(N w)
     rather than the O(N^2) of SDPA on the dense band mask, the same softmax over the same keys (equal to rounding).
     None where it does not run and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
-    measured there: transformers' kernels stay), with gradients or attention dropout (the kernel is for inference),
+    measured there: transformers' kernels stay; a warning says so), a layer in training mode (even without
+    gradients: reentrant checkpointing runs the forward so, and its backward would recompute it otherwise), with
+    gradients or attention dropout (the kernel is for inference),
     a mask other than the boolean (B, 1, N, N) band the mask function built and marked with its reach (a mask the
     caller made, which transformers hands such a layer as it is; no mask, where the window covers every pair), or
     an argument that changes the scores beside the window (a cap, sinks: the model's own function takes them into
     account)."""
-    if module.__dict__.get(_LOCAL) != "band" or query.device.type != "cpu" or attention_mask is None:
+    if module.__dict__.get(_LOCAL) != "band" or module.training or attention_mask is None:
         return None  # (no mask: transformers skipped it, the window covering every pair; SDPA's own path is fast)
+    if query.device.type != "cpu":
+        warnings.warn(
+            f"approx: local='band' runs approx's banded kernel on the CPU only; the sliding-window layers on "
+            f"{query.device} run their own attention",
+            stacklevel=2,
+        )
+        return None
     from .attention import _band
 
     b, h, n, _ = query.shape
-    reach = getattr(attention_mask, _BAND_REACH, None)  # None: not the mask function's band (a caller's own mask)
+    reach = _band_mask_reach(attention_mask)  # None: not the mask function's band (e.g. a caller's own mask)
     if reach is None or key.shape[1] != h or key.shape[2] != n or _score_changes(kwargs, but=("sliding_window",)):
         return None
     if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, n, n):
@@ -611,8 +642,10 @@ def patch(
     ``local`` says how a model's sliding-window layers run (ModernBERT's local layers; see :func:`local_mode`):
     ``"model"``, their own attention as transformers runs it (bit for bit), or ``"band"``, the same window computed
     by approx's banded kernel in O(N w) time rather than SDPA's O(N^2) on a dense band mask (equal to rounding, not
-    to the bit; on the CPU in inference: with gradients, attention dropout or on a GPU they run their own
-    attention). None (the default) keeps what the model had (``"model"`` at first). Raises ``ValueError`` on an unknown method, option, layer or head and
+    to the bit; on the CPU in inference: in training mode, with gradients or on a GPU they run their own attention,
+    and so they do on a mask the caller made). None (the default) keeps what the model had (``"model"`` at first).
+
+    Raises ``ValueError`` on an unknown method, option, layer or head and
     :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on
     any error the model is left as it was.
     """

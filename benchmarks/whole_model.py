@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = device_checked(p, p.parse_args(argv))
     if args.local_band and args.architecture != "modernbert-base":
         p.error("--local-band: only --architecture modernbert-base has sliding-window layers")
-    if args.local_band and args.device != "cpu":  # (the +band rows would time the layers' own attention)
+    if args.local_band and torch.device(args.device).type != "cpu":  # (the +band rows would time their own attention)
         p.error("--local-band: approx's banded kernel runs on the CPU only")
     if args.architecture == "modernbert-base" and max(args.lengths) > MODERNBERT_POSITIONS:
         p.error(f"ModernBERT-base reads at most {MODERNBERT_POSITIONS} tokens (its config's max_position_embeddings)")

@@ -205,6 +205,12 @@ def test_finetuning_from_a_folder_keeps_its_sliding_window_layers_on_the_banded_
     assert json.loads((tmp_path / "f" / "approx_config.json").read_text())["local"] == "band"
     (ev,) = rec["evaluation"]
     assert ev["local"] == "band"
+    # trained on a GPU, where the kernel does not run: evaluated with the layers' own attention, and said
+    from approx.harness.finetune import _evaluation_local
+
+    assert _evaluation_local(model) == "band"
+    with pytest.warns(UserWarning, match=r"saved with local='band', and evaluated on meta, where approx's banded"):
+        assert _evaluation_local(model.to("meta")) == "model"
 
 
 @pytest.mark.parametrize("method", ["i-clustered:clusters=4,topk=8", "nystrom:landmarks=4"])

@@ -390,8 +390,8 @@ def test_local_band_computes_the_sliding_window_layers_own_attention(implementat
 
 
 def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(monkeypatch):
-    """The banded kernel is for inference: with gradients (and attention dropout in training) the sliding-window layer
-    runs its own attention, so the model trains exactly as the unpatched one, to the bit."""
+    """The banded kernel is for inference: in training (with gradients, attention dropout, or neither) the sliding-window
+    layer runs its own attention, so the model trains exactly as the unpatched one, to the bit."""
     calls = _count_band_calls(monkeypatch)
     inputs = batch(40, pad=11)
     for dropout in (0.0, 0.3):
@@ -403,6 +403,14 @@ def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(mo
         out = model_output(plain, **inputs)
         assert out.requires_grad and torch.equal(out, ref)
     assert calls[0] == 0
+    # training mode without gradients (reentrant checkpointing runs its first forward so): still the layer's own
+    plain = tiny_model("modernbert").train()
+    with torch.no_grad():
+        ref = model_output(plain, **inputs)
+        approx.patch(plain, "full", local="band")
+        assert torch.equal(model_output(plain, **inputs), ref) and calls[0] == 0
+        model_output(plain.eval(), **inputs)
+    assert calls[0] == 1
 
 
 def test_local_band_is_refused_where_there_is_no_window_and_unknown_modes_list_the_known():
@@ -471,15 +479,30 @@ def test_the_mask_of_a_sliding_window_layer_is_its_band_and_padding():
     mask of the window and the padding, for the layer's own attention: |i - j| <= w and key j real."""
     from transformers import masking_utils as mu
 
-    from approx.integration import _key_padding_mask
+    from approx.integration import _band_mask_reach, _key_padding_mask
 
-    padding = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8])
+    padding = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8]).bool()  # (as transformers hands it over)
     mask = _key_padding_mask(
         2, 8, 8, mask_function=mu.sliding_window_bidirectional_mask_function(2), attention_mask=padding, local_size=2
     )
     i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
     want = ((i - j).abs() <= 2)[None, None] & padding.bool()[:, None, None, :]
     assert mask.shape == (2, 1, 8, 8) and torch.equal(mask, want)
+    assert _band_mask_reach(mask) == 2  # marked and checked: `local="band"` may compute it
+    # a symmetric window that is not that band (cut at position 4) is served, but not marked for the banded kernel
+
+    def cut(batch_idx, head_idx, q_idx, kv_idx):
+        return ((q_idx - kv_idx).abs() <= 2) & (q_idx // 4 == kv_idx // 4)
+
+    mask = _key_padding_mask(2, 8, 8, mask_function=cut, attention_mask=padding, local_size=2)
+    want = (((i - j).abs() <= 2) & (i // 4 == j // 4))[None, None] & padding.bool()[:, None, None, :]
+    assert torch.equal(mask, want) and _band_mask_reach(mask) is None
+
+    def corners(batch_idx, head_idx, q_idx, kv_idx):  # the band and one more pair each way, far outside it
+        return ((q_idx - kv_idx).abs() <= 2) | ((q_idx - kv_idx).abs() == 7)
+
+    mask = _key_padding_mask(2, 8, 8, mask_function=corners, attention_mask=padding, local_size=2)
+    assert bool(mask[1, 0, 0, 7]) and _band_mask_reach(mask) is None
 
 
 def test_grouped_query_attention_is_expanded_as_transformers_does():

@@ -441,6 +441,21 @@ def _save_model(tr: _Training, output_dir: Path) -> torch.nn.Module:
     return net
 
 
+def _evaluation_local(net) -> str:
+    """How the fine-tuned model's sliding-window layers run in its evaluation: as saved (:func:`approx.local_mode`),
+    but their own attention off the CPU, where the banded kernel does not run (said; the saved folder keeps it)."""
+    local = local_mode(net)
+    device = next(net.parameters()).device
+    if local == "band" and device.type != "cpu":
+        warnings.warn(
+            f"approx: the fine-tuned model is saved with local='band', and evaluated on {device}, where approx's banded "
+            "kernel does not run, with its sliding-window layers' own attention (the same window, to rounding)",
+            stacklevel=3,
+        )
+        return "model"
+    return local
+
+
 def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, data: dict, progress: bool):
     """Save the final checkpoint (with the method's settings and state when patched) and evaluate it."""
     net = _save_model(tr, output_dir).eval()
@@ -449,7 +464,7 @@ def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, 
     from .evaluation import evaluate
 
     layers = patched_layers(net)
-    local = local_mode(net) if layers else "model"  # (how its sliding-window layers ran, as saved)
+    local = _evaluation_local(net) if layers else "model"
     if layers:
         unpatch(net)
     cfg = tr.config
