@@ -49,6 +49,7 @@ __all__ = [
     "attention_probe",
     "checkpoint_heads",
     "check_local",
+    "check_local_name",
     "is_patched",
     "load",
     "load_method_state",
@@ -385,13 +386,16 @@ def local_mode(model: nn.Module) -> str:
     return "band" if any(m.__dict__.get(_LOCAL) == "band" for m in modules) else "model"
 
 
+def check_local_name(local: Any, where: str = "local") -> None:
+    """Refuse a ``local`` that is neither None nor one of :data:`LOCAL_MODES`, listing them (``where``: what it is)."""
+    if local is not None and local not in LOCAL_MODES:
+        raise ValueError(f"{where}={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}")
+
+
 def check_local(model: nn.Module, modules: list[nn.Module], local: str | None, where: str = "local") -> None:
     """Refuse a ``local`` that is not one of :data:`LOCAL_MODES`, or ``"band"`` for a model without sliding-window
     layers whose window approx can read."""
-    if local is None:
-        return
-    if local not in LOCAL_MODES:
-        raise ValueError(f"{where}={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}")
+    check_local_name(local, where)
     if local != "band":
         return
     windows = [m for m in modules if _is_local(m)]
@@ -939,7 +943,8 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     first."""
     modules = attention_modules(model)
     layers = _saved_layers(model, modules, path)
-    local = saved.read_settings(path).get("local")
+    meta = saved.read_settings(path)
+    local = meta.get("local")
     check_local(model, modules, local, where=f"{Path(path) / saved.SETTINGS_FILE}: local")
     if is_patched(model):
         mine = ", ".join(f"{e['layer']} {e['method']}" for e in settings(model))
@@ -949,7 +954,7 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
         )
     _install(model, modules, layers)
     _set_local(modules, local)
-    record = saved.read_settings(path).get("tuning")
+    record = meta.get("tuning")
     if record is not None:
         set_tuning(model, record)
     return model
@@ -1053,10 +1058,7 @@ def saved_local(path: str | os.PathLike) -> str:
     """How the model saved in ``path`` ran its sliding-window layers (``"local"`` of its ``approx_config.json``;
     ``"model"`` when absent), one of :data:`LOCAL_MODES`: ``ValueError`` naming the file otherwise."""
     local = saved.read_settings(path).get("local", "model")
-    if local not in LOCAL_MODES:
-        raise ValueError(
-            f"{Path(path) / saved.SETTINGS_FILE}: local={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}"
-        )
+    check_local_name(local, where=f"{Path(path) / saved.SETTINGS_FILE}: local")
     return local
 
 

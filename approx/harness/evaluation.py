@@ -37,12 +37,12 @@ from tqdm.auto import tqdm
 
 from ..config import MethodConfig
 from ..integration import (
-    LOCAL_MODES,
     attach,
     attention_modules,
     attention_probe,
     attention_shape,
     check_local,
+    check_local_name,
     checkpoint_heads,
     is_patched,
     load_pretrained,
@@ -684,8 +684,7 @@ def evaluate(
     methods = _method_list(methods)
     setups = _setups(methods, seed, batch_size)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
-    if local is not None and local not in LOCAL_MODES:
-        raise ValueError(f"local={local!r}: choose one of {', '.join(map(repr, LOCAL_MODES))}")
+    check_local_name(local)
     max_length = task.default_max_length if max_length is None else max_length
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
