@@ -319,8 +319,9 @@ def _method_list(methods: Any) -> list:
     return [methods] if isinstance(methods, (str, os.PathLike, Setup, MethodConfig, dict)) else list(methods)
 
 
-def _setups(methods: Sequence, seed: int, batch_size: int) -> list[Setup]:
-    """The methods as setups, refusing what cannot run before anything is loaded."""
+def _setups(methods: Sequence, seed: int, batch_size: int, local: str | None = None) -> list[Setup]:
+    """The methods as setups, refusing what cannot run before anything is loaded (``local``: a mode's name)."""
+    check_local_name(local)
     if not methods:
         raise ValueError("name at least one method to compare with full attention (see `approx methods`)")
     if batch_size < 1:
@@ -471,7 +472,21 @@ def _method_layers(model, setups: list[Setup], methods: Sequence, device, local:
             unpatch(model)
         check_local(model, attention_modules(model), mode, where=f"{s.label}: local" if local is None else "local")
         layers.append(_MethodLayers(made, mode))
+    banded = [s.label for s, m in zip(setups, layers, strict=True) if m.local == "band"]
+    if banded and device.type != "cpu":  # the kernel would not run, and the results would say it had
+        raise ValueError(
+            f"local='band' (for {', '.join(banded)}) runs approx's banded kernel on the CPU only; on {device} the "
+            "sliding-window layers run their own attention: evaluate there with local='model'"
+        )
     return layers
+
+
+def _checked_max_length(task: Task, max_length: Any) -> int:
+    """The evaluation's length (the task's default for None), refused unless a positive int."""
+    max_length = task.default_max_length if max_length is None else max_length
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    return max_length
 
 
 def _results(
@@ -651,18 +666,13 @@ def evaluate(
 
     ``warmup``: every pass first run once, untimed, on the longest batch, so compilation is not timed (``"warmup"``).
     ``resamples`` (0: none), ``level``: each result's ``"intervals"`` (:func:`approx.harness.resampling.paired_interval`).
+    ``local``: the sliding-window layers' mode (:func:`approx.patch`; None: a folder's own); ``"band"``: CPU only.
 
     ``allocations`` (CPU only, with the warm-up): full attention and every method run once more on that longest
     batch, untimed, under torch's profiler, whose memory events give the CPU allocator's peak
     (``fidelity.allocated_peak_mib_per_input`` and its reference twin): what the forward pass holds at once, where
     the peak-RSS delta of ``peak_memory_mib`` reads 0 whenever the C allocator reuses memory it kept (CUDA: the
     allocator's peak). Under several processes each measures its own longest batch; the largest is kept.
-
-    ``local`` (a model with sliding-window layers, ModernBERT's): how those layers run under every method, as
-    :func:`approx.patch` takes it: ``"model"`` (their own attention) or ``"band"`` (approx's banded kernel: the same
-    window, equal to rounding, faster on long inputs on the CPU); None (the default): as a folder given as a method
-    records it, else ``"model"``. Full attention, the reference, is always the unpatched model. A result under
-    ``"band"`` says so (``"local"``, its ``protocol``).
 
     ``max_length`` (default: the task's): when the task's inputs are longer than the model's learned positions,
     the positions are extended for this evaluation (:func:`approx.extend_positions`; a model object passed in
@@ -682,12 +692,9 @@ def evaluate(
     state = PartialState(cpu=cpu)
     task = get_task(task) if isinstance(task, str) else task
     methods = _method_list(methods)
-    setups = _setups(methods, seed, batch_size)
+    setups = _setups(methods, seed, batch_size, local)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
-    check_local_name(local)
-    max_length = task.default_max_length if max_length is None else max_length
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    max_length = _checked_max_length(task, max_length)
     torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
         run = _prepare(
@@ -700,12 +707,6 @@ def evaluate(
                 f"device (got warmup={warmup}, device {run.device}; on CUDA peak_memory_mib is the allocator's peak)"
             )
         layers = _method_layers(run.model, setups, methods, run.device, local)
-        banded = [s.label for s, m in zip(setups, layers, strict=True) if m.local == "band"]
-        if banded and run.device.type != "cpu":  # the kernel would not run, and the results would say it had
-            raise ValueError(
-                f"local='band' (for {', '.join(banded)}) runs approx's banded kernel on the CPU only; on {run.device} "
-                "the sliding-window layers run their own attention: evaluate there with local='model'"
-            )
         order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
         batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]
         labels = [short_label({"name": s.method, **s.config()}) for s in setups]
