@@ -482,7 +482,9 @@ def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
                 "train without it (model.gradient_checkpointing_disable()), or with question_global=False"
             )
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-    question = question_positions(model, input_ids, kwargs.get("token_type_ids"), kwargs.get("attention_mask"))
+    padding = kwargs.get("attention_mask")  # (B, N); not a caller's own 4D mask, nor transformers 5's dict of them
+    padding = padding if isinstance(padding, torch.Tensor) and padding.dim() == 2 else None
+    question = question_positions(model, input_ids, kwargs.get("token_type_ids"), padding)
     stack = getattr(_QUESTION_TOKENS, "stack", None)
     if stack is None:
         stack = _QUESTION_TOKENS.stack = []

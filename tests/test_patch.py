@@ -413,6 +413,28 @@ def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(mo
     assert calls[0] == 1
 
 
+def test_a_dict_of_masks_per_layer_type_reads_as_the_unpatched_model_reads_it(monkeypatch):
+    """transformers 5 takes a dict of 4D masks per layer type as ``attention_mask`` (ModernBERT: ``full_attention`` and
+    ``sliding_attention``) and hands each layer its own: a patched model, ``band`` set, reads it the same (before,
+    the question hook took the dict for a padding mask and failed); the sliding layer, given a mask it did not build,
+    runs its own attention."""
+    calls = _count_band_calls(monkeypatch)
+    inputs = batch(40, pad=11)
+    real, i = inputs["attention_mask"].bool(), torch.arange(40)
+    masks = {
+        "full_attention": real[:, None, None, :].expand(2, 1, 40, 40).clone(),
+        "sliding_attention": (((i[:, None] - i[None, :]).abs() <= 4)[None, None] & real[:, None, None, :]).clone(),
+    }
+    model = tiny_model("modernbert")
+    with torch.no_grad():
+        ref = model_output(model, input_ids=inputs["input_ids"], attention_mask=masks)
+        torch.testing.assert_close(ref[real], model_output(model, **inputs)[real])  # (the dict is the model's masks)
+        approx.patch(model, "full", local="band")
+        got = model_output(model, input_ids=inputs["input_ids"], attention_mask=masks)
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-6, atol=1e-6)
+    assert calls[0] == 0
+
+
 def test_local_band_is_refused_where_there_is_no_window_and_unknown_modes_list_the_known():
     """``local`` other than 'model' or 'band' is refused, listing both; 'band' on a model without sliding-window layers
     is refused as such; either leaves the model as it was. 'band' on layers off the CPU, where the kernel does not run,
