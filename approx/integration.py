@@ -366,7 +366,7 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     reach = _band_mask_reach(attention_mask)  # None: not the mask function's band (e.g. a caller's own mask)
     if reach is None or key.shape[1] != h or key.shape[2] != n or _score_changes(kwargs, but=("sliding_window",)):
         return None
-    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (b, 1, n, n):
+    if tuple(attention_mask.shape) != (b, 1, n, n):  # (a checked band is boolean and square: this batch's, too?)
         return None
     # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
     key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
