@@ -589,6 +589,31 @@ def test_cost():
     assert short.qk_pairs == 40 * 40  # one cluster: every pair, found in the one round run
 
 
+@pytest.mark.parametrize("n, s, c", [(65, 65, 64), (100, 100, 16), (90, 90, 8), (50, 20, 8), (20, 50, 8), (45, 30, 64)])
+def test_cost_counts_the_pattern_pairs(n, s, c):
+    """One round's cost is the pairs of its pattern, a short last cluster included (N or S not a multiple of c): the
+    support of the dense weights, counted for every head (small scores, so no weight underflows to 0); more rounds
+    count each round's pairs (duplicates included), at least the union's."""
+    g = torch.Generator().manual_seed(5)
+    q = 0.1 * torch.randn(1, 2, n, D, generator=g, dtype=torch.float64)
+    k = 0.1 * torch.randn(1, 2, s, D, generator=g, dtype=torch.float64)
+    spec = get_method("lsh")
+    for rounds in (1, 3):
+        config = LshConfig(cluster_size=c, rounds=rounds)
+        state = spec.init_state(config, head_dim=D, seed=0)
+        w = spec.weights(q, k, key_mask=None, query_mask=None, scale=D**-0.5, config=config, state=state)
+        support = [int((w[0, h] > 0).sum()) for h in range(2)]
+        pairs = spec.cost(config, n=n, s=s, d=D, dv=D).qk_pairs
+        if rounds == 1 or c >= max(n, s):  # (c >= N, S: one round runs)
+            assert support == [pairs, pairs]
+        else:
+            assert (
+                max(support)
+                <= pairs
+                == rounds * spec.cost(LshConfig(cluster_size=c, rounds=1), n=n, s=s, d=D, dv=D).qk_pairs
+            )
+
+
 def test_one_cluster_runs_one_round_and_is_exact(monkeypatch):
     """A call whose padded length fits one cluster hashes and attends one round, whatever ``rounds`` says (the
     others would find the same pairs), and gives exact attention; one token longer, every round runs."""

@@ -120,13 +120,25 @@ def _first_rounds(config: LshConfig, state: dict[str, torch.Tensor], n: int, s: 
     return {**state, "directions": state["directions"][: _rounds(config, n, s)]}
 
 
+def pairs_per_round(c: int, n: int, s: int) -> int:
+    """The query-key pairs of one round: query cluster t (c queries, the last one N - (T_q - 1) c) against key cluster
+    min(t, T_k - 1) (c keys, the last one S - (T_k - 1) c), T = ceil(length / c) clusters: N c when c divides N = S."""
+    if n <= 0 or s <= 0:
+        return 0
+    tq, tk = -(-n // c), -(-s // c)
+    last_q, last_k = n - (tq - 1) * c, s - (tk - 1) * c
+    full = min(tq - 1, tk - 1)  # full query clusters against full key clusters
+    return full * c * c + (tq - 1 - full) * c * last_k + last_q * (c if tq - 1 < tk - 1 else last_k)
+
+
 def cost(config: LshConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    """rounds * N * min(c, S) pairs (duplicates included: they are computed), plus the hashing: the norms and
-    one projection per round of every query and key; one round when a cluster holds every token (:func:`_rounds`)."""
+    """rounds * :func:`pairs_per_round` pairs (about rounds * N * min(c, S); duplicates included: they are computed),
+    plus the hashing: the norms and one projection per round of every query and key; one round when a cluster holds
+    every token (:func:`_rounds`)."""
     if _fallback.exact_for_length(n, exact_below=config.exact_below):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     rounds = _rounds(config, n, s)
-    pairs = rounds * n * min(config.cluster_size, s)
+    pairs = rounds * pairs_per_round(config.cluster_size, n, s)
     hashing = 2 * (n + s) * d + 2 * (n + s) * rounds * (d + 2)
     return Cost(flops=2 * pairs * (d + dv) + hashing, qk_pairs=pairs, matmul_macs=pairs * (d + dv))
 
