@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import numbers
 import operator
 import typing
@@ -75,13 +76,18 @@ class MethodConfig:
         self.check()
 
     def _number(self, name: str, value: Any) -> float:
-        """A float option's value as a Python float: an int, a float or a NumPy / 0-d torch number; not a bool."""
+        """A float option's value as a Python float: an int, a float or a NumPy / 0-d torch number; not a bool, and
+        finite (NaN or infinity is refused: a saved model records its options in JSON, which has neither)."""
         scalar = isinstance(value, numbers.Real) or (hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0)
         if scalar and not isinstance(value, bool) and "bool" not in str(getattr(value, "dtype", type(value).__name__)):
             try:
-                return float(value)
+                number = float(value)
             except (TypeError, ValueError, OverflowError):
                 pass
+            else:
+                if math.isfinite(number):
+                    return number
+                raise ValueError(f"{self.method}: option {name!r} must be a finite number, got {value!r}")
         raise ValueError(f"{self.method}: option {name!r} must be a number, got {value!r}")
 
     def check(self) -> None:

@@ -79,6 +79,9 @@ _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
 _HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the question-mask hooks
 _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose its layers (written by save)
+# attribute on a patched model: the config object it was loaded with, which other models may share (two models made
+# from one config, AutoModel.from_config(model.config)); the patched model runs on its own copy (see `_own_config`)
+_SHARED_CONFIG = "_approx_shared_config"
 # attribute on every attention module of a model patched from eager attention: its family's eager function, which a
 # layer left unpatched runs again (eager attention's arithmetic differs from SDPA's in the last bits)
 _MODULE_ORIGINAL = "_approx_eager_attention"
@@ -688,6 +691,7 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     _register()
     model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):
+        _own_config(model)
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
         setattr(model, _ORIGINAL, original)
@@ -708,6 +712,38 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
     return model
+
+
+def _configs(config: Any) -> list[Any]:
+    """A transformers config and its sub-configs (``sub_configs``, at any depth), in a fixed order."""
+    found, queue = [], [config]
+    while queue:
+        c = queue.pop(0)
+        found.append(c)
+        queue.extend(sub for key in getattr(c, "sub_configs", {}) if (sub := getattr(c, key, None)) is not None)
+    return found
+
+
+def _repoint(model: nn.Module, pairs: list[tuple[Any, Any]]) -> None:
+    """Every attribute of ``model``'s modules that is the first config of a pair becomes the second."""
+    swap = {id(old): new for old, new in pairs}
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if id(value) in swap:
+                module.__dict__[name] = swap[id(value)]
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give the model (all its modules) a copy of its config before its attention implementation is set: the config
+    object may be shared with other models (transformers makes models from a config without copying it), which would
+    then run through approx too, and record it as their own implementation if patched (their `unpatch` could not give
+    theirs back). :func:`unpatch` puts the shared object back, never changed."""
+    import copy
+
+    shared = model.config
+    own = copy.deepcopy(shared)
+    _repoint(model, list(zip(_configs(shared), _configs(own), strict=True)))
+    model.__dict__[_SHARED_CONFIG] = shared
 
 
 def _keep_eager(modules: list[nn.Module]) -> None:
@@ -766,6 +802,9 @@ def unpatch(model: nn.Module) -> nn.Module:
         module.__dict__.pop(_MODULE_ORIGINAL, None)
         module.__dict__.pop(_LOCAL, None)
     model.__dict__.pop("set_attn_implementation", None)
+    shared = model.__dict__.pop(_SHARED_CONFIG, None)
+    if shared is not None:  # the config it was loaded with, as it was (a copy ran while patched: `_own_config`)
+        _repoint(model, list(zip(_configs(model.config), _configs(shared), strict=True)))
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
     for handle in getattr(model, _HOOKS, ()):
@@ -1040,17 +1079,29 @@ def load_pretrained(
 def attach(model: nn.Module, layers: dict[int, ApproxAttention], *, local: str | None = None) -> nn.Module:
     """Patch ``model`` with existing :class:`ApproxAttention` modules (e.g. taken from
     :func:`patched_layers` of an earlier patch), keeping their state (fitted or drawn) as it is; ``local`` as in
-    :func:`patch`."""
+    :func:`patch`. Each module takes the index of the layer it is attached to as its ``layer_index`` (what
+    :func:`approx.fit` and the harness's per-layer statistics file it under, and what its seed draws from in
+    :meth:`~approx.layer.ApproxAttention.redraw`); one module attached to two layers is refused."""
     modules = attention_modules(model)
     check_local(model, modules, local)
     select_layers(list(layers), len(modules))
     count = _num_heads(model)
+    seen: dict[int, int] = {}
     for i, layer in layers.items():
+        if id(layer) in seen:
+            raise ValueError(
+                f"one ApproxAttention attached to layers {seen[id(layer)]} and {i}: each layer needs its own (its "
+                "state and its statistics are per layer); make one per layer (copy.deepcopy(layer) keeps its state)"
+            )
+        seen[id(layer)] = i
         if getattr(layer, "heads", None) is not None:
             try:
                 check_heads(layer.heads, count)
             except ValueError as e:
                 raise ValueError(f"layer {i}: {e}") from None
+    layers = {(i + len(modules) if i < 0 else i): layer for i, layer in layers.items()}  # (-1: the last layer)
+    for i, layer in layers.items():
+        layer.layer_index = i
     _install(model, modules, layers)
     _set_local(modules, local)
     return model

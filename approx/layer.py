@@ -54,6 +54,15 @@ def _head_index(heads: list[int], device: torch.device) -> torch.Tensor:
     return index
 
 
+def _ordinary(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it that is an ordinary tensor where ``t`` was made under inference mode (which autograd
+    refuses to save for backward: a layer holding one could not be trained)."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
+
+
 def _pick(x: torch.Tensor, heads: list[int]) -> torch.Tensor:
     """``x[:, heads]`` (a copy, in the order given)."""
     return x.index_select(1, _head_index(heads, x.device))
@@ -221,7 +230,9 @@ class ApproxAttention(nn.Module):
         self.heads = self._checked_heads(heads)
         if self.method.init_state is not None:
             seed = layer_seed(getattr(config, "seed", 0), layer_index)
-            for name, tensor in self.method.init_state(config, head_dim=head_dim, seed=seed).items():
+            with torch.inference_mode(False):  # ordinary tensors, even when made under inference mode: a layer made
+                drawn = self.method.init_state(config, head_dim=head_dim, seed=seed)  # there (autotune's) still trains
+            for name, tensor in drawn.items():
                 self.register_buffer(name, tensor)
 
     def _apply(self, fn, recurse: bool = True):
@@ -270,10 +281,22 @@ class ApproxAttention(nn.Module):
         if set(state) != set(mine):
             raise ValueError(f"state of {self.method.name!r} has {sorted(mine)}, got {sorted(state)}")
         for name, tensor in state.items():
-            # an empty tensor is a placeholder of fitted state whose shape is known only once fitted
-            if tensor.shape != mine[name].shape and mine[name].numel() > 0:
-                raise ValueError(f"state {name!r}: expected shape {tuple(mine[name].shape)}, got {tuple(tensor.shape)}")
-            setattr(self, name, tensor.to(mine[name].device))
+            want = mine[name]
+            if want.numel() == 0 and want.dim() > 0 and want.shape[0] == 0:
+                # a placeholder of fitted state, (0, ...): one entry per head once fitted, the rest as the options say
+                # (Linformer's projections and length, Sparsefinder's projection size and clusters)
+                if tensor.dim() != want.dim() or tensor.shape[1:] != want.shape[1:]:
+                    raise ValueError(
+                        f"state {name!r}: expected shape (heads, {', '.join(map(str, want.shape[1:]))}) for these "
+                        f"options ({self.config}), got {tuple(tensor.shape)}"
+                    )
+            elif tensor.shape != want.shape:
+                raise ValueError(f"state {name!r}: expected shape {tuple(want.shape)}, got {tuple(tensor.shape)}")
+        made: dict[int, torch.Tensor] = {}  # a tensor two names share stays shared
+        for name, tensor in state.items():
+            if id(tensor) not in made:
+                made[id(tensor)] = _ordinary(tensor.to(mine[name].device))
+            setattr(self, name, made[id(tensor)])
 
     def seed_draws_state(self) -> bool:
         """Whether the state is what the config's ``seed`` option draws for this layer (:meth:`redraw`); True where
@@ -296,8 +319,10 @@ class ApproxAttention(nn.Module):
         if not self.drawn_state:
             return
         old = self.state()
-        for name, t in self.method.init_state(self.config, head_dim=self.head_dim, seed=seed).items():
-            setattr(self, name, t.to(device=old[name].device, dtype=old[name].dtype))
+        with torch.inference_mode(False):  # ordinary tensors (see __init__)
+            drawn = self.method.init_state(self.config, head_dim=self.head_dim, seed=seed)
+            for name, t in drawn.items():
+                setattr(self, name, t.to(device=old[name].device, dtype=old[name].dtype))
 
     def fit(self, samples: list, **options) -> None:
         """Learn the method's state from ``samples`` = [(q, k, key_mask, scale), ...] of this layer (the model's

@@ -616,6 +616,16 @@ def test_each_result_says_on_how_many_inputs_its_attention_was_exact(fixture_dir
     report = approx.markdown_report([every, some, none, favor])
     notes = [line for line in report.splitlines() if line.startswith("- `")]
     assert len(notes) == 2 and f"all {len(lengths) * layers}: its results are exact attention's" in notes[0]
+    # a layer patched with `full` (an autotuned model's exact layers) is exact by definition: not counted, so the
+    # share is the approximating layer's alone (counted, it had read as half the inputs being within the budget)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    approx.patch(model, "clustered", clusters=mid, layers=[0])
+    approx.patch(model, "full", layers=[1])
+    (mixed,) = _run(path, "rte", [approx.patched_layers(model)], fixture_dir, resamples=0, batch_size=3)
+    one = sum(n <= mid for n in lengths)
+    assert mixed["fidelity"]["exact_inputs"] == {"share": one / len(lengths), "matched": one, "measured": len(lengths)}
     assert notes[1].endswith(f": {expected} of {len(lengths) * layers} ({expected / (len(lengths) * layers):.1%})")
     # halves of a cross-fitted split add up; with a half written before the count existed, nothing is claimed
     from approx.harness.fidelity import add_sums

@@ -35,6 +35,7 @@ def test_finetune_learns_saves_and_evaluates(base_model, fixture_dir, tmp_path):
     assert model.config.id2label == {0: "entailment", 1: "not_entailment"}
     (ev,) = rec["evaluation"]
     assert ev["split"] == "dev/1" and ev["examples"] == 8 and ev["method"]["name"] == "full"
+    assert ev["model"] == str(tmp_path / "ft")  # the fine-tuned model, not the one it started from
     assert json.loads((tmp_path / "ft" / "finetune.json").read_text())["settings"]["steps"] == 40
     # the saved checkpoint gives the same metrics through the harness
     (again,) = approx.evaluate(
@@ -379,6 +380,7 @@ def test_cli_finetune_smoke(base_model, fixture_dir, tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "saved to" in out and "pearson" in out
+    assert f"`{base_model} fine-tuned ({tmp_path / 's'})`" in out  # the report's heading names the fine-tuned model
     assert (
         main(["finetune", "--task", "wikitext2", "--output-dir", str(tmp_path / "w"), "--data-dir", str(fixture_dir)])
         == 2

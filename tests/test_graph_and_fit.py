@@ -297,3 +297,43 @@ def test_linformers_fit_error_is_the_relative_output_error_over_the_real_queries
         out = layer(q, k, v, mask)[:, :, :length].double()
     exact = naive_attention(q, k, v, mask)[:, :, :length]
     assert error == pytest.approx(float((out - exact).square().sum() / exact.square().sum()), rel=1e-5)
+
+
+def test_attached_layers_are_filed_under_the_layer_they_are_attached_to():
+    """approx.fit files each layer's queries and keys under its ``layer_index``: layers built by hand (index 0 by
+    default) and attached at other layers take those layers' indices, so each is fitted on its own layer's queries
+    and keys, as the same layers made by approx.patch are (bit for bit); one layer object on two layers is refused."""
+    from conftest import batch
+
+    from approx import ApproxAttention
+    from approx.integration import attach
+
+    data = [batch(24, pad=3)]
+    made = approx.patch(tiny_model("bert"), "sparsefinder", grouping="distance")
+    approx.fit(made, data, progress=False, steps=3)
+    model = tiny_model("bert")
+    head_dim = approx.patched_layers(made)[0].head_dim
+    layers = {
+        i: ApproxAttention("sparsefinder", SparsefinderConfig(grouping="distance"), head_dim=head_dim) for i in (0, -1)
+    }
+    attach(model, layers)
+    count = len(approx.patched_layers(model))
+    assert sorted(approx.patched_layers(model)) == [0, count - 1] == [lyr.layer_index for lyr in layers.values()]
+    approx.unpatch(model)
+    attach(
+        model,
+        {
+            i: ApproxAttention("sparsefinder", SparsefinderConfig(grouping="distance"), head_dim=head_dim)
+            for i in range(count)
+        },
+    )
+    approx.fit(model, data, progress=False, steps=3)
+    mine, theirs = approx.patched_layers(model), approx.patched_layers(made)
+    for i in range(count):
+        for name, t in theirs[i].state().items():
+            assert torch.equal(mine[i].state()[name], t), (i, name)
+    approx.unpatch(model)
+    one = ApproxAttention("linear", head_dim=head_dim)
+    with pytest.raises(ValueError, match="attached to layers 0 and 1"):
+        attach(model, {0: one, 1: one})
+    assert not approx.is_patched(model)

@@ -103,3 +103,19 @@ def test_random_options_are_refused_by_name_or_give_finite_padding_free_outputs(
     atol = _padding_tolerance(config)
     for row, count in enumerate(real):
         torch.testing.assert_close(long[row, :, :count], short[row, :, :count], rtol=1e-6, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in METHODS if float in typing.get_type_hints(get_method(m).config_class).values()]
+)
+def test_float_options_refuse_nan_and_infinity_by_name(method):
+    """A saved model records its options in JSON, which has neither NaN nor infinity (approx writes them as null):
+    every float option refuses both, naming itself, rather than saving a folder that cannot be loaded back (a
+    Sparsefinder ``threshold`` of infinity was accepted, saved as null and refused by ``approx.load``)."""
+    cls = get_method(method).config_class
+    for name, hint in typing.get_type_hints(cls).items():
+        if hint is not float:
+            continue
+        for bad in (math.inf, -math.inf, math.nan):
+            with pytest.raises(ValueError, match=rf"option {name!r} must be a finite number"):
+                cls(**{name: bad})

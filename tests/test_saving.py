@@ -17,7 +17,7 @@ from conftest import batch, model_output, tiny_model
 from evalfixtures import vocab
 
 import approx
-from approx.integration import load_pretrained
+from approx.integration import load_pretrained, save_method_state
 from approx.saved import SETTINGS_FILE, STATE_FILE, layers_digest
 
 INPUTS = batch(48, pad=13)
@@ -103,6 +103,33 @@ def test_a_model_built_from_a_patched_models_config_leaves_the_patched_model_as_
     approx.unpatch(approx.patch(twin, "efficient"))
     assert model.config._attn_implementation == "approx" and approx.is_patched(model)
     assert torch.equal(model(**inputs).last_hidden_state, before)
+
+
+def test_models_made_from_one_config_are_patched_one_at_a_time():
+    """transformers makes models from a config without copying it: two models of one config object (BertModel(config)
+    twice, AutoModel.from_config(model.config)) shared their attention implementation, so patching one routed the
+    other through approx (an eager model's outputs moved by 2e-7), and that one, patched in turn, recorded approx as
+    its own implementation, which its unpatch then kept. A patched model now runs on its own copy of the config."""
+    from transformers import AutoModel, PretrainedConfig
+
+    model = tiny_model("bert").eval()
+    model.set_attn_implementation("eager")
+    inputs = batch(24, pad=5)
+    before = model(**inputs).last_hidden_state
+    shared = model.config
+    twin = AutoModel.from_config(model.config).eval()
+    assert twin.config is shared
+    approx.patch(twin, "favor", features=8)
+    assert model.config is shared and shared._attn_implementation == "eager" and not approx.is_patched(model)
+    assert torch.equal(model(**inputs).last_hidden_state, before)
+    configs = [m.config for m in twin.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    assert len(configs) > 1 and all(c is twin.config for c in configs)  # every module on the copy
+    approx.patch(model, "clustered", clusters=8)
+    approx.unpatch(model)
+    assert model.config is shared and shared._attn_implementation == "eager"
+    assert torch.equal(model(**inputs).last_hidden_state, before)
+    approx.unpatch(twin)
+    assert twin.config is shared
 
 
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):
@@ -592,3 +619,44 @@ def test_a_tokenizer_must_cover_at_least_nine_tenths_of_the_embeddings_and_no_mo
             check_vocabulary("m", tokens, embeddings)
     else:
         check_vocabulary("m", tokens, embeddings)
+
+
+def test_fitted_state_of_other_options_is_refused_where_it_is_loaded(tmp_path):
+    """An unfitted layer's placeholders know every dimension of its fitted state but the heads: Linformer's
+    projections fitted for 16 projections, loaded into a layer of 8, are refused (they were taken, and the layer then
+    computed with 16 while its settings said 8), through load_state_dict and through approx.load_method_state."""
+    data = [batch(24, pad=3)]
+    fitted = approx.patch(tiny_model("bert"), "linformer", mode="fitted", projections=16, length=64)
+    approx.fit(fitted, data, progress=False, steps=3)
+    other = approx.patch(tiny_model("bert"), "linformer", mode="fitted", projections=8, length=64)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"expected shape \(heads, 8(, 64)?\) for these options"):
+        other.load_state_dict(fitted.state_dict())
+    save_method_state(fitted, tmp_path)
+    with pytest.raises(ValueError, match=r"expected shape \(heads, 8(, 64)?\) for these options"):
+        approx.load_method_state(other, tmp_path)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k])
+    same = approx.patch(tiny_model("bert"), "linformer", mode="fitted", projections=16, length=64)
+    same.load_state_dict(fitted.state_dict())  # the same options: taken
+    torch.testing.assert_close(model_output(same, **data[0]), model_output(fitted, **data[0]), rtol=0, atol=0)
+
+
+def test_a_layer_made_under_inference_mode_still_trains():
+    """State drawn under torch.inference_mode (autotune measures its candidates there, and keeps the chosen ones)
+    is made of ordinary tensors: training the patched model afterwards works (Linformer's random projections, saved
+    for backward, failed with 'Inference tensors cannot be saved for backward')."""
+    model = tiny_model("bert")
+    with torch.inference_mode():
+        approx.patch(model, "linformer", mode="random", projections=4, length=32)
+        approx.redraw(model, seed=3)
+    assert not any(t.is_inference() for lyr in approx.patched_layers(model).values() for t in lyr.state().values())
+    model.train()
+    model_output(model, **batch(24, pad=3)).sum().backward()
+    tuned = tiny_model("bert")
+    data = [torch.randint(5, 99, (30,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    approx.autotune(tuned, data, budget=0.5, methods=["linformer:mode=random,projections=4,length=32"], batch_size=4,
+                    progress=False, uniform=False)  # fmt: skip
+    assert approx.is_patched(tuned)
+    tuned.train()
+    model_output(tuned, **batch(24, pad=3)).sum().backward()

@@ -14,7 +14,8 @@ The ``fidelity`` dict, per method:
   last layer's token cosines (the worst window on WikiText); ``pooled``, the mean over inputs of the cosine
   between the mean-pooled (over real tokens) last hidden states;
 * ``attention_relative_error``: per attention layer, ||O - O_exact|| / ||O_exact|| over real queries, where
-  O_exact is exact attention on the *same* queries, keys and values (``mean`` over layers);
+  O_exact is exact attention on the *same* queries, keys and values (``mean`` over the patched layers, a layer
+  patched with ``full``, as an autotuned model's exact layers are, included at 0; ``per_layer`` tells them apart);
 * ``cost``: attention FLOPs and query-key pairs from the method's cost model at each input's real length (and
   its data, where the cost depends on it: window's global question tokens, ``Method.costs``), and their ratio to
   full attention's, over the patched layers; and the literature's convention (the MonarchAttention paper's axis):
@@ -26,7 +27,8 @@ The ``fidelity`` dict, per method:
   a layer is neither softmax over the input nor a method);
 * ``fallback_rows``: query rows (over layers and heads) on which the method broke down and got exact attention
   instead (FAVOR+ rows whose normaliser underflows); 0 when it approximated everywhere, as it claims;
-* ``exact_inputs``: of the (patched layer call, input) pairs measured, those whose attention output equalled exact
+* ``exact_inputs``: of the (patched layer call, input) pairs measured (layers running ``full``, as an autotuned
+  model's exact layers do, left out), those whose attention output equalled exact
   attention's to the dtype's precision (relative error over the input's heads and real queries at most
   :func:`exact_tolerance`), and their ``share``: inputs within the method's budget (clustering with at least as many
   clusters as tokens, a window or a pattern covering every pair, BigBird's fallback on short inputs), a
@@ -130,11 +132,14 @@ class AttentionProbe:
             sums[i] = sums[i] + add if i in sums else add
         # per input, over heads and real queries: its output equal to exact attention's to the dtype's precision (an
         # input within the method's budget, a fallback, a pattern covering every pair), which results say
-        rows_diff, rows_ref = diff.sum((1, 2)), ref.sum((1, 2))
-        measured = rows_ref > 0
-        matched = measured & (rows_diff <= exact_tolerance(out.dtype) ** 2 * rows_ref)
-        self.exact_inputs[0] += int(matched.sum())
-        self.exact_inputs[1] += int(measured.sum())
+        # (not of a layer running `full`, exact by definition: an autotuned model's exact layers; counted, they had
+        # made an approximation's share look like inputs within its budget)
+        if layer.method.name != "full":
+            rows_diff, rows_ref = diff.sum((1, 2)), ref.sum((1, 2))
+            measured = rows_ref > 0
+            matched = measured & (rows_diff <= exact_tolerance(out.dtype) ** 2 * rows_ref)
+            self.exact_inputs[0] += int(matched.sum())
+            self.exact_inputs[1] += int(measured.sum())
         heads, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
         b, n = q.shape[0], k.shape[-2]
         # per row at its real length, summed over the heads (the method's and, with heads=, exact attention's on
