@@ -11,6 +11,7 @@ package imports transformers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -738,12 +739,25 @@ def _own_config(model: nn.Module) -> None:
     object may be shared with other models (transformers makes models from a config without copying it), which would
     then run through approx too, and record it as their own implementation if patched (their `unpatch` could not give
     theirs back). :func:`unpatch` puts the shared object back, never changed."""
-    import copy
-
     shared = model.config
     own = copy.deepcopy(shared)
     _repoint(model, list(zip(_configs(shared), _configs(own), strict=True)))
     model.__dict__[_SHARED_CONFIG] = shared
+
+
+def _carry_back(own: Any, shared: Any) -> None:
+    """Set on ``shared`` every attribute that ``own`` (its copy, :func:`_own_config`) holds otherwise, but the
+    attention implementation approx set there."""
+    theirs = vars(shared)
+    for key, value in vars(own).items():
+        if key == "_attn_implementation_internal":
+            continue
+        try:
+            same = key in theirs and bool(theirs[key] == value)
+        except Exception:  # a value without a plain equality: set it
+            same = False
+        if not same:
+            theirs[key] = value
 
 
 def _keep_eager(modules: list[nn.Module]) -> None:
@@ -803,8 +817,11 @@ def unpatch(model: nn.Module) -> nn.Module:
         module.__dict__.pop(_LOCAL, None)
     model.__dict__.pop("set_attn_implementation", None)
     shared = model.__dict__.pop(_SHARED_CONFIG, None)
-    if shared is not None:  # the config it was loaded with, as it was (a copy ran while patched: `_own_config`)
-        _repoint(model, list(zip(_configs(model.config), _configs(shared), strict=True)))
+    if shared is not None:  # the config it was loaded with (a copy ran while patched: `_own_config`)
+        pairs = list(zip(_configs(model.config), _configs(shared), strict=True))
+        for own, theirs in pairs:  # what was set on the copy meanwhile (approx.extend_positions, say), but approx's own
+            _carry_back(own, theirs)
+        _repoint(model, pairs)
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
     for handle in getattr(model, _HOOKS, ()):

@@ -130,6 +130,13 @@ def test_models_made_from_one_config_are_patched_one_at_a_time():
     assert torch.equal(model(**inputs).last_hidden_state, before)
     approx.unpatch(twin)
     assert twin.config is shared
+    # what was set on the copy while patched is carried back (here by approx.extend_positions), but the implementation
+    approx.patch(model, "favor", features=8)
+    approx.extend_positions(model, 2 * model.config.max_position_embeddings)
+    longer = model.config.max_position_embeddings
+    approx.unpatch(model)
+    assert model.config is shared and shared.max_position_embeddings == longer
+    assert shared._attn_implementation == "eager" and model.embeddings.position_embeddings.num_embeddings >= longer
 
 
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):

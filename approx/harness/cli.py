@@ -351,11 +351,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
             from .evaluation import markdown_report
 
             # the fine-tuned model, as its results name it (its folder), not the model it started from
-            print(
-                markdown_report(
-                    record["evaluation"], model_label=f"{label or args.model} fine-tuned ({args.output_dir})"
-                )
-            )
+            tuned = f"{label or args.model} fine-tuned ({args.output_dir})"
+            print(markdown_report(record["evaluation"], model_label=tuned))
         print(f"saved to {args.output_dir} ({len(record['losses'])} steps, last loss {record['losses'][-1]:.4f})")
     return 0
 

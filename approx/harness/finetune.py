@@ -461,9 +461,8 @@ def _save_and_evaluate(tr: _Training, task: Task, output_dir: Path, eval_split, 
     net = _save_model(tr, output_dir).eval()
     if eval_split is None:
         return None
-    net.name_or_path = str(
-        output_dir
-    )  # its results name the fine-tuned model (its folder), not the one it started from
+    # its results name the fine-tuned model (its folder), not the one it started from
+    net.name_or_path = str(output_dir)
     from .evaluation import evaluate
 
     layers = patched_layers(net)
