@@ -291,7 +291,13 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
     argv = ["eval", "--model", base_model, "--task", "wikitext2", "--method", str(out), "--limit", "2",
             "--max-length", "24", "--data-dir", str(fixture_dir), "--quiet"]  # fmt: skip
     assert main(argv) == 0
-    assert f"| {PER_LAYER}[" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert f"| {PER_LAYER}[" in captured.out and "holds a patched model's settings" not in captured.err
+    # the tuned folder as --model alone is read plain (the reference): said, since its saved method does not run
+    argv = ["eval", "--model", str(out), "--task", "wikitext2", "--method", "efficient", "--limit", "2",
+            "--max-length", "24", "--data-dir", str(fixture_dir), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    assert f"--model {out} holds a patched model's settings" in capsys.readouterr().err
 
 
 def test_cli_autotune_extends_positions_for_longer_inputs_and_records_it(tmp_path, base_model, fixture_dir):

@@ -30,7 +30,7 @@ from ..registry import get_method
 from ..saved import AUTOTUNE_RECORD, FIT_RECORD
 from .argcheck import Once, check_device, looks_like_path, set_threads
 from .flags import config_flags, config_values, eval_setups, method_flags, method_option_args, split_method_args
-from .spec import parse_setup
+from .spec import parse_setup, saved_folder
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _check_output(args.output)
     set_threads(args.threads)
     model, label = _model(args.model)
+    _say_if_saved_method_unused(args.model, args.setups)
     results = evaluate(
         model,
         task,
@@ -240,6 +241,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(markdown_report(results, model_label=label))
     _write_results(results, args.output)
     return 0
+
+
+def _say_if_saved_method_unused(model: str | None, setups: list) -> None:
+    """A note on stderr when ``--model`` is a folder approx.save wrote (a patched model's settings beside its weights)
+    that no ``--method`` names: the model is then read as a plain checkpoint, the unpatched reference of every method,
+    and its saved method does not run, which a user evaluating the folder may not expect."""
+    if model is None or not saved_folder(model):
+        return
+    folder = Path(model).resolve()
+    if any(isinstance(s, str) and Path(s).resolve() == folder for s in setups):
+        return
+    print(
+        f"approx eval: --model {model} holds a patched model's settings (approx_config.json); it is read as a plain "
+        f"checkpoint, the reference of every method, and its saved method does not run here: to evaluate that too, "
+        f"name the folder as a method as well (--method {model})",
+        file=sys.stderr,
+    )
 
 
 def _add_eval_parser(sub) -> None:
