@@ -738,25 +738,28 @@ def _own_config(model: nn.Module) -> None:
     """Give the model (all its modules) a copy of its config before its attention implementation is set: the config
     object may be shared with other models (transformers makes models from a config without copying it), which would
     then run through approx too, and record it as their own implementation if patched (their `unpatch` could not give
-    theirs back). :func:`unpatch` puts the shared object back, never changed."""
+    theirs back). :func:`unpatch` puts the shared object back, with what was set on the copy meanwhile
+    (:func:`_carry_back`). While patched, a reference to the config taken before patching no longer steers the
+    model: ``model.config`` does."""
     shared = model.config
     own = copy.deepcopy(shared)
     _repoint(model, list(zip(_configs(shared), _configs(own), strict=True)))
-    model.__dict__[_SHARED_CONFIG] = shared
+    model.__dict__[_SHARED_CONFIG] = (shared, copy.deepcopy(shared))  # (the object, as it was when patched)
 
 
-def _carry_back(own: Any, shared: Any) -> None:
-    """Set on ``shared`` every attribute that ``own`` (its copy, :func:`_own_config`) holds otherwise, but the
-    attention implementation approx set there."""
-    theirs = vars(shared)
+def _carry_back(own: Any, then: Any, shared: Any) -> None:
+    """Set on ``shared`` each attribute that its copy ``own`` (:func:`_own_config`) changed since ``then`` (the config
+    as it was when patched), but the attention implementation approx set there; what changed on ``shared`` itself
+    meanwhile (through another model sharing it) is kept."""
+    before, theirs = vars(then), vars(shared)
     for key, value in vars(own).items():
         if key == "_attn_implementation_internal":
             continue
         try:
-            same = key in theirs and bool(theirs[key] == value)
-        except Exception:  # a value without a plain equality: set it
-            same = False
-        if not same:
+            changed = key not in before or not bool(before[key] == value)
+        except Exception:  # a value without a plain equality: taken as changed
+            changed = True
+        if changed:
             theirs[key] = value
 
 
@@ -816,11 +819,12 @@ def unpatch(model: nn.Module) -> nn.Module:
         module.__dict__.pop(_MODULE_ORIGINAL, None)
         module.__dict__.pop(_LOCAL, None)
     model.__dict__.pop("set_attn_implementation", None)
-    shared = model.__dict__.pop(_SHARED_CONFIG, None)
-    if shared is not None:  # the config it was loaded with (a copy ran while patched: `_own_config`)
+    kept = model.__dict__.pop(_SHARED_CONFIG, None)
+    if kept is not None:  # the config it was loaded with (a copy ran while patched: `_own_config`)
+        shared, then = kept
         pairs = list(zip(_configs(model.config), _configs(shared), strict=True))
-        for own, theirs in pairs:  # what was set on the copy meanwhile (approx.extend_positions, say), but approx's own
-            _carry_back(own, theirs)
+        for (own, theirs), before in zip(pairs, _configs(then), strict=True):  # what was set on the copy meanwhile
+            _carry_back(own, before, theirs)  # (approx.extend_positions' length, say), but the implementation
         _repoint(model, pairs)
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
@@ -1102,8 +1106,10 @@ def attach(model: nn.Module, layers: dict[int, ApproxAttention], *, local: str |
     modules = attention_modules(model)
     check_local(model, modules, local)
     select_layers(list(layers), len(modules))
+    layers = {(i + len(modules) if i < 0 else i): layer for i, layer in layers.items()}  # (-1: the last layer)
     count = _num_heads(model)
-    seen: dict[int, int] = {}
+    # one module on two layers, in this call or with a layer it leaves attached, would file both under one index
+    seen = {id(layer): i for i, layer in patched_layers(model).items() if i not in layers}
     for i, layer in layers.items():
         if id(layer) in seen:
             raise ValueError(
@@ -1116,10 +1122,9 @@ def attach(model: nn.Module, layers: dict[int, ApproxAttention], *, local: str |
                 check_heads(layer.heads, count)
             except ValueError as e:
                 raise ValueError(f"layer {i}: {e}") from None
-    layers = {(i + len(modules) if i < 0 else i): layer for i, layer in layers.items()}  # (-1: the last layer)
+    _install(model, modules, layers)
     for i, layer in layers.items():
         layer.layer_index = i
-    _install(model, modules, layers)
     _set_local(modules, local)
     return model
 

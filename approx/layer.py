@@ -241,7 +241,8 @@ class ApproxAttention(nn.Module):
         model patched after the cast keeps them in float32, the precision they are drawn and fitted in; the methods
         compute in float32 for half inputs anyway). Casts to float64 apply."""
         before = {name: t for name, t in self._buffers.items() if t is not None and t.is_floating_point()}
-        super()._apply(fn, recurse)
+        with torch.inference_mode(False):  # moved under inference mode (approx.patch onto a GPU there): still ordinary
+            super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
             if new.dtype in (torch.float16, torch.bfloat16) and old.dtype not in (torch.float16, torch.bfloat16):

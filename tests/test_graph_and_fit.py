@@ -337,3 +337,8 @@ def test_attached_layers_are_filed_under_the_layer_they_are_attached_to():
     with pytest.raises(ValueError, match="attached to layers 0 and 1"):
         attach(model, {0: one, 1: one})
     assert not approx.is_patched(model)
+    attach(model, {0: one})
+    with pytest.raises(ValueError, match="attached to layers 0 and 1"):  # in two calls too
+        attach(model, {1: one})
+    assert list(approx.patched_layers(model)) == [0] and one.layer_index == 0
+    attach(model, {0: one})  # the same layer again where it is: fine

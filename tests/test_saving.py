@@ -137,6 +137,12 @@ def test_models_made_from_one_config_are_patched_one_at_a_time():
     approx.unpatch(model)
     assert model.config is shared and shared.max_position_embeddings == longer
     assert shared._attn_implementation == "eager" and model.embeddings.position_embeddings.num_embeddings >= longer
+    # ...and only what changed there: a change made meanwhile on the shared object itself, by a model sharing it, stays
+    approx.patch(model, "favor", features=8)
+    twin = AutoModel.from_config(shared)
+    approx.extend_positions(twin, 2 * longer)
+    approx.unpatch(model)
+    assert shared.max_position_embeddings == 2 * longer == twin.embeddings.position_embeddings.num_embeddings
 
 
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):
@@ -657,7 +663,9 @@ def test_a_layer_made_under_inference_mode_still_trains():
     with torch.inference_mode():
         approx.patch(model, "linformer", mode="random", projections=4, length=32)
         approx.redraw(model, seed=3)
+        moved = approx.ApproxAttention("linformer", approx.patched_layers(model)[0].config, head_dim=8).to("meta")
     assert not any(t.is_inference() for lyr in approx.patched_layers(model).values() for t in lyr.state().values())
+    assert not any(t.is_inference() for t in moved.state().values())  # moved there too (onto a GPU, say)
     model.train()
     model_output(model, **batch(24, pad=3)).sum().backward()
     tuned = tiny_model("bert")
