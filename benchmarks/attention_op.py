@@ -17,8 +17,8 @@ backward of ``out.sum()``), no mask:
   median is reported; ratio = median(sdpa) / median(method), > 1 means faster than SDPA.
 * peak memory: each (contender, N) runs once in a fresh subprocess; the first call's peak RSS minus the RSS
   before it (inputs already made, everything imported); for a method with a compiled kernel (the sparse patterns'
-  ``kernel`` option, FlexAttention; ``engine="compiled"``) one call compiles first and the second is measured
-  (``after_a_compiling_call``). On Linux the peak is ``VmHWM`` of /proc/self/status,
+  ``kernel`` option, FlexAttention; ``engine="compiled"``; lsh's ``engine="fused"``) one call compiles first and the
+  second is measured (``after_a_compiling_call``). On Linux the peak is ``VmHWM`` of /proc/self/status,
   reset through /proc/self/clear_refs, because ``ru_maxrss`` of a child inherits the parent's high-water
   mark across exec; elsewhere ``ru_maxrss`` is used. It is a peak-RSS delta, not an allocator count.
 * cost model: ``qk_pairs`` and ``flops`` from each method's ``spec.cost`` (N*N pairs for sdpa and eager).
@@ -420,10 +420,13 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
         torch.cuda.synchronize()
         extra = (torch.cuda.max_memory_allocated() - before) / 2**20
         return {"peak_extra_mib": extra, "rss_before_mib": before / 2**20, "counter": "cuda_max_memory_allocated"}
-    # a compiled kernel (the sparse patterns' FlexAttention, an engine="compiled" method) compiles on its first call:
-    # that call is made first, so that the compiler's memory is not counted as the attention's
+    # a compiled kernel (the sparse patterns' FlexAttention, an engine="compiled" method, lsh's engine="fused") is built
+    # on its first call: that call is made first, so that the compiler's memory is not counted as the attention's
     config = all_configs(args).get(contender)
-    warm = getattr(config, "kernel", "gather") != "gather" or getattr(config, "engine", "eager") == "compiled"
+    warm = getattr(config, "kernel", "gather") != "gather" or getattr(config, "engine", "eager") in (
+        "compiled",
+        "fused",
+    )
     if warm:
         call(fn, q, k, v, args.backward)
     if _reset_peak():

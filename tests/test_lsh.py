@@ -82,16 +82,37 @@ def real_rows(x, mask):
     return x.masked_fill(~mask[:, None, :, None], 0.0)
 
 
-@pytest.fixture(params=["inference", "autograd"])
-def path(request, monkeypatch):
-    """Which of LSH's two eager paths a test runs: the inference one (``_lshrounds``: no gradient, reused buffers) or
-    the differentiable loop (inputs that require gradients; see :func:`run`). Checks afterwards that it ran."""
-    from approx.attention import _lshrounds
+def fused_kernel():
+    """LSH's fused C++ kernel, built (once per machine); the test is skipped, saying why, where it cannot be built
+    (no C++ compiler or ninja)."""
+    from approx.attention import _lshfused
 
-    calls, real = [], _lshrounds.attend
-    monkeypatch.setattr(_lshrounds, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    yield request.param
-    assert bool(calls) == (request.param == "inference"), f"the {request.param} path did not run"
+    try:
+        return _lshfused.build()
+    except RuntimeError as err:
+        pytest.skip(f"LSH's fused kernel cannot be built here: {err}")
+
+
+@pytest.fixture(params=["inference", "autograd", "fused"])
+def path(request, monkeypatch):
+    """Which of LSH's three paths a test runs: the eager engine's inference one (``_lshrounds``: no gradient, reused
+    buffers), the differentiable loop (inputs that require gradients; see :func:`run`), or the fused engine's C++
+    kernel (``_lshfused``: every call of the layer made with ``engine="fused"``). Checks afterwards that it ran and
+    that the others did not."""
+    from approx.attention import _lshfused, _lshrounds
+    from approx.attention import lsh as lsh_module
+
+    if request.param == "fused":
+        fused_kernel()
+        rounds = lsh_module.attend_rounds
+        monkeypatch.setattr(lsh_module, "attend_rounds", lambda *a, **kw: rounds(*a, **{**kw, "engine": "fused"}))
+    calls = {"inference": [], "fused": []}
+    for name, module in (("inference", _lshrounds), ("fused", _lshfused)):
+        real = module.attend
+        monkeypatch.setattr(module, "attend", lambda *a, _f=real, _c=calls[name], **kw: _c.append(1) or _f(*a, **kw))
+    yield "inference" if request.param == "fused" else request.param  # the kernel runs where the inference path would
+    for name, made in calls.items():
+        assert bool(made) == (request.param == name), f"{name}: {len(made)} calls on the {request.param} path"
 
 
 def run(fn, path, q, k, v, *rest, **kw):
@@ -511,6 +532,120 @@ def test_compiled_engine_exact_limit_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"d{name}")
     with pytest.raises(ValueError, match="'eager', 'compiled'"):
         LshConfig(engine="fast")
+
+
+# ---------------------------------------------------------------------------------------------- fused engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_engine_gives_the_eager_output(dtype):
+    """engine="fused" (the C++ kernel) against the eager engine's inference path, a separate implementation: float32,
+    float16 and bfloat16 (computed in float32), strided inputs laid out as a model passes them, padding, rows shorter
+    than a cluster, more queries than keys and fewer (float32: a rounding apart; half precision: at most a rounding of
+    the half type, the two sum in different orders). Half inputs give the float32 output of the same values, cast."""
+    from approx.attention import _lshfused
+
+    fused_kernel()
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 70, 3, H, D, generator=g).to(dtype)  # (B, N, 3, H, d): q, k, v are strided views
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    spec = get_method("lsh")
+    state = spec.init_state(LshConfig(cluster_size=8, rounds=3), head_dim=D, seed=0)
+    for queries, keys, real_last in ((70, 70, 51), (70, 70, 6), (70, 37, 30), (20, 70, 51)):
+        key_mask = torch.ones(2, keys, dtype=torch.bool)
+        key_mask[1, real_last:] = False
+        qq, kk, vv = q[:, :, :queries], k[:, :, :keys], v[:, :, :keys]
+        out = {}
+        for engine in ("eager", "fused"):
+            config = LshConfig(cluster_size=8, rounds=3, engine=engine)
+            kw = dict(key_mask=key_mask, query_mask=None, scale=D**-0.5, config=config, state=state)
+            with torch.no_grad():
+                out[engine] = spec.attend(qq, kk, vv, **kw)
+                if engine == "fused" and dtype != torch.float32:
+                    single = spec.attend(qq.float(), kk.float(), vv.float(), **kw)
+                    assert out[engine].dtype == dtype and torch.equal(out[engine], single.to(dtype))
+        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+        torch.testing.assert_close(out["fused"], out["eager"], **tol)
+    assert _lshfused.build.cache_info().currsize == 1
+
+
+def test_fused_engine_runs_the_eager_paths_where_its_kernel_does_not(monkeypatch):
+    """With a gradient to track, attention dropout, or off the CPU (the meta device stands in for a GPU, with a
+    warning), engine="fused" runs what engine="eager" runs: the differentiable loop, same gradients; the kernel only
+    in CPU inference, and only while the key clusters' numbers are exact in the compute dtype."""
+    from approx.attention import _lshfused
+
+    fused_kernel()
+    calls, real = [], _lshfused.attend
+    monkeypatch.setattr(_lshfused, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    mask = padded_mask(60, 43)
+    grads = {}
+    for engine in ("eager", "fused"):
+        x = [t.clone().requires_grad_() for t in inputs(n=60)]
+        out = lsh(cluster_size=8, rounds=3, engine=engine)(*x, mask)
+        (real_rows(out, mask) * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+        grads[engine] = [t.grad for t in x]
+    assert calls == []
+    for name, a, b in zip("qkv", grads["fused"], grads["eager"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{name}")
+    x = inputs(n=60)
+    assert _lshfused.usable(*x, dropout=0.0, clusters=8) and not _lshfused.usable(*x, dropout=0.1, clusters=8)
+    assert _lshfused.usable(*(t.float() for t in x), dropout=0.0, clusters=2**24)
+    assert not _lshfused.usable(*(t.float() for t in x), dropout=0.0, clusters=2**24 + 1)
+    assert _lshfused.usable(*x, dropout=0.0, clusters=2**24 + 1)  # float64 holds them
+    spec, config = get_method("lsh"), LshConfig(cluster_size=8, rounds=3, engine="fused")
+    state = {name: t.to("meta") for name, t in spec.init_state(config, head_dim=D, seed=0).items()}
+    kw = dict(key_mask=mask.to("meta"), query_mask=mask.to("meta"), scale=D**-0.5, config=config, state=state)
+    with torch.no_grad(), pytest.warns(UserWarning, match="on meta it runs what engine='eager' runs"):
+        with pytest.raises(RuntimeError, match="meta tensors"):  # the eager loop reads values, which meta has not
+            spec.attend(*(t.to("meta") for t in x), **kw)
+    assert calls == []
+    with torch.no_grad():
+        lsh(cluster_size=8, rounds=3, engine="fused")(*x, mask)
+    assert calls == [1]
+
+
+def test_fused_engine_says_why_it_cannot_build(monkeypatch):
+    """A failed build (no compiler, no ninja, a compile error) is an error naming the engine, the cause and the way
+    out, raised on the call that asked for the kernel; nothing falls back unsaid."""
+    from torch.utils import cpp_extension
+
+    from approx.attention import _lshfused
+
+    def broken(**kw):
+        raise OSError("no C++ compiler found (g++)")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    _lshfused.build.cache_clear()
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"engine='fused' could not build .*no C\+\+ compiler"):
+            lsh(cluster_size=8, rounds=2, engine="fused")(*inputs(n=40), None)
+    finally:
+        _lshfused.build.cache_clear()
+    with pytest.raises(ValueError, match="'eager', 'compiled', 'fused'"):
+        LshConfig(engine="fast")
+
+
+def test_fused_engine_through_a_patched_model():
+    """approx.patch(model, "lsh", engine="fused") on a BERT with a padded row: the eager engine's outputs (a rounding
+    apart), and the kernel ran in every layer."""
+    from approx.attention import _lshfused
+
+    fused_kernel()
+    inputs_ = batch(seq_len=48, pad=13)
+    with torch.no_grad():
+        eager = model_output(approx.patch(tiny_model("bert"), "lsh", cluster_size=8, rounds=3), **inputs_)
+        model = approx.patch(tiny_model("bert"), "lsh", cluster_size=8, rounds=3, engine="fused")
+        real = _lshfused.attend
+        calls = []
+        _lshfused.attend = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        try:
+            fused = model_output(model, **inputs_)
+        finally:
+            _lshfused.attend = real
+    assert len(calls) == model.config.num_hidden_layers
+    keep = inputs_["attention_mask"].bool()[..., None].expand_as(fused)
+    torch.testing.assert_close(fused[keep], eager[keep], rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- recall (stats)

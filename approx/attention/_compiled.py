@@ -54,8 +54,10 @@ def engine_option(meaning: str | None = None) -> Any:
     )
 
 
-def check_engine(config) -> None:
-    config.require(config.engine in ENGINES, "engine", f"one of {', '.join(map(repr, ENGINES))}")
+def check_engine(config, extra: tuple[str, ...] = ()) -> None:
+    """The ``engine`` option is one of :data:`ENGINES` or of a method's ``extra`` engines (lsh's ``"fused"``)."""
+    engines = ENGINES + extra
+    config.require(config.engine in engines, "engine", f"one of {', '.join(map(repr, engines))}")
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:

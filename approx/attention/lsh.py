@@ -70,7 +70,7 @@ import torch
 
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
-from . import _blocksparse, _compiled, _fallback, _lshrounds
+from . import _blocksparse, _compiled, _fallback, _lshfused, _lshrounds
 from ._blocksparse import Pattern
 from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
 
@@ -88,7 +88,10 @@ class LshConfig(MethodConfig):
     seed: int = option(0, "seed of the random hash directions (one per round, shared by the heads)")
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     engine: str = _compiled.engine_option(
-        "'eager': plain PyTorch, operator by operator; 'compiled': each round's masking, softmax and sums fused by "
+        "'eager': plain PyTorch, operator by operator; 'fused': CPU inference on a C++ kernel, one pass per query "
+        "cluster (built on first use: a C++ compiler and ninja, about half a minute, then cached on disk; the fastest "
+        "on the CPU, see the docs' Speed page; with a gradient, attention dropout or off the CPU it runs what "
+        "'eager' runs); 'compiled': each round's masking, softmax and sums fused by "
         "torch.compile around the two batched products (on the CPU slower than eager inference at every length "
         "measured, 1024 to 16384 tokens, "
         "see the docs' Speed page; the first call compiles, seconds; attention dropout and inputs "
@@ -96,7 +99,7 @@ class LshConfig(MethodConfig):
     )
 
     def check(self) -> None:
-        _compiled.check_engine(self)
+        _compiled.check_engine(self, extra=("fused",))
         self.require(self.cluster_size >= 1, "cluster_size", "at least one token per cluster")
         self.require(self.rounds >= 1, "rounds", "at least one hashing round")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
@@ -346,6 +349,12 @@ def attend_rounds(
     ``engine="compiled"``: each chunk through :func:`round_blocks` compiled (eager under attention dropout)."""
     from ._blocksparse import merge
 
+    if engine == "fused":
+        if _lshfused.usable(q, k, v, dropout=dropout, clusters=-(-k.shape[2] // hashed.block)):
+            return _lshfused.attend(q, k, v, hashed, key_mask=key_mask, scale=scale)
+        if q.device.type != "cpu":
+            _lshfused.warn_off_cpu(q.device)
+        engine = "eager"  # a gradient, attention dropout, another device: what the eager engine runs
     if engine == "eager" and _lshrounds.usable(q, k, v, dropout=dropout):
         return _lshrounds.attend(q, k, v, hashed, key_mask=key_mask, scale=scale)
     t = _lshrounds.tables(q, k, v, hashed, safe_key_mask(key_mask))  # the flat tables, shared with the inference path
@@ -456,7 +465,7 @@ def lsh_attention(
     def approximate() -> torch.Tensor:
         hashed = hash_and_sort(q, k, key_mask, query_mask, config, _first_rounds(config, state, n, k.shape[2]))
         # rows shorter than a cluster make the block as long as they are: a shape per length, not worth compiling
-        engine = config.engine if hashed.block == config.cluster_size else "eager"
+        engine = config.engine if hashed.block == config.cluster_size or config.engine == "fused" else "eager"
         return attend_rounds(q, k, v, hashed, key_mask=key_mask, scale=scale, dropout=dropout, engine=engine)
 
     return _fallback.with_fallback(
