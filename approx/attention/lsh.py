@@ -56,7 +56,11 @@ every round of a group of (batch, head) rows before the next group, each round m
 through the inverse of its sort, the pairs of earlier rounds dropped by float arithmetic on the cluster numbers
 (1.35x faster than this loop at N = 4096, 1.68x at 16384, side by side, one-off, before the last two changes, which
 made it another 1.17-1.34x and 1.06-1.12x faster). ``weights()`` and the graph statistics build the union of
-the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * N * c pairs plus the hashing.
+the rounds as one dense pattern (:mod:`._blocksparse`). Cost: rounds * :func:`pairs_per_round` (about N c) pairs plus the hashing.
+``engine="fused"`` runs CPU inference (no gradient, no dropout) on a C++ kernel instead (:mod:`._lshfused`,
+``csrc/lsh_rounds.cpp``, built on first use): per (batch, head) row, round and query cluster, the gathers, the two
+products (BLAS), the masking and softmax in vector registers and the merge into the running rows, with the cluster's
+data in cache; elsewhere it runs what the eager engine runs.
 ``engine="compiled"`` runs each round's masking and softmax (:func:`round_blocks`) through torch.compile, 32 query
 blocks per call over one static shape (on the CPU slower than the eager inference path at every length measured;
 the docs' Speed page); rows shorter than a cluster, whose block is as long as they are, stay eager.
