@@ -26,6 +26,29 @@ def layer(kernel="band", **options):
     return ApproxAttention("bigbird", BigBirdConfig(kernel=kernel, full_fallback=False, **options), head_dim=D)
 
 
+def fused_calls(monkeypatch, build: bool = True) -> list:
+    """The calls of the C++ kernel to come, counted. ``build``: the test is skipped, saying why, where the kernel cannot
+    be built, and the dense route for short inputs is turned off ("fused" runs what "auto" runs, which takes it)."""
+    if build:
+        try:
+            _blockband.build_fused()
+        except RuntimeError as err:
+            pytest.skip(f"the block-band C++ kernel cannot be built here: {err}")
+        monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
+    calls, real = [], _blockband._fused_row
+    monkeypatch.setattr(_blockband, "_fused_row", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.fixture(params=["band", "fused"])
+def kernel(request, monkeypatch):
+    """The block-band kernel in plain torch (``kernel="band"``) or in C++ (``kernel="fused"``, see
+    :func:`fused_calls`); checks afterwards that the C++ kernel ran exactly when asked for."""
+    calls = fused_calls(monkeypatch, build=request.param == "fused")
+    yield request.param
+    assert bool(calls) == (request.param == "fused"), f"{len(calls)} C++ calls with kernel={request.param!r}"
+
+
 def definition(lyr, q, k, v, mask, block, r):
     rand = [drawn(lyr, math.ceil(int(m.sum()) / block), r) for m in mask]
     return masked_attention(q.double(), k.double(), v.double(), reference_mask(mask, block, rand))
@@ -55,10 +78,10 @@ def end_mask(n, real):
         (6, 2, 90, 90, "spread"),  # both rows without padding, n off the block grid
     ],
 )
-def test_matches_the_definition(block, r, n, real, layout):
+def test_matches_the_definition(block, r, n, real, layout, kernel):
     q, k, v = qkv(n)
     mask = (end_mask if layout == "end" else spread_mask)(n, real)
-    lyr = layer(block=block, random_blocks=r)
+    lyr = layer(kernel, block=block, random_blocks=r)
     ref = definition(lyr, q, k, v, mask, block, r)
     with torch.no_grad():
         out = lyr(q, k, v, mask)
@@ -85,12 +108,13 @@ def test_both_row_layouts_run(monkeypatch):
     torch.testing.assert_close(out[1, :, :62], ref[1, :, :62], rtol=1e-12, atol=1e-12)
 
 
-def test_poisoned_padding_never_reaches_a_real_row():
+@pytest.mark.parametrize("spread", [True, False])
+def test_poisoned_padding_never_reaches_a_real_row(kernel, spread):
     q, k, v = qkv(80, seed=3)
-    mask = spread_mask(80, 61, seed=3)
+    mask = spread_mask(80, 61, seed=3) if spread else end_mask(80, 61)
     kp, vp = k.clone(), v.clone()
     kp[1, :, ~mask[1]], vp[1, :, ~mask[1]] = float("inf"), float("nan")
-    lyr = layer(block=8, random_blocks=2)
+    lyr = layer(kernel, block=8, random_blocks=2)
     with torch.no_grad():
         out = lyr(q, kp, vp, mask)
     real_q = mask[:, None, :, None].expand_as(out)
@@ -118,27 +142,27 @@ def test_chunks_give_the_whole_answer(monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_strided_inputs_agree_with_the_gather_kernel():
+def test_strided_inputs_agree_with_the_gather_kernel(kernel):
     """q, k, v as a model passes them (views of one (B, N, 3, H, d) projection), float32: the gather kernel's output."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(B, 256, 3, H, D, generator=g)
     q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
     mask = end_mask(256, 200)
     with torch.no_grad():
-        band = layer(block=16, random_blocks=3)(q, k, v, mask)
+        band = layer(kernel, block=16, random_blocks=3)(q, k, v, mask)
         gather = layer("gather", block=16, random_blocks=3)(q, k, v, mask)
     # padded queries too: both attend the global blocks' keys only
     torch.testing.assert_close(band, gather, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype):
+def test_half_precision(dtype, kernel):
     """Half-precision inputs, computed in float32: at most twice the gather kernel's error against the float64
     definition (plus one rounding step of the output dtype)."""
     q, k, v = qkv(96, seed=7, dtype=dtype)
     mask = end_mask(96, 77)
     with torch.no_grad():
-        out = layer(block=8, random_blocks=2)(q, k, v, mask)
+        out = layer(kernel, block=8, random_blocks=2)(q, k, v, mask)
         gather = layer("gather", block=8, random_blocks=2)(q, k, v, mask)
     assert out.dtype == dtype
     ref = definition(layer(block=8, random_blocks=2), q, k, v, mask, 8, 2)
@@ -168,6 +192,69 @@ def test_auto_takes_it_for_inference_only(monkeypatch):
     definition(lyr, *r, full, 4, 1).sum().backward()
     for mine, theirs in zip((q, k, v), r, strict=True):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_fused_runs_what_auto_runs_where_its_kernel_does_not(monkeypatch):
+    """kernel='fused' with gradients: no C++ call, the gather kernel as under 'auto' (the same output and gradients
+    to the bit); off the CPU a warning (the meta device stands in for a GPU) before what 'auto' runs there."""
+    monkeypatch.setattr(_dense, "DENSE_KEYS_PER_ROW", 0)
+    calls = fused_calls(monkeypatch, build=False)
+    full = torch.ones(B, 60, dtype=torch.bool)
+    grads, outs = {}, {}
+    for kernel in ("auto", "fused"):
+        x = [t.clone().requires_grad_() for t in qkv(60, seed=8)]
+        outs[kernel] = layer(kernel, block=4, random_blocks=1)(*x, full)
+        outs[kernel].sum().backward()
+        grads[kernel] = [t.grad for t in x]
+    assert calls == []
+    torch.testing.assert_close(outs["fused"], outs["auto"], rtol=0, atol=0)
+    for a, b in zip(grads["fused"], grads["auto"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    pattern = _blocksparse.Pattern(4, torch.zeros(1, 1, 15, 3, dtype=torch.long, device="meta"), neighbours=1)
+    q, k, v = (t.to("meta") for t in qkv(60))
+    with pytest.warns(UserWarning, match="kernel='fused' runs its C\\+\\+ kernel on the CPU only; on meta"):
+        try:
+            _blocksparse.attend(q, k, v, pattern, key_mask=None, scale=D**-0.5, kernel="fused")
+        except (RuntimeError, NotImplementedError):
+            pass  # what 'auto' runs may read values, which meta has not: the warning came first
+    assert calls == []
+
+
+def test_fused_says_why_it_cannot_build(monkeypatch):
+    """A failed build is an error naming the option, the cause and the plain-torch way out; the options list
+    'fused' among the kernels."""
+    from torch.utils import cpp_extension
+
+    def broken(**kw):
+        raise OSError("no C++ compiler found (g++)")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(_blockband, "_FUSED", None)
+    monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"bigbird: kernel='fused' could not build .*no C\+\+"):
+        layer("fused", block=4, random_blocks=1)(*qkv(60))
+    with pytest.raises(ValueError, match="auto, gather, flex, band, fused"):
+        BigBirdConfig(kernel="fast")
+
+
+def test_fused_through_a_patched_model(monkeypatch):
+    """approx.patch(model, "bigbird", kernel="fused") on a BERT with a padded row: the plain-torch block-band kernel's
+    outputs (a rounding apart), and the C++ kernel ran in every layer."""
+    from conftest import batch, model_output, tiny_model
+
+    import approx
+
+    calls = fused_calls(monkeypatch)
+    inputs = batch(seq_len=96, pad=21)
+    opts = dict(block=8, random_blocks=2, full_fallback=False)
+    with torch.no_grad():
+        band = model_output(approx.patch(tiny_model("bert"), "bigbird", kernel="band", **opts), **inputs)
+        assert calls == []
+        model = approx.patch(tiny_model("bert"), "bigbird", kernel="fused", **opts)
+        fused = model_output(model, **inputs)
+    assert len(calls) == B * model.config.num_hidden_layers  # a call per batch row and layer
+    keep = inputs["attention_mask"].bool()[..., None].expand_as(fused)
+    torch.testing.assert_close(fused[keep], band[keep], rtol=1e-4, atol=1e-5)
 
 
 def test_declines_with_a_reason():

@@ -177,11 +177,13 @@ def _row_tables(pattern, bi: int, order, real, *, valid, dt, device) -> _Row:
     )
 
 
-def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float, fused: bool = False) -> torch.Tensor:
     """Softmax attention of q (B, H, N, d) to k, v on ``pattern``'s pairs (a pattern with ``neighbours``; call
     :func:`unusable` first), among the real keys (``key_mask`` (B, N), None: all): (B, H, N, dv) in the compute
     dtype (float32 for half inputs), a view of a (B, N, H, dv) tensor (the layout the attention layer returns).
-    ``key_mask`` must be :func:`._common.safe_key_mask`'s (no row without a real key)."""
+    ``key_mask`` must be :func:`._common.safe_key_mask`'s (no row without a real key). ``fused``: each batch row's
+    query blocks run on the C++ kernel (:func:`_fused_row`, ``csrc/block_band.cpp``) rather than in chunks of plain
+    torch; the rest (the row's tables, padded and global queries) is the same."""
     dt = compute_dtype(q.dtype)
     b, h, n, d = q.shape
     dv, dev = v.shape[-1], q.device
@@ -204,6 +206,9 @@ def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float) -> 
             pad = (~real[bi]).nonzero().squeeze(-1)
             out[bi, pad] = 0.0 if row.shared is None else _dense(q, k, v, bi, pad, row.shared, scale, dt)
         (lo, hi), g = row.span, 0 if row.shared is None else row.shared.numel()
+        if fused:
+            _fused_row(q, k, v, out, bi, row, order, prefix, length, scale=scale, block=blk, neighbours=a, dt=dt)
+            hi = lo  # the query blocks are done
         # K, V viewed in place: in order, in whole real blocks (a partial one would read padding, which may hold
         # anything), in the compute dtype, and every window of the run inside them; else copied per head
         direct = prefix and k.dtype == v.dtype == dt and length % blk == 0 and lo >= a and (hi + a) * blk <= length
@@ -263,6 +268,59 @@ def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float) -> 
             if glob.numel():  # dense rows to every real key
                 out[bi, glob] = _dense(q, k, v, bi, glob, slice(0, length) if prefix else order, scale, dt)
     return out.transpose(1, 2)
+
+
+def build_fused():
+    """The C++ kernel of ``kernel="fused"`` (:func:`._cpp.load`): ``RuntimeError`` when it cannot be built."""
+    global _FUSED
+    if _FUSED is None:
+        from . import _cpp
+
+        _FUSED = _cpp.load("block_band", asked="bigbird: kernel='fused'", instead="kernel='auto' (the default)")
+    return _FUSED
+
+
+_FUSED = None
+
+
+def _fused_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: int, *, scale, block, neighbours, dt):
+    """Batch row ``bi``'s query blocks [lo, hi) of every head on the C++ kernel, written into ``out`` (B, N, H, dv):
+    the same scores, biases, softmax and products as :func:`_chunk`, a (head, query block) per task."""
+    kernel = build_fused()
+    (lo, hi), blk, a = row.span, block, neighbours
+    if hi <= lo:
+        return
+    h, dv = q.shape[1], v.shape[-1]
+    blocks = -(-length // blk)
+    # K, V read in place where every window of the run lies inside the real tokens, already in order, in whole blocks
+    direct = prefix and k.dtype == v.dtype == dt and length % blk == 0 and lo >= a and (hi + a) * blk <= length
+    if direct:
+        kk, vv, offset = k[bi], v[bi], 0
+    else:  # the row's tokens in order between a blocks of zeros at each end
+        kk, vv = (torch.zeros(h, (blocks + 2 * a) * blk, x.shape[-1], dtype=dt, device=x.device) for x in (k, v))
+        for buf, x in ((kk, k[bi]), (vv, v[bi])):
+            buf[:, a * blk : a * blk + length] = x[:, :length] if prefix else x[:, order]
+        offset = a * blk
+    if prefix and q.dtype == dt and hi * blk <= length:
+        qq = q[bi]
+    else:
+        qq = torch.zeros(h, blocks * blk, q.shape[-1], dtype=dt, device=q.device)
+        qq[:, :length] = q[bi, :, :length] if prefix else q[bi][:, order]
+    if row.shared is None:
+        ks, vs = kk[:, :0], vv[:, :0]
+    else:
+        ks, vs = k[bi][:, row.shared].to(dt), v[bi][:, row.shared].to(dt)
+    heads = max(row.near_bias.shape[0], row.listed_bias.shape[0], row.ids.shape[0])
+    bias = torch.cat([row.near_bias.expand(heads, -1, -1), row.listed_bias.expand(heads, -1, -1)], -1).contiguous()
+    ids = row.ids.expand(heads, -1, -1).long().contiguous()
+    rows = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (qq, kk, vv, ks, vs))
+    if prefix:  # straight into the output's rows, those of the real tokens
+        kernel.attend(*rows, ids, bias, out[bi].transpose(0, 1), lo, hi, a, blk, offset, length, float(scale))
+    else:  # in the pattern's order, then to each token's own row
+        tmp = torch.empty(h, blocks * blk, dv, dtype=dt, device=q.device)
+        kernel.attend(*rows, ids, bias, tmp, lo, hi, a, blk, offset, length, float(scale))
+        r0, r1 = lo * blk, min(length, hi * blk)
+        out[bi].index_copy_(0, order[r0:r1], tmp[:, r0:r1].transpose(0, 1))
 
 
 def _gather_listed(stack, ids: torch.Tensor, buf: _Scratch):

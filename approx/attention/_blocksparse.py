@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -67,19 +68,21 @@ __all__ = [
 # the kernels that run a pattern (the sparse-pattern methods' ``kernel`` option): see :func:`attend`
 KERNELS = ("auto", "gather", "flex")
 BAND = "band"  # the banded kernels: contiguous windows (:mod:`._band`), neighbouring blocks (:mod:`._blockband`)
+FUSED = "fused"  # "auto" with the block-band kernel's C++ form (neighbouring blocks: bigbird) in CPU inference
 
 
-def kernel_option(*, band: str | None = None) -> Any:
+def kernel_option(*, band: str | None = None, fused: str | None = None) -> Any:
     """The ``kernel`` option of a sparse-pattern method's config (check it with :func:`check_kernel`); ``band``: what
     the banded kernel does for the method (its pattern is a contiguous band, ``window``, run by :mod:`._band`, or
-    neighbouring blocks, ``bigbird``, run by :mod:`._blockband`), None: it has none."""
+    neighbouring blocks, ``bigbird``, run by :mod:`._blockband`), None: it has none; ``fused``: what ``"fused"``
+    does for it (bigbird's), None: it has no such choice."""
     if band:
         return option(
             "auto",
             f"'band': {band}; 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the "
             "CPU: inference only, float32/16); 'auto': in CPU inference on short inputs SDPA over the pattern's "
             "dense mask, else band on the CPU where it can run the call, else flex on long inputs where it can, "
-            "else gather (same output to rounding)",
+            "else gather (same output to rounding)" + (f"; 'fused': {fused}" if fused else ""),
         )
     return option(
         "auto",
@@ -89,8 +92,8 @@ def kernel_option(*, band: str | None = None) -> Any:
     )
 
 
-def check_kernel(config, *, band: bool = False) -> None:
-    kernels = KERNELS + ((BAND,) if band else ())
+def check_kernel(config, *, band: bool = False, fused: bool = False) -> None:
+    kernels = KERNELS + ((BAND,) if band else ()) + ((FUSED,) if fused else ())
     config.require(config.kernel in kernels, "kernel", f"choose one of {', '.join(kernels)}")
 
 
@@ -325,13 +328,23 @@ def attend(
     a ``pattern.band``, the block-band kernel, :mod:`._blockband`, for ``pattern.neighbours``; an error when it
     cannot run the call) or ``"auto"`` (in CPU inference on short inputs SDPA over the pattern's dense mask, see
     :func:`._dense.try_dense`; on the CPU the banded kernels where they can run the call; else flex where
-    it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather)."""
+    it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather); ``"fused"``: what
+    ``"auto"`` runs, with the block-band kernel's C++ form (``_blockband.attend(fused=True)``) in its place where it
+    runs (off the CPU, with a warning)."""
+    fused = kernel == FUSED
+    if fused:
+        kernel = "auto"
+        if q.device.type != "cpu":
+            warnings.warn(
+                f"approx: kernel='fused' runs its C++ kernel on the CPU only; on {q.device} it runs what 'auto' runs",
+                stacklevel=3,
+            )
     how = dict(key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel)
     from . import _dense
 
     done = _dense.try_dense(q, k, v, pattern, **how)
     if done is None:
-        done = _try_band(q, k, v, pattern, **how)
+        done = _try_band(q, k, v, pattern, **how, fused=fused)
     if done is None:
         done = _try_flex(q, k, v, pattern, **how)
     if done is not None:
@@ -400,17 +413,21 @@ def attend(
     return (out, lse) if with_lse else out.to(out_dtype)  # to combine: in the compute dtype
 
 
-def _try_band(q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, kernel) -> torch.Tensor | None:
+def _try_band(
+    q, k, v, pattern: Pattern, *, key_mask, scale, dropout, with_lse, kernel, fused: bool = False
+) -> torch.Tensor | None:
     """The banded kernels' output when ``kernel`` asks for them (``"band"``, or ``"auto"`` on the CPU for a band or
-    neighbouring blocks) and they can run the call; None to go on; an error for ``"band"`` when they cannot."""
+    neighbouring blocks) and they can run the call; None to go on; an error for ``"band"`` when they cannot.
+    ``fused``: neighbouring blocks on the block-band kernel's C++ form."""
     banded = pattern.band is not None or pattern.neighbours is not None
     if not (kernel == BAND or (kernel == "auto" and q.device.type == "cpu" and banded)):
         return None
     key_mask = safe_key_mask(key_mask)
     why = _band_unusable(q, k, v, pattern, key_mask=key_mask, dropout=dropout, with_lse=with_lse)
     if why is None:
-        attend_band = _attend_band if pattern.band is not None else _attend_blockband
-        return attend_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
+        if pattern.band is not None:
+            return _attend_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
+        return _attend_blockband(q, k, v, pattern, key_mask=key_mask, scale=scale, fused=fused)
     if kernel == BAND:
         raise RuntimeError(f"kernel='band' cannot run this call: {why}")
     return None
@@ -462,11 +479,12 @@ def _attend_band(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.
     return out.to(out_dtype)
 
 
-def _attend_blockband(q, k, v, pattern: Pattern, *, key_mask, scale: float) -> torch.Tensor:
-    """The block-band kernel (:mod:`._blockband`) on a pattern with ``neighbours``, in v's dtype."""
+def _attend_blockband(q, k, v, pattern: Pattern, *, key_mask, scale: float, fused: bool = False) -> torch.Tensor:
+    """The block-band kernel (:mod:`._blockband`; ``fused``: its C++ form) on a pattern with ``neighbours``, in v's
+    dtype."""
     from . import _blockband
 
-    return _blockband.attend(q, k, v, pattern, key_mask=key_mask, scale=scale).to(v.dtype)
+    return _blockband.attend(q, k, v, pattern, key_mask=key_mask, scale=scale, fused=fused).to(v.dtype)
 
 
 def _band_unusable(q, k, v, pattern: Pattern, *, key_mask, dropout: float, with_lse: bool) -> str | None:

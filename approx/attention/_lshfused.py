@@ -9,10 +9,9 @@ call (torch.profiler, N = 4096, 4 rounds of 128, 2 threads), and held ``lsh`` at
 buffers, scored by one BLAS product, masked and exponentiated in vector registers, multiplied by the values, and
 merged into the running rows through their maxima and sums (the flash-attention form of the log-sum-exp merge).
 
-It is built on first use by :func:`torch.utils.cpp_extension.load` (a C++ compiler and ``ninja``; about half a minute,
-then cached on disk under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for the vector
-instructions torch uses on this CPU (``torch.backends.cpu.get_cpu_capability()``). A build that fails raises an error
-saying so: the caller asked for this engine, and ``engine="eager"`` computes the same in plain torch.
+It is built on first use (:mod:`._cpp`: a C++ compiler and ``ninja``, about half a minute, then cached on disk). A
+build that fails raises an error saying so: the caller asked for this engine, and ``engine="eager"`` computes the same
+in plain torch.
 
 The kernel runs where :func:`usable` says (the CPU, no gradient, no attention dropout, cluster numbers exact in the
 compute dtype); elsewhere ``engine="fused"`` runs the eager engine's paths, as documented on the option. Half
@@ -23,31 +22,15 @@ from the papers' definition in float64, and against the eager engine in float32.
 from __future__ import annotations
 
 import functools
-import hashlib
-import sys
 import warnings
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from . import _cpp
 from ._common import compute_dtype, safe_key_mask, zero_padded_values
 
-__all__ = ["SOURCE", "attend", "build", "usable", "warn_off_cpu"]
-
-SOURCE = Path(__file__).with_name("csrc") / "lsh_rounds.cpp"
-
-# The vector instructions at::vec is compiled for, per torch's CPU capability (the flags torch builds its own kernels
-# with); a capability not listed gets at::vec's portable code
-_CAPABILITY_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
-
-
-def _capability() -> str:
-    cap = torch.backends.cpu.get_cpu_capability()
-    return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
+__all__ = ["attend", "build", "usable", "warn_off_cpu"]
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, clusters: int) -> bool:
@@ -69,43 +52,8 @@ def warn_off_cpu(device: torch.device) -> None:
 
 @functools.cache
 def build() -> ModuleType:
-    """The compiled kernel (built once per process, and on disk once per machine, torch version and capability).
-    ``RuntimeError`` when it cannot be built, naming why."""
-    from torch.utils import cpp_extension
-
-    cap = _capability()
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-    flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_CAPABILITY_FLAGS.get(cap, [])]
-    name = f"approx_lsh_rounds_{cap.lower()}_{digest}"
-    if not _built(name):
-        print(
-            f"approx: building LSH's fused kernel for {cap} (once per machine and torch version, about half a minute)",
-            file=sys.stderr,
-        )
-    try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as err:  # a missing compiler or ninja, a failed compilation or link: all say the same to the user
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RuntimeError(
-            f"lsh: engine='fused' could not build its C++ kernel ({type(err).__name__}: {first}); it needs a C++ "
-            "compiler and ninja (pip install ninja). engine='eager' (the default) computes the same in plain torch"
-        ) from err
-
-
-def _built(name: str) -> bool:
-    """Whether torch's extension folder already holds the kernel (then loading it takes a moment, not a build)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: its absence only costs the notice
-
-        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
-    except Exception:
-        return False
+    """The compiled kernel (:func:`._cpp.load`): ``RuntimeError`` when it cannot be built, naming why."""
+    return _cpp.load("lsh_rounds", asked="lsh: engine='fused'", instead="engine='eager' (the default)")
 
 
 def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:

@@ -88,7 +88,10 @@ class BigBirdConfig(MethodConfig):
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     kernel: str = _blocksparse.kernel_option(
         band="approx's block-band kernel (the sliding blocks as strided views of K and V, the random blocks gathered "
-        "a chunk at a time; inference only)"
+        "a chunk at a time; inference only)",
+        fused="what 'auto' runs, with the block-band kernel in C++ where it runs (CPU inference; built on first use: "
+        "a C++ compiler and ninja, about half a minute, then cached on disk; the fastest on the CPU, see the docs' "
+        "Speed page)",
     )
 
     def check(self) -> None:
@@ -96,7 +99,7 @@ class BigBirdConfig(MethodConfig):
         self.require(self.random_blocks >= 0, "random_blocks", "0 (sliding and global blocks only) or more")
         self.require(self.seed >= 0, "seed", "seeds are non-negative integers")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
-        _blocksparse.check_kernel(self, band=True)
+        _blocksparse.check_kernel(self, band=True, fused=True)
 
     @property
     def at_most(self) -> int | None:

@@ -14,38 +14,22 @@
 // parallel region MKL runs on the calling thread. Built on first use by torch.utils.cpp_extension (_lshfused.py).
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <vector>
 
-extern "C" {
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
-            const float*, const int*, const float*, float*, const int*);
-void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
-            const double*, const int*, const double*, double*, const int*);
-}
+#include "approx_cpu.h"
 
 namespace {
+
+using approx_cpu::exp_sum;
+using approx_cpu::gemm;
+using approx_cpu::row_max;
 
 // Rows fetched ahead of the one being read in the gathers and the merge (one-off, N = 16384, 4 rounds of 128, 2
 // threads: the merge 35 -> 27 ms and the gathers 49 -> 45 ms of thread time; 8, 16 or 24 rows ahead alike)
 constexpr int64_t kAhead = 8;
-
-// Column-major BLAS: C (m x n) = alpha op(A) op(B) + beta C.
-inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-                 float beta, float* c, int ldc) {
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
-                 int ldb, double beta, double* c, int ldc) {
-  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
 
 // s[j] = -inf where flag[j] == value (flags and value are small integers held exactly in T).
 template <typename T>
@@ -66,43 +50,6 @@ template <typename T>
 inline void prefetch_row(const T* p, int64_t len) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < int64_t(sizeof(T)) * len; off += 64) __builtin_prefetch(bytes + off);
-}
-
-template <typename T>
-inline T row_max(const T* s, int64_t n) {
-  using Vec = at::vec::Vectorized<T>;
-  T m = -std::numeric_limits<T>::infinity();
-  int64_t j = 0;
-  if (n >= Vec::size()) {
-    Vec acc(m);
-    for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
-    m = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, acc);
-  }
-  for (; j < n; ++j) m = std::max(m, s[j]);
-  return m;
-}
-
-// s[j] = exp(s[j] - m) in place; returns their sum.
-template <typename T>
-inline T exp_sum(T* s, T m, int64_t n) {
-  using Vec = at::vec::Vectorized<T>;
-  const Vec top(m);
-  T sum = 0;
-  int64_t j = 0;
-  if (n >= Vec::size()) {
-    Vec acc(T(0));
-    for (; j + Vec::size() <= n; j += Vec::size()) {
-      const Vec p = (Vec::loadu(s + j) - top).exp_u20();  // torch's fast exp (documented 20 ulp; measured error as eager's)
-      p.store(s + j);
-      acc = acc + p;
-    }
-    sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc);
-  }
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    sum += s[j];
-  }
-  return sum;
 }
 
 template <typename T>

@@ -1,0 +1,78 @@
+"""approx's C++ kernels (``csrc/``), built on first use by :func:`torch.utils.cpp_extension.load`.
+
+Two CPU inference paths are C++ rather than plain torch, each behind an option whose plain-torch path stays the
+default and the reference: LSH's ``engine="fused"`` (``csrc/lsh_rounds.cpp``, :mod:`._lshfused`) and BigBird's
+``kernel="fused"`` (``csrc/block_band.cpp``, :mod:`._blockband`). Both make the passes through memory that surround
+their BLAS products with one block's data in cache. A kernel is built the first time it is asked for (a C++ compiler
+and ``ninja``; about half a minute, said on stderr), for the vector instructions torch uses on this CPU
+(``torch.backends.cpu.get_cpu_capability()``), with ``-fopenmp`` (``at::parallel_for`` needs it to run on more than
+one thread), and cached on disk under ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), one build
+per source text, torch version and capability. A build that fails raises an error naming the option, the cause and
+the plain-torch way out. The products call the Fortran BLAS that libtorch_cpu exports (``sgemm_``, ``dgemm_``: MKL in
+torch's x86 wheels; inside a parallel region MKL runs on the calling thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["CSRC", "load"]
+
+CSRC = Path(__file__).with_name("csrc")
+
+# The vector instructions at::vec is compiled for, per torch's CPU capability (the flags torch builds its own kernels
+# with); a capability not listed gets at::vec's portable code
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def _capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
+
+
+def load(stem: str, *, asked: str, instead: str) -> ModuleType:
+    """The kernel ``csrc/{stem}.cpp``, built if it is not on disk yet (callers keep the module: torch loads it once
+    per process anyway). ``RuntimeError`` when it cannot be built, naming ``asked`` (the option that asked for it) and
+    ``instead`` (what computes the same)."""
+    from torch.utils import cpp_extension
+
+    source = CSRC / f"{stem}.cpp"
+    cap = _capability()
+    digest = hashlib.sha256(source.read_bytes() + (CSRC / "approx_cpu.h").read_bytes()).hexdigest()[:10]
+    flags = ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}", *_CAPABILITY_FLAGS.get(cap, [])]
+    name = f"approx_{stem}_{cap.lower()}_{digest}"
+    if not _built(name):
+        print(
+            f"approx: building the C++ kernel of {asked} for {cap} (once per machine and torch version, about half a "
+            "minute)",
+            file=sys.stderr,
+        )
+    try:
+        return cpp_extension.load(
+            name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False
+        )
+    except Exception as err:  # a missing compiler or ninja, a failed compilation or link: all say the same to the user
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        first = next((line for line in lines if "error:" in line), lines[0])  # a compiler's own error, if any
+        raise RuntimeError(
+            f"{asked} could not build its C++ kernel ({type(err).__name__}: {first}); it needs a C++ compiler and "
+            f"ninja (pip install ninja). {instead} computes the same in plain torch"
+        ) from err
+
+
+def _built(name: str) -> bool:
+    """Whether torch's extension folder already holds the kernel (then loading it takes a moment, not a build)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: its absence only costs the notice
+
+        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
+    except Exception:
+        return False
