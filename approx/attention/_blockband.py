@@ -15,6 +15,10 @@ key blocks t - a, ..., t + a first and then R blocks of its own (BigBird's rando
   or shared: found beforehand, usually a few blocks per row), one softmax in place, and three products with the
   values into one reused output buffer.
 
+With ``fused`` (bigbird's ``kernel="fused"``), each batch row's query blocks run on ``csrc/block_band.cpp``
+instead of the chunks (:func:`_fused_row`): the same three score products side by side, bias and softmax, and three
+products with the values, one (head, query block) per task, in C++.
+
 Query blocks made only of global queries are skipped: global queries' rows are dense attention to every real key
 (SDPA), written afterwards. Padded queries attend the shared keys only (0 without any), as in the gather kernel.
 Work O(N ((2a + 1 + R) block + G) d), memory O(N d) plus one chunk. Every buffer is allocated once per batch row

@@ -47,7 +47,8 @@ Choices made here (and why):
   as views, the random ones gathered a chunk at a time), or on short inputs without padding or padded at the end
   on SDPA over the pattern's dense mask (:mod:`._dense`: faster there; only where ``full_fallback=False`` or the
   blocks are small, since the fallback makes such rows exact anyway); training, dropout and the GPU on the gather
-  kernel or FlexAttention. Attention dropout is applied to the weights (the kernel's).
+  kernel or FlexAttention. Attention dropout is applied to the weights (the kernel's). ``kernel="fused"`` runs the
+  block-band kernel's C++ form there instead (``csrc/block_band.cpp``, built on first use; the fastest on the CPU).
 
 Cost: the pairs of the pattern (global rows and columns once each), 2 (d + dv) flops per pair, and as many
 multiply-accumulates per pair in the literature's convention.
