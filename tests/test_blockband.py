@@ -225,10 +225,13 @@ def test_fused_says_why_it_cannot_build(monkeypatch):
     'fused' among the kernels."""
     from torch.utils import cpp_extension
 
+    from approx.attention import _cpp
+
     def broken(**kw):
         raise OSError("no C++ compiler found (g++)")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(_cpp, "_FAILED", {})
     monkeypatch.setattr(_blockband, "_FUSED", None)
     monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"bigbird: kernel='fused' could not build .*no C\+\+"):
@@ -288,9 +291,11 @@ def test_declines_with_a_reason():
     assert "one order per batch row" in why(p=per_head)
 
 
-def test_a_handmade_pattern_as_the_gather_kernel_runs_it():
+def test_a_handmade_pattern_as_the_gather_kernel_runs_it(monkeypatch):
     """Any pattern with neighbours, not only bigbird's: blocks dropped at random (some query blocks left with no key
-    at all, whose rows are 0), two listed blocks per query block and head, no shared keys, padding at the end."""
+    at all, whose rows are 0), two listed blocks per query block and head, no shared keys, padding at the end (a
+    partial last block); the first query blocks' windows start before the sequence. Both forms of the kernel."""
+    calls = fused_calls(monkeypatch)
     g = torch.Generator().manual_seed(9)
     n, blk = 70, 5
     tq = math.ceil(n / blk)
@@ -307,11 +312,13 @@ def test_a_handmade_pattern_as_the_gather_kernel_runs_it():
     mask = end_mask(n, 58)
     outs = {
         kernel: _blocksparse.attend(q, k, v, pattern, key_mask=mask, scale=D**-0.5, kernel=kernel)
-        for kernel in ("gather", "band")
+        for kernel in ("gather", "band", "fused")
     }
-    assert outs["band"][:, :, 3 * blk : 4 * blk].abs().max() == 0
-    torch.testing.assert_close(outs["band"][0], outs["gather"][0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(outs["band"][1, :, :58], outs["gather"][1, :, :58], rtol=1e-12, atol=1e-12)
+    assert calls == [1, 1]  # a call per batch row
+    for kernel in ("band", "fused"):
+        assert outs[kernel][:, :, 3 * blk : 4 * blk].abs().max() == 0
+        torch.testing.assert_close(outs[kernel][0], outs["gather"][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(outs[kernel][1, :, :58], outs["gather"][1, :, :58], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -322,9 +329,10 @@ def test_a_handmade_pattern_as_the_gather_kernel_runs_it():
         "partial",  # a partial last block with poisoned padding, listed by every query block
     ],
 )
-def test_views_only_where_whole_real_blocks_allow_them(case):
+def test_views_only_where_whole_real_blocks_allow_them(case, monkeypatch):
     """Where K and V are viewed in place (no copy) and where they must be copied: handmade patterns at the edge of
-    each condition give the gather kernel's output on every real row."""
+    each condition give the gather kernel's output on every real row, on both forms of the kernel."""
+    calls = fused_calls(monkeypatch)
     blk, n = 8, 64
     tq = n // blk
     neighbours, real, glob_blocks = {"start": (2, 64, [0, 6, 7]), "end": (1, 64, [0]), "partial": (1, 60, [0, 6, 7])}[
@@ -347,9 +355,53 @@ def test_views_only_where_whole_real_blocks_allow_them(case):
     k[1, :, real:], v[1, :, real:] = float("inf"), float("nan")
     outs = {
         kernel: _blocksparse.attend(q, k, v, pattern, key_mask=mask, scale=D**-0.5, kernel=kernel)
-        for kernel in ("gather", "band")
+        for kernel in ("gather", "band", "fused")
     }
-    assert width == kv.shape[-1] - 1
+    assert width == kv.shape[-1] - 1 and calls == [1, 1]
     real_q = mask[:, None, :, None].expand_as(outs["band"])
-    assert torch.isfinite(outs["band"][real_q]).all()
-    torch.testing.assert_close(outs["band"][real_q], outs["gather"][real_q], rtol=1e-12, atol=1e-12)
+    for kernel in ("band", "fused"):
+        assert torch.isfinite(outs[kernel][real_q]).all()
+        torch.testing.assert_close(outs[kernel][real_q], outs["gather"][real_q], rtol=1e-12, atol=1e-12)
+
+
+def test_fused_reads_rows_blas_cannot_take_in_place(monkeypatch):
+    """Keys broadcast along the sequence (a row stride of 0, which BLAS refuses as a leading dimension) and queries
+    whose rows overlap: copied before the C++ kernel reads them, giving the plain-torch kernel's output."""
+    calls = fused_calls(monkeypatch)
+    g = torch.Generator().manual_seed(12)
+    q, v = (torch.randn(B, H, 96, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64).expand(B, H, 96, D)  # row stride 0
+    base = torch.randn(B, H, 96 * 2 + D, generator=g, dtype=torch.float64)
+    q_overlap = base.unfold(-1, D, 2)[:, :, :96]  # rows 2 apart, D long: overlapping
+    assert k.stride(2) == 0 and q_overlap.stride(2) == 2
+    for qq in (q, q_overlap):
+        with torch.no_grad():
+            band = layer("band", block=8, random_blocks=2)(qq, k, v)
+            fused = layer("fused", block=8, random_blocks=2)(qq, k, v)
+        torch.testing.assert_close(fused, band, rtol=1e-12, atol=1e-12)
+    assert calls == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kernel_", ["band", "fused"])
+def test_fused_on_two_threads(kernel_, monkeypatch):
+    """The suite runs on one thread (conftest); here two, so that the C++ kernel's tasks run in parallel (one per
+    (head, query block)): the one-thread output and the definition's, to rounding (the global rows' SDPA and the
+    products round differently on two threads, on both forms of the kernel)."""
+    calls = fused_calls(monkeypatch, build=kernel_ == "fused")
+    q, k, v = qkv(200, seed=13)
+    mask = end_mask(200, 171)
+    lyr = layer(kernel_, block=8, random_blocks=2)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = lyr(q, k, v, mask)
+            torch.set_num_threads(2)
+            two = lyr(q, k, v, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert bool(calls) == (kernel_ == "fused")
+    torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-12)
+    real_q = mask[:, None, :, None]
+    ref = definition(lyr, q, k, v, mask, 8, 2)
+    torch.testing.assert_close(two.masked_fill(~real_q, 0), ref.masked_fill(~real_q, 0), rtol=1e-12, atol=1e-12)

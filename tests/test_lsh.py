@@ -569,6 +569,30 @@ def test_fused_engine_gives_the_eager_output(dtype):
     assert _lshfused.build.cache_info().currsize == 1
 
 
+def test_fused_engine_with_padding_inside_rows_on_two_threads():
+    """Padding spread through a row (the padded tokens sort last in every round wherever they sit) and two threads
+    (the suite runs on one; here the kernel's (batch, head) tasks run in parallel): the loop reference."""
+    from approx.attention import _lshfused
+
+    fused_kernel()
+    q, k, v = inputs(n=90, seed=4)
+    mask = torch.ones(B, 90, dtype=torch.bool)
+    mask[1, torch.randperm(90, generator=torch.Generator().manual_seed(4))[:23]] = False
+    lyr = lsh(cluster_size=8, rounds=3, engine="fused")
+    ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], 8)
+    threads, calls, real = torch.get_num_threads(), [], _lshfused.attend
+    try:
+        _lshfused.attend = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        torch.set_num_threads(2)
+        with torch.no_grad():
+            out = lyr(q, k, v, mask)
+    finally:
+        torch.set_num_threads(threads)
+        _lshfused.attend = real
+    assert calls == [1]
+    torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+
+
 def test_fused_engine_runs_the_eager_paths_where_its_kernel_does_not(monkeypatch):
     """With a gradient to track, attention dropout, or off the CPU (the meta device stands in for a GPU, with a
     warning), engine="fused" runs what engine="eager" runs: the differentiable loop, same gradients; the kernel only
@@ -610,16 +634,22 @@ def test_fused_engine_says_why_it_cannot_build(monkeypatch):
     out, raised on the call that asked for the kernel; nothing falls back unsaid."""
     from torch.utils import cpp_extension
 
-    from approx.attention import _lshfused
+    from approx.attention import _cpp, _lshfused
+
+    tries = []
 
     def broken(**kw):
+        tries.append(kw["name"])
         raise OSError("no C++ compiler found (g++)")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(_cpp, "_FAILED", {})
     _lshfused.build.cache_clear()
     try:
-        with torch.no_grad(), pytest.raises(RuntimeError, match=r"engine='fused' could not build .*no C\+\+ compiler"):
-            lsh(cluster_size=8, rounds=2, engine="fused")(*inputs(n=40), None)
+        for _ in range(2):  # the second call says the same, without building again (torch would not either)
+            with torch.no_grad(), pytest.raises(RuntimeError, match=r"engine='fused' could not build .*no C\+\+ comp"):
+                lsh(cluster_size=8, rounds=2, engine="fused")(*inputs(n=40), None)
+        assert len(tries) == 1
     finally:
         _lshfused.build.cache_clear()
     with pytest.raises(ValueError, match="'eager', 'compiled', 'fused'"):

@@ -199,7 +199,6 @@ def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float, fus
     lengths = real.sum(-1).tolist()
     out = torch.empty(b, n, h, dv, dtype=dt, device=dev)
     for bi, length in enumerate(lengths):
-        blocks = -(-length // blk)
         if pattern.q_order is None:  # (padding at the end only: unusable checks it)
             order, prefix = torch.arange(length, device=dev), True
         else:
@@ -209,69 +208,76 @@ def attend(q, k, v, pattern, *, key_mask: torch.Tensor | None, scale: float, fus
         if length < n:  # padded queries: the shared keys only (what the gather kernel gives them for bigbird)
             pad = (~real[bi]).nonzero().squeeze(-1)
             out[bi, pad] = 0.0 if row.shared is None else _dense(q, k, v, bi, pad, row.shared, scale, dt)
-        (lo, hi), g = row.span, 0 if row.shared is None else row.shared.numel()
-        if fused:
-            _fused_row(q, k, v, out, bi, row, order, prefix, length, scale=scale, block=blk, neighbours=a, dt=dt)
-            hi = lo  # the query blocks are done
-        # K, V viewed in place: in order, in whole real blocks (a partial one would read padding, which may hold
-        # anything), in the compute dtype, and every window of the run inside them; else copied per head
-        direct = prefix and k.dtype == v.dtype == dt and length % blk == 0 and lo >= a and (hi + a) * blk <= length
-        kv_bufs = (
-            None
-            if direct
-            else tuple(torch.zeros((blocks + 2 * a) * blk, x.shape[-1], dtype=dt, device=dev) for x in (k, v))
-        )
-        q_direct = prefix and q.dtype == dt and hi * blk <= length
-        q_buf = None if q_direct else torch.zeros(blocks * blk, d, dtype=dt, device=dev)
-        widths = ((2 * a + 1) * blk, row.ids.shape[-1] * blk, g)  # keys per query: near, listed, shared
-        per = max(1, _CHUNK_ELEMENTS // (blk * sum(widths)))
-        scratch = _Scratch(min(per, max(1, hi - lo)), blk, widths, d, dv, dtype=dt, device=dev)
-        for hh in range(h):
-            near, stack, off = _head_keys(
-                k[bi, hh], v[bi, hh], kv_bufs, order, prefix, block=blk, neighbours=a, blocks=blocks
-            )
-            if q_direct:
-                qh = q[bi, hh]  # (N, d)
-            else:
-                _load(q_buf[:length], q[bi, hh], order, prefix)
-                qh = q_buf
-            shared_kv = None if row.shared is None else (k[bi, hh, row.shared].to(dt), v[bi, hh, row.shared].to(dt))
-            rows_out = out[bi, :, hh]  # (N, dv), written in place
-            for t0 in range(lo, hi, per):
-                t1 = min(hi, t0 + per)
-                listed = _gather_listed(stack, _head(row.ids, hh)[t0:t1], scratch)
-                fixes = [
-                    (cols, at, bias[at + t0, None, :])
-                    for cols, flags, bias in (
-                        (slice(0, widths[0]), _head(row.near_flags, hh), _head(row.near_bias, hh)),
-                        (
-                            slice(widths[0], widths[0] + widths[1]),
-                            _head(row.listed_flags, hh),
-                            _head(row.listed_bias, hh),
-                        ),
-                    )
-                    if (at := _in_chunk(flags, t0, t1, dev)) is not None
-                ]
-                o = _chunk(
-                    scratch,
-                    qh[t0 * blk : t1 * blk].view(t1 - t0, blk, d),
-                    (near[0][t0 + off : t1 + off], near[1][t0 + off : t1 + off]),
-                    listed,
-                    shared_kv,
-                    scale=scale,
-                    fixes=fixes,
-                    empty=_in_chunk(_head(row.empty, hh), t0, t1, dev),
-                ).view(-1, dv)
-                r0, r1 = t0 * blk, min(length, t1 * blk)
-                if prefix:
-                    rows_out[r0:r1] = o[: r1 - r0]
-                else:
-                    rows_out.index_copy_(0, order[r0:r1], o[: r1 - r0])
+        run_row = _fused_row if fused else _plain_row
+        run_row(q, k, v, out, bi, row, order, prefix, length, scale=scale, block=blk, neighbours=a, dt=dt)
         if pattern.global_queries is not None:
             glob = (pattern.global_queries[bi] & real[bi]).nonzero().squeeze(-1)
             if glob.numel():  # dense rows to every real key
                 out[bi, glob] = _dense(q, k, v, bi, glob, slice(0, length) if prefix else order, scale, dt)
     return out.transpose(1, 2)
+
+
+def _plain_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: int, *, scale, block, neighbours, dt):
+    """Batch row ``bi``'s query blocks [lo, hi) of every head in plain torch, a head and a chunk of query blocks at a
+    time (:func:`_chunk`), written into ``out`` (B, N, H, dv)."""
+    blk, a, dev = block, neighbours, q.device
+    h, d, dv = q.shape[1], q.shape[-1], v.shape[-1]
+    blocks = -(-length // blk)
+    (lo, hi), g = row.span, 0 if row.shared is None else row.shared.numel()
+    # K, V viewed in place: in order, in whole real blocks (a partial one would read padding, which may hold
+    # anything), in the compute dtype, and every window of the run inside them; else copied per head
+    direct = prefix and k.dtype == v.dtype == dt and length % blk == 0 and lo >= a and (hi + a) * blk <= length
+    kv_bufs = (
+        None
+        if direct
+        else tuple(torch.zeros((blocks + 2 * a) * blk, x.shape[-1], dtype=dt, device=dev) for x in (k, v))
+    )
+    q_direct = prefix and q.dtype == dt and hi * blk <= length
+    q_buf = None if q_direct else torch.zeros(blocks * blk, d, dtype=dt, device=dev)
+    widths = ((2 * a + 1) * blk, row.ids.shape[-1] * blk, g)  # keys per query: near, listed, shared
+    per = max(1, _CHUNK_ELEMENTS // (blk * sum(widths)))
+    scratch = _Scratch(min(per, max(1, hi - lo)), blk, widths, d, dv, dtype=dt, device=dev)
+    for hh in range(h):
+        near, stack, off = _head_keys(
+            k[bi, hh], v[bi, hh], kv_bufs, order, prefix, block=blk, neighbours=a, blocks=blocks
+        )
+        if q_direct:
+            qh = q[bi, hh]  # (N, d)
+        else:
+            _load(q_buf[:length], q[bi, hh], order, prefix)
+            qh = q_buf
+        shared_kv = None if row.shared is None else (k[bi, hh, row.shared].to(dt), v[bi, hh, row.shared].to(dt))
+        rows_out = out[bi, :, hh]  # (N, dv), written in place
+        for t0 in range(lo, hi, per):
+            t1 = min(hi, t0 + per)
+            listed = _gather_listed(stack, _head(row.ids, hh)[t0:t1], scratch)
+            fixes = [
+                (cols, at, bias[at + t0, None, :])
+                for cols, flags, bias in (
+                    (slice(0, widths[0]), _head(row.near_flags, hh), _head(row.near_bias, hh)),
+                    (
+                        slice(widths[0], widths[0] + widths[1]),
+                        _head(row.listed_flags, hh),
+                        _head(row.listed_bias, hh),
+                    ),
+                )
+                if (at := _in_chunk(flags, t0, t1, dev)) is not None
+            ]
+            o = _chunk(
+                scratch,
+                qh[t0 * blk : t1 * blk].view(t1 - t0, blk, d),
+                (near[0][t0 + off : t1 + off], near[1][t0 + off : t1 + off]),
+                listed,
+                shared_kv,
+                scale=scale,
+                fixes=fixes,
+                empty=_in_chunk(_head(row.empty, hh), t0, t1, dev),
+            ).view(-1, dv)
+            r0, r1 = t0 * blk, min(length, t1 * blk)
+            if prefix:
+                rows_out[r0:r1] = o[: r1 - r0]
+            else:
+                rows_out.index_copy_(0, order[r0:r1], o[: r1 - r0])
 
 
 def build_fused():
@@ -317,7 +323,8 @@ def _fused_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: in
     heads = max(row.near_bias.shape[0], row.listed_bias.shape[0], row.ids.shape[0])
     bias = torch.cat([row.near_bias.expand(heads, -1, -1), row.listed_bias.expand(heads, -1, -1)], -1).contiguous()
     ids = row.ids.expand(heads, -1, -1).long().contiguous()
-    rows = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in (qq, kk, vv, ks, vs))
+    # BLAS reads rows through their stride, which must be at least a row long (a broadcast, stride-0 K is not)
+    rows = tuple(x if _blas_rows(x) else x.contiguous() for x in (qq, kk, vv, ks, vs))
     if prefix:  # straight into the output's rows, those of the real tokens
         kernel.attend(*rows, ids, bias, out[bi].transpose(0, 1), lo, hi, a, blk, offset, length, float(scale))
     else:  # in the pattern's order, then to each token's own row
@@ -325,6 +332,12 @@ def _fused_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: in
         kernel.attend(*rows, ids, bias, tmp, lo, hi, a, blk, offset, length, float(scale))
         r0, r1 = lo * blk, min(length, hi * blk)
         out[bi].index_copy_(0, order[r0:r1], tmp[:, r0:r1].transpose(0, 1))
+
+
+def _blas_rows(x: torch.Tensor) -> bool:
+    """Whether BLAS can read the rows of ``x`` (.., rows, width) in place: contiguous rows, one after the other (a
+    leading dimension of at least the width; rows overlapping or repeated by a stride 0 are not)."""
+    return x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) >= max(1, x.shape[-1]))
 
 
 def _gather_listed(stack, ids: torch.Tensor, buf: _Scratch):

@@ -7,8 +7,9 @@ their BLAS products with one block's data in cache. A kernel is built the first 
 and ``ninja``; about half a minute, said on stderr), for the vector instructions torch uses on this CPU
 (``torch.backends.cpu.get_cpu_capability()``), with ``-fopenmp`` (``at::parallel_for`` needs it to run on more than
 one thread), and cached on disk under ``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``), one build
-per source text, torch version and capability. A build that fails raises an error naming the option, the cause and
-the plain-torch way out. The products call the Fortran BLAS that libtorch_cpu exports (``sgemm_``, ``dgemm_``: MKL in
+per source text, torch version and capability. A build that fails raises an error naming the option, the cause (the
+compiler's first error, or the command not found) and the plain-torch way out, and the same error again for the rest
+of the process (torch's loader would not build the same source twice in one process). The products call the Fortran BLAS that libtorch_cpu exports (``sgemm_``, ``dgemm_``: MKL in
 torch's x86 wheels; inside a parallel region MKL runs on the calling thread).
 """
 
@@ -38,12 +39,19 @@ def _capability() -> str:
     return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
 
 
+# A kernel whose build failed in this process: its error, raised again rather than built again (torch's loader
+# would not build the same source twice in one process, and would report the missing library instead)
+_FAILED: dict[str, RuntimeError] = {}
+
+
 def load(stem: str, *, asked: str, instead: str) -> ModuleType:
     """The kernel ``csrc/{stem}.cpp``, built if it is not on disk yet (callers keep the module: torch loads it once
-    per process anyway). ``RuntimeError`` when it cannot be built, naming ``asked`` (the option that asked for it) and
-    ``instead`` (what computes the same)."""
+    per process anyway). ``RuntimeError`` when it cannot be built, naming ``asked`` (the option that asked for it),
+    the cause and ``instead`` (what computes the same); once failed, the same error for the rest of the process."""
     from torch.utils import cpp_extension
 
+    if stem in _FAILED:
+        raise _FAILED[stem]
     source = CSRC / f"{stem}.cpp"
     cap = _capability()
     digest = hashlib.sha256(source.read_bytes() + (CSRC / "approx_cpu.h").read_bytes()).hexdigest()[:10]
@@ -59,13 +67,24 @@ def load(stem: str, *, asked: str, instead: str) -> ModuleType:
         return cpp_extension.load(
             name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False
         )
-    except Exception as err:  # a missing compiler or ninja, a failed compilation or link: all say the same to the user
-        lines = str(err).strip().splitlines() or [type(err).__name__]
-        first = next((line for line in lines if "error:" in line), lines[0])  # a compiler's own error, if any
-        raise RuntimeError(
-            f"{asked} could not build its C++ kernel ({type(err).__name__}: {first}); it needs a C++ compiler and "
-            f"ninja (pip install ninja). {instead} computes the same in plain torch"
-        ) from err
+    except Exception as err:  # a missing compiler or ninja, a failed compilation, link or import
+        _FAILED[stem] = RuntimeError(
+            f"{asked} could not build its C++ kernel ({type(err).__name__}: {_cause(err)}); it needs a C++ compiler, "
+            "ninja (pip install ninja) and a torch whose library exports the Fortran BLAS (sgemm_, as torch's x86 "
+            f"wheels do). {instead} computes the same in plain torch. The build is tried again in a new process"
+        )
+        raise _FAILED[stem] from err
+
+
+def _cause(err: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first error, a command not found, or else the first
+    line (torch's own message starts with the whole compile command)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    for marks in (("error:",), ("not found", "No such file", "cannot open", "undefined symbol")):
+        found = next((line for line in lines if any(m in line for m in marks)), None)
+        if found is not None:
+            return found
+    return lines[0]
 
 
 def _built(name: str) -> bool:
