@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
-from approx.harness.argcheck import at_least, check_device
+from approx.harness.argcheck import at_least, check_device, method_variant, option_value
 from approx.harness.provenance import provenance
 
 B, H, D = 1, 12, 64
@@ -172,28 +172,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--fallback {item!r}: expected METHOD=LENGTH with METHOD in {args.methods}")
         args.variants[f"{method}+exact<{length}"] = (method, {"exact_below": int(length)})
     for item in args.variant:
-        method, bracket, rest = item.partition("[")
-        pairs = [kv.partition("=") for kv in rest.rstrip("]").split(",") if kv] if bracket else []
-        if method not in args.methods or not item.endswith("]") or not pairs or any(not eq for _, eq, _ in pairs):
-            p.error(f"--variant {item!r}: expected METHOD[KEY=VALUE,...] with METHOD in {args.methods}")
-        args.variants[item] = (method, {k: _value(v) for k, _, v in pairs})
+        try:
+            args.variants[item] = method_variant(item, args.methods)
+        except ValueError as e:
+            p.error(str(e))
     try:  # a device this machine lacks, an option value a method refuses: one line now, not a traceback later
         check_device(args.device)
         all_configs(args)
     except ValueError as e:
         p.error(str(e))
     return args
-
-
-def _value(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 def build_configs(methods: list[str], overrides: list[str]) -> dict[str, MethodConfig]:
@@ -203,7 +191,7 @@ def build_configs(methods: list[str], overrides: list[str]) -> dict[str, MethodC
         method, dot, name = key.rpartition(".")
         if not (sep and dot) or method not in options:
             raise SystemExit(f"--option {item!r}: expected METHOD.KEY=VALUE with METHOD in {methods}")
-        options[method][name] = _value(value)
+        options[method][name] = option_value(value)
     return {m: get_method(m).make_config(**opts) for m, opts in options.items()}
 
 

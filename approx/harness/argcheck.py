@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-__all__ = ["Once", "at_least", "check_device", "looks_like_path", "set_threads"]
+__all__ = ["Once", "at_least", "check_device", "looks_like_path", "method_variant", "option_value", "set_threads"]
 
 
 def looks_like_path(name: str) -> bool:
@@ -30,6 +30,29 @@ def at_least(least: int):
 
     parse.__name__ = f"integer >= {least}"  # how argparse names the type in its errors
     return parse
+
+
+def method_variant(item: str, methods: list[str]) -> tuple[str, dict]:
+    """A benchmark's ``--variant METHOD[KEY=VALUE,...]`` (a method run again with other options, e.g.
+    ``lsh[engine=fused]``): (method, options), values read as booleans, integers, floats or else strings.
+    ``ValueError`` naming the expected form and the methods when it is not that, or names another method."""
+    method, bracket, rest = item.partition("[")
+    pairs = [kv.partition("=") for kv in rest.rstrip("]").split(",") if kv] if bracket else []
+    if method not in methods or not item.endswith("]") or not pairs or any(not eq for _, eq, _ in pairs):
+        raise ValueError(f"--variant {item!r}: expected METHOD[KEY=VALUE,...] with METHOD in {methods}")
+    return method, {key: option_value(text) for key, _, text in pairs}
+
+
+def option_value(text: str):
+    """A command line's option value: a boolean (true, false), an integer, a float, or else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def set_threads(threads: int | None) -> None:
