@@ -176,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.variants[item] = method_variant(item, args.methods)
         except ValueError as e:
             p.error(str(e))
+    if len(set(args.variant)) != len(args.variant):
+        p.error(f"--variant: given twice: {sorted({v for v in args.variant if args.variant.count(v) > 1})}")
     try:  # a device this machine lacks, an option value a method refuses: one line now, not a traceback later
         check_device(args.device)
         all_configs(args)
@@ -200,6 +202,7 @@ def all_configs(args: argparse.Namespace) -> dict[str, MethodConfig]:
     contender name."""
     configs = build_configs(args.methods, args.option)
     for name, (method, options) in args.variants.items():
+        approx.get_method(method).make_config(**options)  # an unknown option: a ValueError naming the method's
         configs[name] = dataclasses.replace(configs[method], **options)
     return configs
 

@@ -121,8 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = device_checked(p, p.parse_args(argv))
     try:
         args.variants = {item: method_variant(item, args.methods) for item in args.variant}
+        for method, options in args.variants.values():  # an unknown option or a refused value: one line, now
+            approx.get_method(method).make_config(**{**OPTIONS.get(method, {}), **options})
     except ValueError as e:
         p.error(str(e))
+    if len(args.variants) != len(args.variant):
+        p.error(f"--variant: given twice: {sorted({v for v in args.variant if args.variant.count(v) > 1})}")
     if args.local_band and args.architecture != "modernbert-base":
         p.error("--local-band: only --architecture modernbert-base has sliding-window layers")
     if args.local_band and torch.device(args.device).type != "cpu":  # (the +band rows would time their own attention)

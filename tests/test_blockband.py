@@ -380,6 +380,15 @@ def test_fused_reads_rows_blas_cannot_take_in_place(monkeypatch):
             fused = layer("fused", block=8, random_blocks=2)(qq, k, v)
         torch.testing.assert_close(fused, band, rtol=1e-12, atol=1e-12)
     assert calls == [1, 1, 1, 1]
+    # rows one element wide whose last stride is not 1 (torch calls them contiguous, so copying would not help)
+    thin = torch.randn(B * H * 96 * 5, generator=g, dtype=torch.float64).as_strided((B, H, 96, 1), (H * 96, 96, 1, 5))
+    out = {}
+    for kernel in ("band", "fused"):
+        config = BigBirdConfig(kernel=kernel, block=8, random_blocks=2, full_fallback=False)
+        lyr = ApproxAttention("bigbird", config, head_dim=1)
+        with torch.no_grad():
+            out[kernel] = lyr(thin, thin, thin)
+    torch.testing.assert_close(out["fused"], out["band"], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kernel_", ["band", "fused"])

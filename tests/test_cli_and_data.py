@@ -696,6 +696,11 @@ BENCHMARK_COUNTS = [
         ("whole_model", ["--methods", "lsh", "--variant", "bigbird[kernel=fused]"], "with METHOD in ['lsh']"),
         ("whole_model", ["--methods", "lsh", "--variant", "lsh[engine=fused"], "expected METHOD[KEY=VALUE,...]"),
         ("attention_op", ["--methods", "lsh", "--variant", "lsh[]"], "expected METHOD[KEY=VALUE,...]"),
+        ("attention_op", ["--methods", "lsh", "--variant", "lsh[engnie=fused]"], "unknown option(s) 'engnie'"),
+        ("whole_model", ["--methods", "lsh", "--variant", "lsh[engine=fuzed]"], "'engine' = 'fuzed' is invalid"),
+        ("whole_model", ["--methods", "lsh", "--variant", "lsh[engine=fused]]"], "expected METHOD[KEY=VALUE,...]"),
+        ("whole_model", ["--methods", "lsh", "--variant", "lsh[=3]"], "expected METHOD[KEY=VALUE,...]"),
+        ("whole_model", ["--methods", "lsh", *["--variant", "lsh[rounds=2]"] * 2], "given twice: ['lsh[rounds=2]']"),
     ],
 )
 def test_benchmark_devices_methods_and_options_are_refused_in_one_line(name, argv, words, benchmark_script, capsys,

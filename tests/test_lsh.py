@@ -646,10 +646,16 @@ def test_fused_engine_says_why_it_cannot_build(monkeypatch):
     monkeypatch.setattr(_cpp, "_FAILED", {})
     _lshfused.build.cache_clear()
     try:
+        errors = []
         for _ in range(2):  # the second call says the same, without building again (torch would not either)
-            with torch.no_grad(), pytest.raises(RuntimeError, match=r"engine='fused' could not build .*no C\+\+ comp"):
+            with (
+                torch.no_grad(),
+                pytest.raises(RuntimeError, match=r"engine='fused' could not build .*no C\+\+ comp") as e,
+            ):
                 lsh(cluster_size=8, rounds=2, engine="fused")(*inputs(n=40), None)
+            errors.append(e.value)
         assert len(tries) == 1
+        assert errors[0] is not errors[1] and str(errors[0]) == str(errors[1])  # a new error: no earlier call's frames
     finally:
         _lshfused.build.cache_clear()
     with pytest.raises(ValueError, match="'eager', 'compiled', 'fused'"):

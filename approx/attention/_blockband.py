@@ -337,7 +337,9 @@ def _fused_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: in
 def _blas_rows(x: torch.Tensor) -> bool:
     """Whether BLAS can read the rows of ``x`` (.., rows, width) in place: contiguous rows, one after the other (a
     leading dimension of at least the width; rows overlapping or repeated by a stride 0 are not)."""
-    return x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) >= max(1, x.shape[-1]))
+    width = x.shape[-1]
+    rows_ok = x.shape[-2] <= 1 or max(1, width) <= x.stride(-2) <= 2**31 - 1  # (BLAS takes it as an int)
+    return (width <= 1 or x.stride(-1) == 1) and rows_ok
 
 
 def _gather_listed(stack, ids: torch.Tensor, buf: _Scratch):

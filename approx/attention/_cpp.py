@@ -39,9 +39,10 @@ def _capability() -> str:
     return cap if cap in _CAPABILITY_FLAGS else "DEFAULT"
 
 
-# A kernel whose build failed in this process: its error, raised again rather than built again (torch's loader
-# would not build the same source twice in one process, and would report the missing library instead)
-_FAILED: dict[str, RuntimeError] = {}
+# A kernel whose build failed in this process: its error message, raised again (as a new error, holding no earlier
+# call's frames) rather than built again (torch's loader would not build the same source twice in one process, and
+# would report the missing library instead)
+_FAILED: dict[str, str] = {}
 
 
 def load(stem: str, *, asked: str, instead: str) -> ModuleType:
@@ -51,7 +52,7 @@ def load(stem: str, *, asked: str, instead: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     if stem in _FAILED:
-        raise _FAILED[stem]
+        raise RuntimeError(_FAILED[stem])
     source = CSRC / f"{stem}.cpp"
     cap = _capability()
     digest = hashlib.sha256(source.read_bytes() + (CSRC / "approx_cpu.h").read_bytes()).hexdigest()[:10]
@@ -68,20 +69,25 @@ def load(stem: str, *, asked: str, instead: str) -> ModuleType:
             name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False
         )
     except Exception as err:  # a missing compiler or ninja, a failed compilation, link or import
-        _FAILED[stem] = RuntimeError(
-            f"{asked} could not build its C++ kernel ({type(err).__name__}: {_cause(err)}); it needs a C++ compiler, "
-            "ninja (pip install ninja) and a torch whose library exports the Fortran BLAS (sgemm_, as torch's x86 "
-            f"wheels do). {instead} computes the same in plain torch. The build is tried again in a new process"
+        _FAILED[stem] = (
+            f"{asked} could not build or load its C++ kernel ({type(err).__name__}: {_cause(err)}); it needs a C++ "
+            "compiler, ninja (pip install ninja) and a torch whose library exports the Fortran BLAS (sgemm_, as "
+            f"torch's x86 wheels do). {instead} computes the same in plain torch. The build is tried again in a new "
+            "process"
         )
-        raise _FAILED[stem] from err
+        raise RuntimeError(_FAILED[stem]) from err
 
 
 def _cause(err: Exception) -> str:
-    """The line of a failed build that says why: the compiler's first error, a command not found, or else the first
-    line (torch's own message starts with the whole compile command)."""
+    """The line of a failed build that says why: the compiler's first error, a command or library not found, or else
+    the first line (torch's own message starts with the whole compile command). The linker's closing summary
+    (``collect2: error: ld returned 1``) says less than the line before it, so it comes last."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-    for marks in (("error:",), ("not found", "No such file", "cannot open", "undefined symbol")):
-        found = next((line for line in lines if any(m in line for m in marks)), None)
+    for marks in (
+        ("error:",),
+        ("not found", "No such file", "cannot open", "cannot find", "undefined symbol", "undefined reference"),
+    ):
+        found = next((line for line in lines if any(m in line for m in marks) and "collect2" not in line), None)
         if found is not None:
             return found
     return lines[0]

@@ -34,13 +34,18 @@ def at_least(least: int):
 
 def method_variant(item: str, methods: list[str]) -> tuple[str, dict]:
     """A benchmark's ``--variant METHOD[KEY=VALUE,...]`` (a method run again with other options, e.g.
-    ``lsh[engine=fused]``): (method, options), values read as booleans, integers, floats or else strings.
-    ``ValueError`` naming the expected form and the methods when it is not that, or names another method."""
+    ``lsh[engine=fused]``): (method, options), values read as booleans, integers, floats or else strings (a value may
+    hold ``=``, not brackets or commas). ``ValueError`` naming the expected form and the methods when it is not that
+    (an empty key or item, a bracket inside, a key given twice), or names another method. Whether the method takes
+    the options is the caller's to check (``approx.get_method(method).make_config``)."""
     method, bracket, rest = item.partition("[")
-    pairs = [kv.partition("=") for kv in rest.rstrip("]").split(",") if kv] if bracket else []
-    if method not in methods or not item.endswith("]") or not pairs or any(not eq for _, eq, _ in pairs):
+    body = rest[:-1] if rest.endswith("]") else None
+    pairs = [] if body is None or "[" in body or "]" in body else [kv.partition("=") for kv in body.split(",")]
+    keys = [key.strip() for key, _, _ in pairs]
+    well_formed = bool(pairs) and all(eq and key for (_, eq, _), key in zip(pairs, keys, strict=True))
+    if method not in methods or not bracket or not well_formed or len(set(keys)) != len(keys):
         raise ValueError(f"--variant {item!r}: expected METHOD[KEY=VALUE,...] with METHOD in {methods}")
-    return method, {key: option_value(text) for key, _, text in pairs}
+    return method, {key: option_value(text.strip()) for key, (_, _, text) in zip(keys, pairs, strict=True)}
 
 
 def option_value(text: str):

@@ -129,7 +129,7 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   const torch::Tensor* tensors[] = {&q, &k, &v, &ks, &vs, &out};
   for (const torch::Tensor* t : tensors) {
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3, "block-band kernel: 3-d CPU tensors");
-    TORCH_CHECK(t->size(1) == 0 || t->stride(2) == 1, "block-band kernel: rows must be contiguous");
+    TORCH_CHECK(t->size(1) == 0 || t->size(2) <= 1 || t->stride(2) == 1, "block-band kernel: rows must be contiguous");
     // BLAS takes the row stride as a leading dimension: at least a row long, and an int
     TORCH_CHECK(t->size(1) <= 1 || (t->stride(1) >= std::max<int64_t>(1, t->size(2)) && t->stride(1) <= INT32_MAX),
                 "block-band kernel: rows must follow one another (a stride of at least the row's length)");
