@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -232,8 +233,19 @@ class Task:
         if half is not None:
             examples = cross_fit_half(examples, half)
         if limit is not None:
+            self._say_if_short(examples, limit, split if half is None else f"{split}/{half}")
             examples = [examples[i] for i in self.pick(examples, limit)]
         return examples, where
+
+    def _say_if_short(self, examples: list[dict[str, Any]], limit, split: str) -> None:
+        """A warning when ``limit`` asks for more examples than ``examples`` holds: all are read, and a result that
+        says ``limit`` would otherwise suggest more than it measured."""
+        count = as_integer(limit)
+        if count is not None and count > len(examples):
+            warnings.warn(
+                f"approx: {self.name} {split} holds {len(examples)} examples; a limit of {count} reads all of them",
+                stacklevel=3,
+            )
 
     def pick(self, examples: list[dict[str, Any]], limit: int) -> list[int]:
         """The positions, in ``examples``' order, of the examples a ``limit`` reads: the first ``limit``. A task that
@@ -256,6 +268,8 @@ class Task:
         limit=skip)`` does not (every example ``load(split)`` holds past those when ``limit`` is None), in the split's
         order: labelled examples that never overlap a calibration that read ``skip`` of the same split."""
         examples, where = self.load(split, source=source, data_dir=data_dir)
+        if limit is not None:
+            self._say_if_short(examples, skip + limit, split or self.default_split)
         taken = set(self.pick(examples, skip)) if skip else set()
         chosen = range(len(examples)) if limit is None else self.pick(examples, skip + limit)
         return [examples[i] for i in sorted(set(chosen) - taken)], where
