@@ -268,8 +268,6 @@ class Task:
         limit=skip)`` does not (every example ``load(split)`` holds past those when ``limit`` is None), in the split's
         order: labelled examples that never overlap a calibration that read ``skip`` of the same split."""
         examples, where = self.load(split, source=source, data_dir=data_dir)
-        if limit is not None:
-            self._say_if_short(examples, skip + limit, split or self.default_split)
         taken = set(self.pick(examples, skip)) if skip else set()
         chosen = range(len(examples)) if limit is None else self.pick(examples, skip + limit)
         return [examples[i] for i in sorted(set(chosen) - taken)], where
