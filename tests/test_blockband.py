@@ -232,10 +232,13 @@ def test_fused_says_why_it_cannot_build(monkeypatch):
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(_cpp, "_FAILED", {})
-    monkeypatch.setattr(_blockband, "_FUSED", None)
     monkeypatch.setattr(_dense, "dense_route", lambda *args, **kwargs: False)
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"bigbird: kernel='fused' could not build .*no C\+\+"):
-        layer("fused", block=4, random_blocks=1)(*qkv(60))
+    _blockband.build_fused.cache_clear()
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"bigbird: kernel='fused' could not build .*no C\+\+"):
+            layer("fused", block=4, random_blocks=1)(*qkv(60))
+    finally:
+        _blockband.build_fused.cache_clear()
     with pytest.raises(ValueError, match="auto, gather, flex, band, fused"):
         BigBirdConfig(kernel="fast")
 

@@ -30,6 +30,7 @@ kernel; the docs' Speed page has the measurements.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -280,17 +281,12 @@ def _plain_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: in
                 rows_out.index_copy_(0, order[r0:r1], o[: r1 - r0])
 
 
+@functools.cache
 def build_fused():
     """The C++ kernel of ``kernel="fused"`` (:func:`._cpp.load`): ``RuntimeError`` when it cannot be built."""
-    global _FUSED
-    if _FUSED is None:
-        from . import _cpp
+    from . import _cpp
 
-        _FUSED = _cpp.load("block_band", asked="bigbird: kernel='fused'", instead="kernel='auto' (the default)")
-    return _FUSED
-
-
-_FUSED = None
+    return _cpp.load("block_band", asked="bigbird: kernel='fused'", instead="kernel='auto' (the default)")
 
 
 def _fused_row(q, k, v, out, bi: int, row: _Row, order, prefix: bool, length: int, *, scale, block, neighbours, dt):

@@ -331,22 +331,8 @@ def attend(
     it can and the sequence is long enough to repay it, see ``_flex.worth_it``; else gather); ``"fused"``: what
     ``"auto"`` runs, with the block-band kernel's C++ form (``_blockband.attend(fused=True)``) in its place where it
     runs (off the CPU, with a warning)."""
-    fused = kernel == FUSED
-    if fused:
-        kernel = "auto"
-        if q.device.type != "cpu":
-            warnings.warn(
-                f"approx: kernel='fused' runs its C++ kernel on the CPU only; on {q.device} it runs what 'auto' runs",
-                stacklevel=3,
-            )
-    how = dict(key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse, kernel=kernel)
-    from . import _dense
-
-    done = _dense.try_dense(q, k, v, pattern, **how)
-    if done is None:
-        done = _try_band(q, k, v, pattern, **how, fused=fused)
-    if done is None:
-        done = _try_flex(q, k, v, pattern, **how)
+    how = dict(key_mask=key_mask, scale=scale, dropout=dropout, with_lse=with_lse)
+    done = _other_kernels(q, k, v, pattern, kernel=kernel, **how)
     if done is not None:
         return done
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
@@ -411,6 +397,27 @@ def attend(
     if pattern.global_queries is not None and bool(pattern.global_queries.any()):
         out, lse = _global_rows(q, scale, k, v, key_mask, pattern.global_queries, out, lse, dropout)
     return (out, lse) if with_lse else out.to(out_dtype)  # to combine: in the compute dtype
+
+
+def _other_kernels(q, k, v, pattern: Pattern, *, kernel: str, **how):
+    """The output of the kernel ``kernel`` picks other than gather (the dense route, the banded kernels, flex; see
+    :func:`attend`), or None for the gather kernel. ``"fused"`` is ``"auto"`` with the block-band kernel's C++ form."""
+    from . import _dense
+
+    fused = kernel == FUSED
+    if fused:
+        kernel = "auto"
+        if q.device.type != "cpu":
+            warnings.warn(
+                f"approx: kernel='fused' runs its C++ kernel on the CPU only; on {q.device} it runs what 'auto' runs",
+                stacklevel=4,
+            )
+    done = _dense.try_dense(q, k, v, pattern, **how, kernel=kernel)
+    if done is None:
+        done = _try_band(q, k, v, pattern, **how, kernel=kernel, fused=fused)
+    if done is None:
+        done = _try_flex(q, k, v, pattern, **how, kernel=kernel)
+    return done
 
 
 def _try_band(

@@ -27,8 +27,8 @@ from types import ModuleType
 
 import torch
 
-from . import _cpp
-from ._common import compute_dtype, safe_key_mask, zero_padded_values
+from . import _cpp, _lshrounds
+from ._common import compute_dtype, safe_key_mask, tracked, zero_padded_values
 
 __all__ = ["attend", "build", "usable", "warn_off_cpu"]
 
@@ -37,9 +37,9 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float,
     """Whether the kernel runs the call: on the CPU, without a gradient to track or attention dropout, with the
     ``clusters`` key cluster numbers exact in the compute dtype (they are compared as floats: below 2^24 in
     float32)."""
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    exact = clusters <= 2 / torch.finfo(compute_dtype(q.dtype)).eps
-    return q.device.type == "cpu" and dropout == 0.0 and not tracked and exact
+    dt = compute_dtype(q.dtype)
+    exact = _lshrounds.id_dtype(dt, clusters) == dt
+    return q.device.type == "cpu" and dropout == 0.0 and not tracked(q, k, v) and exact
 
 
 def warn_off_cpu(device: torch.device) -> None:
