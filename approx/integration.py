@@ -374,7 +374,14 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
         return None
     # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
     key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    if _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout) is not None:
+    why = _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout)
+    if why is not None:
+        if why == _band.NO_GRADIENT:  # (eval mode, outside no_grad: the usual call of a script, so said)
+            warnings.warn(
+                "approx: local='band' ran the sliding-window layers' own attention (O(N^2)), as gradients are "
+                "tracked: run the model under torch.inference_mode() or torch.no_grad() for the banded kernel",
+                stacklevel=2,
+            )
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = _band.attend(
@@ -689,6 +696,8 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
             f"attention (approx's methods approximate attention over the whole input); the layers approx patches: "
             f"{others} (layers=None selects them all)"
         )
+    if not is_patched(model):
+        _check_nesting(model, modules)
     _register()
     model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):
@@ -713,6 +722,36 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     for i, layer in layers.items():
         setattr(modules[i], _CHILD, layer)
     return model
+
+
+def _check_nesting(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Refuse to patch ``model`` when a model inside it is patched (``model.bert`` of a task model), or a model
+    holding it is (its attention modules carry layers): the two would route one set of attention modules through two
+    configs, and ``unpatch`` of either would restore neither."""
+    inner = next(((name, m) for name, m in model.named_modules() if m is not model and is_patched(m)), None)
+    if inner is not None:
+        name, sub = inner
+        raise ValueError(
+            f"{type(model).__name__}.{name} ({type(sub).__name__}) is already patched by approx: patch one model, "
+            f"either it or the {type(model).__name__} that holds it; approx.unpatch(model.{name}) first"
+        )
+    held = [i for i, m in enumerate(modules) if hasattr(m, _CHILD)]
+    if held:
+        raise ValueError(
+            f"attention layers {held} of {type(model).__name__} are patched through a model that holds it (the "
+            "task model around this encoder, say): patch one model, either that one or this; approx.unpatch that "
+            "one first"
+        )
+
+
+def _patched_elsewhere(model: nn.Module) -> str:
+    """For the error of :func:`unpatch` on a model that is not patched: which model around or inside it is."""
+    inner = next((name for name, m in model.named_modules() if m is not model and is_patched(m)), None)
+    if inner is not None:
+        return f"; its {inner} is: approx.unpatch(model.{inner})"
+    if any(hasattr(m, _CHILD) for m in model.modules()):
+        return "; its attention layers are patched through a model that holds it: unpatch that one"
+    return ""
 
 
 def _configs(config: Any) -> list[Any]:
@@ -812,7 +851,7 @@ def is_patched(model: nn.Module) -> bool:
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the original attention exactly (bit-identical outputs); returns the model."""
     if not is_patched(model):
-        raise ValueError(f"{type(model).__name__} is not patched by approx")
+        raise ValueError(f"{type(model).__name__} is not patched by approx{_patched_elsewhere(model)}")
     for module in model.modules():
         if hasattr(module, _CHILD):
             delattr(module, _CHILD)
@@ -944,7 +983,9 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     checkpoint alone would drop the patch silently, and refusing would break every tool that saves through it.
     """
     if not is_patched(model):
-        raise ValueError("the model is not patched; use model.save_pretrained for a plain model")
+        raise ValueError(
+            f"the model is not patched; use model.save_pretrained for a plain model{_patched_elsewhere(model)}"
+        )
     if save_pretrained_kwargs.get("push_to_hub"):  # transformers would upload before the method's files are written
         raise ValueError(
             "push_to_hub: save the patched model to a folder first, then upload the folder whole "
@@ -962,9 +1003,10 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
     if not save_pretrained_kwargs.get("is_main_process", True):
         return path
-    save_method_state(model, path)
+    saved.write_state(patched_layers(model), path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
-    meta.update(state_sha256=saved.state_digest(path), layers=settings(model))
+    meta.update(state_sha256=saved.state_digest(path), weights_sha256=saved.weights_digest(path))
+    meta["layers"] = settings(model)
     if local_mode(model) != "model":  # how its sliding-window layers run (absent: their own attention)
         meta["local"] = local_mode(model)
     if tuning(model) is not None:
@@ -984,7 +1026,15 @@ def _save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwar
 
 def save_method_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
     """Write the state of the patched layers to ``folder/approx_state.safetensors``; returns the file, or None
-    when no patched layer has state. :func:`load_method_state` reads it back."""
+    (and no state file left) when no patched layer has state. :func:`load_method_state` reads it back. A folder
+    written by :func:`save` is refused (``ValueError``): its settings record the SHA-256 of its state file, which
+    this would change or remove; :func:`save` the model there instead."""
+    if saved.is_saved_setting(folder):
+        raise ValueError(
+            f"{folder} was written by approx.save: its {saved.SETTINGS_FILE} records the SHA-256 of its state file, "
+            "which this would change or remove, and approx.load would then refuse the folder; save the whole "
+            "model there with approx.save(model, folder), or write the state to another folder"
+        )
     return saved.write_state(patched_layers(model), folder)
 
 
@@ -1045,7 +1095,9 @@ def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwa
     implementation back."""
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{path}: no such folder (approx.load reads a folder written by approx.save)")
-    original = saved.read_settings(path).get("original_attn_implementation")
+    meta = saved.read_settings(path)
+    saved.check_weights(path, meta)
+    original = meta.get("original_attn_implementation")
     if original in ("eager", "sdpa") and "attn_implementation" not in from_pretrained_kwargs:
         from_pretrained_kwargs = {**from_pretrained_kwargs, "attn_implementation": original}
     if model_class is None:

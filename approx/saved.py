@@ -4,7 +4,8 @@
 "original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``, with ``"heads"`` on a layer whose
 method runs on some of its heads only) and
 ``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``, the layers' as ``"layers_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
-fitted projections), written only when some layer has state. :mod:`approx.integration` writes and reads the
+fitted projections), written only when some layer has state. ``"weights_sha256"`` (:func:`weights_digest`) is that
+of the checkpoint's weight files as ``approx.save`` wrote them. :mod:`approx.integration` writes and reads the
 checkpoint around them (``approx.save``, ``approx.load``).
 """
 
@@ -104,7 +105,7 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
                 check_heads(entry["heads"])
             except ValueError as e:
                 raise ValueError(f"{file}: layers[{n}]: {e}") from None
-    for key in ("original_attn_implementation", "state_sha256", "layers_sha256"):
+    for key in ("original_attn_implementation", "state_sha256", "layers_sha256", "weights_sha256"):
         if not isinstance(meta.get(key), (str, type(None))):
             raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")
     # folders saved before 2026-11-29 have no layers_sha256: read as they are
@@ -181,6 +182,47 @@ def write_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -
         return None
     save_file(state, str(file))
     return file
+
+
+# the files of the Hugging Face checkpoint that hold the weights (one file or shards and their index, any variant)
+WEIGHT_FILES = (
+    "model*.safetensors",
+    "model*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model*.bin.index.json",
+)
+
+
+def weights_digest(folder: str | os.PathLike) -> str | None:
+    """SHA-256 over the checkpoint's weight files in ``folder`` (:data:`WEIGHT_FILES`: each file's name and SHA-256,
+    in name order; None without any): ``approx.save`` records it, so that weights written over the folder later (a
+    plain ``save_pretrained`` of another model) are refused by ``approx.load`` rather than patched with settings that
+    were saved for other weights."""
+    files = sorted({f for pattern in WEIGHT_FILES for f in Path(folder).glob(pattern) if f.is_file()})
+    if not files:
+        return None
+    total = hashlib.sha256()
+    for file in files:
+        one = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                one.update(chunk)
+        total.update(f"{file.name}\0{one.hexdigest()}\n".encode())
+    return total.hexdigest()
+
+
+def check_weights(folder: str | os.PathLike, meta: dict[str, Any]) -> None:
+    """``ValueError`` when the weights in ``folder`` are not those ``approx.save`` wrote beside ``meta`` (its
+    ``"weights_sha256"``; folders saved before 2026-11-30 have none and are read as they are)."""
+    recorded = meta.get("weights_sha256")
+    if recorded is not None and weights_digest(folder) != recorded:
+        raise ValueError(
+            f"{Path(folder)}: its weights are not those approx.save wrote beside {SETTINGS_FILE} (their SHA-256 "
+            "differs from 'weights_sha256'; a plain save_pretrained into this folder, say), so its settings may not "
+            "describe them. To load the weights as they are, use AutoModel.from_pretrained (and approx.restore(model, "
+            f"folder) to patch them with these settings anyway); to keep them as a plain checkpoint, delete "
+            f"{SETTINGS_FILE}; or save the patched model again with approx.save"
+        )
 
 
 def state_digest(folder: str | os.PathLike) -> str | None:

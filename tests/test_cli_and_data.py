@@ -346,6 +346,35 @@ def test_a_limit_past_the_split_says_so(tmp_path):
         assert len(task.load_after(None, 1, limit=n, source="local", data_dir=str(root))[0]) == n - 1
 
 
+def test_a_limit_on_mnli_reads_both_dev_sets(tmp_path):
+    """MNLI's dev split is its matched set, then its mismatched one: a limit read the matched examples only, and
+    ``accuracy_mismatched`` went missing from the result. The limit now takes the two round-robin, each set's
+    examples in file order; a larger limit reads every example a smaller one reads (which load_after needs)."""
+    from evalfixtures import write_data
+
+    from approx.harness.tasks import get_task
+
+    root = write_data(tmp_path / "data")
+    task = get_task("mnli")
+    every, _ = task.load(source="local", data_dir=str(root))
+    per_group = {g: [e for e in every if e["group"] == g] for g in ("matched", "mismatched")}
+    for limit in (1, 2, 5, 8):
+        examples, _ = task.load(source="local", data_dir=str(root), limit=limit)
+        assert len(examples) == limit
+        for group, theirs in per_group.items():
+            mine = [e for e in examples if e["group"] == group]
+            assert mine == theirs[: len(mine)] and len(mine) in (limit // 2, (limit + 1) // 2)
+        assert examples == [e for e in every if e in examples]  # in the split's order
+        predictions = [e["label"] for e in examples]
+        assert set(task.score(examples, predictions, "fine-tuned")) == (
+            {"accuracy_matched"} if limit == 1 else {"accuracy_matched", "accuracy_mismatched"}
+        )
+    later, _ = task.load_after(None, 3, limit=4, source="local", data_dir=str(root))
+    first, _ = task.load(source="local", data_dir=str(root), limit=3)
+    both, _ = task.load(source="local", data_dir=str(root), limit=7)
+    assert sorted(map(str, first + later)) == sorted(map(str, both)) and not any(e in first for e in later)
+
+
 # ------------------------------------------------------------------------- command-line mistakes (issue 15)
 
 CLI_MISTAKES = [

@@ -80,6 +80,28 @@ def test_refine_takes_the_lloyd_steps_of_a_float64_loop(seed, rows, monkeypatch)
     assert errors[0] > errors[1] >= errors[2] - 1e-9  # Lloyd steps never raise the within-cluster error
 
 
+def test_refine_on_the_cpu_stops_at_a_fixed_point(monkeypatch):
+    """On the CPU the eager steps stop once a step moves nothing (a fixed point: the float64 loop's clusters after as
+    many steps as it takes to stop moving), so a large bound returns at once (2**40 steps had run for ever); the
+    count of steps it runs is that of the float64 loop's, plus the one that moves nothing."""
+    q, _, _, mask = qkv(5)
+    method = get_method("clustered")
+    config0 = method.make_config(clusters=5, seed=5, refine=0)
+    state = method.init_state(config0, head_dim=D, seed=5)
+    hamming = clustered_mod.cluster_queries(q, mask, config0, state)
+    want, steps = hamming, 0
+    while not torch.equal(nxt := lloyd_reference(q, want, mask, 5, 1), want) or steps == 0:
+        want, steps = nxt, steps + 1
+    assert steps >= 2, "the reference settled at once: the test would not see a stop"
+    calls = []
+    real = clustered_mod.centroids
+    monkeypatch.setattr(clustered_mod, "centroids", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = clustered_mod.cluster_queries(q, mask, method.make_config(clusters=5, seed=5, refine=10**4), state)
+    for b, n in ((0, N), (1, REAL_LAST)):
+        assert torch.equal(got[b, :, :n], want[b, :, :n])
+    assert len(calls) <= steps + 2  # (+1: the step that moved nothing; +1: the padded queries' first move)
+
+
 def test_refine_in_the_compiled_engines_function_gives_the_eager_clusters():
     """``_clusters`` (what ``engine="compiled"`` compiles: sync-free K-means, then the Euclidean steps), run as plain
     code, against the eager path."""

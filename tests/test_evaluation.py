@@ -1244,6 +1244,11 @@ def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints):
     assert plain["fidelity"]["allocated_peak_mib_per_input"] is None and plain["allocations"] is False
     with pytest.raises(ValueError, match="warmup=True and a CPU"):
         _run(path, "rte", ["window:window=2"], fixture_dir, allocations=True, warmup=False)
+    # refused before the model or the data is read (a missing model would fail later, with another error)
+    with pytest.raises(ValueError, match="warmup=True and a CPU"):
+        _run(
+            str(fixture_dir / "no-such-model"), "rte", ["window:window=2"], fixture_dir, allocations=True, warmup=False
+        )
 
 
 def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):

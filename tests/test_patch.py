@@ -1,6 +1,7 @@
 """Patching real transformers models (tiny ones built from configs): every supported family and task head,
 exactness of ``full``, unpatch, layer selection, save/load, refusals."""
 
+import copy
 import re
 import types
 
@@ -9,7 +10,7 @@ import torch
 from conftest import FAMILIES, FAMILY_HEADS, HEADS, batch, heads_of, model_output, tiny_config, tiny_model
 
 import approx
-from approx.integration import SUPPORTED_MODEL_TYPES, UnsupportedModelError, _key_mask
+from approx.integration import SUPPORTED_MODEL_TYPES, UnsupportedModelError, _key_mask, attach
 
 METHODS = approx.methods()
 
@@ -411,6 +412,10 @@ def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(mo
         assert torch.equal(model_output(plain, **inputs), ref) and calls[0] == 0
         model_output(plain.eval(), **inputs)
     assert calls[0] == 1
+    # eval mode with gradients tracked (a script's plain call): the layer's own attention, and a warning says why
+    with pytest.warns(UserWarning, match=r"local='band' ran the sliding-window layers' own attention.*no_grad"):
+        out = model_output(plain, **inputs)
+    assert out.requires_grad and calls[0] == 1
 
 
 def test_a_dict_of_masks_per_layer_type_reads_as_the_unpatched_model_reads_it(monkeypatch):
@@ -696,6 +701,46 @@ def test_numpy_and_torch_integers_are_options_and_layers_and_float_options_are_f
 def test_unpatch_of_unpatched_model_raises():
     with pytest.raises(ValueError, match="not patched"):
         approx.unpatch(tiny_model("bert"))
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model_output(model, **batch(48, pad=13))
+
+
+def test_a_model_inside_or_around_a_patched_one_is_refused(tmp_path):
+    """One set of attention modules patched through two models (``model.bert``, then the task model around it, or
+    the other way round) would run through two configs, and neither ``unpatch`` would restore the model: patching,
+    restoring, attaching, saving and unpatching the other one are refused, naming the patched one, and the model
+    runs as patched. Unpatching the patched one gives the original back to the bit, and the other can then be
+    patched."""
+    model = tiny_model("bert", "sequence-classification")
+    ref = _logits(model)
+    approx.save(approx.patch(tiny_model("bert", "sequence-classification"), "full"), tmp_path / "saved")
+    for patched_one, other, name in ((model.bert, model, "bert"), (model, model.bert, None)):
+        approx.patch(patched_one, "window", window=2, block=4)
+        out = _logits(model)
+        assert not torch.equal(out, ref)
+        refusals = {
+            "patch": lambda: approx.patch(other, "clustered", clusters=6),  # noqa: B023
+            "restore": lambda: approx.restore(other, tmp_path / "saved"),  # noqa: B023
+            "attach": lambda: attach(other, copy.deepcopy(approx.patched_layers(patched_one))),  # noqa: B023
+        }
+        for what, call in refusals.items():
+            with pytest.raises(ValueError, match="patch one model") as e:
+                call()
+            assert (name is None) == ("through a model that holds it" in str(e.value)), what
+            assert approx.settings(patched_one)[0]["method"] == "window" and not approx.is_patched(other)
+            assert torch.equal(_logits(model), out)
+        for call in (lambda: approx.unpatch(other), lambda: approx.save(other, tmp_path / "x")):  # noqa: B023
+            with pytest.raises(ValueError, match=r"not patched.*(unpatch that one|approx.unpatch\(model.bert\))"):
+                call()
+        approx.unpatch(patched_one)
+        assert torch.equal(_logits(model), ref)
+    approx.patch(model.bert, "full")
+    assert torch.equal(_logits(model), ref)
+    approx.unpatch(model.bert)
+    assert torch.equal(_logits(approx.patch(model, "full")), ref)
 
 
 def test_non_padding_masks_are_refused():

@@ -675,3 +675,54 @@ def test_a_layer_made_under_inference_mode_still_trains():
     assert approx.is_patched(tuned)
     tuned.train()
     model_output(tuned, **batch(24, pad=3)).sum().backward()
+
+
+def test_weights_saved_over_an_approx_folder_are_refused_by_load(tmp_path):
+    """A plain ``save_pretrained`` of other weights into a folder approx.save wrote leaves its ``approx_config.json``
+    behind: ``approx.load`` refuses the folder (the weights' SHA-256 differs from the one saved), saying how to read
+    the weights, rather than patching them with settings saved for others. The plain weights still load without
+    approx, and ``approx.restore`` still patches a model the caller loaded."""
+    from transformers import AutoModel
+
+    patched, folder = saved_folder(tmp_path / "m")
+    assert torch.equal(outputs(approx.load(folder)), outputs(patched))
+    other = tiny_model("bert", seed=7)
+    other.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"weights are not those approx.save wrote.*AutoModel.from_pretrained") as e:
+        approx.load(folder)
+    assert str(folder) in str(e.value) and "weights_sha256" in str(e.value)
+    plain = AutoModel.from_pretrained(folder)
+    assert torch.equal(outputs(plain), outputs(other))
+    approx.restore(plain, folder)
+    assert approx.settings(plain) == approx.settings(patched)
+
+
+def test_the_weights_digest_covers_every_shard(tmp_path):
+    """A checkpoint saved in shards loads as saved; one shard changed afterwards is refused. A folder saved before
+    the weights' digest existed (no ``weights_sha256``) loads as it is."""
+    from safetensors.torch import load_file, save_file
+
+    model = approx.patch(tiny_model("bert"), "clustered", layers=[0], clusters=6, seed=2)
+    approx.save(model, tmp_path / "m", max_shard_size="20KB")
+    shards = sorted((tmp_path / "m").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    assert torch.equal(outputs(approx.load(tmp_path / "m")), outputs(model))
+    weights = load_file(str(shards[1]))
+    name = next(iter(weights))
+    save_file({**weights, name: weights[name] + 1e-3}, str(shards[1]), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="weights are not those approx.save wrote"):
+        approx.load(tmp_path / "m")
+    _edit_settings(tmp_path / "m", lambda m: m.pop("weights_sha256"))
+    assert approx.settings(approx.load(tmp_path / "m")) == approx.settings(model)
+
+
+def test_save_method_state_refuses_a_folder_that_approx_save_wrote(tmp_path):
+    """The settings of an approx folder record the SHA-256 of its state file: writing (or, for a model without state,
+    removing) that file behind them would make the folder fail to load, so it is refused and the file kept."""
+    model, folder = saved_folder(tmp_path / "m")
+    before = (folder / STATE_FILE).read_bytes()
+    for other in (approx.patch(tiny_model("bert"), "window", window=2), approx.patch(tiny_model("bert"), "favor")):
+        with pytest.raises(ValueError, match=r"written by approx.save.*approx.save\(model, folder\)"):
+            save_method_state(other, folder)
+    assert (folder / STATE_FILE).read_bytes() == before
+    assert torch.equal(outputs(approx.load(folder)), outputs(model))

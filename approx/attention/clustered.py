@@ -68,7 +68,8 @@ class ClusteredConfig(MethodConfig):
     refine: int = option(
         1,
         "Lloyd steps in Euclidean space on the queries themselves after the Hamming K-means (0: the paper's "
-        "clusters; each step moves every query to its nearest centroid, then recomputes the centroids; 1 since "
+        "clusters; each step moves every query to its nearest centroid, then recomputes the centroids; on the CPU "
+        "they stop early at a fixed point, where more would change nothing; the cost counts them all; 1 since "
         "issue #20: see the docs' Results, 'Sharper clustering')",
         absent=0,  # saved folders and results from before the option: the paper's clusters
     )
@@ -152,7 +153,9 @@ def refine_clusters(
     coarse image of the queries; these steps cluster the queries themselves, at O(N C d) each. Padded queries
     never count in a centroid; their index is whatever is nearest (their rows are discarded). ``chunked`` (eager
     code): the products a block of queries at a time; not (compiled code: no loop over the length, which would fix
-    it in the graph): every query at once."""
+    it in the graph): every query at once. On the CPU the eager steps stop at a fixed point (an assignment that a
+    step leaves as it was: every later step would repeat it), so ``steps`` is a bound there; elsewhere every step
+    runs, without host synchronisation."""
     if steps == 0:
         return assign
     with torch.no_grad():  # indices only: no gradient flows through a choice of cluster
@@ -162,7 +165,8 @@ def refine_clusters(
 def _lloyd_steps(q, assign, query_mask, clusters: int, steps: int, chunked: bool) -> torch.Tensor:
     batch, heads, n, d = q.shape
     q3 = q.reshape(batch * heads, n, d)
-    for _ in range(steps):
+    settle = chunked and q.device.type == "cpu"  # stop at a fixed point (host synchronisation is free on the CPU)
+    for step in range(steps):
         qc, count = centroids(q, assign, query_mask, clusters)
         # -|Q^c|^2 / 2 per cluster, -inf for an empty one: the bias of one fused product per block of queries
         bias = (qc.square().sum(-1) * -0.5).masked_fill_(count == 0, float("-inf")).view(batch * heads, 1, clusters)
@@ -177,7 +181,10 @@ def _lloyd_steps(q, assign, query_mask, clusters: int, steps: int, chunked: bool
             part = q3[:, start : start + rows]
             out = block[:, : part.shape[1]]
             torch.argmax(torch.baddbmm(bias, part, qct, out=out), -1, out=nearest[:, start : start + rows])
-        assign = nearest.view(batch, heads, n)
+        moved = nearest.view(batch, heads, n)
+        if settle and step + 1 < steps and torch.equal(moved, assign):
+            return assign
+        assign = moved
     return assign
 
 

@@ -695,17 +695,17 @@ def evaluate(
     setups = _setups(methods, seed, batch_size, local)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = _checked_max_length(task, max_length)
+    if allocations and (not warmup or not cpu):  # before the model and data are loaded
+        raise ValueError(
+            "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
+            f"device (got warmup={warmup}, device {device or 'cuda'}; on CUDA peak_memory_mib is the allocator's peak)"
+        )
     torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
         run = _prepare(
             model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
             max_length=max_length, device=device, state=state, progress=progress, stack=stack, methods=methods,
         )  # fmt: skip
-        if allocations and (not warmup or run.device.type != "cpu"):
-            raise ValueError(
-                "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
-                f"device (got warmup={warmup}, device {run.device}; on CUDA peak_memory_mib is the allocator's peak)"
-            )
         layers = _method_layers(run.model, setups, methods, run.device, local)
         order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
         batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]

@@ -255,6 +255,17 @@ class Task:
             raise ValueError(f"limit must be at least 1, got {limit!r}")
         return list(range(min(count, len(examples))))
 
+    def spread(self, examples: list[dict[str, Any]], limit: int, key: str) -> list[int]:
+        """:meth:`pick` spread over the values of ``examples``' ``key``: ``limit`` examples taken round-robin (each
+        value's first example in file order, then each value's second, ...), in ``examples``' order. A larger
+        ``limit`` reads every example a smaller one reads (which :meth:`load_after` needs)."""
+        count = len(Task.pick(self, examples, limit))  # the same checks of limit
+        rank, seen = [], {}
+        for i, ex in enumerate(examples):
+            seen[ex[key]] = seen.get(ex[key], -1) + 1
+            rank.append((seen[ex[key]], i))
+        return sorted(i for _, i in sorted(rank)[:count])
+
     def load_after(
         self,
         split: str | None,

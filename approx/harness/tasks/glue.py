@@ -61,6 +61,14 @@ class GlueTask(Task):
     labels: ClassVar[tuple[str, ...]] = ()  # label names in the hub's order; () = regression
     groups: ClassVar[dict[str, str]] = {"": "dev"}  # result group -> local file stem (MNLI has two)
 
+    def pick(self, examples, limit):
+        """The first ``limit`` examples; of a dev set in several groups (MNLI's matched and mismatched), ``limit``
+        taken round-robin over the groups (:meth:`~approx.harness.tasks.base.Task.spread`), so that each group's
+        metric is measured rather than the first group's alone."""
+        if len({ex["group"] for ex in examples}) > 1:
+            return self.spread(examples, limit, "group")
+        return super().pick(examples, limit)
+
     def local_files(self, split: str) -> list[str]:
         stems = list(self.groups.values()) if split == "dev" else ["train"]
         return [f"glue/{self.folder}/{stem}.tsv" for stem in stems]

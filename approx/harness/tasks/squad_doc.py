@@ -174,12 +174,7 @@ class SquadDoc(Squad):
         """``limit`` questions taken round-robin over the articles (every article's first question in file order,
         then every article's second, ...), so that a subset reads as many articles, and as many article lengths, as
         it can; the chosen questions keep the file's order (:meth:`Task.load` reads them)."""
-        count = len(super().pick(examples, limit))  # the same checks of limit
-        rank, seen = [], {}
-        for i, ex in enumerate(examples):
-            seen[ex["title"]] = seen.get(ex["title"], -1) + 1
-            rank.append((seen[ex["title"]], i))
-        return sorted(i for _, i in sorted(rank)[:count])
+        return self.spread(examples, limit, "title")
 
     def read_hub(self, split):
         return with_articles(super().read_hub(split))
