@@ -73,6 +73,26 @@ def pytest_addoption(parser):
     parser.addoption("--data-dir", default=None, help="evaluation data folder (default: $APPROX_DATA_DIR)")
 
 
+# the skip reasons of tests that need a C++ compiler (the fused kernels, torch.compile): without one, a run would pass
+# with those tests unrun, which only `-ra` shows; the summary says so in any run
+COMPILER_SKIPS = ("cannot be built here", "cannot compile here")
+
+
+def pytest_terminal_summary(terminalreporter):
+    reasons = [
+        str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        for report in terminalreporter.stats.get("skipped", [])
+    ]
+    unbuilt = [r for r in reasons if any(words in r for words in COMPILER_SKIPS)]
+    if unbuilt:
+        terminalreporter.write_sep("=", "tests that need a C++ compiler", yellow=True)
+        count = f"{len(unbuilt)} test{'' if len(unbuilt) == 1 else 's'}"
+        terminalreporter.write_line(
+            f"{count} of approx's C++ kernels or torch.compile skipped: no working compiler here. The first reason: "
+            f"{unbuilt[0].removeprefix('Skipped: ')}"
+        )
+
+
 def tiny_config(family: str, **overrides):
     from transformers import AutoConfig
 
