@@ -100,13 +100,72 @@ def test_hull_path_is_optimal_at_each_of_its_costs(seed, cost_unit, loss_unit):
     assert totals[-1][0] == pytest.approx(cheapest)  # ends with every layer at its cheapest
 
 
-def test_a_model_with_sliding_window_layers_is_refused_before_measuring():
-    """autotune chooses a method for every attention layer; ModernBERT's local layers are never patched: refused at
-    once, naming them (rather than failing midway, or tuning around them silently)."""
-    model = tiny_model("modernbert")
-    with pytest.raises(ValueError, match=r"layers \[1\] of ModernBertModel attend within a sliding window"):
-        approx.autotune(model, [[1, 5, 6, 7, 2]] * 4, target="cosine>=0.99", progress=False)
-    assert not approx.is_patched(model)
+def test_a_model_with_sliding_window_layers_is_tuned_on_its_other_layers(tmp_path):
+    """ModernBERT's local layers are never patched: the search tunes its full-attention layers (0 and 2 of 4 here),
+    the local ones keep the model's own attention in every run and read ``LOCAL_CHOICE`` in the choices, and the
+    cost is that of the tuned layers at the check inputs' lengths, from each method's cost model, summed here. The
+    tuned model's fidelity is measured here against the unpatched model, the layers it holds are those the choices
+    name (rebuilt here, bit for bit), and it saves and loads as tuned."""
+    from approx.harness.autotune import LOCAL_CHOICE
+
+    original = tiny_model("modernbert", num_hidden_layers=4)
+    assert approx.local_layers(original) == [1, 3]
+    fit, check = _data(12, 21), _data(12, 22)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the cheapest point may miss any target
+        cheapest = approx.autotune(copy.deepcopy(original), fit, check_data=check, target=None, budget=1e-9,
+                                   methods=CANDIDATES, batch_size=4, progress=False)  # fmt: skip
+    target = 1 - (1 - cheapest.fidelity) / 4  # between the cheapest point and full attention
+    model = copy.deepcopy(original)
+    tuning = approx.autotune(model, fit, check_data=check, target=target, methods=CANDIDATES, batch_size=4,
+                             progress=False)  # fmt: skip
+    assert [tuning.choices[i] for i in (1, 3)] == [LOCAL_CHOICE] * 2 and len(tuning.choices) == 4
+    assert LOCAL_CHOICE not in (tuning.choices[0], tuning.choices[2])
+    assert all(p["choices"][1] == p["choices"][3] == LOCAL_CHOICE for p in tuning.path)
+    assert sorted(approx.patched_layers(model)) == [0, 2] and {r["layer"] for r in tuning.table} == {0, 2}
+    batches = _batches(check)
+    measured = _cosine(original, model, batches)
+    assert tuning.met and measured >= target and tuning.fidelity == pytest.approx(measured, abs=1e-6)
+    rebuilt = copy.deepcopy(original)
+    for i in (0, 2):
+        setup = as_setup(tuning.choices[i])
+        approx.patch(rebuilt, setup.method, layers=[i], **setup.options)
+    with torch.no_grad():
+        for b in batches:
+            assert torch.equal(model(**b).last_hidden_state, rebuilt(**b).last_hidden_state)
+    lengths = [len(r) for r in check]
+    d = original.config.hidden_size // original.config.num_attention_heads
+    for point in tuning.path:
+        assert point["cost"] == pytest.approx(_flops_ratio([point["choices"][i] for i in (0, 2)], lengths, d=d))
+    assert f"layer 1: {LOCAL_CHOICE}" in tuning.summary() and tuning.path[-1]["cost"] < 1
+    folder = approx.save(model, tmp_path / "tuned")
+    loaded = approx.load(folder)
+    with torch.no_grad():
+        assert torch.equal(loaded(**batches[0]).last_hidden_state, model(**batches[0]).last_hidden_state)
+    assert approx.integration.tuning(loaded)["choices"] == tuning.choices
+
+
+def test_cli_tunes_modernbert_and_the_tuned_folder_evaluates_with_the_band(tmp_path, fixture_dir, capsys):
+    """On the command line: a ModernBERT classifier is tuned on MRPC's training inputs (its sliding-window layer 1
+    said, not tuned), saved, and evaluated from the folder with ``--local band``: the sliding-window layer on the
+    banded kernel, the tuned layer as chosen."""
+    from evalfixtures import write_checkpoint
+
+    model = str(write_checkpoint(tmp_path / "modernbert", "sequence-classification", family="modernbert"))
+    out = tmp_path / "tuned"
+    argv = ["autotune", "--model", model, "--task", "mrpc", "--split", "train", "--limit", "8", "--data-dir",
+            str(fixture_dir), "--batch-size", "2", "--method", "efficient", "--target", "kl<=1", "--output-dir",
+            str(out), "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    assert "layer 1: own (sliding window)" in capsys.readouterr().out
+    assert [x["layer"] for x in json.loads((out / "approx_config.json").read_text())["layers"]] == [0]
+    result = tmp_path / "eval.json"
+    argv = ["eval", "--model", model, "--task", "mrpc", "--method", str(out), "--local", "band", "--data-dir",
+            str(fixture_dir), "--quiet", "--output", str(result)]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(result.read_text())
+    assert record["local"] == "band" and record["fidelity"]["cost"]["layers"]["sliding_window"] == [1]
+    assert [(x["layer"], x["method"]) for x in record["method"]["layers"]] == [(0, "efficient")]
 
 
 def test_parse_target():

@@ -54,6 +54,10 @@ state of each
 candidate (hash planes, random blocks) is drawn from ``seed`` and the layer index, as :func:`approx.patch`
 draws it, so the tuned model's layers are the ones measured. Methods with fitted state (Sparsefinder,
 Linformer ``fitted``) are refused as candidates: fit them and evaluate the folder instead.
+
+A model's sliding-window layers (ModernBERT's local layers, which :func:`approx.patch` never patches) are not tuned:
+they keep the model's own attention in every run, read :data:`LOCAL_CHOICE` in the choices, and are left out of the
+costs, as the harness's cost block leaves them out; the search runs over the other layers.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ from .spec import Setup, as_setup, heads_label, short_label
 
 __all__ = [
     "DEFAULT_CANDIDATES",
+    "LOCAL_CHOICE",
     "Search",
     "Target",
     "Tuning",
@@ -124,6 +129,10 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "bigbird:block=16,random_blocks=1",
     "efficient",
 )
+
+# what Tuning.choices says of a sliding-window layer (ModernBERT's local layers): never tuned, it keeps the model's own
+# attention (approx.patch leaves such layers alone)
+LOCAL_CHOICE = "own (sliding window)"
 
 COSTS = {"flops": (0, 2), "matmul": (4, 5)}  # the convention -> (method, full) slots of AttentionProbe.cost
 RATIO_NAMES = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax"}  # as the harness's cost block names them
@@ -388,7 +397,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class Tuning:
     """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
-    ``"full"``). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost at the cost
+    ``"full"``; :data:`LOCAL_CHOICE` for a sliding-window layer, which is not tuned). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost at the cost
     inputs (the check inputs unless ``cost_data`` was given), relative to full attention in the tuning's convention
     (``costs``: in both). ``met``: whether ``fidelity`` (a score target: ``score``) meets the target and ``cost`` the
     budget. ``table``: per layer and candidate, the loss, attention error and cost ratios measured with that layer
@@ -455,7 +464,9 @@ class Tuning:
                 why = "meets the target at less cost than the search path's point"
                 if self.budget is not None:
                     why += " (or within the budget, where the path's points miss it)"
-            lines.append(f"a uniform setting ({self.choices[0]} on every layer): it {why}")
+            tuned = next(c for c in self.choices if c != LOCAL_CHOICE)
+            where = "every layer it tunes" if LOCAL_CHOICE in self.choices else "every layer"
+            lines.append(f"a uniform setting ({tuned} on {where}): it {why}")
         return "\n".join(lines)
 
 
@@ -608,10 +619,14 @@ class Search:
 
     def _measure(self, setups, fit_batches, check_batches, cost_batches, progress: bool) -> None:
         model, labels = self.model, self.labels
-        n_layers = len(attention_modules(model))
         self.options = _candidate_layers(model, setups)  # per column (candidate), layer -> its layer
         self.bases = list(range(len(labels)))  # per column, the candidate it runs (a column on some heads: its own)
         self.full = _full_layers(model)
+        # the layers tuned, one row of the search each: every attention layer but a model's sliding-window layers
+        # (ModernBERT's), which keep their own attention in every assignment and are left out of its cost
+        self.rows = sorted(self.full)
+        self.local = local_layers(model)
+        n_layers = len(self.rows)
         fit = _Calibration(model, fit_batches, self.measure)
         self.check = _Calibration(model, check_batches, self.measure)
         # per layer, per option (option 0 full attention, option c column c - 1): the loss, and per convention the
@@ -627,8 +642,8 @@ class Search:
         if not any(bool(mask.any()) for mask, _ in self._cost_masks):
             raise ValueError("the cost inputs hold no real token (every attention mask is 0): nothing to take costs at")
         for convention in COSTS:
-            for i in range(n_layers):
-                self.costs[convention][i][0] = _cost(self.full[i], self._cost_masks, convention, self.heads)
+            for r, i in enumerate(self.rows):
+                self.costs[convention][r][0] = _cost(self.full[i], self._cost_masks, convention, self.heads)
         for c in range(len(labels)):
             self._add_costs(c)
         self.table = []
@@ -660,18 +675,18 @@ class Search:
     def _add_costs(self, column: int) -> None:
         """Each layer's costs of one column (as option ``column + 1``), in both conventions."""
         for convention in COSTS:
-            for i, row in enumerate(self.costs[convention]):
+            for i, row in zip(self.rows, self.costs[convention], strict=True):
                 row.append(_cost(self.options[column][i], self._cost_masks, convention, self.heads))
 
-    def _measure_column(self, fit: _Calibration, column: int, bar) -> list[torch.Tensor]:
+    def _measure_column(self, fit: _Calibration, column: int, bar) -> dict[int, torch.Tensor]:
         """Every layer alone with one column's layer (as option ``column + 1``): its loss and a row of the table each.
         Returns per layer the squared attention-output error of each head, summed over the fit inputs."""
-        label, errors = self.labels[column], []
+        label, errors = self.labels[column], {}
         for i, layer in self.options[column].items():
             bar.set_postfix_str(f"layer {i}, {label}", refresh=False)
             fidelity, probe = fit.run({i: layer})
             loss = self.measure.loss(fidelity)
-            self.loss[i].append(loss)
+            self.loss[self.rows.index(i)].append(loss)
             if not math.isfinite(loss):
                 warnings.warn(f"autotune: {label} on layer {i} gives fidelity {fidelity}: never chosen", stacklevel=4)
             err = math.sqrt(probe.err_num[str(i)] / max(probe.err_den[str(i)], 1e-30))
@@ -680,7 +695,7 @@ class Search:
                 **({} if layer.heads is None else {"heads": list(layer.heads)}),
                 **{RATIO_NAMES[k]: _share(probe.cost[COSTS[k][0]], probe.cost[COSTS[k][1]]) for k in COSTS},
             })  # fmt: skip
-            errors.append(probe.head_err_num[str(i)])
+            errors[i] = probe.head_err_num[str(i)]
             bar.update(1)
         return errors
 
@@ -692,6 +707,12 @@ class Search:
         heads = self.options[option - 1][layer].heads
         return self.labels[option - 1] if heads is None else self.labels[self.bases[option - 1]] + heads_label(heads)
 
+    def _choices(self, assignment: Sequence[int]) -> list[str]:
+        """:attr:`Tuning.choices` of an assignment (one option per row): per attention layer, :meth:`_choice`, or
+        :data:`LOCAL_CHOICE` for a sliding-window layer."""
+        chosen = {i: self._choice(i, a) for i, a in zip(self.rows, assignment, strict=True)}
+        return [chosen.get(i, LOCAL_CHOICE) for i in range(len(self.rows) + len(self.local))]
+
     def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
         if convention not in self.paths:
@@ -701,7 +722,7 @@ class Search:
             self.paths[convention] = path
             self.points[convention] = [
                 {
-                    "choices": [self._choice(i, a) for i, a in enumerate(p)],
+                    "choices": self._choices(p),
                     "cost": sum(costs[i][a] for i, a in enumerate(p)) / total_full,
                     "estimated_loss": sum(self.loss[i][a] for i, a in enumerate(p)),
                 }
@@ -718,7 +739,9 @@ class Search:
         return mine / full if full and math.isfinite(mine) else None
 
     def _layers(self, assignment: Sequence[int]) -> dict[int, ApproxAttention]:
-        return {i: (self.full[i] if a == 0 else self.options[a - 1][i]) for i, a in enumerate(assignment)}
+        return {
+            i: (self.full[i] if a == 0 else self.options[a - 1][i]) for i, a in zip(self.rows, assignment, strict=True)
+        }
 
     def _verify(self, assignment: Sequence[int]) -> float:
         """The measured fidelity of an assignment on the check inputs (run once, then remembered)."""
@@ -829,7 +852,7 @@ class Search:
         attach(self.model, self._layers(assignment))
         costs = {RATIO_NAMES[k]: self._ratio(assignment, k) for k in COSTS}
         tuning = Tuning(
-            choices=[self._choice(i, a) for i, a in enumerate(assignment)],
+            choices=self._choices(assignment),
             fidelity=fidelity,
             cost=costs[RATIO_NAMES[convention]],
             costs=costs,
@@ -1078,13 +1101,6 @@ def autotune(
     """
     if isinstance(target, _DefaultTarget) and budget is not None:  # a budget alone, as on the command line
         target = None
-    local = local_layers(model)
-    if local:  # (refused before anything is measured)
-        raise ValueError(
-            f"autotune chooses a method for every attention layer, and layers {local} of {type(model).__name__} attend "
-            "within a sliding window, which approx does not patch: tune such a model by hand (approx.patch or "
-            "approx.evaluate on its other layers)"
-        )
     goal = check_goal(target, budget)  # refused before anything is measured
     scoring = check_score(goal, score)
     if measure is not None and goal is not None and not scoring and measure != goal.measure:
