@@ -493,13 +493,28 @@ def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
                 "train without it (model.gradient_checkpointing_disable()), or with question_global=False"
             )
     input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-    padding = kwargs.get("attention_mask")  # (B, N); not a caller's own 4D mask, nor transformers 5's dict of them
-    padding = padding if isinstance(padding, torch.Tensor) and padding.dim() == 2 else None
+    padding = _padding_of(kwargs.get("attention_mask"))
     question = question_positions(model, input_ids, kwargs.get("token_type_ids"), padding)
     stack = getattr(_QUESTION_TOKENS, "stack", None)
     if stack is None:
         stack = _QUESTION_TOKENS.stack = []
     stack.append(_context._QUESTION.set(question))
+
+
+def _padding_of(mask: Any) -> torch.Tensor | None:
+    """The real tokens (B, N) of a forward's ``attention_mask``: the mask itself when it is (B, N); from a caller's own
+    4D mask, or transformers 5's dict of them per layer type, the key padding the patched layers read from it
+    (:func:`approx.layer.key_mask_of`; the first mask that is padding alone); None otherwise (the question is then
+    found without it, so padding that shares the SEP id could pass for a separator)."""
+    for m in mask.values() if isinstance(mask, dict) else [mask]:
+        if isinstance(m, torch.Tensor) and m.dim() == 2:
+            return m
+        if isinstance(m, torch.Tensor) and m.dim() == 4:
+            try:
+                return _key_mask(m, m.shape[0], m.shape[-1])
+            except ValueError:  # differs between queries (a window, a custom pattern): not padding alone
+                continue
+    return None
 
 
 def _reset_question(model: nn.Module, args: tuple, output: Any) -> None:

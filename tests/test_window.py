@@ -157,11 +157,20 @@ def test_padding_that_shares_the_sep_id_is_no_second_segment():
     assert _context.question_of(ids[:1], None, eos) is not None  # (what the padding made of it without the mask)
     model = tiny_model("eurobert", pad_token_id=eos, eos_token_id=eos)
     assert torch.equal(approx.integration.question_positions(model, ids, None, real), want)
-    seen = []
     approx.patch(model, "full")
-    with torch.no_grad(), approx.integration.attention_probe(lambda *a: seen.append(_context.question_mask())):
-        model(input_ids=ids, attention_mask=real)
-    assert seen and all(torch.equal(m, want) for m in seen)  # what a patched forward hands its methods
+    # what a patched forward hands its methods, from a (B, N) mask, a caller's boolean or additive 4D mask (its key
+    # padding; before, these were read without padding, which then passed for a second segment), or a dict of them
+    additive = torch.zeros(2, 1, 6, 6).masked_fill(~real.bool()[:, None, None, :], -10000.0)
+    for mask in (real, real.bool()[:, None, None, :].expand(2, 1, 6, 6), additive, {"full_attention": additive}):
+        seen = []
+        with torch.no_grad(), approx.integration.attention_probe(lambda *a: seen.append(_context.question_mask())):  # noqa: B023
+            if isinstance(mask, dict):  # (EuroBERT's forward takes no dict: the patched model's hook, called here)
+                approx.integration._set_question(model, (), {"input_ids": ids, "attention_mask": mask})
+                seen.append(_context.question_mask())
+                approx.integration._reset_question(model, (), None)
+            else:
+                model(input_ids=ids, attention_mask=mask)
+        assert seen and all(torch.equal(m, want) for m in seen)
 
 
 def test_a_patched_model_passes_its_question(monkeypatch):

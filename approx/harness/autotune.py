@@ -1150,8 +1150,8 @@ def task_batches(
     its two halves. Calibrate on a training split (e.g. ``dev/0`` of a cross-fitted task) and evaluate on
     another."""
     from ..integration import model_head_from_name
-    from .evaluation import _collate
     from .tasks import get_task
+    from .tasks.base import collate
 
     spec = get_task(task)
     mode = spec.mode_for(model_head_from_name(type(model).__name__))
@@ -1173,4 +1173,4 @@ def task_batches(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     device = next(model.parameters()).device
     rows = [features[i] for i in order]
-    return [_collate(rows[i : i + batch_size], pad, device) for i in range(0, len(rows), batch_size)]
+    return [collate(rows[i : i + batch_size], pad, device) for i in range(0, len(rows), batch_size)]

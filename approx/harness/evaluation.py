@@ -70,27 +70,11 @@ from .resampling import (
 )
 from .spec import PER_LAYER, Setup, as_setup, layer_spans, saved_folder, short_label
 from .tasks import Feature, Task, get_task
-from .tasks.base import splits_overlap
+from .tasks.base import collate, splits_overlap
 
 __all__ = ["evaluate", "as_setup", "markdown_report"]
 
 log = logging.getLogger(__name__)
-
-
-def _collate(features: list[Feature], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    n = max(len(f.input_ids) for f in features)
-    ids = torch.full((len(features), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(features), n), dtype=torch.long)
-    types = torch.zeros((len(features), n), dtype=torch.long) if features[0].token_type_ids is not None else None
-    for i, f in enumerate(features):
-        ids[i, : len(f.input_ids)] = torch.tensor(f.input_ids)
-        mask[i, : len(f.input_ids)] = 1
-        if types is not None:
-            types[i, : len(f.input_ids)] = torch.tensor(f.token_type_ids)
-    inputs = {"input_ids": ids, "attention_mask": mask}
-    if types is not None:
-        inputs["token_type_ids"] = types
-    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def _forward(model, inputs, device):
@@ -158,7 +142,7 @@ def _warm_up(run: _Run, idx: list[int], layers, labels: list[str], bar, allocati
     attention first, then each method's), and with ``allocations`` the CPU allocator's peak of each forward,
     measured in one more untimed call under the profiler (:func:`~approx.harness.memory.allocation_peak`;
     else None)."""
-    inputs = _collate([run.features[i] for i in idx], run.pad_id, run.device)
+    inputs = collate([run.features[i] for i in idx], run.pad_id, run.device)
     tokens = inputs["input_ids"].shape[1]
     bar.set_postfix_str(f"{tokens} tokens, warm-up: full attention", refresh=True)
     # the process's first forward pass maps kernels' code and grows the allocator once (on MiniLM-L6, 32 inputs of
@@ -252,7 +236,7 @@ def _run_batch(
     allocated = allocated or [None] * (len(layers) + 1)
     task, mode = run.task, run.mode
     feats = [run.features[i] for i in idx]
-    inputs = _collate(feats, run.pad_id, run.device)
+    inputs = collate(feats, run.pad_id, run.device)
     tokens = inputs["input_ids"].shape[1]
     bar.set_postfix_str(f"{tokens} tokens, full attention", refresh=True)
     (ref_out, ref_mem), ref_retimed = _timed(lambda: _forward(run.model, inputs, run.device), retime)

@@ -61,10 +61,9 @@ from ..integration import (
 from ..integration import redraw as redraw_layers
 from ..positions import extend_positions, position_limit
 from ..registry import get_method
-from .evaluation import _collate
 from .spec import PER_LAYER, Setup, as_setup, layer_entries, saved_folder
 from .tasks import Feature, Task, get_task
-from .tasks.base import splits_overlap
+from .tasks.base import collate, splits_overlap
 
 __all__ = ["FinetuneConfig", "finetune", "masked_lm_loss"]
 
@@ -117,7 +116,7 @@ class FinetuneConfig(MethodConfig):
 
 
 def _batch(features: list[Feature], pad_id: int) -> dict[str, torch.Tensor]:
-    inputs = _collate(features, pad_id, torch.device("cpu"))
+    inputs = collate(features, pad_id, torch.device("cpu"))
     for name in features[0].extra["labels"]:
         values = [f.extra["labels"][name] for f in features]
         if isinstance(values[0], list):  # one label per token: padded positions are ignored by the loss

@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..integration import model_head_from_name
-from .evaluation import _collate
 from .resampling import paired_interval
 from .tasks import Feature, Task, get_task
+from .tasks.base import collate
 
 __all__ = ["TaskScorer", "check_metric", "task_scorer"]
 
@@ -71,7 +71,7 @@ class TaskScorer:
                     for start in range(0, len(order), self.batch_size):
                         idx = order[start : start + self.batch_size]
                         feats = [self.features[i] for i in idx]
-                        inputs = _collate(feats, self.pad_id, device)
+                        inputs = collate(feats, self.pad_id, device)
                         out = model(**inputs, output_hidden_states=True)
                         for i, o in zip(idx, self.task.outputs(out, inputs, feats, self.mode), strict=True):
                             outputs[i] = o

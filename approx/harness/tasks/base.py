@@ -54,6 +54,24 @@ class Feature:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def collate(features: list[Feature], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """One batch of model inputs from ``features``: ids padded with ``pad_id`` to the longest, the attention mask,
+    token types where the features have them; on ``device``."""
+    n = max(len(f.input_ids) for f in features)
+    ids = torch.full((len(features), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(features), n), dtype=torch.long)
+    types = torch.zeros((len(features), n), dtype=torch.long) if features[0].token_type_ids is not None else None
+    for i, f in enumerate(features):
+        ids[i, : len(f.input_ids)] = torch.tensor(f.input_ids)
+        mask[i, : len(f.input_ids)] = 1
+        if types is not None:
+            types[i, : len(f.input_ids)] = torch.tensor(f.token_type_ids)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if types is not None:
+        inputs["token_type_ids"] = types
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSource:
     """Where examples come from: ``kind`` is ``"local"`` (``folder``) or ``"hub"``."""
