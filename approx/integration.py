@@ -55,6 +55,8 @@ __all__ = [
     "load",
     "load_method_state",
     "patch",
+    "patched_elsewhere",
+    "patched_within",
     "question_positions",
     "redraw",
     "RedrawSchedule",
@@ -743,9 +745,9 @@ def _check_nesting(model: nn.Module, modules: list[nn.Module]) -> None:
     """Refuse to patch ``model`` when a model inside it is patched (``model.bert`` of a task model), or a model
     holding it is (its attention modules carry layers): the two would route one set of attention modules through two
     configs, and ``unpatch`` of either would restore neither."""
-    inner = next(((name, m) for name, m in model.named_modules() if m is not model and is_patched(m)), None)
-    if inner is not None:
-        name, sub = inner
+    name = patched_within(model)
+    if name is not None:
+        sub = model.get_submodule(name)
         raise ValueError(
             f"{type(model).__name__}.{name} ({type(sub).__name__}) is already patched by approx: patch one model, "
             f"either it or the {type(model).__name__} that holds it; approx.unpatch(model.{name}) first"
@@ -754,18 +756,27 @@ def _check_nesting(model: nn.Module, modules: list[nn.Module]) -> None:
     if held:
         raise ValueError(
             f"attention layers {held} of {type(model).__name__} are patched through a model that holds it (the "
-            "task model around this encoder, say): patch one model, either that one or this; approx.unpatch that "
-            "one first"
+            "task model around this encoder, say, or one it was copied out of): patch one model, either that one or "
+            "this; approx.unpatch that one first, or copy the model before patching it"
         )
 
 
-def _patched_elsewhere(model: nn.Module) -> str:
-    """For the error of :func:`unpatch` on a model that is not patched: which model around or inside it is."""
-    inner = next((name for name, m in model.named_modules() if m is not model and is_patched(m)), None)
+def patched_within(model: nn.Module) -> str | None:
+    """The name of a patched model inside ``model`` (``"bert"`` of a task model whose encoder was patched), or None."""
+    return next((name for name, m in model.named_modules() if m is not model and is_patched(m)), None)
+
+
+def patched_elsewhere(model: nn.Module) -> str:
+    """For the errors about a model that is not patched: which model around or inside it is (``""``: none; else a
+    clause to append, starting with ``"; "``)."""
+    inner = patched_within(model)
     if inner is not None:
-        return f"; its {inner} is: approx.unpatch(model.{inner})"
+        return f"; its {inner} is (approx.unpatch(model.{inner}), or approx.save(model.{inner}, ...) to save it)"
     if any(hasattr(m, _CHILD) for m in model.modules()):
-        return "; its attention layers are patched through a model that holds it: unpatch that one"
+        return (
+            "; its attention layers are patched through a model that holds it (or that it was copied out of): "
+            "unpatch that one, or copy the model before patching it"
+        )
     return ""
 
 
@@ -866,7 +877,7 @@ def is_patched(model: nn.Module) -> bool:
 def unpatch(model: nn.Module) -> nn.Module:
     """Restore the original attention exactly (bit-identical outputs); returns the model."""
     if not is_patched(model):
-        raise ValueError(f"{type(model).__name__} is not patched by approx{_patched_elsewhere(model)}")
+        raise ValueError(f"{type(model).__name__} is not patched by approx{patched_elsewhere(model)}")
     for module in model.modules():
         if hasattr(module, _CHILD):
             delattr(module, _CHILD)
@@ -919,7 +930,9 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
     ``patch(model, method, seed=seed)`` draws."""
     patched = patched_layers(model)
     if not patched:
-        raise ValueError(f"{type(model).__name__} is not patched by approx: nothing to redraw")
+        raise ValueError(
+            f"{type(model).__name__} is not patched by approx: nothing to redraw{patched_elsewhere(model)}"
+        )
     chosen = sorted(patched) if layers is None else select_layers(layers, len(attention_modules(model)))
     unpatched = [i for i in chosen if i not in patched]
     if unpatched:
@@ -959,7 +972,9 @@ class RedrawSchedule:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         if not is_patched(model):  # now, not at the first redraw, after a training step
-            raise ValueError(f"{type(model).__name__} is not patched by approx: nothing to redraw")
+            raise ValueError(
+                f"{type(model).__name__} is not patched by approx: nothing to redraw{patched_elsewhere(model)}"
+            )
         self.model, self.every, self.seed, self.steps = model, every, seed, 0
 
     def step(self) -> bool:
@@ -998,8 +1013,11 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     checkpoint alone would drop the patch silently, and refusing would break every tool that saves through it.
     """
     if not is_patched(model):
+        elsewhere = patched_elsewhere(model)
         raise ValueError(
-            f"the model is not patched; use model.save_pretrained for a plain model{_patched_elsewhere(model)}"
+            f"the model is not patched{elsewhere}"
+            if elsewhere
+            else "the model is not patched; use model.save_pretrained for a plain model"
         )
     if save_pretrained_kwargs.get("push_to_hub"):  # transformers would upload before the method's files are written
         raise ValueError(
@@ -1015,9 +1033,11 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     state_dict = save_pretrained_kwargs.pop("state_dict", None)
     state_dict = {k: v for k, v in (model.state_dict() if state_dict is None else state_dict).items()
                   if f".{_CHILD}." not in f".{k}"}  # fmt: skip
-    type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
-    if not save_pretrained_kwargs.get("is_main_process", True):
+    if not save_pretrained_kwargs.get("is_main_process", True):  # (another process writes the folder)
+        type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
         return path
+    with saved.fresh_weights(path):  # no weight file of an earlier save left beside these
+        type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
     saved.write_state(patched_layers(model), path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
     meta.update(state_sha256=saved.state_digest(path), weights_sha256=saved.weights_digest(path))

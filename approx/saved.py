@@ -11,9 +11,12 @@ checkpoint around them (``approx.save``, ``approx.load``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -184,21 +187,60 @@ def write_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -
     return file
 
 
-# the files of the Hugging Face checkpoint that hold the weights (one file or shards and their index, any variant)
-WEIGHT_FILES = (
-    "model*.safetensors",
-    "model*.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model*.bin.index.json",
+# the files of a Hugging Face checkpoint that hold its weights: one file or shards and their index, of any variant
+# (model.safetensors, model-00001-of-00003.safetensors, model.fp16.safetensors, model.safetensors.index.json, and
+# pytorch_model's twins), as transformers names them
+WEIGHT_FILE = re.compile(
+    r"^(model|pytorch_model)(\.[A-Za-z0-9_-]+)?(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$"
 )
 
 
+def weight_files(folder: str | os.PathLike) -> list[str]:
+    """The names of the weight files in ``folder`` (:data:`WEIGHT_FILE`), sorted."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(f.name for f in folder.iterdir() if WEIGHT_FILE.match(f.name) and f.is_file())
+
+
+@contextlib.contextmanager
+def fresh_weights(folder: str | os.PathLike):
+    """Around a save into ``folder``: its weight files are moved aside first (hidden names), and after the save
+    removed, those the save did not write again with a warning naming them; if the save fails they are put back.
+    transformers removes an earlier save's shards only: a ``model.safetensors`` left beside new shards, or an earlier
+    variant, would be read by ``from_pretrained`` (which prefers the single file to an index) or by a variant's load,
+    while ``approx_config.json`` describes the model saved now, not them."""
+    folder = Path(folder)
+    old = weight_files(folder)
+    aside = {name: folder / f".approx-replaced-{name}" for name in old}
+    for name, hidden in aside.items():
+        (folder / name).replace(hidden)
+    try:
+        yield
+    except BaseException:  # the earlier save's files back, and none that the failed save began
+        for name in set(weight_files(folder)) - set(old):
+            (folder / name).unlink()
+        for name, hidden in aside.items():
+            hidden.replace(folder / name)
+        raise
+    for hidden in aside.values():
+        hidden.unlink(missing_ok=True)
+    stale = sorted(set(old) - set(weight_files(folder)))
+    if stale:
+        warnings.warn(
+            f"approx.save: removed {', '.join(stale)} from {folder}, left by an earlier save (this save wrote other "
+            f"weight files, and the folder's {SETTINGS_FILE} describes the model saved now); save models you want to "
+            "keep to folders of their own",
+            stacklevel=4,
+        )
+
+
 def weights_digest(folder: str | os.PathLike) -> str | None:
-    """SHA-256 over the checkpoint's weight files in ``folder`` (:data:`WEIGHT_FILES`: each file's name and SHA-256,
+    """SHA-256 over the checkpoint's weight files in ``folder`` (:data:`WEIGHT_FILE`: each file's name and SHA-256,
     in name order; None without any): ``approx.save`` records it, so that weights written over the folder later (a
     plain ``save_pretrained`` of another model) are refused by ``approx.load`` rather than patched with settings that
     were saved for other weights."""
-    files = sorted({f for pattern in WEIGHT_FILES for f in Path(folder).glob(pattern) if f.is_file()})
+    files = [Path(folder) / name for name in weight_files(folder)]
     if not files:
         return None
     total = hashlib.sha256()

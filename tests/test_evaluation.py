@@ -1219,7 +1219,7 @@ def test_the_compile_counter_counts_torch_compile_graphs():
     assert [b - a for a, b in zip(counts, counts[1:])] == [1, 0, 1]
 
 
-def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints):
+def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints, monkeypatch):
     """allocations=True: the CPU allocator's peak of full attention and of the method on the longest batch, per
     input. A method whose two attention layers each allocate 64 MiB, both held until the last layer, holds 128 MiB
     more than full attention at some moment of its pass: the
@@ -1244,11 +1244,16 @@ def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints):
     assert plain["fidelity"]["allocated_peak_mib_per_input"] is None and plain["allocations"] is False
     with pytest.raises(ValueError, match="warmup=True and a CPU"):
         _run(path, "rte", ["window:window=2"], fixture_dir, allocations=True, warmup=False)
-    # refused before the model or the data is read (a missing model would fail later, with another error)
-    with pytest.raises(ValueError, match="warmup=True and a CPU"):
-        _run(
-            str(fixture_dir / "no-such-model"), "rte", ["window:window=2"], fixture_dir, allocations=True, warmup=False
-        )
+    # refused before the model or the data is read (a missing model would fail later, with another error): no
+    # warm-up, or another device asked for
+    missing = str(fixture_dir / "no-such-model")
+    for refused in ({"warmup": False}, {"device": "meta"}):
+        with pytest.raises(ValueError, match="warmup=True and a CPU"):
+            _run(missing, "rte", ["window:window=2"], fixture_dir, allocations=True, **refused)
+    # on a machine with CUDA, a run that takes the model's own device, the CPU, measures (it was refused for a while)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (cpu,) = _run(path, "rte", ["window:window=2"], fixture_dir, batch_size=4, allocations=True)
+    assert cpu["fidelity"]["allocated_peak_mib_per_input"] is not None
 
 
 def test_warm_up_peak_memory_is_kept(fixture_dir, checkpoints, monkeypatch):
@@ -1472,3 +1477,16 @@ def test_the_evaluation_passes_the_unpatched_output_first_to_divergence(fixture_
     assert seen
     for r, o in seen:
         assert nearest(r, plain) < nearest(r, patched) and nearest(o, patched) < nearest(o, plain)
+
+
+def test_a_patched_model_or_one_holding_a_patched_encoder_is_refused(fixture_dir, tmp_path):
+    """The harness patches the model with each method and compares with it unpatched: a model given patched, or one
+    whose encoder is patched (its attention would run through the encoder's patch under every method and under the
+    reference), is refused, naming which."""
+    path = str(write_checkpoint(tmp_path / "c", "sequence-classification"))
+    model, tok = approx.integration.load_pretrained(path, task="sequence-classification", progress=False)
+    for patched, words in ((model, "the model is patched"), (model.bert, "the model's bert is patched")):
+        approx.patch(patched, "window", window=2, block=4)
+        with pytest.raises(ValueError, match=words):
+            _run(model, "sst2", ["full"], fixture_dir, tokenizer=tok)
+        approx.unpatch(patched)

@@ -732,9 +732,16 @@ def test_a_model_inside_or_around_a_patched_one_is_refused(tmp_path):
             assert (name is None) == ("through a model that holds it" in str(e.value)), what
             assert approx.settings(patched_one)[0]["method"] == "window" and not approx.is_patched(other)
             assert torch.equal(_logits(model), out)
-        for call in (lambda: approx.unpatch(other), lambda: approx.save(other, tmp_path / "x")):  # noqa: B023
-            with pytest.raises(ValueError, match=r"not patched.*(unpatch that one|approx.unpatch\(model.bert\))"):
+        calls = {
+            "unpatch": lambda: approx.unpatch(other),  # noqa: B023
+            "save": lambda: approx.save(other, tmp_path / "x"),  # noqa: B023
+            "redraw": lambda: approx.redraw(other),  # noqa: B023
+            "fit": lambda: approx.fit(other, [batch(48, pad=13)], progress=False),  # noqa: B023
+        }
+        for what, call in calls.items():
+            with pytest.raises(ValueError, match=r"not patched.*(unpatch that one|model\.bert)") as e:
                 call()
+            assert "save_pretrained" not in str(e.value), what  # (which would drop the encoder's patch)
         approx.unpatch(patched_one)
         assert torch.equal(_logits(model), ref)
     approx.patch(model.bert, "full")

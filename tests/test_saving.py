@@ -726,3 +726,59 @@ def test_save_method_state_refuses_a_folder_that_approx_save_wrote(tmp_path):
             save_method_state(other, folder)
     assert (folder / STATE_FILE).read_bytes() == before
     assert torch.equal(outputs(approx.load(folder)), outputs(model))
+
+
+def test_weight_files_an_earlier_save_left_are_removed(tmp_path, monkeypatch):
+    """transformers removes an earlier save's shards only: a ``model.safetensors`` left beside new shards was read by
+    ``from_pretrained`` first (the earlier model's weights under the new settings), and the weights' digest approved
+    it. ``approx.save`` removes the weight files it did not write again, naming them; saving the same way again
+    removes nothing; another variant replaces the earlier one; a save that fails puts the earlier files back."""
+    first = approx.patch(tiny_model("bert", seed=0), "lsh", cluster_size=4, seed=1)
+    second = approx.patch(tiny_model("bert", seed=1), "lsh", cluster_size=4, seed=2)
+    folder = tmp_path / "m"
+    approx.save(first, folder)
+    with pytest.warns(UserWarning, match=r"removed model\.safetensors .* left by an earlier save"):
+        approx.save(second, folder, max_shard_size="20KB")
+    assert not (folder / "model.safetensors").exists() and (folder / "model.safetensors.index.json").exists()
+    assert torch.equal(outputs(approx.load(folder)), outputs(second))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        approx.save(second, folder, max_shard_size="20KB")  # the same files written again: nothing removed
+    assert torch.equal(outputs(approx.load(folder)), outputs(second))
+    assert not any(f.name.startswith(".approx") for f in folder.iterdir())
+    other = tmp_path / "v"
+    approx.save(first, other)
+    with pytest.warns(UserWarning, match=r"removed model\.safetensors"):
+        approx.save(second, other, variant="ft")
+    assert torch.equal(outputs(approx.load(other, variant="ft")), outputs(second))
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+
+    def failing(model, path, **kwargs):
+        (Path(path) / "model.safetensors").write_bytes(b"half written")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(first), "save_pretrained", failing)
+    with pytest.raises(OSError, match="disk full"):
+        approx.save(first, folder)
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+    monkeypatch.undo()
+    assert torch.equal(outputs(approx.load(folder)), outputs(second))
+
+
+def test_evaluating_a_folder_as_its_own_method_checks_its_weights(tmp_path, fixture_dir):
+    """``approx eval --model F --method F``: the weights of F and the layers saved in F. Weights written over F by a
+    plain save are refused, as approx.load refuses them (they ran without a word)."""
+    from evalfixtures import write_checkpoint
+    from transformers import AutoModelForSequenceClassification
+
+    path = write_checkpoint(tmp_path / "c", "sequence-classification")
+    model = approx.patch(AutoModelForSequenceClassification.from_pretrained(path), "lsh", cluster_size=4)
+    approx.save(model, path)
+    run = dict(data_dir=str(fixture_dir), source="local", limit=4, progress=False)
+    (result,) = approx.evaluate(str(path), "sst2", [str(path)], **run)
+    assert result["method"]["name"] == "lsh"
+    AutoModelForSequenceClassification.from_pretrained(path, num_labels=2).save_pretrained(path)  # plain, same weights
+    approx.evaluate(str(path), "sst2", [str(path)], **run)  # (the same bytes: still the saved weights)
+    tiny_model("bert", "sequence-classification", seed=5, vocab_size=99).save_pretrained(path)
+    with pytest.raises(ValueError, match="weights are not those approx.save wrote"):
+        approx.evaluate(str(path), "sst2", [str(path)], **run)

@@ -283,7 +283,8 @@ def _add_eval_parser(sub) -> None:
     p.add_argument(
         "--limit",
         type=int,
-        help="N examples only, for quick looks (the first N; squad-doc: round-robin over the articles; WikiText: N windows)",
+        help="N examples only, for quick looks (the first N; squad-doc: round-robin over the articles; MNLI: over its "
+        "matched and mismatched sets; WikiText: N windows)",
     )
     p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
     p.add_argument("--batch-size", type=int, default=32, help="inputs per batch (default 32)")
@@ -773,7 +774,10 @@ def _add_autotune_parser(sub) -> None:
         help="the task's split to calibrate on (default: the task's); keep it apart from the one you evaluate on",
     )
     p.add_argument(
-        "--limit", type=int, help="N examples of the split (the first N; squad-doc: round-robin over the articles)"
+        "--limit",
+        type=int,
+        help="N examples of the split (the first N; squad-doc: round-robin over the articles; MNLI: over its matched "
+        "and mismatched sets)",
     )
     p.add_argument("--max-length", type=int, help="max tokens per input (default: the task's)")
     p.add_argument("--windows", type=int, help="without --task: WikiText-2 validation windows (default 16)")

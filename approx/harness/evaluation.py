@@ -50,13 +50,14 @@ from ..integration import (
     model_head_from_name,
     patch,
     patched_layers,
+    patched_within,
     saved_layers,
     saved_local,
     unpatch,
 )
 from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
-from ..saved import FIT_RECORD
+from ..saved import FIT_RECORD, check_weights, read_settings
 from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
@@ -366,15 +367,17 @@ def _prepare(
     if isinstance(model, str):
         _say_if_trained_on(model, task, split)
         _say_if_fitted_elsewhere(model, methods)
+        _check_own_weights(model, methods)
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     if device is not None:
         device = torch.device(device)
     else:
         device = state.device if state.num_processes > 1 else next(model.parameters()).device
-    if is_patched(model):
+    if is_patched(model) or patched_within(model) is not None:
+        which = "the model" if is_patched(model) else f"the model's {patched_within(model)}"
         raise ValueError(
-            "the model is patched: unpatch it and pass its layers as a method, "
-            "e.g. layers = approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
+            f"{which} is patched: unpatch it and pass its layers as a method, e.g. layers = "
+            "approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
         )
     # a caller's model in training mode (evaluation in the middle of training) gets every module's mode back
     stack.callback(_restore_modes, [(m, m.training) for m in model.modules()])
@@ -417,6 +420,15 @@ def _say_if_trained_on(model: str, task: Task, split: str) -> None:
             f"the split evaluated, {split}: its scores there are not held out",
             stacklevel=4,
         )
+
+
+def _check_own_weights(model: str, methods: Sequence) -> None:
+    """A folder given both as the model and as a method (``approx eval --model F --method F``) is refused when its
+    weights are not those ``approx.save`` wrote beside its settings (:func:`approx.saved.check_weights`), as
+    ``approx.load`` refuses it: its settings were saved for other weights."""
+    for method in methods:
+        if saved_folder(method) and Path(model).exists() and Path(method).resolve() == Path(model).resolve():
+            check_weights(method, read_settings(method))
 
 
 def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
@@ -463,6 +475,16 @@ def _method_layers(model, setups: list[Setup], methods: Sequence, device, local:
             "sliding-window layers run their own attention: evaluate there with local='model'"
         )
     return layers
+
+
+def _check_allocations(warmup: bool, device: torch.device | None) -> None:
+    """``allocations=True`` measures the CPU allocator in the warm-up pass: refused without the warm-up, or on a
+    ``device`` other than the CPU (None: not known yet)."""
+    if not warmup or (device is not None and device.type != "cpu"):
+        raise ValueError(
+            "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
+            f"device (got warmup={warmup}, device {device}; on CUDA peak_memory_mib is the allocator's peak)"
+        )
 
 
 def _checked_max_length(task: Task, max_length: Any) -> int:
@@ -679,17 +701,17 @@ def evaluate(
     setups = _setups(methods, seed, batch_size, local)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = _checked_max_length(task, max_length)
-    if allocations and (not warmup or not cpu):  # before the model and data are loaded
-        raise ValueError(
-            "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
-            f"device (got warmup={warmup}, device {device or 'cuda'}; on CUDA peak_memory_mib is the allocator's peak)"
-        )
+    if allocations:  # what can be told before the model and data are loaded: no warm-up, another device asked for
+        asked = None if device is None else torch.device(device)
+        _check_allocations(warmup, asked if asked is None or asked.type != "cpu" else None)
     torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
         run = _prepare(
             model, tokenizer, task, split=split, source=source, data_dir=data_dir, limit=limit,
             max_length=max_length, device=device, state=state, progress=progress, stack=stack, methods=methods,
         )  # fmt: skip
+        if allocations:  # the device the run took (a model object's own, say)
+            _check_allocations(warmup, run.device)
         layers = _method_layers(run.model, setups, methods, run.device, local)
         order = sorted(range(len(run.features)), key=lambda i: -len(run.features[i].input_ids))
         batches = [(b, order[i : i + batch_size]) for b, i in enumerate(range(0, len(order), batch_size))]

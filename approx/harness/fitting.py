@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..integration import attach, attention_probe, patched_layers
+from ..integration import attach, attention_probe, patched_elsewhere, patched_layers
 from ..layer import ApproxAttention
 from ..registry import get_method
 
@@ -136,6 +136,9 @@ def fit(
     checked before anything runs (``ValueError`` listing the valid ones); the seed is the method's ``seed``
     option. Returns what was fitted and how long it took."""
     patched = patched_layers(model)
+    elsewhere = "" if patched else patched_elsewhere(model)
+    if elsewhere:
+        raise ValueError(f"{type(model).__name__} is not patched{elsewhere}: fit that one")
     layers = {i: lyr for i, lyr in patched.items() if lyr.method.requires_fit(lyr.config)}
     if not layers:
         if not any(lyr.method.needs_fit for lyr in patched.values()):

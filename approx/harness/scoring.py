@@ -120,7 +120,7 @@ def task_scorer(
     """A :class:`TaskScorer` of ``task``'s ``metric`` (default: the task's primary metric) on the labelled examples
     ``skip`` to ``skip + limit`` of ``split`` (those that a limit of ``skip + limit`` reads and one of ``skip`` does
     not: :meth:`~approx.harness.tasks.base.Task.load_after`; the split's order, or ``squad-doc``'s round-robin over
-    articles), for the head ``model`` has. Use the data the model was trained on (or other labelled data it will not
+    articles, MNLI's over its matched and mismatched sets), for the head ``model`` has. Use the data the model was trained on (or other labelled data it will not
     be evaluated on), past the examples the tuning calibrates on: ``skip`` = the calibration's ``limit`` when both
     read the same split.
 
