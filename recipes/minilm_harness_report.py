@@ -17,7 +17,8 @@ halves) and LSH (2 rounds of 32). Most STS-B sentences fit these budgets, and th
 Nyström, whole: each result's ``fidelity.exact_inputs`` (the notes under the report's table) counts the inputs on
 which a method ran exact attention.
 
-    python recipes/minilm_harness_report.py     # about 12 minutes on 2 CPU cores (299 s and 413 s at a8b55e2)
+    python recipes/minilm_harness_report.py     # about 12 minutes on 2 CPU cores (STS-B 308 s at df15c26,
+                                                # WikiText-2 413 s at a8b55e2)
     python recipes/minilm_harness_report.py --only stsb --limit 16 --results-dir /tmp/h   # smoke
 
 Writes recipes/results/minilm_stsb_zero_shot.json and recipes/results/minilm_wikitext2_harness.json (one
