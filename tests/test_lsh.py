@@ -4,7 +4,9 @@
 The reference below is written from the papers' definition with plain loops and dense masks; it reads only the
 layer's random state (the hash directions), never the method's functions."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,26 +95,29 @@ def fused_kernel():
         pytest.skip(f"LSH's fused kernel cannot be built here: {err}")
 
 
-@pytest.fixture(params=["inference", "autograd", "fused"])
+@pytest.fixture(params=["inference", "autograd", "fused", "fused-clusters"])
 def path(request, monkeypatch):
-    """Which of LSH's three paths a test runs: the eager engine's inference one (``_lshrounds``: no gradient, reused
+    """Which of LSH's paths a test runs: the eager engine's inference one (``_lshrounds``: no gradient, reused
     buffers), the differentiable loop (inputs that require gradients; see :func:`run`), or the fused engine's C++
-    kernel (``_lshfused``: every call of the layer made with ``engine="fused"``). Checks afterwards that it ran and
-    that the others did not."""
+    kernel (``_lshfused``: every call of the layer made with ``engine="fused"``), its work split by (batch, head) row
+    or, ``fused-clusters``, by each round's query clusters (what it does with fewer rows than threads). Checks
+    afterwards that it ran and that the others did not."""
     from approx.attention import _lshfused, _lshrounds
     from approx.attention import lsh as lsh_module
 
-    if request.param == "fused":
+    if request.param.startswith("fused"):
         fused_kernel()
         rounds = lsh_module.attend_rounds
         monkeypatch.setattr(lsh_module, "attend_rounds", lambda *a, **kw: rounds(*a, **{**kw, "engine": "fused"}))
+        monkeypatch.setattr(_lshfused, "SPLIT", "clusters" if request.param == "fused-clusters" else "rows")
     calls = {"inference": [], "fused": []}
     for name, module in (("inference", _lshrounds), ("fused", _lshfused)):
         real = module.attend
         monkeypatch.setattr(module, "attend", lambda *a, _f=real, _c=calls[name], **kw: _c.append(1) or _f(*a, **kw))
-    yield "inference" if request.param == "fused" else request.param  # the kernel runs where the inference path would
+    fused = request.param.startswith("fused")
+    yield "inference" if fused else request.param  # the kernel runs where the inference path would
     for name, made in calls.items():
-        assert bool(made) == (request.param == name), f"{name}: {len(made)} calls on the {request.param} path"
+        assert bool(made) == (request.param.split("-")[0] == name), f"{name}: {len(made)} calls on {request.param}"
 
 
 def run(fn, path, q, k, v, *rest, **kw):
@@ -571,7 +576,8 @@ def test_fused_engine_gives_the_eager_output(dtype):
 
 def test_fused_engine_with_padding_inside_rows_on_two_threads():
     """Padding spread through a row (the padded tokens sort last in every round wherever they sit) and two threads
-    (the suite runs on one; here the kernel's (batch, head) tasks run in parallel): the loop reference."""
+    (the suite runs on one; here the kernel's tasks run in parallel, split by (batch, head) row or by each round's
+    clusters, to the bit alike, and alike for a single row): the loop reference."""
     from approx.attention import _lshfused
 
     fused_kernel()
@@ -581,16 +587,24 @@ def test_fused_engine_with_padding_inside_rows_on_two_threads():
     lyr = lsh(cluster_size=8, rounds=3, engine="fused")
     ref = reference_lsh(q, k, v, mask, lyr.state()["directions"], 8)
     threads, calls, real = torch.get_num_threads(), [], _lshfused.attend
+    out = {}
     try:
         _lshfused.attend = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         torch.set_num_threads(2)
         with torch.no_grad():
-            out = lyr(q, k, v, mask)
+            for split in ("rows", "clusters", "auto"):  # (by row; by each round's clusters; rows here: B H > 2)
+                _lshfused.SPLIT = split
+                out[split] = lyr(q, k, v, mask)
+            _lshfused.SPLIT = "auto"  # one (batch, head) row on two threads: each round's clusters
+            one = lyr(q[1:, :1], k[1:, :1], v[1:, :1], mask[1:])
     finally:
         torch.set_num_threads(threads)
         _lshfused.attend = real
-    assert calls == [1]
-    torch.testing.assert_close(real_rows(out, mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+        _lshfused.SPLIT = "auto"
+    assert calls == [1] * 4
+    torch.testing.assert_close(real_rows(out["rows"], mask), real_rows(ref, mask), rtol=1e-9, atol=1e-12)
+    assert torch.equal(out["rows"], out["clusters"]) and torch.equal(out["rows"], out["auto"])  # the same arithmetic
+    assert torch.equal(one, out["rows"][1:, :1])
 
 
 def test_fused_engine_runs_the_eager_paths_where_its_kernel_does_not(monkeypatch):
@@ -808,3 +822,25 @@ def test_one_cluster_runs_one_round_and_is_exact(monkeypatch):
             torch.testing.assert_close(
                 out[real_rows], naive_attention(q, k, v, mask)[real_rows], rtol=1e-10, atol=1e-12
             )
+
+
+def test_the_split_benchmark_times_both_splits_and_records_how(tmp_path, monkeypatch, capsys):
+    """benchmarks/lsh_split.py: both splits timed on the same inputs, the ratio printed, and a JSON with the settings
+    and provenance; ``auto`` is left as it was."""
+    from approx.attention import _lshfused
+
+    fused_kernel()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import lsh_split
+
+    threads = torch.get_num_threads()
+    try:
+        lsh_split.main(["--threads", "2", "--heads", "1", "--lengths", "256", "--repeats", "1", "--cluster-size", "32",
+                        "--output", str(tmp_path / "split.json")])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    record = json.loads((tmp_path / "split.json").read_text())
+    (row,) = record["results"]
+    assert row["auto"] == "clusters" and row["rows_s"] > 0 and row["clusters_s"] > 0
+    assert record["provenance"]["git_commit"] is not None and record["settings"]["threads"] == 2
+    assert "| (1, 1, 256, 64) |" in capsys.readouterr().out and _lshfused.SPLIT == "auto"

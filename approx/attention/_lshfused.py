@@ -32,6 +32,13 @@ from ._common import compute_dtype, safe_key_mask, tracked, zero_padded_values
 
 __all__ = ["attend", "build", "usable", "warn_off_cpu"]
 
+# How the kernel splits its work between threads: "auto" takes each (batch, head) row as a task, or each round's
+# query clusters when there are fewer rows than threads (one sequence of 12 heads on a machine of more cores would
+# otherwise leave the rest idle); "rows" and "clusters" force one (the tests run both; the results are the same to
+# the bit: the same arithmetic, each query's rounds in order).
+SPLITS = {"auto": 0, "rows": 1, "clusters": 2}
+SPLIT = "auto"
+
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, clusters: int) -> bool:
     """Whether the kernel runs the call: on the CPU, without a gradient to track or attention dropout, with the
@@ -85,5 +92,6 @@ def attend(q, k, v, hashed, *, key_mask, scale: float) -> torch.Tensor:
         h,
         hashed.block,
         float(scale),
+        SPLITS[SPLIT],
     )
     return out.view(b, h, n, dv).to(v.dtype)
