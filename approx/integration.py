@@ -1036,11 +1036,11 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
     if not save_pretrained_kwargs.get("is_main_process", True):  # (another process writes the folder)
         type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
         return path
-    with saved.fresh_weights(path):  # no weight file of an earlier save left beside these
+    with saved.fresh_weights(path, save_pretrained_kwargs.get("variant")):  # none of an earlier save's weights left
         type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
     saved.write_state(patched_layers(model), path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
-    meta.update(state_sha256=saved.state_digest(path), weights_sha256=saved.weights_digest(path))
+    meta.update(state_sha256=saved.state_digest(path), checkpoint_sha256=saved.checkpoint_digest(path))
     meta["layers"] = settings(model)
     if local_mode(model) != "model":  # how its sliding-window layers run (absent: their own attention)
         meta["local"] = local_mode(model)
@@ -1131,7 +1131,7 @@ def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwa
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{path}: no such folder (approx.load reads a folder written by approx.save)")
     meta = saved.read_settings(path)
-    saved.check_weights(path, meta)
+    saved.check_checkpoint(path, meta)
     original = meta.get("original_attn_implementation")
     if original in ("eager", "sdpa") and "attn_implementation" not in from_pretrained_kwargs:
         from_pretrained_kwargs = {**from_pretrained_kwargs, "attn_implementation": original}

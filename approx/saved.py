@@ -4,8 +4,8 @@
 "original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``, with ``"heads"`` on a layer whose
 method runs on some of its heads only) and
 ``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``, the layers' as ``"layers_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
-fitted projections), written only when some layer has state. ``"weights_sha256"`` (:func:`weights_digest`) is that
-of the checkpoint's weight files as ``approx.save`` wrote them. :mod:`approx.integration` writes and reads the
+fitted projections), written only when some layer has state. ``"checkpoint_sha256"`` (:func:`checkpoint_digest`)
+is that of the checkpoint's config and weight files as ``approx.save`` wrote them. :mod:`approx.integration` writes and reads the
 checkpoint around them (``approx.save``, ``approx.load``).
 """
 
@@ -108,7 +108,7 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
                 check_heads(entry["heads"])
             except ValueError as e:
                 raise ValueError(f"{file}: layers[{n}]: {e}") from None
-    for key in ("original_attn_implementation", "state_sha256", "layers_sha256", "weights_sha256"):
+    for key in ("original_attn_implementation", "state_sha256", "layers_sha256", "checkpoint_sha256"):
         if not isinstance(meta.get(key), (str, type(None))):
             raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")
     # folders saved before 2026-11-29 have no layers_sha256: read as they are
@@ -187,83 +187,122 @@ def write_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -
     return file
 
 
-# the files of a Hugging Face checkpoint that hold its weights: one file or shards and their index, of any variant
-# (model.safetensors, model-00001-of-00003.safetensors, model.fp16.safetensors, model.safetensors.index.json, and
-# pytorch_model's twins), as transformers names them
+# the files transformers writes a checkpoint's weights to (safetensors, as transformers 5 saves): one file, or shards
+# and their index, of the default variant or another (``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors``,
+# ``model.safetensors.index.fp16.json``)
 WEIGHT_FILE = re.compile(
-    r"^(model|pytorch_model)(\.[A-Za-z0-9_-]+)?(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$"
+    r"^model(\.[\w.-]+)?(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index(\.[\w.-]+)?\.json$"
 )
+# what the checkpoint digest covers beside the weight files: the model's config (settings saved for a model of one
+# shape, activation or head are not those of another)
+CONFIG_FILE = "config.json"
 
 
-def weight_files(folder: str | os.PathLike) -> list[str]:
-    """The names of the weight files in ``folder`` (:data:`WEIGHT_FILE`), sorted."""
+def weight_files(folder: str | os.PathLike) -> dict[str, tuple[int, int, int]]:
+    """The weight files in ``folder`` (:data:`WEIGHT_FILE`), by name, each with its (inode, size, modification time in
+    ns): what a save leaves unchanged it did not write (safetensors writes a new file and renames it over the old)."""
     folder = Path(folder)
     if not folder.is_dir():
-        return []
-    return sorted(f.name for f in folder.iterdir() if WEIGHT_FILE.match(f.name) and f.is_file())
+        return {}
+    found = {}
+    for f in sorted(folder.iterdir()):
+        if WEIGHT_FILE.match(f.name) and f.is_file():
+            st = f.stat()
+            found[f.name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _variant_names(variant: str | None) -> tuple[str, str]:
+    """The single file and the index that a save of ``variant`` writes (as transformers' ``_add_variant`` names them)."""
+    if variant is None:
+        return "model.safetensors", "model.safetensors.index.json"
+    return f"model.{variant}.safetensors", f"model.safetensors.index.{variant}.json"
 
 
 @contextlib.contextmanager
-def fresh_weights(folder: str | os.PathLike):
-    """Around a save into ``folder``: its weight files are moved aside first (hidden names), and after the save
-    removed, those the save did not write again with a warning naming them; if the save fails they are put back.
-    transformers removes an earlier save's shards only: a ``model.safetensors`` left beside new shards, or an earlier
-    variant, would be read by ``from_pretrained`` (which prefers the single file to an index) or by a variant's load,
-    while ``approx_config.json`` describes the model saved now, not them."""
+def fresh_weights(folder: str | os.PathLike, variant: str | None = None):
+    """Around a save into ``folder``: once the save has succeeded, the weight files it did not write are removed, with
+    a warning naming them. transformers removes an earlier save's shards only, and a ``model.safetensors`` left beside
+    new shards (which ``from_pretrained`` reads before the index), an index left beside a new single file, or another
+    variant's files would be read as this checkpoint while ``approx_config.json`` describes the model saved now. A save
+    that fails removes nothing. What the save wrote is told from what it left unchanged (the same inode, size and
+    modification time); where neither its single file nor its index changed, nothing is removed (a filesystem whose
+    times are too coarse to tell)."""
     folder = Path(folder)
-    old = weight_files(folder)
-    aside = {name: folder / f".approx-replaced-{name}" for name in old}
-    for name, hidden in aside.items():
-        (folder / name).replace(hidden)
-    try:
-        yield
-    except BaseException:  # the earlier save's files back, and none that the failed save began
-        for name in set(weight_files(folder)) - set(old):
-            (folder / name).unlink()
-        for name, hidden in aside.items():
-            hidden.replace(folder / name)
-        raise
-    for hidden in aside.values():
-        hidden.unlink(missing_ok=True)
-    stale = sorted(set(old) - set(weight_files(folder)))
+    before = weight_files(folder)
+    yield
+    after = weight_files(folder)
+    single, index = _variant_names(variant)
+    written = {name for name, stat in after.items() if before.get(name) != stat}
+    if single in written:
+        keep = {single}
+    elif index in written:
+        keep = {index, *_index_shards(folder / index)}
+    else:
+        return
+    stale = sorted(name for name in after if name not in written and name not in keep)
+    for name in stale:
+        (folder / name).unlink()
     if stale:
         warnings.warn(
-            f"approx.save: removed {', '.join(stale)} from {folder}, left by an earlier save (this save wrote other "
-            f"weight files, and the folder's {SETTINGS_FILE} describes the model saved now); save models you want to "
-            "keep to folders of their own",
-            stacklevel=4,
+            f"approx.save: removed {', '.join(stale)} from {folder}, weight files this save did not write (an earlier "
+            f"save's, say): from_pretrained would read them as this checkpoint, and the folder's {SETTINGS_FILE} "
+            "describes the model saved now; save models you want to keep to folders of their own",
+            stacklevel=_caller_level(),
         )
 
 
-def weights_digest(folder: str | os.PathLike) -> str | None:
-    """SHA-256 over the checkpoint's weight files in ``folder`` (:data:`WEIGHT_FILE`: each file's name and SHA-256,
-    in name order; None without any): ``approx.save`` records it, so that weights written over the folder later (a
-    plain ``save_pretrained`` of another model) are refused by ``approx.load`` rather than patched with settings that
-    were saved for other weights."""
-    files = [Path(folder) / name for name in weight_files(folder)]
-    if not files:
+def _index_shards(index: Path) -> set[str]:
+    """The shard files an index names (none when it cannot be read)."""
+    try:
+        return set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first frame outside approx and contextlib: the
+    caller's ``approx.save`` or ``model.save_pretrained``, however deep approx's own frames go."""
+    import sys
+
+    here, level, frame = str(Path(__file__).resolve().parent), 1, sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(here) or "contextlib" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def checkpoint_digest(folder: str | os.PathLike) -> str | None:
+    """SHA-256 over the checkpoint's ``config.json`` and weight files in ``folder`` (:data:`WEIGHT_FILE`: each file's
+    name and SHA-256, in name order; None without any weight file): ``approx.save`` records it, so that a checkpoint
+    written over the folder later (a plain ``save_pretrained`` of another model, or a save that failed halfway) is
+    refused by ``approx.load`` rather than patched with settings that were saved for another."""
+    names = list(weight_files(folder))
+    if not names:
         return None
+    if (Path(folder) / CONFIG_FILE).is_file():
+        names.append(CONFIG_FILE)
     total = hashlib.sha256()
-    for file in files:
+    for name in sorted(names):
         one = hashlib.sha256()
-        with open(file, "rb") as f:
+        with open(Path(folder) / name, "rb") as f:
             while chunk := f.read(1 << 22):
                 one.update(chunk)
-        total.update(f"{file.name}\0{one.hexdigest()}\n".encode())
+        total.update(f"{name}\0{one.hexdigest()}\n".encode())
     return total.hexdigest()
 
 
-def check_weights(folder: str | os.PathLike, meta: dict[str, Any]) -> None:
-    """``ValueError`` when the weights in ``folder`` are not those ``approx.save`` wrote beside ``meta`` (its
-    ``"weights_sha256"``; folders saved before 2026-11-30 have none and are read as they are)."""
-    recorded = meta.get("weights_sha256")
-    if recorded is not None and weights_digest(folder) != recorded:
+def check_checkpoint(folder: str | os.PathLike, meta: dict[str, Any]) -> None:
+    """``ValueError`` when the checkpoint in ``folder`` (config and weights) is not the one ``approx.save`` wrote beside
+    ``meta`` (its ``"checkpoint_sha256"``; folders saved before 2026-11-30 have none and are read as they are)."""
+    recorded = meta.get("checkpoint_sha256")
+    if recorded is not None and checkpoint_digest(folder) != recorded:
         raise ValueError(
-            f"{Path(folder)}: its weights are not those approx.save wrote beside {SETTINGS_FILE} (their SHA-256 "
-            "differs from 'weights_sha256'; a plain save_pretrained into this folder, say), so its settings may not "
-            "describe them. To load the weights as they are, use AutoModel.from_pretrained (and approx.restore(model, "
-            f"folder) to patch them with these settings anyway); to keep them as a plain checkpoint, delete "
-            f"{SETTINGS_FILE}; or save the patched model again with approx.save"
+            f"{Path(folder)}: its checkpoint (config.json and weight files) is not the one approx.save wrote beside "
+            f"{SETTINGS_FILE} (their SHA-256 differs from 'checkpoint_sha256'; a plain save_pretrained into this "
+            "folder, a save that failed halfway or an edit, say), so its settings may not describe it. To load the "
+            "model as it is, use AutoModel.from_pretrained (and approx.restore(model, folder) to patch it with these "
+            f"settings anyway); to keep it as a plain checkpoint, delete {SETTINGS_FILE}; or save the patched model "
+            "again with approx.save"
         )
 
 

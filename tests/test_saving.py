@@ -677,29 +677,37 @@ def test_a_layer_made_under_inference_mode_still_trains():
     model_output(tuned, **batch(24, pad=3)).sum().backward()
 
 
-def test_weights_saved_over_an_approx_folder_are_refused_by_load(tmp_path):
-    """A plain ``save_pretrained`` of other weights into a folder approx.save wrote leaves its ``approx_config.json``
-    behind: ``approx.load`` refuses the folder (the weights' SHA-256 differs from the one saved), saying how to read
-    the weights, rather than patching them with settings saved for others. The plain weights still load without
-    approx, and ``approx.restore`` still patches a model the caller loaded."""
+def test_a_checkpoint_saved_over_an_approx_folder_is_refused_by_load(tmp_path):
+    """A plain ``save_pretrained`` of another model into a folder approx.save wrote leaves its ``approx_config.json``
+    behind: ``approx.load`` refuses the folder (the checkpoint's SHA-256, config and weights, differs from the one
+    saved), saying how to read the model, rather than patching it with settings saved for another. So does a config
+    edited afterwards (another activation, say, over the same weights). The plain model still loads without approx,
+    and ``approx.restore`` still patches a model the caller loaded."""
     from transformers import AutoModel
 
     patched, folder = saved_folder(tmp_path / "m")
     assert torch.equal(outputs(approx.load(folder)), outputs(patched))
     other = tiny_model("bert", seed=7)
     other.save_pretrained(folder)
-    with pytest.raises(ValueError, match=r"weights are not those approx.save wrote.*AutoModel.from_pretrained") as e:
+    with pytest.raises(
+        ValueError, match=r"checkpoint .* is not the one approx.save wrote.*AutoModel.from_pretrained"
+    ) as e:
         approx.load(folder)
-    assert str(folder) in str(e.value) and "weights_sha256" in str(e.value)
+    assert str(folder) in str(e.value) and "checkpoint_sha256" in str(e.value)
     plain = AutoModel.from_pretrained(folder)
     assert torch.equal(outputs(plain), outputs(other))
     approx.restore(plain, folder)
     assert approx.settings(plain) == approx.settings(patched)
+    patched, folder = saved_folder(tmp_path / "n")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+    with pytest.raises(ValueError, match="is not the one approx.save wrote"):
+        approx.load(folder)
 
 
-def test_the_weights_digest_covers_every_shard(tmp_path):
+def test_the_checkpoint_digest_covers_every_shard(tmp_path):
     """A checkpoint saved in shards loads as saved; one shard changed afterwards is refused. A folder saved before
-    the weights' digest existed (no ``weights_sha256``) loads as it is."""
+    the digest existed (no ``checkpoint_sha256``) loads as it is."""
     from safetensors.torch import load_file, save_file
 
     model = approx.patch(tiny_model("bert"), "clustered", layers=[0], clusters=6, seed=2)
@@ -710,9 +718,9 @@ def test_the_weights_digest_covers_every_shard(tmp_path):
     weights = load_file(str(shards[1]))
     name = next(iter(weights))
     save_file({**weights, name: weights[name] + 1e-3}, str(shards[1]), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="weights are not those approx.save wrote"):
+    with pytest.raises(ValueError, match="is not the one approx.save wrote"):
         approx.load(tmp_path / "m")
-    _edit_settings(tmp_path / "m", lambda m: m.pop("weights_sha256"))
+    _edit_settings(tmp_path / "m", lambda m: m.pop("checkpoint_sha256"))
     assert approx.settings(approx.load(tmp_path / "m")) == approx.settings(model)
 
 
@@ -730,39 +738,50 @@ def test_save_method_state_refuses_a_folder_that_approx_save_wrote(tmp_path):
 
 def test_weight_files_an_earlier_save_left_are_removed(tmp_path, monkeypatch):
     """transformers removes an earlier save's shards only: a ``model.safetensors`` left beside new shards was read by
-    ``from_pretrained`` first (the earlier model's weights under the new settings), and the weights' digest approved
-    it. ``approx.save`` removes the weight files it did not write again, naming them; saving the same way again
-    removes nothing; another variant replaces the earlier one; a save that fails puts the earlier files back."""
+    ``from_pretrained`` first (the earlier model's weights under the new settings), and the digest approved it.
+    ``approx.save`` removes, once the save has succeeded, the weight files it did not write, naming them: a single
+    file beside new shards, an index and shards beside a new single file, another variant's files. Saving the same
+    way again removes nothing; files that are not transformers' weight files (a user's ``model.bin``) stay. A save that
+    fails removes nothing, and the folder it leaves is refused by approx.load."""
     first = approx.patch(tiny_model("bert", seed=0), "lsh", cluster_size=4, seed=1)
     second = approx.patch(tiny_model("bert", seed=1), "lsh", cluster_size=4, seed=2)
     folder = tmp_path / "m"
     approx.save(first, folder)
-    with pytest.warns(UserWarning, match=r"removed model\.safetensors .* left by an earlier save"):
+    (folder / "model.bin").write_bytes(b"a user's file")
+    with pytest.warns(UserWarning, match=r"removed model\.safetensors from .*this save did not write") as caught:
         approx.save(second, folder, max_shard_size="20KB")
+    assert caught[0].filename == __file__  # (the warning points at the caller)
     assert not (folder / "model.safetensors").exists() and (folder / "model.safetensors.index.json").exists()
+    assert (folder / "model.bin").read_bytes() == b"a user's file"
     assert torch.equal(outputs(approx.load(folder)), outputs(second))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         approx.save(second, folder, max_shard_size="20KB")  # the same files written again: nothing removed
     assert torch.equal(outputs(approx.load(folder)), outputs(second))
-    assert not any(f.name.startswith(".approx") for f in folder.iterdir())
+    with pytest.warns(UserWarning, match=r"removed model\.safetensors\.index\.json from"):  # (transformers: the shards)
+        second.save_pretrained(folder)  # (a patched model's save_pretrained is approx.save) one file again
+    assert sorted(f.name for f in folder.glob("model*")) == ["model.bin", "model.safetensors"]
     other = tmp_path / "v"
-    approx.save(first, other)
-    with pytest.warns(UserWarning, match=r"removed model\.safetensors"):
-        approx.save(second, other, variant="ft")
-    assert torch.equal(outputs(approx.load(other, variant="ft")), outputs(second))
+    approx.save(first, other, variant="fp16", max_shard_size="20KB")
+    assert (other / "model.safetensors.index.fp16.json").exists()
+    with pytest.warns(UserWarning, match=r"removed model\.safetensors\.index\.fp16\.json from"):
+        approx.save(second, other)
+    assert sorted(f.name for f in other.glob("model*")) == ["model.safetensors"]
+    assert torch.equal(outputs(approx.load(other)), outputs(second))
     before = {f.name: f.read_bytes() for f in folder.iterdir()}
 
     def failing(model, path, **kwargs):
-        (Path(path) / "model.safetensors").write_bytes(b"half written")
+        (Path(path) / "model-00001-of-00002.safetensors").write_bytes(b"half written")
         raise OSError("disk full")
 
     monkeypatch.setattr(type(first), "save_pretrained", failing)
     with pytest.raises(OSError, match="disk full"):
         approx.save(first, folder)
-    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
     monkeypatch.undo()
-    assert torch.equal(outputs(approx.load(folder)), outputs(second))
+    after = {f.name: f.read_bytes() for f in folder.iterdir()}
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing removed
+    with pytest.raises(ValueError, match="is not the one approx.save wrote"):
+        approx.load(folder)
 
 
 def test_evaluating_a_folder_as_its_own_method_checks_its_weights(tmp_path, fixture_dir):
@@ -780,5 +799,5 @@ def test_evaluating_a_folder_as_its_own_method_checks_its_weights(tmp_path, fixt
     AutoModelForSequenceClassification.from_pretrained(path, num_labels=2).save_pretrained(path)  # plain, same weights
     approx.evaluate(str(path), "sst2", [str(path)], **run)  # (the same bytes: still the saved weights)
     tiny_model("bert", "sequence-classification", seed=5, vocab_size=99).save_pretrained(path)
-    with pytest.raises(ValueError, match="weights are not those approx.save wrote"):
+    with pytest.raises(ValueError, match="is not the one approx.save wrote"):
         approx.evaluate(str(path), "sst2", [str(path)], **run)

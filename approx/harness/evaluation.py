@@ -57,7 +57,7 @@ from ..integration import (
 )
 from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
-from ..saved import FIT_RECORD, check_weights, read_settings
+from ..saved import FIT_RECORD, check_checkpoint, read_settings
 from . import fidelity as fid
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
@@ -424,11 +424,11 @@ def _say_if_trained_on(model: str, task: Task, split: str) -> None:
 
 def _check_own_weights(model: str, methods: Sequence) -> None:
     """A folder given both as the model and as a method (``approx eval --model F --method F``) is refused when its
-    weights are not those ``approx.save`` wrote beside its settings (:func:`approx.saved.check_weights`), as
+    checkpoint is not the one ``approx.save`` wrote beside its settings (:func:`approx.saved.check_checkpoint`), as
     ``approx.load`` refuses it: its settings were saved for other weights."""
     for method in methods:
         if saved_folder(method) and Path(model).exists() and Path(method).resolve() == Path(model).resolve():
-            check_weights(method, read_settings(method))
+            check_checkpoint(method, read_settings(method))
 
 
 def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:

@@ -5,7 +5,18 @@ Python definition with a version.
 them with their metrics, modes and defaults. Adding a task: one ``@register_task`` class (CONTRIBUTING.md).
 """
 
-from .base import SOURCE_ENV_VAR, DataError, DataSource, Feature, Task, get_task, read_tsv, register_task, tasks
+from .base import (
+    SOURCE_ENV_VAR,
+    DataError,
+    DataSource,
+    Feature,
+    Task,
+    collate,
+    get_task,
+    read_tsv,
+    register_task,
+    tasks,
+)
 
 __all__ = [
     "SOURCE_ENV_VAR",
@@ -13,6 +24,7 @@ __all__ = [
     "DataSource",
     "Feature",
     "Task",
+    "collate",
     "get_task",
     "read_tsv",
     "register_task",

@@ -33,6 +33,7 @@ __all__ = [
     "DataSource",
     "Feature",
     "Task",
+    "collate",
     "get_task",
     "read_tsv",
     "read_tsv_lines",
