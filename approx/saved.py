@@ -187,11 +187,14 @@ def write_state(layers: dict[int, ApproxAttention], folder: str | os.PathLike) -
     return file
 
 
-# the files transformers writes a checkpoint's weights to (safetensors, as transformers 5 saves): one file, or shards
-# and their index, of the default variant or another (``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors``,
-# ``model.safetensors.index.fp16.json``)
+# the files transformers reads a checkpoint's weights from, as it names them: one file, or shards and their index, of
+# the default variant or any other (``model.fp16.safetensors``, ``model.fp16-00001-of-00002.safetensors``,
+# ``model.safetensors.index.fp16.json``), safetensors (what transformers 5 writes) or the older ``pytorch_model*.bin``
+# (which it still reads, with ``use_safetensors=False`` or where no safetensors file is found). A user's file named so
+# (``model.backup.safetensors``) cannot be told from a variant's.
 WEIGHT_FILE = re.compile(
-    r"^model(\.[\w.-]+)?(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index(\.[\w.-]+)?\.json$"
+    r"^(model(\..*?)?(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index(\..*?)?\.json"
+    r"|pytorch_model(\..*?)?(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index(\..*?)?\.json)$"
 )
 # what the checkpoint digest covers beside the weight files: the model's config (settings saved for a model of one
 # shape, activation or head are not those of another)
@@ -261,12 +264,16 @@ def _index_shards(index: Path) -> set[str]:
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of a warning raised here that points at the first frame outside approx and contextlib: the
-    caller's ``approx.save`` or ``model.save_pretrained``, however deep approx's own frames go."""
+    """The ``stacklevel`` of a warning raised here that points at the first frame outside approx's modules and
+    contextlib: the caller's ``approx.save`` or ``model.save_pretrained``, however deep approx's own frames go."""
     import sys
 
-    here, level, frame = str(Path(__file__).resolve().parent), 1, sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(here) or "contextlib" in frame.f_code.co_filename):
+    def ours(frame) -> bool:
+        name = frame.f_globals.get("__name__", "")
+        return name == "approx" or name.startswith("approx.") or name == "contextlib"
+
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and ours(frame):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -52,7 +52,8 @@ def measure(heads: int, n: int, *, repeats: int, cluster_size: int, rounds: int,
                 times[split].append(_time(layer, q, k, v, split))
     _lshfused.SPLIT = "auto"
     rows, clusters = statistics.median(times["rows"]), statistics.median(times["clusters"])
-    auto = "clusters" if heads < torch.get_num_threads() else "rows"  # the kernel's rule (B H rows < threads)
+    # the kernel's rule: fewer (batch, head) rows than threads, and more than one query cluster
+    auto = "clusters" if heads < torch.get_num_threads() and n > cluster_size else "rows"
     return {"heads": heads, "n": n, "rows_s": rows, "clusters_s": clusters, "rows_over_clusters": rows / clusters,
             "auto": auto, "times": times}  # fmt: skip
 
@@ -84,7 +85,8 @@ def main(argv=None) -> None:
     if args.output:
         record = {"benchmark": "lsh_split", "settings": {k: str(v) if isinstance(v, Path) else v
                                                          for k, v in vars(args).items()},
-                  "results": rows, "load_average_after": os.getloadavg(), "provenance": provenance(seed=args.seed)}  # fmt: skip
+                  "results": rows, "load_average_before": load, "load_average_after": os.getloadavg(),
+                  "provenance": provenance(seed=args.seed)}  # fmt: skip
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.output}")

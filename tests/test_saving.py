@@ -746,7 +746,12 @@ def test_weight_files_an_earlier_save_left_are_removed(tmp_path, monkeypatch):
     first = approx.patch(tiny_model("bert", seed=0), "lsh", cluster_size=4, seed=1)
     second = approx.patch(tiny_model("bert", seed=1), "lsh", cluster_size=4, seed=2)
     folder = tmp_path / "m"
-    approx.save(first, folder)
+    # an older checkpoint's pytorch_model.bin, which transformers still reads (use_safetensors=False): removed too
+    folder.mkdir()
+    torch.save(tiny_model("bert", seed=7).state_dict(), folder / "pytorch_model.bin")
+    with pytest.warns(UserWarning, match=r"removed pytorch_model\.bin"):
+        approx.save(first, folder)
+    assert not (folder / "pytorch_model.bin").exists() and torch.equal(outputs(approx.load(folder)), outputs(first))
     (folder / "model.bin").write_bytes(b"a user's file")
     with pytest.warns(UserWarning, match=r"removed model\.safetensors from .*this save did not write") as caught:
         approx.save(second, folder, max_shard_size="20KB")
@@ -768,6 +773,9 @@ def test_weight_files_an_earlier_save_left_are_removed(tmp_path, monkeypatch):
         approx.save(second, other)
     assert sorted(f.name for f in other.glob("model*")) == ["model.safetensors"]
     assert torch.equal(outputs(approx.load(other)), outputs(second))
+    with pytest.warns(UserWarning, match=r"removed model\.safetensors from"):  # a variant of any name counts
+        approx.save(first, other, variant="fp16+x")
+    assert torch.equal(outputs(approx.load(other, variant="fp16+x")), outputs(first))
     before = {f.name: f.read_bytes() for f in folder.iterdir()}
 
     def failing(model, path, **kwargs):

@@ -34,8 +34,9 @@ __all__ = ["attend", "build", "usable", "warn_off_cpu"]
 
 # How the kernel splits its work between threads: "auto" takes each (batch, head) row as a task, or each round's
 # query clusters when there are fewer rows than threads (one sequence of 12 heads on a machine of more cores would
-# otherwise leave the rest idle); "rows" and "clusters" force one (the tests run both; the results are the same to
-# the bit: the same arithmetic, each query's rounds in order).
+# otherwise leave the rest idle); "rows" and "clusters" force one (the tests run both; the same arithmetic, each
+# query's rounds in order, so the same output to the bit, but for a lone task on several threads: it runs outside a
+# parallel region, where MKL may split a product between threads and round it otherwise).
 SPLITS = {"auto": 0, "rows": 1, "clusters": 2}
 SPLIT = "auto"
 

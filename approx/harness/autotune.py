@@ -397,7 +397,8 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class Tuning:
     """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
-    ``"full"``; :data:`LOCAL_CHOICE` for a sliding-window layer, which is not tuned). ``fidelity``: measured end to end on the check inputs; ``cost``: the attention cost at the cost
+    ``"full"``; :data:`LOCAL_CHOICE` for a sliding-window layer, which is not tuned). ``fidelity``: measured end to end
+    on the check inputs; ``cost``: the attention cost at the cost
     inputs (the check inputs unless ``cost_data`` was given), relative to full attention in the tuning's convention
     (``costs``: in both). ``met``: whether ``fidelity`` (a score target: ``score``) meets the target and ``cost`` the
     budget. ``table``: per layer and candidate, the loss, attention error and cost ratios measured with that layer
