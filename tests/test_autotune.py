@@ -145,20 +145,56 @@ def test_a_model_with_sliding_window_layers_is_tuned_on_its_other_layers(tmp_pat
     assert approx.integration.tuning(loaded)["choices"] == tuning.choices
 
 
+def test_modernbert_tuned_with_its_windows_on_the_band(monkeypatch, tmp_path):
+    """``local="band"``: every run of the tuning but the unpatched reference's runs the sliding-window layers on approx's
+    banded kernel (its calls counted), and so does the tuned model: its fidelity, measured here against the unpatched
+    model, is the tuning's; the tuning and the saved folder record the mode. Refused for a model without such layers,
+    for an unknown mode, and off the CPU."""
+    from approx.attention import _band
+
+    calls, attend = [0], _band.attend
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(_band, "attend", counted)
+    original = tiny_model("modernbert", num_hidden_layers=4)
+    fit, check = _data(12, 23), _data(12, 24)  # 20 to 60 tokens: longer than the window (4 on each side)
+    model = copy.deepcopy(original)
+    tuning = approx.autotune(model, fit, check_data=check, target=0.999, methods=CANDIDATES, batch_size=4,
+                             progress=False, local="band")  # fmt: skip
+    assert calls[0] > 0 and tuning.local == "band" and approx.local_mode(model) == "band"
+    calls[0] = 0
+    measured = _cosine(original, model, _batches(check))
+    assert calls[0] > 0 and tuning.fidelity == pytest.approx(measured, abs=1e-6)
+    loaded = approx.load(approx.save(model, tmp_path / "tuned"))
+    assert approx.local_mode(loaded) == "band" and approx.integration.tuning(loaded)["local"] == "band"
+    with pytest.raises(ValueError, match="has no sliding-window layers"):
+        approx.autotune(tiny_model("bert"), fit, methods=CANDIDATES, local="band", progress=False)
+    with pytest.raises(ValueError, match="choose one of 'model', 'band'"):
+        approx.autotune(copy.deepcopy(original), fit, methods=CANDIDATES, local="banded", progress=False)
+    with pytest.raises(ValueError, match="on the CPU only"):
+        approx.autotune(copy.deepcopy(original).to("meta"), fit, methods=CANDIDATES, local="band", progress=False)
+
+
 def test_cli_tunes_modernbert_and_the_tuned_folder_evaluates_with_the_band(tmp_path, fixture_dir, capsys):
     """On the command line: a ModernBERT classifier is tuned on MRPC's training inputs (its sliding-window layer 1
-    said, not tuned), saved, and evaluated from the folder with ``--local band``: the sliding-window layer on the
-    banded kernel, the tuned layer as chosen."""
+    said, not tuned; with ``--local band``, run on the banded kernel), saved with the mode, and evaluated from the
+    folder with ``--local band``: the sliding-window layer on the banded kernel, the tuned layer as chosen."""
     from evalfixtures import write_checkpoint
 
     model = str(write_checkpoint(tmp_path / "modernbert", "sequence-classification", family="modernbert"))
     out = tmp_path / "tuned"
     argv = ["autotune", "--model", model, "--task", "mrpc", "--split", "train", "--limit", "8", "--data-dir",
             str(fixture_dir), "--batch-size", "2", "--method", "efficient", "--target", "kl<=1", "--output-dir",
-            str(out), "--quiet"]  # fmt: skip
+            str(out), "--local", "band", "--quiet"]  # fmt: skip
     assert main(argv) == 0
     assert "layer 1: own (sliding window)" in capsys.readouterr().out
-    assert [x["layer"] for x in json.loads((out / "approx_config.json").read_text())["layers"]] == [0]
+    saved = json.loads((out / "approx_config.json").read_text())
+    assert (
+        [x["layer"] for x in saved["layers"]] == [0] and saved["local"] == "band" and saved["tuning"]["local"] == "band"
+    )
     result = tmp_path / "eval.json"
     argv = ["eval", "--model", model, "--task", "mrpc", "--method", str(out), "--local", "band", "--data-dir",
             str(fixture_dir), "--quiet", "--output", str(result)]  # fmt: skip

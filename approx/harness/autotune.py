@@ -83,6 +83,7 @@ from ..integration import (
     attention_modules,
     attention_probe,
     attention_shape,
+    check_local,
     is_patched,
     local_layers,
     model_head_from_name,
@@ -318,8 +319,8 @@ class _Reference:
 class _Calibration:
     """Runs the model on fixed batches and compares with the unpatched model's outputs on them."""
 
-    def __init__(self, model, batches: list[dict[str, torch.Tensor]], target: Target) -> None:
-        self.model, self.target = model, target
+    def __init__(self, model, batches: list[dict[str, torch.Tensor]], target: Target, local: str | None = None) -> None:
+        self.model, self.target, self.local = model, target, local
         self.device = next(model.parameters()).device
         self.refs = []
         self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per batch: (attention mask, question)
@@ -343,7 +344,7 @@ class _Calibration:
         cost of those layers."""
         probe = AttentionProbe(total_layers=len(attention_modules(self.model)))
         num, den = 0.0, 0
-        attach(self.model, layers)
+        attach(self.model, layers, local=self.local)
         try:
             with attention_probe(probe):
                 for ref in self.refs:
@@ -410,7 +411,8 @@ class Tuning:
     :class:`~approx.harness.scoring.TaskScorer`, ``interval``: the paired bootstrap interval of the tuned model's score
     minus the unpatched model's over the scored examples (``difference``) and of their ratio (``relative``): how far
     the kept share could move with other examples (the cheapest model that passes on them may pass by their luck);
-    ``measure``: what
+    ``local``: how a model's sliding-window layers ran in the tuning's runs and run in the tuned model (``"model"``:
+    their own attention; ``"band"``: approx's banded kernel, as ``autotune(local="band")`` asked). ``measure``: what
     ``fidelity`` is (``"kl"`` or ``"cosine"``, the search's measure); ``origin``: ``"path"`` (a point of the search
     path) or ``"uniform"`` (one candidate on every layer: cheaper than the path's point for the same target, meeting
     a target that the path's points within the budget miss, or more faithful within a budget); ``uniform``: each
@@ -435,6 +437,7 @@ class Tuning:
     head_counts: list[int] = dataclasses.field(default_factory=list)
     origin: str = "path"
     uniform: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    local: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -574,8 +577,10 @@ class Search:
         pad_id: int | None = None,
         seed: int = 0,
         progress: bool = True,
+        local: str | None = None,
     ) -> None:
         wall = time.perf_counter()
+        self.local = _check_local(model, local)
         if measure not in ("cosine", "kl"):
             raise ValueError(f"measure {measure!r} unknown; choose cosine or kl")
         if cost not in COSTS:
@@ -626,10 +631,10 @@ class Search:
         # the layers tuned, one row of the search each: every attention layer but a model's sliding-window layers
         # (ModernBERT's), which keep their own attention in every assignment and are left out of its cost
         self.rows = sorted(self.full)
-        self.local = local_layers(model)
+        self.local_layers = local_layers(model)
         n_layers = len(self.rows)
-        fit = _Calibration(model, fit_batches, self.measure)
-        self.check = _Calibration(model, check_batches, self.measure)
+        fit = _Calibration(model, fit_batches, self.measure, self.local)
+        self.check = _Calibration(model, check_batches, self.measure, self.local)
         # per layer, per option (option 0 full attention, option c column c - 1): the loss, and per convention the
         # costs the path, the budget and the report use: each layer's cost model at the cost inputs' lengths (the
         # check inputs', where the verification runs, unless cost_data was given; the table below: the fit inputs'),
@@ -712,7 +717,7 @@ class Search:
         """:attr:`Tuning.choices` of an assignment (one option per row): per attention layer, :meth:`_choice`, or
         :data:`LOCAL_CHOICE` for a sliding-window layer."""
         chosen = {i: self._choice(i, a) for i, a in zip(self.rows, assignment, strict=True)}
-        return [chosen.get(i, LOCAL_CHOICE) for i in range(len(self.rows) + len(self.local))]
+        return [chosen.get(i, LOCAL_CHOICE) for i in range(len(self.rows) + len(self.local_layers))]
 
     def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
@@ -764,7 +769,7 @@ class Search:
             relative(reference, reference)  # refuses a reference of 0, below or not a number, before keeping it
             cache[None] = reference
         if key not in cache:
-            attach(self.model, self._layers(assignment))
+            attach(self.model, self._layers(assignment), local=self.local)
             try:
                 cache[key] = self._score_once(score, predictions, key)
             finally:
@@ -850,7 +855,7 @@ class Search:
                     stacklevel=2,
                 )
             fidelity = self._verify(assignment)  # the search's fidelity measure, for a score target too
-        attach(self.model, self._layers(assignment))
+        attach(self.model, self._layers(assignment), local=self.local)
         costs = {RATIO_NAMES[k]: self._ratio(assignment, k) for k in COSTS}
         tuning = Tuning(
             choices=self._choices(assignment),
@@ -864,23 +869,28 @@ class Search:
             candidates=list(self.labels),
             table=self.table,
             path=self._path_records(path, points, score if scoring else None),
-            calibration={
-                "fit_inputs": self.fit_inputs,
-                "check_inputs": self.check.inputs,
-                "cost_inputs": self.cost_inputs,
-                "forward_passes": self.fit_forwards + self.check.forwards,
-                "measure_seconds": self.seconds,
-                "choose_seconds": time.perf_counter() - wall,
-            },
+            calibration=self._calibration(time.perf_counter() - wall),
             seed=self.seed,
             score=self._score_record(assignment, score) if scoring else None,
             measure=self.measure.measure,
             head_counts=list(self.head_counts),
             origin=origin,
             uniform=self._uniform_records(convention, score if scoring else None) if uniform else [],
+            local=self.local or "model",
         )
         set_tuning(self.model, tuning.to_dict())
         return tuning
+
+    def _calibration(self, choose_seconds: float) -> dict[str, Any]:
+        """:attr:`Tuning.calibration`: the inputs measured, verified and costed, the forward passes and the time."""
+        return {
+            "fit_inputs": self.fit_inputs,
+            "check_inputs": self.check.inputs,
+            "cost_inputs": self.cost_inputs,
+            "forward_passes": self.fit_forwards + self.check.forwards,
+            "measure_seconds": self.seconds,
+            "choose_seconds": choose_seconds,
+        }
 
     def _settle(self, path, points, chosen, within, goal, met, budget, convention, value, uniform, progress):
         """After the bisection: a path point over the budget gives way to the first point within it (measured against
@@ -1067,6 +1077,7 @@ def autotune(
     pad_id: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    local: str | None = None,
 ) -> Tuning:
     """Patch ``model`` in place with one method and budget per attention layer, the cheapest assignment whose
     end-to-end fidelity meets ``target`` (the search is in this module's docstring); returns the
@@ -1097,8 +1108,10 @@ def autotune(
     (``approx.patch(..., on_heads=...)``): one more run per layer, candidate and count.
     ``uniform``: also verify the uniform settings (each candidate on every layer) and take the cheapest meeting the
     target when it costs less than the search path's choice (step 4 of the module docstring); false: the path only.
-    ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). For several
-    targets on the same measurements, use :class:`Search` and its ``choose``.
+    ``pad_id``: padding of token-id lists (default: the model config's ``pad_token_id``, else 0). ``local``: how a
+    model's sliding-window layers run in every run of the tuning but the unpatched reference's, and in the tuned model
+    (:func:`approx.patch`'s option: ``"band"``, approx's banded kernel, CPU only; None or ``"model"``: their own
+    attention). For several targets on the same measurements, use :class:`Search` and its ``choose``.
     """
     if isinstance(target, _DefaultTarget) and budget is not None:  # a budget alone, as on the command line
         target = None
@@ -1111,7 +1124,7 @@ def autotune(
     search = Search(
         model, data, measure=measure, methods=methods, cost=cost, check_data=check_data,
         cost_data=cost_data, head_counts=head_counts, batch_size=batch_size, pad_id=pad_id, seed=seed,
-        progress=progress,
+        progress=progress, local=local,
     )  # fmt: skip
     return search.choose(goal, budget, score=score, uniform=uniform, progress=progress)
 
@@ -1123,6 +1136,19 @@ def default_measure(model: torch.nn.Module) -> str:
     if head == "base" or (head == "sequence-classification" and getattr(model.config, "num_labels", 2) == 1):
         return "cosine"
     return "kl"
+
+
+def _check_local(model, local: str | None) -> str | None:
+    """``local`` checked as :func:`approx.patch` checks it (a known mode; ``"band"`` for a model with sliding-window
+    layers only), and ``"band"`` refused off the CPU, where the kernel would not run and the tuning would say it had."""
+    check_local(model, attention_modules(model), local)
+    device = next(model.parameters()).device
+    if local == "band" and device.type != "cpu":
+        raise ValueError(
+            f"local='band' runs approx's banded kernel on the CPU only; the model is on {device}, where the "
+            "sliding-window layers run their own attention: tune it there with local='model'"
+        )
+    return local
 
 
 def _full_layers(model) -> dict[int, ApproxAttention]:

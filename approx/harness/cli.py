@@ -584,7 +584,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     tuning = autotune(
         model, data, target=target, methods=candidates, budget=args.budget, cost=args.cost, cost_data=cost_data,
         head_counts=args.head_counts, score=score, uniform=not args.path_only, batch_size=args.batch_size,
-        seed=args.seed, progress=not args.quiet,
+        seed=args.seed, progress=not args.quiet, local=args.local,
     )  # fmt: skip
     out = save(model, args.output_dir, tokenizer=tokenizer)
     record = {
@@ -767,6 +767,13 @@ def _add_autotune_parser(sub) -> None:
         action="store_true",
         help="choose among the search path's points only; by default the uniform settings (each candidate on every "
         "layer) are verified too, and one meeting the target at a lower cost than the path's point is taken",
+    )
+    p.add_argument(
+        "--local",
+        choices=LOCAL_MODES,
+        help="a model with sliding-window layers (ModernBERT): run them in the tuning and in the tuned model as the "
+        "model does (model, the default) or on approx's banded kernel (band: the same window, equal to rounding, "
+        "faster on long inputs; CPU only)",
     )
     p.add_argument("--task", action=Once, help="calibrate on this task's inputs (default: WikiText-2 windows)")
     p.add_argument(
