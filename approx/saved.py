@@ -209,7 +209,7 @@ def weight_files(folder: str | os.PathLike) -> dict[str, tuple[int, int, int]]:
         return {}
     found = {}
     for f in sorted(folder.iterdir()):
-        if WEIGHT_FILE.match(f.name) and f.is_file():
+        if WEIGHT_FILE.fullmatch(f.name) and f.is_file():
             st = f.stat()
             found[f.name] = (st.st_ino, st.st_size, st.st_mtime_ns)
     return found

@@ -102,11 +102,13 @@ def test_hull_path_is_optimal_at_each_of_its_costs(seed, cost_unit, loss_unit):
 
 def test_a_model_with_sliding_window_layers_is_tuned_on_its_other_layers(tmp_path):
     """ModernBERT's local layers are never patched: the search tunes its full-attention layers (0 and 2 of 4 here),
-    the local ones keep the model's own attention in every run and read ``LOCAL_CHOICE`` in the choices, and the
+    the local ones keep the model's own attention in every run and read ``LOCAL_CHOICES["model"]``, and the
     cost is that of the tuned layers at the check inputs' lengths, from each method's cost model, summed here. The
     tuned model's fidelity is measured here against the unpatched model, the layers it holds are those the choices
     name (rebuilt here, bit for bit), and it saves and loads as tuned."""
-    from approx.harness.autotune import LOCAL_CHOICE
+    from approx.harness.autotune import LOCAL_CHOICES
+
+    LOCAL_CHOICE = LOCAL_CHOICES["model"]
 
     original = tiny_model("modernbert", num_hidden_layers=4)
     assert approx.local_layers(original) == [1, 3]
@@ -165,6 +167,7 @@ def test_modernbert_tuned_with_its_windows_on_the_band(monkeypatch, tmp_path):
     tuning = approx.autotune(model, fit, check_data=check, target=0.999, methods=CANDIDATES, batch_size=4,
                              progress=False, local="band")  # fmt: skip
     assert calls[0] > 0 and tuning.local == "band" and approx.local_mode(model) == "band"
+    assert [tuning.choices[i] for i in (1, 3)] == ["band (sliding window)"] * 2
     calls[0] = 0
     measured = _cosine(original, model, _batches(check))
     assert calls[0] > 0 and tuning.fidelity == pytest.approx(measured, abs=1e-6)
@@ -190,7 +193,7 @@ def test_cli_tunes_modernbert_and_the_tuned_folder_evaluates_with_the_band(tmp_p
             str(fixture_dir), "--batch-size", "2", "--method", "efficient", "--target", "kl<=1", "--output-dir",
             str(out), "--local", "band", "--quiet"]  # fmt: skip
     assert main(argv) == 0
-    assert "layer 1: own (sliding window)" in capsys.readouterr().out
+    assert "layer 1: band (sliding window)" in capsys.readouterr().out
     saved = json.loads((out / "approx_config.json").read_text())
     assert (
         [x["layer"] for x in saved["layers"]] == [0] and saved["local"] == "band" and saved["tuning"]["local"] == "band"

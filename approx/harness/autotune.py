@@ -56,8 +56,9 @@ draws it, so the tuned model's layers are the ones measured. Methods with fitted
 Linformer ``fitted``) are refused as candidates: fit them and evaluate the folder instead.
 
 A model's sliding-window layers (ModernBERT's local layers, which :func:`approx.patch` never patches) are not tuned:
-they keep the model's own attention in every run, read :data:`LOCAL_CHOICE` in the choices, and are left out of the
-costs, as the harness's cost block leaves them out; the search runs over the other layers.
+they run their own attention in every run (or with ``local="band"`` approx's banded kernel, in every run but the
+unpatched reference's), read :data:`LOCAL_CHOICES` in the choices, and are left out of the costs, as the harness's
+cost block leaves them out; the search runs over the other layers.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ from .spec import Setup, as_setup, heads_label, short_label
 
 __all__ = [
     "DEFAULT_CANDIDATES",
-    "LOCAL_CHOICE",
+    "LOCAL_CHOICES",
     "Search",
     "Target",
     "Tuning",
@@ -131,9 +132,9 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "efficient",
 )
 
-# what Tuning.choices says of a sliding-window layer (ModernBERT's local layers): never tuned, it keeps the model's own
-# attention (approx.patch leaves such layers alone)
-LOCAL_CHOICE = "own (sliding window)"
+# what Tuning.choices says of a sliding-window layer (ModernBERT's local layers), which is never tuned (approx.patch
+# leaves such layers alone), by the tuning's ``local``: its own attention, or approx's banded kernel
+LOCAL_CHOICES = {"model": "own (sliding window)", "band": "band (sliding window)"}
 
 COSTS = {"flops": (0, 2), "matmul": (4, 5)}  # the convention -> (method, full) slots of AttentionProbe.cost
 RATIO_NAMES = {"flops": "flops_vs_full", "matmul": "matmul_vs_softmax"}  # as the harness's cost block names them
@@ -398,7 +399,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class Tuning:
     """What :func:`autotune` chose and how. ``choices``: per attention layer, the chosen candidate's label (or
-    ``"full"``; :data:`LOCAL_CHOICE` for a sliding-window layer, which is not tuned). ``fidelity``: measured end to end
+    ``"full"``; :data:`LOCAL_CHOICES` for a sliding-window layer, which is not tuned). ``fidelity``: measured end to end
     on the check inputs; ``cost``: the attention cost at the cost
     inputs (the check inputs unless ``cost_data`` was given), relative to full attention in the tuning's convention
     (``costs``: in both). ``met``: whether ``fidelity`` (a score target: ``score``) meets the target and ``cost`` the
@@ -468,8 +469,9 @@ class Tuning:
                 why = "meets the target at less cost than the search path's point"
                 if self.budget is not None:
                     why += " (or within the budget, where the path's points miss it)"
-            tuned = next(c for c in self.choices if c != LOCAL_CHOICE)
-            where = "every layer it tunes" if LOCAL_CHOICE in self.choices else "every layer"
+            local = set(LOCAL_CHOICES.values())
+            tuned = next(c for c in self.choices if c not in local)
+            where = "every layer it tunes" if local & set(self.choices) else "every layer"
             lines.append(f"a uniform setting ({tuned} on {where}): it {why}")
         return "\n".join(lines)
 
@@ -715,9 +717,10 @@ class Search:
 
     def _choices(self, assignment: Sequence[int]) -> list[str]:
         """:attr:`Tuning.choices` of an assignment (one option per row): per attention layer, :meth:`_choice`, or
-        :data:`LOCAL_CHOICE` for a sliding-window layer."""
+        :data:`LOCAL_CHOICES` for a sliding-window layer (by the tuning's ``local``)."""
         chosen = {i: self._choice(i, a) for i, a in zip(self.rows, assignment, strict=True)}
-        return [chosen.get(i, LOCAL_CHOICE) for i in range(len(self.rows) + len(self.local_layers))]
+        local = LOCAL_CHOICES[self.local or "model"]
+        return [chosen.get(i, local) for i in range(len(self.rows) + len(self.local_layers))]
 
     def _path(self, convention: str) -> tuple[list[list[int]], list[dict[str, Any]]]:
         """The search path (step 2) for a cost convention and its points (choices, cost ratio, estimated loss)."""
