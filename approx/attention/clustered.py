@@ -69,8 +69,8 @@ class ClusteredConfig(MethodConfig):
         1,
         "Lloyd steps in Euclidean space on the queries themselves after the Hamming K-means (0: the paper's "
         "clusters; each step moves every query to its nearest centroid, then recomputes the centroids; on the CPU "
-        "the eager engine stops early at a fixed point, where more would change nothing; the cost counts them all; 1 since "
-        "issue #20: see the docs' Results, 'Sharper clustering')",
+        "the eager engine stops early at a fixed point, where more would change nothing; the cost counts them all; "
+        "1 since issue #20: see the docs' Results, 'Sharper clustering')",
         absent=0,  # saved folders and results from before the option: the paper's clusters
     )
     thresholds: str = option(

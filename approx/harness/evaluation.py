@@ -373,8 +373,9 @@ def _prepare(
         device = torch.device(device)
     else:
         device = state.device if state.num_processes > 1 else next(model.parameters()).device
-    if is_patched(model) or patched_within(model) is not None:
-        which = "the model" if is_patched(model) else f"the model's {patched_within(model)}"
+    inner = patched_within(model)
+    if is_patched(model) or inner is not None:
+        which = "the model" if is_patched(model) else f"the model's {inner}"
         raise ValueError(
             f"{which} is patched: unpatch it and pass its layers as a method, e.g. layers = "
             "approx.patched_layers(model); approx.unpatch(model); evaluate(model, task, [layers])"
@@ -702,8 +703,7 @@ def evaluate(
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = _checked_max_length(task, max_length)
     if allocations:  # what can be told before the model and data are loaded: no warm-up, another device asked for
-        asked = None if device is None else torch.device(device)
-        _check_allocations(warmup, asked if asked is None or asked.type != "cpu" else None)
+        _check_allocations(warmup, None if device is None else torch.device(device))
     torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
         run = _prepare(
