@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import saved
+from ._caller import caller_level
 from ._version import __version__
 from .attention import _blocksparse, _context
 from .attention._common import dense_softmax, exact_attention
@@ -363,7 +364,7 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
         warnings.warn(
             f"approx: local='band' runs approx's banded kernel on the CPU only; the sliding-window layers on "
             f"{query.device} run their own attention",
-            stacklevel=2,
+            stacklevel=caller_level("torch", "transformers"),
         )
         return None
     from .attention import _band
@@ -382,7 +383,7 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
             warnings.warn(
                 "approx: local='band' ran the sliding-window layers' own attention (O(N^2)), as gradients are "
                 "tracked: run the model under torch.inference_mode() or torch.no_grad() for the banded kernel",
-                stacklevel=2,
+                stacklevel=caller_level("torch", "transformers"),
             )
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -394,7 +395,9 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
 
 def local_mode(model: nn.Module) -> str:
     """How the sliding-window layers of ``model`` run (one of :data:`LOCAL_MODES`): ``"band"`` after
-    ``patch(..., local="band")``, else ``"model"`` (their own attention; a model without such layers too)."""
+    ``patch(..., local="band")``, else ``"model"`` (their own attention; a model without such layers too). For a
+    model that holds a patched one (a task model whose encoder was patched), the patched one's."""
+    model = _patched_view(model)
     modules = attention_modules(model) if is_patched(model) else []
     return "band" if any(m.__dict__.get(_LOCAL) == "band" for m in modules) else "model"
 
@@ -422,6 +425,28 @@ def check_local(model: nn.Module, modules: list[nn.Module], local: str | None, w
         raise ValueError(
             f"{where}='band': the window of layers {unread} of {type(model).__name__} cannot be read (their config "
             "has no integer sliding_window)"
+        )
+
+
+def check_checkpoint_local(name_or_path: str | os.PathLike, local: str | None, where: str = "local") -> None:
+    """Refuse ``local="band"`` for a checkpoint whose config has no sliding window before its weights are loaded
+    (:func:`check_local` refuses it again, and any other model it cannot run on, once the model is loaded): a
+    model without an integer ``sliding_window`` in its config has no window approx can read. A config that cannot be
+    read is left to the loading to report."""
+    check_local_name(local, where)
+    if local != "band":
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        return
+    reach = getattr(config, "sliding_window", None)
+    if not isinstance(reach, int) or isinstance(reach, bool):
+        raise ValueError(
+            f"{where}='band': {name_or_path} ({config.model_type}) has no sliding-window layers (its config has no "
+            "sliding_window); 'band' computes those layers' windows (ModernBERT's local layers)"
         )
 
 
@@ -766,6 +791,13 @@ def patched_within(model: nn.Module) -> str | None:
     return next((name for name, m in model.named_modules() if m is not model and is_patched(m)), None)
 
 
+def _patched_view(model: nn.Module) -> nn.Module:
+    """``model``, or the patched model inside it when only that one is patched: what the read-only views
+    (:func:`settings`, :func:`local_mode`) describe."""
+    inner = None if is_patched(model) else patched_within(model)
+    return model if inner is None else model.get_submodule(inner)
+
+
 def patched_elsewhere(model: nn.Module) -> str:
     """For the errors about a model that is not patched: which model around or inside it is (``""``: none; else a
     clause to append, starting with ``"; "``)."""
@@ -988,7 +1020,9 @@ class RedrawSchedule:
 
 def settings(model: nn.Module) -> list[dict[str, Any]]:
     """What each patched layer runs: ``[{"layer": i, "method": name, "config": {...}}, ...]``, with ``"heads"`` on a
-    layer whose method runs on some heads only."""
+    layer whose method runs on some heads only (``[]``: nothing is patched). For a model that holds a patched one
+    (a task model whose encoder was patched), the patched one's layers."""
+    model = _patched_view(model)
     if is_patched(model):
         _check_routed(model)
     return [saved.layer_record(i, layer) for i, layer in patched_layers(model).items()]

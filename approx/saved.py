@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import _json
+from ._caller import caller_level
 from .layer import ApproxAttention, check_heads, select_layers
 from .registry import get_method
 
@@ -251,7 +252,7 @@ def fresh_weights(folder: str | os.PathLike, variant: str | None = None):
             f"approx.save: removed {', '.join(stale)} from {folder}, weight files this save did not write (an earlier "
             f"save's, say): from_pretrained would read them as this checkpoint, and the folder's {SETTINGS_FILE} "
             "describes the model saved now; save models you want to keep to folders of their own",
-            stacklevel=_caller_level(),
+            stacklevel=caller_level(),
         )
 
 
@@ -261,21 +262,6 @@ def _index_shards(index: Path) -> set[str]:
         return set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
     except (OSError, ValueError, AttributeError):
         return set()
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of a warning raised here that points at the first frame outside approx's modules and
-    contextlib: the caller's ``approx.save`` or ``model.save_pretrained``, however deep approx's own frames go."""
-    import sys
-
-    def ours(frame) -> bool:
-        name = frame.f_globals.get("__name__", "")
-        return name == "approx" or name.startswith("approx.") or name == "contextlib"
-
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and ours(frame):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def checkpoint_digest(folder: str | os.PathLike) -> str | None:

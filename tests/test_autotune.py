@@ -10,6 +10,7 @@ import math
 import random
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -205,6 +206,15 @@ def test_cli_tunes_modernbert_and_the_tuned_folder_evaluates_with_the_band(tmp_p
     record = json.loads(result.read_text())
     assert record["local"] == "band" and record["fidelity"]["cost"]["layers"]["sliding_window"] == [1]
     assert [(x["layer"], x["method"]) for x in record["method"]["layers"]] == [(0, "efficient")]
+    # a checkpoint without sliding-window layers: exit 2 from its config, before its weights are loaded
+    bert = str(write_checkpoint(tmp_path / "bert", "sequence-classification"))
+    argv = ["autotune", "--model", bert, "--task", "mrpc", "--split", "train", "--limit", "8", "--data-dir",
+            str(fixture_dir), "--method", "efficient", "--output-dir", str(tmp_path / "no"), "--local", "band"]  # fmt: skip
+    capsys.readouterr()
+    with mock.patch("approx.integration.load_pretrained", side_effect=AssertionError("loaded")):
+        assert main(argv) == 2
+    assert "(bert) has no sliding-window layers (its config has no sliding_window)" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
 
 
 def test_parse_target():

@@ -186,7 +186,13 @@ def test_local_band_through_the_harness_and_the_cli(fixture_dir, tmp_path, monke
         _run(path, "sst2", ["full"], fixture_dir, local="band", device="meta")
     monkeypatch.undo()
     bert = str(write_checkpoint(tmp_path / "bert", "sequence-classification"))
-    with pytest.raises(ValueError, match=r"local='band': BertForSequenceClassification has no sliding-window layers"):
+    from approx.harness import evaluation
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(evaluation, "_prepare", loaded)  # (refused from its config, before anything loads)
+    with pytest.raises(ValueError, match=r"local='band': .*bert \(bert\) has no sliding-window layers \(its config"):
         _run(bert, "sst2", ["full"], fixture_dir, local="band")
 
 

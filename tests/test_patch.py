@@ -412,10 +412,12 @@ def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(mo
         assert torch.equal(model_output(plain, **inputs), ref) and calls[0] == 0
         model_output(plain.eval(), **inputs)
     assert calls[0] == 1
-    # eval mode with gradients tracked (a script's plain call): the layer's own attention, and a warning says why
-    with pytest.warns(UserWarning, match=r"local='band' ran the sliding-window layers' own attention.*no_grad"):
-        out = model_output(plain, **inputs)
+    # eval mode with gradients tracked (a script's plain call): the layer's own attention, and a warning says why,
+    # pointing at the line that called the model (not into transformers' attention call)
+    with pytest.warns(UserWarning, match=r"local='band' ran the sliding-window layers' own attention.*no_grad") as rec:
+        out = plain(**inputs).last_hidden_state
     assert out.requires_grad and calls[0] == 1
+    assert [w.filename for w in rec] == [__file__]
 
 
 def test_a_dict_of_masks_per_layer_type_reads_as_the_unpatched_model_reads_it(monkeypatch):
@@ -742,12 +744,27 @@ def test_a_model_inside_or_around_a_patched_one_is_refused(tmp_path):
             with pytest.raises(ValueError, match=r"not patched.*(unpatch that one|model\.bert)") as e:
                 call()
             assert "save_pretrained" not in str(e.value), what  # (which would drop the encoder's patch)
+        # the read-only views of the task model describe its patched encoder
+        assert approx.settings(model) == approx.settings(patched_one)
+        assert approx.settings(model.bert) == ([] if name is None else approx.settings(patched_one))
         approx.unpatch(patched_one)
         assert torch.equal(_logits(model), ref)
+        assert approx.settings(model) == approx.settings(model.bert) == []
     approx.patch(model.bert, "full")
     assert torch.equal(_logits(model), ref)
     approx.unpatch(model.bert)
     assert torch.equal(_logits(approx.patch(model, "full")), ref)
+
+
+def test_local_mode_of_a_task_model_is_its_patched_encoders():
+    """``approx.local_mode`` of a ModernBERT task model whose encoder was patched with ``local="band"`` says ``"band"``
+    (it said ``"model"``), as ``approx.settings`` lists the encoder's layers."""
+    model = tiny_model("modernbert", "sequence-classification")
+    approx.patch(model.model, "full", local="band")
+    assert approx.local_mode(model) == "band" and not approx.is_patched(model)
+    assert approx.settings(model) == approx.settings(model.model) != []
+    approx.unpatch(model.model)
+    assert approx.local_mode(model) == "model" and approx.settings(model) == []
 
 
 def test_non_padding_masks_are_refused():

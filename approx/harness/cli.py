@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import __version__, _json, methods
 from ..config import MethodConfig, did_you_mean
-from ..integration import LOCAL_MODES
+from ..integration import LOCAL_MODES, check_checkpoint_local
 from ..registry import get_method
 from ..saved import AUTOTUNE_RECORD, FIT_RECORD
 from .argcheck import Once, check_device, looks_like_path, set_threads
@@ -541,6 +541,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
+    check_checkpoint_local(model_path, args.local)  # (a model without sliding-window layers: before loading it)
     heads = checkpoint_heads(model_path)  # the checkpoint's own head (a KL target compares its outputs)
     head = heads[0] if heads else None
     model, tokenizer = load_pretrained(model_path, task=head, progress=not args.quiet)

@@ -41,6 +41,7 @@ from ..integration import (
     attention_modules,
     attention_probe,
     attention_shape,
+    check_checkpoint_local,
     check_local,
     check_local_name,
     checkpoint_heads,
@@ -700,6 +701,8 @@ def evaluate(
     task = get_task(task) if isinstance(task, str) else task
     methods = _method_list(methods)
     setups = _setups(methods, seed, batch_size, local)
+    if isinstance(model, str):  # local='band' for a checkpoint without sliding-window layers: before it is loaded
+        check_checkpoint_local(model, local)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = _checked_max_length(task, max_length)
     if allocations:  # what can be told before the model and data are loaded: no warm-up, another device asked for
