@@ -348,17 +348,16 @@ def _window_reach(module: nn.Module) -> int | None:
 
 
 def _band_attention(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs) -> torch.Tensor | None:
-    """A ``local="band"`` layer's output (B, N, H, dv) by the banded kernel (:mod:`approx.attention._band`): O(N w)
-    rather than the O(N^2) of SDPA on the dense band mask, the same softmax over the same keys (equal to rounding).
-    None where it does not run and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
-    measured there: transformers' kernels stay; a warning says so), a layer in training mode (even without
-    gradients: reentrant checkpointing runs the forward so, and its backward would recompute it otherwise), with
-    gradients or attention dropout (the kernel is for inference),
-    a mask other than the boolean (B, 1, N, N) band the mask function built and marked with its reach (a mask the
-    caller made, which transformers hands such a layer as it is; no mask, where the window covers every pair), or
-    an argument that changes the scores beside the window (a cap, sinks: the model's own function takes them into
-    account)."""
-    if module.__dict__.get(_LOCAL) != "band" or module.training or attention_mask is None:
+    """A ``local="band"`` layer's output (B, N, H, dv) in O(N w) rather than the O(N^2) of SDPA on the dense band
+    mask, the same softmax over the same keys (equal to rounding): in inference by approx's banded kernel
+    (:mod:`approx.attention._band`); in training mode, with gradients tracked or with attention dropout (which the
+    banded kernel does not do) by the block-sparse gather kernel on the same window (:func:`_band_with_gradients`).
+    None where neither runs and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
+    measured there: transformers' kernels stay; a warning says so), a mask other than the boolean (B, 1, N, N) band
+    the mask function built and marked with its reach (a mask the caller made, which transformers hands such a
+    layer as it is; no mask, where the window covers every pair), or an argument that changes the scores beside
+    the window (a cap, sinks: the model's own function takes them into account)."""
+    if module.__dict__.get(_LOCAL) != "band" or attention_mask is None:
         return None  # (no mask: transformers skipped it, the window covering every pair; SDPA's own path is fast)
     if query.device.type != "cpu":
         warnings.warn(
@@ -377,20 +376,32 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
         return None
     # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
     key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    why = _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout)
-    if why is not None:
-        if why == _band.NO_GRADIENT:  # (eval mode, outside no_grad: the usual call of a script, so said)
-            warnings.warn(
-                "approx: local='band' ran the sliding-window layers' own attention (O(N^2)), as gradients are "
-                "tracked: run the model under torch.inference_mode() or torch.no_grad() for the banded kernel",
-                stacklevel=caller_level("torch", "transformers"),
-            )
-        return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = _band.attend(
-        query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, shared_keys=None, scale=scale
-    )
+    # training mode even without gradients: reentrant checkpointing runs the forward so, then again with them
+    if module.training or _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout):
+        out = _band_with_gradients(query, key, value, reach=reach, key_mask=key_mask, scale=scale, dropout=dropout)
+    else:
+        out = _band.attend(
+            query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, shared_keys=None, scale=scale
+        )
     return out.transpose(1, 2).to(query.dtype)
+
+
+def _band_with_gradients(query, key, value, *, reach: int, key_mask, scale: float, dropout: float) -> torch.Tensor:
+    """The window |i - j| <= ``reach`` over the real keys by the block-sparse gather kernel
+    (:func:`approx.attention._blocksparse.attend`: plain torch, so autograd differentiates it; attention dropout on
+    the weights as transformers' functions apply it): (B, H, N, dv), O(N w) memory where SDPA on the dense band mask
+    keeps O(N^2)."""
+    from .attention import window
+
+    b, _, n, _ = query.shape
+    config = window.WindowConfig(window=max(1, min(reach, n - 1)), global_tokens=0, block=_BAND_BLOCK, kernel="gather")
+    pattern = _blocksparse.cached(
+        ("local-band", config, b, n, query.device), lambda: window.pattern(config, b=b, n=n, s=n, device=query.device)
+    )
+    return _blocksparse.attend(
+        query, key, value, pattern, key_mask=key_mask, scale=scale, dropout=dropout, kernel="gather"
+    )
 
 
 def local_mode(model: nn.Module) -> str:

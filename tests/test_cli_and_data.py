@@ -820,7 +820,6 @@ def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(
     """``--local-band``: rows ``full+band`` and ``METHOD+band`` whose models run their sliding-window layers on the
     banded kernel (``local="band"``), recorded as such; refused for MiniLM, which has no sliding-window layers, and on a
     GPU, where the kernel does not run."""
-    import transformers
     from conftest import tiny_config
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -832,7 +831,7 @@ def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(
         bench.parse_args(["--architecture", "modernbert-base", "--local-band", "--device", "cuda"])
     assert "--local-band: approx's banded kernel runs on the CPU only" in capsys.readouterr().err
     # a tiny ModernBERT (with the token ids the benchmark draws, from 1000)
-    monkeypatch.setattr(transformers, "ModernBertConfig", lambda: tiny_config("modernbert", vocab_size=1100))
+    monkeypatch.setattr(bench, "modernbert_config", lambda: tiny_config("modernbert", vocab_size=1100))
     argv = ["--architecture", "modernbert-base", "--methods", "window", "--no-fallback", "--local-band"]
     models = bench.build_models(bench.parse_args([*argv, "--lengths", "16"]))
     assert list(models) == ["sdpa", "window", "full+band", "window+band", "no-attention"]
@@ -842,9 +841,19 @@ def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(
     bench.main([*argv, "--lengths", "16", "--repeats", "1", "--output", str(out)])
     record = json.loads(out.read_text())
     assert record["contenders"]["window+band"] == {"method": "window", "window": 256, "local": "band"}
+    assert record["times_s"]["16"]["full+band"][0] < 1.0  # (the tiny model: ModernBERT-base takes longer)
     window = approx.get_method("window").make_config(window=256).to_dict()
     assert record["configs"]["window+band"] == {"method": "window", **window, "local": "band"}
-    assert "local" not in record["configs"]["window"]
+    assert "local" not in record["configs"]["window"] and record["backward"] is False
+    # --backward: a training step per call, timed and measured; the +band rows' windows on the gather kernel
+    from approx.attention import _blocksparse
+
+    calls, attend = [], _blocksparse.attend
+    monkeypatch.setattr(_blocksparse, "attend", lambda *a, **k: calls.append(k.get("kernel")) or attend(*a, **k))
+    bench.main([*argv, "--lengths", "16", "--repeats", "1", "--backward", "--memory", "--output", str(out)])
+    record = json.loads(out.read_text())
+    assert record["backward"] is True and set(record["memory_mib"]["16"]) >= {"sdpa", "full+band", "eager"}
+    assert "gather" in calls and "forward and backward, batch 1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])

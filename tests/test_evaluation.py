@@ -1496,3 +1496,19 @@ def test_a_patched_model_or_one_holding_a_patched_encoder_is_refused(fixture_dir
         with pytest.raises(ValueError, match=words):
             _run(model, "sst2", ["full"], fixture_dir, tokenizer=tok)
         approx.unpatch(patched)
+
+
+def test_an_evaluation_records_the_commit_it_started_from(monkeypatch, fixture_dir, tmp_path):
+    """``approx.evaluate`` reads the checkout's commit before it loads anything: a commit made while it runs shows as
+    ``git_commit_at_start`` (it took its first reading when the batches had run, and so recorded the new commit as
+    the code that ran)."""
+    from evalfixtures import write_checkpoint
+
+    from approx.harness import provenance as prov
+
+    path = str(write_checkpoint(tmp_path / "ck", "sequence-classification"))
+    readings = iter(["aaa"])
+    monkeypatch.setattr(prov, "git_commit", lambda: next(readings, "bbb"))
+    monkeypatch.setattr(prov, "_AT_START", {})
+    (result,) = _run(path, "sst2", ["full"], fixture_dir, limit=4)
+    assert (result["provenance"]["git_commit"], result["provenance"].get("git_commit_at_start")) == ("bbb", "aaa")

@@ -4,6 +4,7 @@ exactness of ``full``, unpatch, layer selection, save/load, refusals."""
 import copy
 import re
 import types
+import warnings
 
 import pytest
 import torch
@@ -390,34 +391,92 @@ def test_local_band_computes_the_sliding_window_layers_own_attention(implementat
         assert calls[0] == 2
 
 
-def test_local_band_leaves_training_and_gradients_to_the_layers_own_attention(monkeypatch):
-    """The banded kernel is for inference: in training (with gradients, attention dropout, or neither) the sliding-window
-    layer runs its own attention, so the model trains exactly as the unpatched one, to the bit."""
-    calls = _count_band_calls(monkeypatch)
-    inputs = batch(40, pad=11)
-    for dropout in (0.0, 0.3):
-        plain = tiny_model("modernbert", attention_dropout=dropout).train()
-        torch.manual_seed(3)
-        ref = model_output(plain, **inputs)
+def _count_gather_calls(monkeypatch) -> list[int]:
+    """Count the calls of the block-sparse gather kernel (a one-element list, incremented per call)."""
+    from approx.attention import _blocksparse
+
+    calls, attend = [0], _blocksparse.attend
+
+    def counted(*args, **kwargs):
+        calls[0] += kwargs.get("kernel") == "gather"
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(_blocksparse, "attend", counted)
+    return calls
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_local_band_trains_its_windows_on_the_gather_kernel(monkeypatch):
+    """With gradients tracked or in training mode the banded kernel (inference only) gives way to the block-sparse
+    gather kernel on the same window, which autograd differentiates: in float64 the outputs on real tokens and every
+    parameter's gradient are the unpatched model's (its own attention on the dense band mask), with padding after
+    and before the real tokens, in training mode, in eval mode with gradients (no warning now), under gradient
+    checkpointing, and in training mode without gradients (reentrant checkpointing's first forward)."""
+    band_calls, gather_calls = _count_band_calls(monkeypatch), _count_gather_calls(monkeypatch)
+    inputs = _left_and_right_padded(40)
+    real = inputs["attention_mask"].bool()
+
+    def loss_and_grads(model):
+        model.zero_grad()
+        out = model_output(model, **inputs)
+        out[real].pow(2).sum().backward()
+        return out.detach(), _grads(model)
+
+    for mode, checkpointing in (("train", False), ("eval", False), ("train", True)):
+        plain = tiny_model("modernbert").double()
+        getattr(plain, mode)()
+        if checkpointing:
+            plain.gradient_checkpointing_enable()
+        ref, ref_grads = loss_and_grads(plain)
         approx.patch(plain, "full", local="band")
-        torch.manual_seed(3)
-        out = model_output(plain, **inputs)
-        assert out.requires_grad and torch.equal(out, ref)
-    assert calls[0] == 0
-    # training mode without gradients (reentrant checkpointing runs its first forward so): still the layer's own
-    plain = tiny_model("modernbert").train()
+        before = gather_calls[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no "ran its own attention" warning)
+            out, grads = loss_and_grads(plain)
+        assert gather_calls[0] > before and band_calls[0] == 0, (mode, checkpointing)
+        torch.testing.assert_close(out[real], ref[real], rtol=1e-12, atol=1e-12)
+        assert len(grads) == len(ref_grads)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8 * float(want.abs().max()))
+    plain = tiny_model("modernbert").double().train()
     with torch.no_grad():
         ref = model_output(plain, **inputs)
         approx.patch(plain, "full", local="band")
-        assert torch.equal(model_output(plain, **inputs), ref) and calls[0] == 0
-        model_output(plain.eval(), **inputs)
-    assert calls[0] == 1
-    # eval mode with gradients tracked (a script's plain call): the layer's own attention, and a warning says why,
-    # pointing at the line that called the model (not into transformers' attention call)
-    with pytest.warns(UserWarning, match=r"local='band' ran the sliding-window layers' own attention.*no_grad") as rec:
-        out = plain(**inputs).last_hidden_state
-    assert out.requires_grad and calls[0] == 1
-    assert [w.filename for w in rec] == [__file__]
+        before = gather_calls[0]
+        torch.testing.assert_close(model_output(plain, **inputs)[real], ref[real], rtol=1e-12, atol=1e-12)
+        assert gather_calls[0] == before + 1 and band_calls[0] == 0
+        model_output(plain.eval(), **inputs)  # inference: the banded kernel
+    assert band_calls[0] == 1 and gather_calls[0] == before + 1
+
+
+def test_local_band_applies_attention_dropout_in_training():
+    """Attention dropout (ModernBERT's ``attention_dropout``) is applied on the gather kernel's weights, as
+    transformers' own functions apply it: a training forward differs from one without dropout, repeats under the same
+    seed, and the window's output averaged over many draws is its output without dropout (within 6 standard errors)."""
+    from approx.integration import _band_with_gradients
+
+    inputs = batch(40, pad=11)
+    real = inputs["attention_mask"].bool()
+    outs = {}
+    for dropout in (0.0, 0.3, 0.3):
+        model = approx.patch(tiny_model("modernbert", attention_dropout=dropout).train(), "full", local="band")
+        torch.manual_seed(3)
+        outs.setdefault(dropout, []).append(model_output(model, **inputs)[real])
+    assert torch.equal(*outs[0.3]) and not torch.allclose(outs[0.3][0], outs[0.0][0])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    key_mask = torch.ones(2, 40, dtype=torch.bool)
+    key_mask[1, 29:] = False
+    plain = _band_with_gradients(q, k, v, reach=4, key_mask=key_mask, scale=0.3, dropout=0.0)
+    torch.manual_seed(0)
+    draws = torch.stack(
+        [_band_with_gradients(q, k, v, reach=4, key_mask=key_mask, scale=0.3, dropout=0.2) for _ in range(150)]
+    )
+    bound = 6 * draws.std(0) / 150**0.5 + 1e-9
+    assert not torch.equal(draws[0], plain) and ((draws.mean(0) - plain).abs() <= bound).all()
 
 
 def test_a_dict_of_masks_per_layer_type_reads_as_the_unpatched_model_reads_it(monkeypatch):

@@ -866,6 +866,9 @@ def _one_method_each(arg: str, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .provenance import mark_start
+
+    mark_start()  # the commit this run starts from (its records say so if the checkout moves while it runs)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

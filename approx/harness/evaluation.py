@@ -693,8 +693,9 @@ def evaluate(
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    from .provenance import provenance
+    from .provenance import mark_start, provenance
 
+    mark_start()
     # without a GPU (or with device="cpu"), processes started by `accelerate launch` / torchrun join on CPU (gloo)
     cpu = (device is not None and torch.device(device).type == "cpu") or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)

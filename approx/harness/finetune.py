@@ -511,8 +511,9 @@ def finetune(
     and ``finetune.json`` says so (``"partial": true``, ``"step"``; no evaluation); ``resume=True`` continues
     from the training state in ``output_dir/checkpoint`` exactly as an uninterrupted run would have.
     """
-    from .provenance import provenance
+    from .provenance import mark_start, provenance
 
+    mark_start()
     wall = time.perf_counter()
     model = os.fspath(model)
     task_def = get_task(task)

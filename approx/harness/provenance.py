@@ -106,8 +106,16 @@ def load_average() -> list[float] | None:
         return None
 
 
-# The checkout's commit when this process first took its provenance (see :func:`provenance`)
+# The checkout's commit when this process started its work (see :func:`mark_start`, :func:`provenance`)
 _AT_START: dict[str, str | None] = {}
+
+
+def mark_start() -> None:
+    """Read the checkout's commit now as this process's start (nothing after the first reading): the entry points
+    (``approx.evaluate``, ``approx.finetune``, the ``approx`` command) call it before they load or run anything,
+    so that a commit made while they run shows in their record as ``git_commit_at_start``. Without it the first
+    :func:`provenance` call takes that reading, when the work is done."""
+    _AT_START.setdefault("commit", git_commit())
 
 
 def provenance(seed: int | None = None, device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
