@@ -93,6 +93,12 @@ class MethodConfig:
     def check(self) -> None:
         """Raise ``ValueError`` naming the option when a value is impossible."""
 
+    def unused(self) -> dict[str, str]:
+        """The options these settings never read, each with the setting that would read it (Nystrom's
+        ``{"pinv_iterations": "pinv='iterative'"}`` under ``pinv='exact'``): :meth:`from_options` refuses a value
+        given for one, which would otherwise be recorded as if it had mattered."""
+        return {}
+
     def require(self, ok: bool, name: str, why: str) -> None:
         if not ok:
             raise ValueError(f"{self.method}: option {name!r} = {getattr(self, name)!r} is invalid: {why}")
@@ -102,8 +108,8 @@ class MethodConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_options(cls, **options: Any) -> MethodConfig:
-        """Build the config from keyword options, refusing names the method does not have."""
+    def _check_names(cls, options: dict[str, Any]) -> None:
+        """Refuse option names the method does not have, listing those it has."""
         names = cls.option_names()
         unknown = [k for k in options if k not in names]
         if unknown:
@@ -113,7 +119,21 @@ class MethodConfig:
                 f"{cls.method}: unknown option(s) {', '.join(map(repr, unknown))}{hints}; "
                 f"options of {cls.method!r}: {valid}"
             )
-        return cls(**options)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> MethodConfig:
+        """Build the config from keyword options, refusing names the method does not have, and a value given for an
+        option the other options leave unused (:meth:`unused`)."""
+        cls._check_names(options)
+        config = cls(**options)
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for name, reader in config.unused().items():
+            if name in options and getattr(config, name) != defaults[name]:
+                raise ValueError(
+                    f"{cls.method}: option {name!r} = {options[name]!r} has no effect here (only with {reader}); "
+                    "leave it out"
+                )
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,8 +156,11 @@ class MethodConfig:
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> MethodConfig:
-        """:meth:`from_options` on :meth:`recorded_options`: the config a saved or reported record describes."""
-        return cls.from_options(**cls.recorded_options(record))
+        """The config a saved or reported record describes (:meth:`recorded_options`), names checked as
+        :meth:`from_options` checks them; an unused option's value (see :meth:`unused`) is kept as recorded."""
+        options = cls.recorded_options(record)
+        cls._check_names(options)
+        return cls(**options)  # (a record may hold an unused option's value: it loads as written)
 
     @classmethod
     def describe(cls) -> list[dict[str, Any]]:

@@ -351,7 +351,7 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     """A ``local="band"`` layer's output (B, N, H, dv) in O(N w) rather than the O(N^2) of SDPA on the dense band
     mask, the same softmax over the same keys (equal to rounding): in inference by approx's banded kernel
     (:mod:`approx.attention._band`); in training mode, with gradients tracked or with attention dropout (which the
-    banded kernel does not do) by the block-sparse gather kernel on the same window (:func:`_band_with_gradients`).
+    banded kernel does not do) by its differentiable form (:func:`_band_with_gradients`).
     None where neither runs and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
     measured there: transformers' kernels stay; a warning says so), a mask other than the boolean (B, 1, N, N) band
     the mask function built and marked with its reach (a mask the caller made, which transformers hands such a
@@ -388,19 +388,13 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
 
 
 def _band_with_gradients(query, key, value, *, reach: int, key_mask, scale: float, dropout: float) -> torch.Tensor:
-    """The window |i - j| <= ``reach`` over the real keys by the block-sparse gather kernel
-    (:func:`approx.attention._blocksparse.attend`: plain torch, so autograd differentiates it; attention dropout on
-    the weights as transformers' functions apply it): (B, H, N, dv), O(N w) memory where SDPA on the dense band mask
-    keeps O(N^2)."""
-    from .attention import window
+    """The window |i - j| <= ``reach`` over the real keys for training (:func:`approx.attention._band.
+    attend_with_gradients`: differentiable, attention dropout applied as transformers' functions apply it, its
+    chunks checkpointed so that autograd keeps O(N d)): (B, H, N, dv)."""
+    from .attention import _band
 
-    b, _, n, _ = query.shape
-    config = window.WindowConfig(window=max(1, min(reach, n - 1)), global_tokens=0, block=_BAND_BLOCK, kernel="gather")
-    pattern = _blocksparse.cached(
-        ("local-band", config, b, n, query.device), lambda: window.pattern(config, b=b, n=n, s=n, device=query.device)
-    )
-    return _blocksparse.attend(
-        query, key, value, pattern, key_mask=key_mask, scale=scale, dropout=dropout, kernel="gather"
+    return _band.attend_with_gradients(
+        query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, scale=scale, dropout=dropout
     )
 
 

@@ -249,14 +249,30 @@ def sharper_clustering_block(path: str = SHARPER) -> str:
     )
 
 
+def _whole_model_what(res: dict) -> tuple[str, str, str]:
+    """(model, what it is, which layers are patched) as a whole-model record's block describes them."""
+    random = "random weights" in res.get("model", "")
+    what = "architecture with random weights" if random else "with positions extended (random beyond 512)"
+    model, layers = "MiniLM-L6", "every layer"
+    if res.get("architecture") == "modernbert-base":
+        model = "ModernBERT-base"
+        layers = "its 8 full-attention layers (its 14 sliding-window layers as they are, SDPA on their band mask"
+        if any(c.endswith("+band") for c in res["contenders"]):
+            kernel = "gather kernel, as training runs them" if res.get("backward") else "banded kernel"
+            layers += f'; in the +band rows on approx\'s {kernel}, `approx.patch(..., local="band")`'
+        layers += ")"
+    return model, what, layers
+
+
 def whole_model_memory_block(res: dict, path: str) -> str:
     """A memory-only whole-model run (``--memory-only``): the table and exponents the script prints."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from whole_model import memory_report
 
+    model, what, layers = _whole_model_what(res)
     return (
-        f"**Whole model, memory**, MiniLM-L6 with positions extended, batch 1, {_hardware(res)}, one untimed call "
-        f"per contender and N after a warm one, every layer patched with the attention-op settings "
+        f"**Whole model, memory**, {model} {what}, batch 1, {_hardware(res)}, one untimed call "
+        f"per contender and N after a warm one, {layers} patched with the attention-op settings "
         f"(`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}). "
         f"{res['memory_measure']}; *eager* is the unpatched model with eager attention.\n\n"
         + "\n".join(
@@ -278,15 +294,7 @@ def whole_model_block(path: str) -> str:
         cells = [f"{_ms(t[c])} ({t['sdpa'] / t[c]:.2f}×)" for c in names]
         rows.append(f"| {n} | {_ms(t['sdpa'])} | " + " | ".join(cells) + " |")
     load = res["provenance"].get("loadavg_before")
-    random = "random weights" in res.get("model", "")
-    what = "architecture with random weights" if random else "with positions extended (random beyond 512)"
-    model, layers = "MiniLM-L6", "every layer"
-    if res.get("architecture") == "modernbert-base":
-        model = "ModernBERT-base"
-        layers = "its 8 full-attention layers (its 14 sliding-window layers as they are, SDPA on their band mask"
-        if any(c.endswith("+band") for c in names):
-            layers += '; in the +band rows on approx\'s banded kernel, `approx.patch(..., local="band")`'
-        layers += ")"
+    model, what, layers = _whole_model_what(res)
     return (
         f"**Whole model**, {model} {what}, batch 1, {_hardware(res)}, "
         f"median of {res['repeats']} interleaved calls, {layers} patched with the "

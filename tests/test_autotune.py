@@ -619,23 +619,44 @@ def test_exact_attention_meets_cosine_one_and_the_callers_generator_is_left_alon
     assert tuning.met and tuning.fidelity == 1.0 and set(tuning.choices) == {"full"}
 
 
+def _saved_state(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "approx_state.safetensors"))
+
+
 def test_finetune_from_a_folder_with_some_layers_patched_keeps_those_layers(tmp_path, base_model, fixture_dir):
     """A folder saved with one method on some layers is fine-tuned with that method on those layers only (it used
-    to become the method on every layer), and a fitted folder is refused before training rather than drawn afresh."""
+    to become the method on every layer), with the state the folder holds: FAVOR+ features loaded from another seed
+    (the folder's options would draw others) and Linformer projections fitted by approx.fit (it was refused, the
+    fine-tuning drawing them afresh) are the trained model's (buffers: training leaves them). A fitted method named
+    without a fit is refused before the model loads, saying to fit it first."""
     from approx.harness.finetune import finetune
 
     model, tok = approx.integration.load_pretrained(base_model, progress=False)
     approx.patch(model, "favor", layers=[1], features=8)
+    other = approx.patch(copy.deepcopy(model), "favor", layers=[1], features=8, seed=5)
+    with pytest.warns(UserWarning):  # (the layer's seed option no longer says what its state is)
+        approx.patched_layers(model)[1].load_state_dict(approx.patched_layers(other)[1].state_dict())
     folder = approx.save(model, tmp_path / "some", tokenizer=tok)
-    finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), train_split="dev/0",
-             data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False)  # fmt: skip
+    run = dict(
+        train_split="dev/0", data_dir=str(fixture_dir), source="local", batch_size=4, max_steps=1, progress=False
+    )
+    finetune(base_model, "rte", output_dir=tmp_path / "ft", method=str(folder), **run)
     trained = json.loads((tmp_path / "ft" / "approx_config.json").read_text())["layers"]
     assert [x["layer"] for x in trained] == [1] and trained[0]["config"]["features"] == 8
+    want, got = _saved_state(folder), _saved_state(tmp_path / "ft")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    drawn = approx.patched_layers(approx.patch(copy.deepcopy(model), "favor", layers=[1], features=8))[1].state()
+    assert not all(torch.equal(want[f"layer.1.{k}"], v) for k, v in drawn.items())  # (what it would have drawn)
     approx.patch(model, "linformer", layers=[0], mode="fitted", projections=8, length=64)
     approx.fit(model, [dict(tok(["a sentence of a few words to fit on"] * 2, return_tensors="pt"))], progress=False)
     fitted = approx.save(model, tmp_path / "fitted", tokenizer=tok)
-    with pytest.raises(ValueError, match=r"layers \[0\] hold fitted state"):  # before the (absent) model loads
-        finetune(str(tmp_path / "absent"), "rte", output_dir=tmp_path / "ft2", method=str(fitted), progress=False)
+    finetune(base_model, "rte", output_dir=tmp_path / "ft2", method=str(fitted), **run)
+    want, got = _saved_state(fitted), _saved_state(tmp_path / "ft2")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(ValueError, match=r"linformer learns its state .* fit it first .*--method FITTED"):
+        finetune(str(tmp_path / "absent"), "rte", output_dir=tmp_path / "ft3", method="linformer:mode=fitted")
 
 
 def test_a_method_name_is_the_method_even_beside_a_folder_of_that_name(tmp_path, monkeypatch, bert):

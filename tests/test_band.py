@@ -246,3 +246,75 @@ def test_masked_columns_leave_room_for_every_row():
         r = torch.arange(block)[:, None]
         assert ((slots - pad - r).abs() > reach).all()
         assert all(len(set(row.tolist())) == g for row in slots)
+
+
+@pytest.mark.parametrize(
+    "n,real,reach,block",
+    [
+        (100, 77, 5, 8),  # reach below a block
+        (96, 96, 16, 8),  # reach a multiple of the block
+        (101, 60, 13, 8),  # n and reach off the block grid
+        (70, 9, 4, 4),  # queries whose window holds padding only: output 0, gradient 0
+        (37, 30, 1000, 8),  # reach beyond the sequence
+        (40, 33, 0, 8),  # the diagonal alone
+        (300, 280, 64, 64),  # ModernBERT's window, several chunks of blocks
+    ],
+)
+def test_the_training_form_matches_the_definition_and_its_gradient(n, real, reach, block, monkeypatch):
+    """``attend_with_gradients`` (the band for training: checkpointed chunks of blocks) against the float64 softmax
+    from the window's definition, outputs and the gradients of q, k and v (autograd through the reference), with
+    chunks of one block too; and torch's gradcheck on a small case."""
+    q, k, v = (t.requires_grad_() for t in qkv(n))
+    mask = lengths_mask(n, real)
+    glob = torch.zeros(B, n, dtype=torch.bool)
+    want = reference(q, k, v, mask, window=reach, glob=glob)
+    grad_out = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+    for chunk in (_band._CHUNK_ELEMENTS, 1):  # (1: every block its own checkpointed chunk)
+        monkeypatch.setattr(_band, "_CHUNK_ELEMENTS", chunk)
+        got = _band.attend_with_gradients(q, k, v, reach=reach, block=block, key_mask=mask, scale=D**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), grad_out), want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    small = tuple(t[:1, :1, :12].detach().clone().requires_grad_() for t in (q, k, v))
+    torch.autograd.gradcheck(
+        lambda a, b, c: _band.attend_with_gradients(a, b, c, reach=3, block=4, key_mask=None, scale=0.5), small
+    )
+
+
+def test_the_training_form_keeps_less_than_autograd_through_the_scores():
+    """Its chunks are checkpointed: what autograd keeps for the backward grows with N d, not with the band's
+    N (block + 2 P) scores per head (counted through saved-tensor hooks: the bytes kept, storages counted once)."""
+
+    def kept(fn, n):
+        q, k, v = (torch.randn(1, 4, n, 16, requires_grad=True) for _ in range(3))
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(q, k, v).sum().backward()
+        return sum(storages.values())
+
+    def plain(q, k, v):  # the same chunk function without checkpointing: its scores and weights kept
+        with _no_checkpoint():
+            return _band.attend_with_gradients(q, k, v, reach=64, block=64, key_mask=None, scale=0.25)
+
+    def checkpointed(q, k, v):
+        return _band.attend_with_gradients(q, k, v, reach=64, block=64, key_mask=None, scale=0.25)
+
+    assert kept(checkpointed, 4096) < kept(plain, 4096) / 4
+
+
+def _no_checkpoint():
+    import contextlib
+    from unittest import mock
+
+    @contextlib.contextmanager
+    def patched():
+        with mock.patch("torch.utils.checkpoint.checkpoint", lambda fn, *a, use_reentrant: fn(*a)):
+            yield
+
+    return patched()

@@ -50,6 +50,12 @@ def test_parse_setup_types_options_from_the_config():
         ("clustered:clusters=0", ["clusters"]),
         ("CLUSTERED", ["did you mean 'clustered'"]),
         ("favor:features=64,features=32", ["option 'features' given twice"]),
+        # an option the others leave unused, given a value: refused (it was recorded as if it had mattered)
+        ("nystrom:pinv=exact,pinv_iterations=20", ["'pinv_iterations' = 20 has no effect here (only with pinv="]),
+        ("sparse-transformer:summary=4", ["'summary' = 4 has no effect here (only with pattern='fixed')"]),
+        ("favor:kernel=softmax,relu_eps=0.5", ["'relu_eps' = 0.5 has no effect here (only with kernel='relu')"]),
+        ("sparsefinder:grouping=distance,buckets=4", ["'buckets' = 4 has no effect here (only with grouping="]),
+        ("sparsefinder:clusters=4,threshold=0.5", ["'threshold' = 0.5 has no effect here (only with grouping="]),
     ],
 )
 def test_parse_setup_errors(spec, words):
@@ -57,6 +63,18 @@ def test_parse_setup_errors(spec, words):
         parse_setup(spec)
     for w in words:
         assert w in str(e.value)
+
+
+def test_an_unused_option_at_its_default_or_in_a_record_is_accepted():
+    """An unused option given at its default value is harmless (records hold every option) and a saved or reported
+    record that holds another value for one still loads, as it was written."""
+    from approx.attention.nystrom import NystromConfig
+
+    assert parse_setup("nystrom:pinv=exact,pinv_iterations=6").options["pinv_iterations"] == 6
+    record = {**NystromConfig().to_dict(), "pinv": "exact", "pinv_iterations": 20}
+    assert NystromConfig.from_record(record).pinv_iterations == 20
+    with pytest.raises(ValueError, match="unknown option"):
+        NystromConfig.from_record({**record, "pinv_steps": 3})
 
 
 def test_an_option_in_the_spec_beats_one_shared_by_every_method_and_a_second_value_is_refused():
@@ -214,8 +232,33 @@ def _last_field(value: bytes):
         ("sst2", "SST-2/dev.tsv", 4, "a sentence\t\u00b2".encode(), "label '\u00b2'"),  # superscript two
         ("rte", "RTE/dev.tsv", 3, _last_field("\u0660".encode()), "label '\u0660'"),  # Arabic-Indic zero
         ("cola", "CoLA/dev.tsv", 1, b"src\t9\t\ta sentence .", "label '9'"),  # no header: line 1 is data
+        ("stsb", "STS-B/dev.tsv", 3, _last_field(b"5.5"), "score '5.5' lies outside the task's scale, 0 to 5"),
+        ("stsb", "STS-B/dev.tsv", 4, _last_field(b"-0.25"), "score '-0.25' lies outside the task's scale"),
+        # a file without its header line: its first example would have been skipped as the header
+        ("sst2", "SST-2/dev.tsv", 1, b"a good film .\t1", "a data row where the file's header line belongs"),
+        ("rte", "RTE/dev.tsv", 1, b"0\tA man sleeps .\tA man is asleep .\tentailment", "where the file's header"),
+        ("mrpc", "MRPC/dev.tsv", 1, b"1\t11\t12\tOne line .\tThe same line .", "where the file's header"),
+        ("stsb", "STS-B/dev.tsv", 1, _last_field(b"4.2"), "where the file's header"),
     ],
-    ids=["bad-byte", "cut-utf8", "long-field", "nan", "inf", "-Infinity", "word", "7", "superscript", "arabic", "cola"],
+    ids=[
+        "bad-byte",
+        "cut-utf8",
+        "long-field",
+        "nan",
+        "inf",
+        "-Infinity",
+        "word",
+        "7",
+        "superscript",
+        "arabic",
+        "cola",
+        "score-above",
+        "score-below",
+        "no-header-sst2",
+        "no-header-rte",
+        "no-header-mrpc",
+        "no-header-stsb",
+    ],  # fmt: skip
 )
 def test_bad_data_file_names_file_and_line(tmp_path, task, file, line, new, words):
     from evalfixtures import write_data
@@ -431,6 +474,24 @@ CLI_MISTAKES = [
     (["fit", "--model", "{model}", "--output-dir", "{tmp}/o", "--length", "100000", "--quiet"], "fit on at most 512"),
     (["finetune", "--model", "{model}", "--task", "rte", "--task", "sst2", "--output-dir", "{tmp}/o"], "twice"),
     (["finetune", "--task", "rte", "--output-dir", "{tmp}/a", "--output-dir", "{tmp}/b"], "--output-dir given twice"),
+    # a flag that stores one value, given twice, had kept the last value (a method's --seed became the run's)
+    (
+        ["eval", "--task", "rte", "--method", "favor:features=4", "--seed", "1", "--method", "favor", "--seed", "2"],
+        "--seed given twice (1 and 2); give it once (a method's own seed: --method NAME:seed=N)",
+    ),
+    (["eval", "--task", "rte", "--method", "full", "--limit", "3", "--limit", "5"], "--limit given twice (3 and 5)"),
+    (["eval", "--task", "rte", "--method", "full", "--batch-size", "4", "--batch-size", "4"], "--batch-size given"),
+    (["autotune", "--output-dir", "{tmp}/o", "--length", "64", "--length", "128"], "--length given twice"),
+    (["demo", "--windows", "2", "--windows", "3"], "--windows given twice"),
+    (["autotune", "--output-dir", "{tmp}/o", "--source", "hub"], "--source hub: calibration on WikiText-2 windows"),
+    (
+        ["finetune", "--model", "{model}", "--task", "rte", "--output-dir", "{tmp}/o", "--stop-after", "0"],
+        "stop_after (--stop-after) must be at least 1 step, got 0",
+    ),
+    (
+        ["finetune", "--model", "{model}", "--task", "rte", "--output-dir", "{tmp}/o", "--eval-split", "devv"],
+        "task 'rte' has no split 'devv'",
+    ),
 ]
 
 
@@ -445,6 +506,43 @@ def test_cli_mistakes_are_one_line_and_exit_2(argv, words, base_model, tmp_path,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("approx: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_finetune_refuses_its_evaluation_split_before_training(base_model, tmp_path, monkeypatch, capsys):
+    """A split to evaluate on that does not exist, or whose data is missing, is refused before the model loads (it
+    was found after training, and the trained model was left without its finetune.json)."""
+    from evalfixtures import write_data
+
+    from approx.harness import finetune
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(finetune, "_start", loaded)
+    data = write_data(tmp_path / "data")
+    argv = ["finetune", "--model", base_model, "--task", "rte", "--output-dir", str(tmp_path / "o"), "--data-dir",
+            str(data), "--max-steps", "1", "--quiet"]  # fmt: skip
+    assert main([*argv, "--train-split", "dev/0", "--eval-split", "devv"]) == 2
+    (data / "glue/RTE/dev.tsv").unlink()
+    (data / "glue/RTE/train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\tA b .\tA .\tentailment\n")
+    assert main([*argv, "--train-split", "train", "--eval-split", "dev"]) == 2
+    err = capsys.readouterr().err
+    assert "no data for task 'rte' (dev" in err and "RTE/dev.tsv" in err and not (tmp_path / "o").exists()
+
+
+def test_a_home_relative_model_and_data_folder_are_read(base_model, tmp_path, monkeypatch, capsys):
+    """``--model=~/...`` and ``--data-dir=~/...`` (the shell leaves ``~`` after ``=`` as it is): read from the home
+    folder (the model was checked there, then handed on unexpanded, and the data folder was not found)."""
+    import shutil
+
+    from evalfixtures import write_data
+
+    home = tmp_path / "home"
+    shutil.copytree(base_model, home / "model")
+    write_data(home / "data")
+    monkeypatch.setenv("HOME", str(home))
+    argv = ["eval", "--model=~/model", "--task", "wikitext2", "--method", "full", "--data-dir=~/data", "--limit", "1"]
+    assert main([*argv, "--quiet", "--resamples", "0"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
@@ -845,15 +943,15 @@ def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(
     window = approx.get_method("window").make_config(window=256).to_dict()
     assert record["configs"]["window+band"] == {"method": "window", **window, "local": "band"}
     assert "local" not in record["configs"]["window"] and record["backward"] is False
-    # --backward: a training step per call, timed and measured; the +band rows' windows on the gather kernel
-    from approx.attention import _blocksparse
+    # --backward: a training step per call, timed and measured; the +band rows' windows on the band's training form
+    from approx.attention import _band
 
-    calls, attend = [], _blocksparse.attend
-    monkeypatch.setattr(_blocksparse, "attend", lambda *a, **k: calls.append(k.get("kernel")) or attend(*a, **k))
+    calls, attend = [], _band.attend_with_gradients
+    monkeypatch.setattr(_band, "attend_with_gradients", lambda *a, **k: calls.append(1) or attend(*a, **k))
     bench.main([*argv, "--lengths", "16", "--repeats", "1", "--backward", "--memory", "--output", str(out)])
     record = json.loads(out.read_text())
     assert record["backward"] is True and set(record["memory_mib"]["16"]) >= {"sdpa", "full+band", "eager"}
-    assert "gather" in calls and "forward and backward, batch 1" in capsys.readouterr().out
+    assert calls and "forward and backward, batch 1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])

@@ -458,7 +458,7 @@ def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path
         (None, "no method is patched"),
         ("window:window=8", "window:window=8 draws no random state"),
         ("linformer", "linformer draws no random state"),
-        ("sparsefinder", "sparsefinder draws no random state"),
+        ("entmax", "entmax draws no random state"),
         (approx.Setup("window", {"window": 8}), "window:window=8 draws no random state"),  # not the Setup's repr
     ],
 )

@@ -391,17 +391,17 @@ def test_local_band_computes_the_sliding_window_layers_own_attention(implementat
         assert calls[0] == 2
 
 
-def _count_gather_calls(monkeypatch) -> list[int]:
-    """Count the calls of the block-sparse gather kernel (a one-element list, incremented per call)."""
-    from approx.attention import _blocksparse
+def _count_training_calls(monkeypatch) -> list[int]:
+    """Count the calls of the band's training form (a one-element list, incremented per call)."""
+    from approx.attention import _band
 
-    calls, attend = [0], _blocksparse.attend
+    calls, attend = [0], _band.attend_with_gradients
 
     def counted(*args, **kwargs):
-        calls[0] += kwargs.get("kernel") == "gather"
+        calls[0] += 1
         return attend(*args, **kwargs)
 
-    monkeypatch.setattr(_blocksparse, "attend", counted)
+    monkeypatch.setattr(_band, "attend_with_gradients", counted)
     return calls
 
 
@@ -409,13 +409,13 @@ def _grads(model) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def test_local_band_trains_its_windows_on_the_gather_kernel(monkeypatch):
-    """With gradients tracked or in training mode the banded kernel (inference only) gives way to the block-sparse
-    gather kernel on the same window, which autograd differentiates: in float64 the outputs on real tokens and every
+def test_local_band_trains_its_windows_on_the_bands_training_form(monkeypatch):
+    """With gradients tracked or in training mode the banded kernel (inference only) gives way to its training form
+    on the same window (differentiable, checkpointed chunks): in float64 the outputs on real tokens and every
     parameter's gradient are the unpatched model's (its own attention on the dense band mask), with padding after
     and before the real tokens, in training mode, in eval mode with gradients (no warning now), under gradient
     checkpointing, and in training mode without gradients (reentrant checkpointing's first forward)."""
-    band_calls, gather_calls = _count_band_calls(monkeypatch), _count_gather_calls(monkeypatch)
+    band_calls, training_calls = _count_band_calls(monkeypatch), _count_training_calls(monkeypatch)
     inputs = _left_and_right_padded(40)
     real = inputs["attention_mask"].bool()
 
@@ -432,11 +432,11 @@ def test_local_band_trains_its_windows_on_the_gather_kernel(monkeypatch):
             plain.gradient_checkpointing_enable()
         ref, ref_grads = loss_and_grads(plain)
         approx.patch(plain, "full", local="band")
-        before = gather_calls[0]
+        before = training_calls[0]
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (no "ran its own attention" warning)
             out, grads = loss_and_grads(plain)
-        assert gather_calls[0] > before and band_calls[0] == 0, (mode, checkpointing)
+        assert training_calls[0] > before and band_calls[0] == 0, (mode, checkpointing)
         torch.testing.assert_close(out[real], ref[real], rtol=1e-12, atol=1e-12)
         assert len(grads) == len(ref_grads)
         for got, want in zip(grads, ref_grads, strict=True):
@@ -445,15 +445,15 @@ def test_local_band_trains_its_windows_on_the_gather_kernel(monkeypatch):
     with torch.no_grad():
         ref = model_output(plain, **inputs)
         approx.patch(plain, "full", local="band")
-        before = gather_calls[0]
+        before = training_calls[0]
         torch.testing.assert_close(model_output(plain, **inputs)[real], ref[real], rtol=1e-12, atol=1e-12)
-        assert gather_calls[0] == before + 1 and band_calls[0] == 0
+        assert training_calls[0] == before + 1 and band_calls[0] == 0
         model_output(plain.eval(), **inputs)  # inference: the banded kernel
-    assert band_calls[0] == 1 and gather_calls[0] == before + 1
+    assert band_calls[0] == 1 and training_calls[0] == before + 1
 
 
 def test_local_band_applies_attention_dropout_in_training():
-    """Attention dropout (ModernBERT's ``attention_dropout``) is applied on the gather kernel's weights, as
+    """Attention dropout (ModernBERT's ``attention_dropout``) is applied on the band's weights in training, as
     transformers' own functions apply it: a training forward differs from one without dropout, repeats under the same
     seed, and the window's output averaged over many draws is its output without dropout (within 6 standard errors)."""
     from approx.integration import _band_with_gradients

@@ -42,8 +42,10 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
     whole = approx.evaluate(path, task, methods, split="dev", **opts)
     halves = [approx.evaluate(path, task, methods, split=s, predictions=True, **opts) for s in ("dev/1", "dev/0")]
     examples = [get_task(task).load(s, source="local", data_dir=str(fixture_dir))[0] for s in ("dev/1", "dev/0")]
-    merged = merge_halves(halves, examples)
-    assert len(merged) == 3
+    with pytest.raises(ValueError, match=r"both halves were scored by the same model .* give protocol="):
+        merge_halves(halves, examples)  # (the default protocol would say each half's model trained on the other)
+    merged = merge_halves(halves, examples, protocol="one model on both halves: the merge's arithmetic")
+    assert len(merged) == 3 and merged[0]["cross_fitting"].startswith("one model on both halves")
     for k, (m, w) in enumerate(zip(merged, whole, strict=True)):
         assert m["examples"] == w["examples"] and m["method"] == w["method"]
         for key in ("metrics", "reference_metrics"):
@@ -99,6 +101,18 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
     with pytest.raises(ValueError, match=r"the halves differ in 'local': \[None, 'band'\]"):
         merge_halves([halves[0], banded], examples)
     assert halves[0][0]["limit"] is None  # recorded with the other settings (None: the whole half)
+    # a half scored by a model whose finetune.json says it trained on that half: refused; crossed: the default protocol
+    folders = []
+    for name in ("dev/1", "dev/0"):
+        folder = tmp_path / f"trained-{name.replace('/', '')}"
+        folder.mkdir()
+        (folder / "finetune.json").write_text(json.dumps({"task": task, "train_split": name}))
+        folders.append(str(folder))
+    named = [[{**r, "model": m} for r in h] for h, m in zip(halves, folders, strict=True)]  # (halves: dev/1, dev/0)
+    with pytest.raises(ValueError, match=r"'dev/1' was scored by .*trained-dev1, fine-tuned on 'dev/1'.*not held out"):
+        merge_halves(named, examples)
+    crossed = [[{**r, "model": m} for r in h] for h, m in zip(halves, folders[::-1], strict=True)]
+    assert merge_halves(crossed, examples)[0]["cross_fitting"].startswith("2-fold cross-fitting: each half scored")
 
 
 def _flat(value, prefix=""):
@@ -1072,7 +1086,7 @@ def test_merged_halves_of_unequal_size_score_the_union(fixture_dir, tmp_path):
         get_task("squad").load("dev/1", source="local", data_dir=str(fixture_dir), limit=4)[0],
         get_task("squad").load("dev/0", source="local", data_dir=str(fixture_dir))[0],
     ]
-    (merged,) = merge_halves(halves, examples)
+    (merged,) = merge_halves(halves, examples, protocol="one model on halves of 4 and 6 questions")
     every = [e for ex in examples for e in ex]
     for key, preds in (("metrics", "predictions"), ("reference_metrics", "reference_predictions")):
         union = get_task("squad").score(every, [p for h in halves for p in h[0][preds]], "fine-tuned")

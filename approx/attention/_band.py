@@ -251,3 +251,61 @@ def attend(
             r0, r1 = t0 * block, min(n, t1 * block)
             og[a:z, r0:r1] = o.view(z - a, (t1 - t0) * block, dv)[:, : r1 - r0]
     return out.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------------------- with gradients
+
+
+def _band_rows(q, k, v, ok, band_bias, t0: int, t1: int, block: int, width: int, scale: float, dropout: float):
+    """The output rows of query blocks [t0, t1) (B, H, (t1 - t0) block, dv): the band's keys of each block as views
+    of the padded K and V (``Tensor.unfold``, overlapping windows, whose backward adds the overlaps up), scores, a
+    softmax over the allowed keys (a row with none gives 0), dropout, the product. Plain differentiable torch."""
+    c, span = t1 - t0, slice(t0 * block, t1 * block + width - block)
+    qb = q[:, :, t0 * block : t1 * block].unflatten(2, (c, block))  # (B, H, c, block, d)
+    ku = k[:, :, span].unfold(2, width, block)  # (B, H, c, d, width)
+    vu = v[:, :, span].unfold(2, width, block)  # (B, H, c, dv, width)
+    allowed = ok[:, None, span].unfold(2, width, block)[:, :, :, None, :] & band_bias  # (B, 1, c, block, width)
+    s = torch.matmul(qb, ku) * scale
+    s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)  # finite: a row with no allowed key has no NaN gradient
+    p = torch.softmax(s, -1) * allowed  # (that row: uniform over nothing allowed, then 0)
+    if dropout > 0.0:
+        p = torch.nn.functional.dropout(p, dropout)
+    return torch.matmul(p, vu.transpose(-1, -2)).flatten(2, 3)
+
+
+def attend_with_gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, reach: int, block: int, key_mask: torch.Tensor | None,
+    scale: float, dropout: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """What :func:`attend` computes without shared keys, for training: differentiable, with attention dropout (on
+    the weights, scaled by 1 / (1 - p), as transformers' functions apply it), in the compute dtype (B, H, N, dv).
+
+    The queries go in chunks of blocks, each under activation checkpointing (``torch.utils.checkpoint``,
+    non-reentrant, the random state kept so a chunk's dropout is drawn again the same): autograd keeps q, k and v
+    and each chunk's output, and recomputes a chunk's scores when its gradient is needed. So the memory is
+    O(N d) plus one chunk, where autograd through the scores would keep O(N w) per head, more than SDPA's own
+    backward on the dense band mask keeps on the CPU (its flash kernel saves the log-sum-exp only)."""
+    from torch.utils.checkpoint import checkpoint
+
+    dt = compute_dtype(q.dtype)
+    b, h, n, _ = q.shape
+    reach = min(reach, max(n - 1, 0))
+    pad, width, _, _ = _geometry(reach, block)
+    tq = math.ceil(n / block)
+    tail = tq * block - n
+    real = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask.to(torch.bool)
+    v = zero_padded_values(v.to(dt), real)  # (a padded key's value never reaches a real row: no inf * 0)
+    qp = torch.nn.functional.pad(q.to(dt), (0, 0, 0, tail))
+    kp = torch.nn.functional.pad(k.to(dt), (0, 0, pad, pad + tail))  # window of block t: [t block - P, ... + width)
+    vp = torch.nn.functional.pad(v, (0, 0, pad, pad + tail))
+    ok = torch.nn.functional.pad(real, (pad, pad + tail))
+    rows, cols = torch.arange(block, device=q.device)[:, None], torch.arange(width, device=q.device)
+    band = (rows + pad - cols).abs() <= reach  # (block, width): the same for every block
+    per = max(1, _CHUNK_ELEMENTS // max(1, b * h * block * width))
+    outs = [
+        checkpoint(
+            _band_rows, qp, kp, vp, ok, band, t0, min(tq, t0 + per), block, width, scale, dropout, use_reentrant=False
+        )
+        for t0 in range(0, tq, per)
+    ]
+    return torch.cat(outs, 2)[:, :, :n]

@@ -85,6 +85,9 @@ class FavorConfig(MethodConfig):
         "speed: see the docs' Speed page)",
     )
 
+    def unused(self) -> dict[str, str]:
+        return {"relu_eps": "kernel='relu'"} if self.kernel != "relu" else {}
+
     def check(self) -> None:
         self.require(self.features >= 1, "features", "need at least one random feature")
         self.require(self.kernel in KERNELS, "kernel", f"unknown kernel; choose one of {', '.join(map(repr, KERNELS))}")

@@ -82,6 +82,9 @@ class NystromConfig(MethodConfig):
         "fixed cost makes Nystrom slower than SDPA on short sequences: see the docs' Speed page)",
     )
 
+    def unused(self) -> dict[str, str]:
+        return {"pinv_iterations": "pinv='iterative'"} if self.pinv == "exact" else {}
+
     def check(self) -> None:
         self.require(self.landmarks >= 1, "landmarks", "need at least one landmark")
         self.require(self.pinv in PINVS, "pinv", f"choose one of {', '.join(map(repr, PINVS))}")

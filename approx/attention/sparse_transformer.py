@@ -94,6 +94,9 @@ class SparseTransformerConfig(MethodConfig):
     exact_below: int = option(0, "sequences with fewer real tokens get exact attention (0 = never)")
     kernel: str = _blocksparse.kernel_option()
 
+    def unused(self) -> dict[str, str]:
+        return {"summary": "pattern='fixed'"} if self.pattern != "fixed" else {}
+
     def check(self) -> None:
         choose = "choose one of {}"
         self.require(self.pattern in PATTERNS, "pattern", choose.format(", ".join(map(repr, PATTERNS))))

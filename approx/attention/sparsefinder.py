@@ -89,6 +89,10 @@ class SparsefinderConfig(MethodConfig):
     )
     seed: int = option(0, "seed of the initial projections, of the k-means initialisation and of negative sampling")
 
+    def unused(self) -> dict[str, str]:
+        readers = {"threshold": "distance", "buckets": "bucketing", "clusters": "kmeans", "top_clusters": "kmeans"}
+        return {name: f"grouping={g!r}" for name, g in readers.items() if g != self.grouping}
+
     def check(self) -> None:
         self.require(self.grouping in GROUPINGS, "grouping", f"choose one of {', '.join(GROUPINGS)}")
         self.require(self.target in TARGETS, "target", f"choose one of {', '.join(TARGETS)}")

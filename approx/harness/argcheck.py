@@ -102,11 +102,37 @@ def device_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return args
 
 
+# the flags an argument list has given so far (kept on the namespace while it is parsed; see `Once`)
+_GIVEN = "_approx_flags_given"
+
+
 class Once(argparse.Action):
-    """A flag that may be given once: a repeat is an error, not a silent override."""
+    """A flag that may be given once: a repeat is an error, not a silent override (a default does not count)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        before = getattr(namespace, self.dest, None)
-        if before is not None:
-            raise ValueError(f"{option_string} given twice ({before!r} and {values!r}); give it once")
+        given = namespace.__dict__.setdefault(_GIVEN, set())
+        if self.dest in given:
+            before = getattr(namespace, self.dest, None)
+            hint = " (a method's own seed: --method NAME:seed=N)" if self.dest == "seed" else ""
+            raise ValueError(f"{option_string} given twice ({before!r} and {values!r}); give it once{hint}")
+        given.add(self.dest)
         setattr(namespace, self.dest, values)
+
+
+def once_each(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make every flag of ``parser`` and of its subcommands that stores one value a :class:`Once` flag: given twice,
+    an error, where argparse keeps the last value without a word (``--seed 1 ... --seed 2``, ``--limit``).
+    Repeatable flags (``append``) and switches are left as they are."""
+    for action in parser._actions:
+        if type(action) is argparse._StoreAction and action.option_strings:
+            action.__class__ = Once
+        elif isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                once_each(sub)
+    return parser
+
+
+def without_bookkeeping(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` without what :class:`Once` kept on it while parsing."""
+    args.__dict__.pop(_GIVEN, None)
+    return args

@@ -28,7 +28,7 @@ from ..config import MethodConfig, did_you_mean
 from ..integration import LOCAL_MODES, check_checkpoint_local
 from ..registry import get_method
 from ..saved import AUTOTUNE_RECORD, FIT_RECORD
-from .argcheck import Once, check_device, looks_like_path, set_threads
+from .argcheck import Once, check_device, looks_like_path, once_each, set_threads, without_bookkeeping
 from .flags import config_flags, config_values, eval_setups, method_flags, method_option_args, split_method_args
 from .spec import parse_setup, saved_folder
 
@@ -85,7 +85,8 @@ def _model(path: str | None) -> tuple[str, str | None]:
             raise FileNotFoundError(f"--model {path}: a file, not a model folder")
         if not folder.exists() and looks_like_path(path):
             raise FileNotFoundError(f"--model {path}: model folder does not exist")
-        return path, None
+        # a folder as an absolute path (~ expanded: transformers does not), which the records then name; a hub id as is
+        return (str(folder.absolute()) if folder.exists() else path), None
     from .data import default_model_path
 
     return default_model_path(), DEFAULT_MODEL_LABEL
@@ -636,6 +637,11 @@ def _autotune_data_flags(args: argparse.Namespace) -> None:
         reads = "--task's split" if args.task is not None else "WikiText-2 windows (no --task)"
         needs = "WikiText-2 windows (without --task)" if args.task is not None else "a task's split (--task)"
         raise ValueError(f"{flags}: for calibration on {needs}; this run calibrates on {reads}")
+    if args.task is None and args.source == "hub":  # the windows are read from the local WikiText-2 file
+        raise ValueError(
+            "--source hub: calibration on WikiText-2 windows (no --task) reads the local file (--data-dir); name a "
+            "--task to calibrate on its data from the hub"
+        )
     if args.task is None:
         args.windows = 16 if args.windows is None else args.windows
         args.length = 512 if args.length is None else args.length
@@ -853,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `--method` that eval reads elsewhere, both silently ignored; a flag is now spelled out or refused
     for each in (parser, *sub.choices.values()):
         each.allow_abbrev = False
-    return parser
+    return once_each(parser)  # a flag that stores one value, given twice: an error (not the last value, silently)
 
 
 def _one_method_each(arg: str, command: str) -> str:
@@ -893,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
             args = parser.parse_args(argv)
-        return args.func(args)
+        return args.func(without_bookkeeping(args))
     except BrokenPipeError:  # `approx ... | head`: the reader has gone; stop quietly
         _silence_stdout()
         return 1

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from . import fidelity as fid
 from .resampling import paired_interval
 from .tasks import get_task
+from .tasks.base import splits_overlap
 
 __all__ = ["examples_digest", "merge_halves"]
 
@@ -35,13 +37,46 @@ def examples_digest(examples: list[dict[str, Any]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _trained_on(model: Any, task: str) -> str | None:
+    """The split ``model`` (a folder ``approx finetune`` wrote) was fine-tuned on for ``task``, from its
+    ``finetune.json``; None when it has none (a hub id, a model fine-tuned elsewhere, another task)."""
+    record = Path(model) / "finetune.json" if isinstance(model, str) else None
+    try:
+        found = json.loads(record.read_text()) if record is not None and record.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    return found.get("train_split") if isinstance(found, dict) and found.get("task") == task else None
+
+
+def _check_cross_fitting(per_method: tuple[dict[str, Any], ...], protocol: str | None) -> None:
+    """Refuse halves the merged result would misdescribe (see :func:`merge_halves`)."""
+    models = [r.get("model") for r in per_method]
+    if protocol is None and None not in models and len({json.dumps(m, default=str) for m in models}) == 1:
+        raise ValueError(
+            f"both halves were scored by the same model ({models[0]}): 2-fold cross-fitting scores each half with the "
+            "model fine-tuned on the other half; give protocol=... saying what was done to merge them anyway"
+        )
+    for r in per_method:
+        trained = _trained_on(r.get("model"), r.get("task"))
+        if trained is not None and r.get("split") and splits_overlap(trained, r["split"]):
+            raise ValueError(
+                f"the half {r['split']!r} was scored by {r['model']}, fine-tuned on {trained!r} (its finetune.json), "
+                "which holds those examples: its scores are not held out"
+            )
+
+
 def merge_halves(
     halves: list[list[dict[str, Any]]], examples: list[list[dict[str, Any]]], *, protocol: str | None = None
 ) -> list[dict[str, Any]]:
     """One result per method from the two halves' results (``approx.evaluate(..., predictions=True)`` on
     ``dev/1`` with the model trained on ``dev/0`` and vice versa) and the examples each half was scored on
     (``task.load("dev/1")`` etc., the same ``limit``). The per-example predictions and fidelity sums are dropped from
-    the merged result; each half's result, without them, is kept under ``"halves"``."""
+    the merged result; each half's result, without them, is kept under ``"halves"``.
+
+    The merged result says it was cross-fitted (``"cross_fitting"``: ``protocol``, by default "each half scored by
+    the model fine-tuned on the other half"). So one model scoring both halves is refused under the default
+    ``protocol`` (give one that says what was done to merge them anyway), and a half scored by a model whose
+    ``finetune.json`` says it trained on that half's examples is refused always."""
     if len(halves) != len(examples):
         raise ValueError(f"got {len(halves)} halves of results but {len(examples)} of examples")
     if len({len(h) for h in halves}) != 1:
@@ -71,6 +106,7 @@ def merge_halves(
         for key in ("task", "task_version", "mode", "max_length", "local"):
             if len({json.dumps(r.get(key)) for r in per_method}) != 1:
                 raise ValueError(f"the halves differ in {key!r}: {[r.get(key) for r in per_method]}")
+        _check_cross_fitting(per_method, protocol)
         task = get_task(first["task"])
         mode = first["mode"]
         all_examples = [e for ex in examples for e in ex]

@@ -53,9 +53,9 @@ def find_data_dir(data_dir: str | os.PathLike | None = None, *, need: str | None
     """The data folder; ``need`` (a relative path such as ``wikitext-2/wiki.test.tokens``) must exist in it."""
     candidates: list[tuple[str, Path]] = []
     if data_dir is not None:
-        candidates.append(("--data-dir", Path(data_dir)))
+        candidates.append(("--data-dir", Path(data_dir).expanduser()))
     elif os.environ.get(ENV_VAR):
-        candidates.append((f"${ENV_VAR}", Path(os.environ[ENV_VAR])))
+        candidates.append((f"${ENV_VAR}", Path(os.environ[ENV_VAR]).expanduser()))
     else:
         candidates.append(("default", _FALLBACK))
     for _, path in candidates:

@@ -59,11 +59,13 @@ from ..integration import (
     unpatch,
 )
 from ..integration import redraw as redraw_layers
+from ..layer import warn_seed_record
 from ..positions import extend_positions, position_limit
 from ..registry import get_method
+from ..saved import SETTINGS_FILE, STATE_FILE, read_settings, read_state
 from .spec import PER_LAYER, Setup, as_setup, layer_entries, saved_folder
 from .tasks import Feature, Task, get_task
-from .tasks.base import collate, splits_overlap
+from .tasks.base import collate, parse_split, splits_overlap
 
 __all__ = ["FinetuneConfig", "finetune", "masked_lm_loss"]
 
@@ -225,10 +227,19 @@ class _Training:
 
 
 def _start(
-    model: str, task: Task, examples, setup: Setup | None, cfg: FinetuneConfig, state_dir: Path, progress, origin=None
+    model: str,
+    task: Task,
+    examples,
+    setup: Setup | None,
+    cfg: FinetuneConfig,
+    state_dir: Path,
+    progress,
+    origin=None,
+    state_from=None,
 ):
     """Load the model with the task's head, patch it (a per-layer ``setup`` from ``origin``, the folder or layers it
-    was read from, named in errors), make the data loader, optimizer and schedule."""
+    was read from, named in errors; ``state_from``: that folder or those layers, whose state the model's layers take:
+    drawn or fitted, as they hold it), make the data loader, optimizer and schedule."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -253,6 +264,7 @@ def _start(
             except ValueError as e:  # "layer 7 does not exist ..." names its layer; a head's error does not
                 where = "" if str(e).startswith(f"layer {entry['layer']}") else f"layer {entry['layer']}: "
                 raise ValueError(f"{origin}: {where}{e}") from None
+        _keep_state(net, state_from)
     elif setup is not None:
         patch(net, setup.method, **setup.options)
     features = task.train_features(examples, tokenizer, max_length=cfg.max_length)
@@ -436,8 +448,23 @@ def _save_model(tr: _Training, output_dir: Path) -> torch.nn.Module:
             save(net, output_dir)
         else:
             net.save_pretrained(output_dir)
+            _drop_patch_files(output_dir)
         tr.tokenizer.save_pretrained(output_dir)
     return net
+
+
+def _drop_patch_files(output_dir: Path) -> None:
+    """Remove the method settings and state an earlier patched run left in ``output_dir`` (said): they describe that
+    run's model, and the plain one saved now would read as patched."""
+    stale = [name for name in (SETTINGS_FILE, STATE_FILE) if (output_dir / name).is_file()]
+    for name in stale:
+        (output_dir / name).unlink()
+    if stale:
+        warnings.warn(
+            f"approx: removed {', '.join(stale)} from {output_dir}: an earlier patched run's method settings, which "
+            "would describe the model saved there now (trained with full attention) as patched",
+            stacklevel=4,
+        )
 
 
 def _evaluation_local(net) -> str:
@@ -531,6 +558,17 @@ def finetune(
     else:
         setup = None if method is None else as_setup(method, cfg.seed)
     _check_setup(setup, method, cfg)
+    if eval_split is not None:  # its name now (its data once the training data is read, before the model loads)
+        task_def.check_split(parse_split(eval_split)[0])
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"stop_after (--stop-after) must be at least 1 step, got {stop_after!r}")
+    if method is None and saved_folder(model):
+        warnings.warn(
+            f"approx: {model} holds a patched model's settings (approx_config.json): fine-tuning reads it as a plain "
+            "checkpoint and trains it with full attention; to train it patched, give the folder as the method too "
+            f"(method={model!r}, --method {model})",
+            stacklevel=2,
+        )
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR
     if eval_split is not None and splits_overlap(train_split, eval_split):
@@ -547,8 +585,10 @@ def finetune(
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)
     if not examples:  # before the model loads
         raise ValueError(f"{task_def.name} {train_split}: no examples to train on")
+    if eval_split is not None:  # a split that does not exist, or data that cannot be read: now, not after training
+        task_def.load(eval_split, source=source, data_dir=data_dir)
     origin = "the patched layers given" if isinstance(method, dict) else method
-    tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin)
+    tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin, state_from=method)
     tr.run = run
     if resume:
         _resume(tr)
@@ -579,9 +619,21 @@ def finetune(
     return record
 
 
+def _keep_state(net: torch.nn.Module, origin: Any) -> None:
+    """The state of the folder or patched layers the model was patched from (``origin``), into its layers: what
+    they hold (drawn under another seed, loaded, or fitted by ``approx fit``), not what their options would draw."""
+    if isinstance(origin, dict):  # approx.patched_layers of a model
+        for i, layer in patched_layers(net).items():
+            layer.load_state_dict(origin[i].state_dict())
+    else:  # a folder approx.save wrote: its state file checked against the SHA-256 its settings record
+        layers = patched_layers(net)
+        read_state(layers, origin, read_settings(origin).get("state_sha256"))
+        warn_seed_record(list(layers.values()))
+
+
 def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
-    """Before anything loads: refuse a folder's fitted layers (fine-tuning from a folder would draw them afresh) and
-    a ``redraw_every`` with no random state to redraw (it would be ignored)."""
+    """Before anything loads: refuse a method named with fitted state it has not learned yet (a folder's fitted
+    layers keep theirs) and a ``redraw_every`` with no random state to redraw (it would be ignored)."""
     configs = []  # (layer or None for every layer, method, config)
     if setup is not None and setup.method == PER_LAYER:
         for x in setup.options["layers"]:
@@ -590,11 +642,12 @@ def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
     elif setup is not None:
         m = get_method(setup.method)
         configs.append((None, m, m.config_class.from_options(**setup.options)))
-    fitted = [i for i, m, c in configs if i is not None and m.requires_fit(c)]
-    if fitted:
+    unfitted = [m.name for i, m, c in configs if i is None and m.requires_fit(c)]
+    if unfitted:
         raise ValueError(
-            f"{method}: layers {fitted} hold fitted state, which fine-tuning from a folder would draw afresh; "
-            "approx.load the folder and train it in Python, or fine-tune a method without fitted state"
+            f"{setup.label}: {unfitted[0]} learns its state from the model's attention before it can run; fit it "
+            f"first (`approx fit --method {setup.label} --model MODEL --output-dir FITTED`, or approx.fit), then "
+            "fine-tune with the folder as the method (--method FITTED), which keeps the fitted state"
         )
     if cfg.redraw_every is not None and not any(_draws_state(m, c) for _, m, c in configs):
         what = (

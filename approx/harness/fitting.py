@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ..integration import attach, attention_probe, patched_elsewhere, patched_layers
 from ..layer import ApproxAttention
-from ..registry import get_method
+from ..registry import get_method, methods
 
 __all__ = ["fit", "graph_stats", "graph_summary", "as_batches"]
 
@@ -70,7 +70,7 @@ def input_list(data: Iterable | Mapping) -> list:
 
 def as_batches(data: Iterable, batch_size: int = 4, pad_id: int = 0) -> list[dict[str, torch.Tensor]]:
     """Model inputs from ``data``: a list of input dicts (``input_ids``, ``attention_mask``...) as they are, or
-    of token-id lists (e.g. ``approx.data.wikitext_windows``), batched and right-padded with ``pad_id``."""
+    of token-id lists (e.g. ``approx.harness.data.wikitext_windows``), batched and right-padded with ``pad_id``."""
     data = input_list(data)
     if not data:
         raise ValueError("no data to run the model on")
@@ -142,7 +142,10 @@ def fit(
     layers = {i: lyr for i, lyr in patched.items() if lyr.method.requires_fit(lyr.config)}
     if not layers:
         if not any(lyr.method.needs_fit for lyr in patched.values()):
-            raise ValueError("no patched layer needs fitting: patch the model with a fitted method (e.g. sparsefinder)")
+            fitted = ", ".join(name for name in methods() if get_method(name).needs_fit)
+            raise ValueError(
+                f"no patched layer needs fitting: patch the model with a method that learns its state ({fitted})"
+            )
         log.warning("approx.fit: nothing to fit: the patched layers' options have no learned state")
         return {"layers": [], "inputs": 0, "options": options, "seconds": 0.0, "collect_seconds": 0.0}
     _check_settings(layers, options)
@@ -169,8 +172,18 @@ def fit(
         "layers": sorted(layers),
         "inputs": sum(int(b["input_ids"].shape[0]) for b in batches),
         "options": options,
+        "settings": _settings(layers, options),
         "seconds": seconds,
         "collect_seconds": collected,
+    }
+
+
+def _settings(layers: dict[int, ApproxAttention], options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every fit setting each fitted method ran with, defaults included, by method (``options`` holds the given
+    ones only): what a later default must not change in a record."""
+    return {
+        method.name: method.fit_config.from_options(**options).to_dict() if method.fit_config is not None else {}
+        for method in {lyr.method.name: lyr.method for lyr in layers.values()}.values()
     }
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import socket
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -95,19 +95,33 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def read_tsv_lines(
-    path: Path, columns: int | None = None, *, header: bool, min_columns: int | None = None
+    path: Path,
+    columns: int | None = None,
+    *,
+    header: bool,
+    min_columns: int | None = None,
+    is_data: Callable[[list[str]], bool] | None = None,
 ) -> list[tuple[int, list[str]]]:
     """``(line, fields)`` of every data row of a GLUE TSV file: fields split on tabs with quoting disabled (GLUE
     sentences contain stray quotes), BOM dropped, empty lines skipped; ``line`` as an editor counts it.
 
     ``columns``: the exact number of fields every row must have (``min_columns``: at least that many).
+    ``header``: the first line is the file's header, skipped; ``is_data`` (fields -> bool) tells a data row, so that
+    a file whose header is missing is refused rather than read without its first example.
     Bytes that are not UTF-8, a row that does not fit or a field longer than :data:`MAX_FIELD` characters
     (a broken line) raise :class:`DataError` naming the file and line.
     """
     rows = []
     for lineno, line in enumerate(read_text(path).split("\n"), start=1):
         line = line.removesuffix("\r")
-        if (header and lineno == 1) or not line:
+        if header and lineno == 1:
+            if is_data is not None and is_data(line.split("\t")):
+                raise DataError(
+                    f"{path}, line 1: a data row where the file's header line belongs ({line[:60]!r}...); the "
+                    "first line is skipped as the header, so a file without it would lose its first example"
+                )
+            continue
+        if not line:
             continue
         row = line.split("\t")
         if (columns is not None and len(row) != columns) or (min_columns is not None and len(row) < min_columns):

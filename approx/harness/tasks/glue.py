@@ -59,6 +59,7 @@ class GlueTask(Task):
     hub_config: ClassVar[str]  # e.g. "sst2"
     hub_fields: ClassVar[tuple[str, ...]]  # text (and pair) fields of the hub rows
     labels: ClassVar[tuple[str, ...]] = ()  # label names in the hub's order; () = regression
+    score_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)  # a regression task's scale
     groups: ClassVar[dict[str, str]] = {"": "dev"}  # result group -> local file stem (MNLI has two)
 
     def pick(self, examples, limit):
@@ -87,6 +88,9 @@ class GlueTask(Task):
         if not self.labels:
             if not _NUMBER.fullmatch(raw) or not math.isfinite(float(raw)):
                 raise DataError(f"{where}: score {raw!r} is not a finite number")
+            low, high = self.score_range
+            if not low <= float(raw) <= high:
+                raise DataError(f"{where}: score {raw!r} lies outside the task's scale, {low:g} to {high:g}")
             return float(raw)
         if raw in self.labels:
             return self.labels.index(raw)
@@ -96,12 +100,22 @@ class GlueTask(Task):
             f"{where}: label {raw!r} is not one of {', '.join(self.labels)} (or their indices 0 to {len(self.labels) - 1})"
         )
 
+    def _is_data(self, row: list[str]) -> bool:
+        """Whether a TSV row is an example (its label field reads as a label), not the file's header."""
+        try:
+            self.label_value(self.parse_row(row)[2], "")
+        except (DataError, IndexError, ValueError):
+            return False
+        return True
+
     def read_local(self, folder: Path, split: str) -> list[dict[str, Any]]:
         examples = []
         stems = self.groups if split == "dev" else {"": "train"}
         for group, stem in stems.items():
             path = folder / f"glue/{self.folder}/{stem}.tsv"
-            rows = read_tsv_lines(path, self.tsv_columns, header=self.tsv_header, min_columns=self.tsv_min_columns)
+            rows = read_tsv_lines(
+                path, self.tsv_columns, header=self.tsv_header, min_columns=self.tsv_min_columns, is_data=self._is_data
+            )
             for lineno, row in rows:
                 text, pair, raw = self.parse_row(row)
                 label = self.label_value(raw, f"{path}, line {lineno}")
@@ -331,6 +345,7 @@ class STSB(GlueTask):
     metrics = ("pearson", "spearman")
     modes: ClassVar[dict[str, str]] = {"sequence-classification": FINE_TUNED, "base": ZERO_SHOT}
     tsv_columns = 10
+    score_range = (0.0, 5.0)
 
     def parse_row(self, row):
         return row[7], row[8], row[9]
