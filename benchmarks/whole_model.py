@@ -338,7 +338,8 @@ def _title(res: dict[str, Any]) -> str:
     """The model a record measured, as reports name it (records before --architecture: MiniLM-L6)."""
     title = ARCHITECTURES[res.get("architecture", "minilm")]
     if any(c.endswith("+band") for c in res.get("contenders", {})):
-        title = title.replace("as they are)", "as they are, on approx's banded kernel in the +band rows)")
+        kernel = "the band's training form" if res.get("backward") else "approx's banded kernel"
+        title = title.replace("as they are)", f"as they are, on {kernel} in the +band rows)")
     return title
 
 
@@ -368,9 +369,9 @@ def memory_report(res: dict[str, Any]) -> list[str]:
     lines += ["", "Peak ~ N^b: " + ", ".join(f"{c} {v:.2f}" for c, v in b.items() if v is not None) + "."]
     big = max(peaks)
     floor = peaks[big].get("no-attention")
-    if floor:  # a method at the model-without-attention's peak: the rest of the model, not attention, sets it
-        methods = [c for c in names if c not in ("sdpa", "no-attention", "eager")]
-        level = [c for c in methods if peaks[big][c] is not None and peaks[big][c] <= 1.05 * floor]
+    methods = [c for c in names if c not in ("sdpa", "no-attention", "eager")]
+    level = [c for c in methods if floor and peaks[big][c] is not None and peaks[big][c] <= 1.05 * floor]
+    if level:  # a method at the model-without-attention's peak: the rest of the model, not attention, sets it
         lines.append(
             f"\nAt N={big}, {len(level)} of {len(methods)} methods peak within 5% of no-attention's {floor:.0f} MiB "
             "(the rest of the model sets their peak; their exponent is the model's): " + ", ".join(level) + "."

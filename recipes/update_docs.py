@@ -56,6 +56,8 @@ WHOLE_MODEL = [
     "benchmarks/results/whole_model_cuda_bf16_sparse.json",
     "benchmarks/results/whole_model_cpu_memory.json",
     "benchmarks/results/whole_model_cpu_modernbert.json",
+    "benchmarks/results/whole_model_cpu_modernbert_backward.json",
+    "benchmarks/results/whole_model_cpu_modernbert_backward_memory.json",
 ]
 HARNESS = [
     "recipes/results/minilm_stsb_zero_shot.json",
@@ -258,7 +260,7 @@ def _whole_model_what(res: dict) -> tuple[str, str, str]:
         model = "ModernBERT-base"
         layers = "its 8 full-attention layers (its 14 sliding-window layers as they are, SDPA on their band mask"
         if any(c.endswith("+band") for c in res["contenders"]):
-            kernel = "gather kernel, as training runs them" if res.get("backward") else "banded kernel"
+            kernel = "band in its training form" if res.get("backward") else "banded kernel"
             layers += f'; in the +band rows on approx\'s {kernel}, `approx.patch(..., local="band")`'
         layers += ")"
     return model, what, layers
