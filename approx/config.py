@@ -123,9 +123,12 @@ class MethodConfig:
     @classmethod
     def from_options(cls, **options: Any) -> MethodConfig:
         """Build the config from keyword options, refusing names the method does not have, and a value given for an
-        option the other options leave unused (:meth:`unused`)."""
+        option the other options leave unused (:meth:`unused`). Every option given (``to_dict`` of a config: a
+        saved folder's layer, a result's method) is a record, taken as written."""
         cls._check_names(options)
         config = cls(**options)
+        if set(options) == set(cls.option_names()):
+            return config
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         for name, reader in config.unused().items():
             if name in options and getattr(config, name) != defaults[name]:

@@ -706,8 +706,9 @@ def patch(
     ``local`` says how a model's sliding-window layers run (ModernBERT's local layers; see :func:`local_mode`):
     ``"model"``, their own attention as transformers runs it (bit for bit), or ``"band"``, the same window computed
     by approx's banded kernel in O(N w) time rather than SDPA's O(N^2) on a dense band mask (equal to rounding, not
-    to the bit; on the CPU in inference: in training mode, with gradients or on a GPU they run their own attention,
-    and so they do on a mask the caller made). None (the default) keeps what the model had (``"model"`` at first).
+    to the bit; on the CPU; in training mode, with gradients or with attention dropout by the band's training form,
+    :func:`approx.attention._band.attend_with_gradients`; on a GPU, or on a mask the caller made, they run their own
+    attention). None (the default) keeps what the model had (``"model"`` at first).
 
     Raises ``ValueError`` on an unknown method, option, layer or head and
     :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on

@@ -655,6 +655,12 @@ def test_finetune_from_a_folder_with_some_layers_patched_keeps_those_layers(tmp_
     finetune(base_model, "rte", output_dir=tmp_path / "ft2", method=str(fitted), **run)
     want, got = _saved_state(fitted), _saved_state(tmp_path / "ft2")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    unfit, _ = approx.integration.load_pretrained(base_model, progress=False)
+    approx.patch(unfit, "linformer", layers=[0], mode="fitted", projections=8, length=64)
+    approx.save(unfit, tmp_path / "unfit", tokenizer=tok)  # (saved before its fit)
+    with pytest.raises(ValueError, match=r"unfit: layers \[0\] have not been fitted yet; fit them first"):
+        finetune(base_model, "rte", output_dir=tmp_path / "ft4", method=str(tmp_path / "unfit"), **run)
+    assert not (tmp_path / "ft4" / "finetune.json").exists()
     with pytest.raises(ValueError, match=r"linformer learns its state .* fit it first .*--method FITTED"):
         finetune(str(tmp_path / "absent"), "rte", output_dir=tmp_path / "ft3", method="linformer:mode=fitted")
 

@@ -73,6 +73,8 @@ def test_an_unused_option_at_its_default_or_in_a_record_is_accepted():
     assert parse_setup("nystrom:pinv=exact,pinv_iterations=6").options["pinv_iterations"] == 6
     record = {**NystromConfig().to_dict(), "pinv": "exact", "pinv_iterations": 20}
     assert NystromConfig.from_record(record).pinv_iterations == 20
+    # as the harness reads a saved folder's layer (every option given): taken as written
+    assert approx.Setup.from_config(NystromConfig.from_record(record)).config()["pinv_iterations"] == 20
     with pytest.raises(ValueError, match="unknown option"):
         NystromConfig.from_record({**record, "pinv_steps": 3})
 

@@ -196,7 +196,7 @@ def test_patched_finetuning_saves_the_state_it_trained_with(base_model, fixture_
 
 def test_finetuning_from_a_folder_keeps_its_sliding_window_layers_on_the_banded_kernel(fixture_dir, tmp_path):
     """A folder saved with ``local="band"`` (ModernBERT) given as the method: the model trains (its window layers on the
-    gather kernel, which gradients need), is saved with ``local`` as the folder had it, and is evaluated so."""
+    band's training form, which gradients need), is saved with ``local`` as the folder had it, and is evaluated so."""
     from transformers import AutoModelForSequenceClassification
 
     base = write_checkpoint(tmp_path / "base", "sequence-classification", family="modernbert")

@@ -1,4 +1,5 @@
-"""Attention over a contiguous band of keys (plain torch, inference): the CPU fast path of ``window``.
+"""Attention over a contiguous band of keys (plain torch): the CPU fast path of ``window`` (inference), and its
+training form for ``local="band"`` (:func:`attend_with_gradients`, at the end).
 
 Query i attends the keys j with ``|i - j| <= reach``, plus a few *shared* keys every query attends (global tokens).
 The keys of a block of ``block`` queries lie in one contiguous slice of ``block + 2 P`` keys (P: the reach rounded up
@@ -32,7 +33,7 @@ import torch
 
 from ._common import compute_dtype, zero_padded_values
 
-__all__ = ["attend", "keys_per_row", "unusable"]
+__all__ = ["attend", "attend_with_gradients", "keys_per_row", "unusable"]
 
 # Largest score chunk, in elements (blocks * block * width): a few MiB, so the strips, softmax and product that
 # follow the score product find it in cache
@@ -256,15 +257,34 @@ def attend(
 # ------------------------------------------------------------------------------------------- with gradients
 
 
-def _band_rows(q, k, v, ok, band_bias, t0: int, t1: int, block: int, width: int, scale: float, dropout: float):
-    """The output rows of query blocks [t0, t1) (B, H, (t1 - t0) block, dv): the band's keys of each block as views
-    of the padded K and V (``Tensor.unfold``, overlapping windows, whose backward adds the overlaps up), scores, a
-    softmax over the allowed keys (a row with none gives 0), dropout, the product. Plain differentiable torch."""
-    c, span = t1 - t0, slice(t0 * block, t1 * block + width - block)
-    qb = q[:, :, t0 * block : t1 * block].unflatten(2, (c, block))  # (B, H, c, block, d)
-    ku = k[:, :, span].unfold(2, width, block)  # (B, H, c, d, width)
-    vu = v[:, :, span].unfold(2, width, block)  # (B, H, c, dv, width)
-    allowed = ok[:, None, span].unfold(2, width, block)[:, :, :, None, :] & band_bias  # (B, 1, c, block, width)
+class _Slabs(torch.autograd.Function):
+    """Copies of the row ranges ``spans`` ((start, length), ...; they may overlap) of x (B, H, L, d) along dim 2,
+    whose one backward adds their gradients into one gradient of x: O(L d) in all. Slicing x per chunk instead
+    gives every slice a backward that allocates a gradient of x's whole size: O(L d) per chunk."""
+
+    @staticmethod
+    def forward(ctx, x, spans):
+        ctx.shape, ctx.spans = x.shape, spans
+        return tuple(x[:, :, s : s + length].clone() for s, length in spans)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = grads[0].new_zeros(ctx.shape)
+        for (s, length), g in zip(ctx.spans, grads, strict=True):
+            out[:, :, s : s + length] += g
+        return out, None
+
+
+def _band_rows(q, k, v, ok, band, block: int, width: int, scale: float, dropout: float):
+    """The output rows (B, H, c block, dv) of a chunk of c query blocks ``q`` (B, H, c block, d), from its slab of
+    the padded keys and values (B, H, (c - 1) block + width, d) and which of them are real (B, ...): each block's
+    window as a view of the slab (``Tensor.unfold``, overlapping; its backward adds the overlaps up), scores, a
+    softmax over the pairs the ``band`` (block, width) allows among the real keys (a row with none gives 0),
+    dropout, the product. Plain differentiable torch."""
+    c = q.shape[2] // block
+    qb = q.unflatten(2, (c, block))  # (B, H, c, block, d)
+    ku, vu = k.unfold(2, width, block), v.unfold(2, width, block)  # (B, H, c, d | dv, width)
+    allowed = ok[:, None].unfold(2, width, block)[:, :, :, None, :] & band  # (B, 1, c, block, width)
     s = torch.matmul(qb, ku) * scale
     s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)  # finite: a row with no allowed key has no NaN gradient
     p = torch.softmax(s, -1) * allowed  # (that row: uniform over nothing allowed, then 0)
@@ -281,10 +301,11 @@ def attend_with_gradients(
     the weights, scaled by 1 / (1 - p), as transformers' functions apply it), in the compute dtype (B, H, N, dv).
 
     The queries go in chunks of blocks, each under activation checkpointing (``torch.utils.checkpoint``,
-    non-reentrant, the random state kept so a chunk's dropout is drawn again the same): autograd keeps q, k and v
-    and each chunk's output, and recomputes a chunk's scores when its gradient is needed. So the memory is
-    O(N d) plus one chunk, where autograd through the scores would keep O(N w) per head, more than SDPA's own
-    backward on the dense band mask keeps on the CPU (its flash kernel saves the log-sum-exp only)."""
+    non-reentrant, the random state kept so a chunk's dropout is drawn again the same), on copies of its queries
+    and of its slab of keys and values (:class:`_Slabs`, about N d in all): autograd keeps those and each chunk's
+    output, and recomputes a chunk's scores when its gradient is needed. So the memory is O(N d) plus one chunk,
+    where autograd through the scores would keep O(N w) per head, more than SDPA's own backward on the dense band
+    mask keeps on the CPU (its flash kernel saves the log-sum-exp only); the time is O(N w d)."""
     from torch.utils.checkpoint import checkpoint
 
     dt = compute_dtype(q.dtype)
@@ -301,11 +322,15 @@ def attend_with_gradients(
     ok = torch.nn.functional.pad(real, (pad, pad + tail))
     rows, cols = torch.arange(block, device=q.device)[:, None], torch.arange(width, device=q.device)
     band = (rows + pad - cols).abs() <= reach  # (block, width): the same for every block
-    per = max(1, _CHUNK_ELEMENTS // max(1, b * h * block * width))
+    per = max(1, _CHUNK_ELEMENTS // max(1, b * h * block * width))  # blocks per chunk
+    bounds = [(t0, min(tq, t0 + per)) for t0 in range(0, tq, per)]  # (the last chunk may be shorter)
+    qs = _Slabs.apply(qp, [(t0 * block, (t1 - t0) * block) for t0, t1 in bounds])
+    slabs = [(t0 * block, (t1 - t0 - 1) * block + width) for t0, t1 in bounds]
+    ks, vs = _Slabs.apply(kp, slabs), _Slabs.apply(vp, slabs)
     outs = [
         checkpoint(
-            _band_rows, qp, kp, vp, ok, band, t0, min(tq, t0 + per), block, width, scale, dropout, use_reentrant=False
+            _band_rows, qc, kc, vc, ok[:, s : s + length], band, block, width, scale, dropout, use_reentrant=False
         )
-        for t0 in range(0, tq, per)
+        for qc, kc, vc, (s, length) in zip(qs, ks, vs, slabs, strict=True)
     ]
     return torch.cat(outs, 2)[:, :, :n]

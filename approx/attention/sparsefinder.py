@@ -90,7 +90,8 @@ class SparsefinderConfig(MethodConfig):
     seed: int = option(0, "seed of the initial projections, of the k-means initialisation and of negative sampling")
 
     def unused(self) -> dict[str, str]:
-        readers = {"threshold": "distance", "buckets": "bucketing", "clusters": "kmeans", "top_clusters": "kmeans"}
+        # (clusters is read by every grouping: approx.fit draws its k-means, and the state's shape follows it)
+        readers = {"threshold": "distance", "buckets": "bucketing", "top_clusters": "kmeans"}
         return {name: f"grouping={g!r}" for name, g in readers.items() if g != self.grouping}
 
     def check(self) -> None:

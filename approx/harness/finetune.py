@@ -622,13 +622,27 @@ def finetune(
 def _keep_state(net: torch.nn.Module, origin: Any) -> None:
     """The state of the folder or patched layers the model was patched from (``origin``), into its layers: what
     they hold (drawn under another seed, loaded, or fitted by ``approx fit``), not what their options would draw."""
+    layers = patched_layers(net)
     if isinstance(origin, dict):  # approx.patched_layers of a model
-        for i, layer in patched_layers(net).items():
+        for i, layer in layers.items():
             layer.load_state_dict(origin[i].state_dict())
     else:  # a folder approx.save wrote: its state file checked against the SHA-256 its settings record
-        layers = patched_layers(net)
         read_state(layers, origin, read_settings(origin).get("state_sha256"))
         warn_seed_record(list(layers.values()))
+    # (fitted methods mark their state "fitted"; a folder saved before its fit would fail at the first forward)
+    unfitted = [i for i, lyr in layers.items() if lyr.method.requires_fit(lyr.config) and not _fitted(lyr)]
+    if unfitted:
+        where = "the patched layers given" if isinstance(origin, dict) else str(origin)
+        raise ValueError(
+            f"{where}: layers {unfitted} have not been fitted yet; fit them first (approx.fit, or `approx fit`), "
+            "then fine-tune the fitted folder"
+        )
+
+
+def _fitted(layer) -> bool:
+    """Whether a layer whose method learns its state holds a fitted one (its ``fitted`` flag)."""
+    flag = layer.state().get("fitted")
+    return flag is not None and int(flag) == 1
 
 
 def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
