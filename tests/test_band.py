@@ -270,12 +270,16 @@ def test_the_training_form_matches_the_definition_and_its_gradient(n, real, reac
     want = reference(q, k, v, mask, window=reach, glob=glob)
     grad_out = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
-    for chunk in (_band._CHUNK_ELEMENTS, 1):  # (1: every block its own checkpointed chunk)
+    for chunk, fewest in ((_band._CHUNK_ELEMENTS, _band.MIN_CHUNK_BLOCKS), (1, 1)):  # (1: a chunk per block)
         monkeypatch.setattr(_band, "_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(_band, "MIN_CHUNK_BLOCKS", fewest)
         got = _band.attend_with_gradients(q, k, v, reach=reach, block=block, key_mask=mask, scale=D**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         for a, b in zip(torch.autograd.grad(got, (q, k, v), grad_out), want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():  # (no gradient to keep: plain views of the padded tensors, the same numbers)
+            plain = _band.attend_with_gradients(q, k, v, reach=reach, block=block, key_mask=mask, scale=D**-0.5)
+        torch.testing.assert_close(plain, want, rtol=1e-12, atol=1e-12)
     small = tuple(t[:1, :1, :12].detach().clone().requires_grad_() for t in (q, k, v))
     torch.autograd.gradcheck(
         lambda a, b, c: _band.attend_with_gradients(a, b, c, reach=3, block=4, key_mask=None, scale=0.5), small

@@ -38,6 +38,8 @@ __all__ = ["attend", "attend_with_gradients", "keys_per_row", "unusable"]
 # Largest score chunk, in elements (blocks * block * width): a few MiB, so the strips, softmax and product that
 # follow the score product find it in cache
 _CHUNK_ELEMENTS = 1 << 20
+# The training form's fewest query blocks per chunk (see attend_with_gradients)
+MIN_CHUNK_BLOCKS = 8
 
 
 def _geometry(reach: int, block: int) -> tuple[int, int, int, int]:
@@ -302,8 +304,10 @@ def attend_with_gradients(
 
     The queries go in chunks of blocks, each under activation checkpointing (``torch.utils.checkpoint``,
     non-reentrant, the random state kept so a chunk's dropout is drawn again the same), on copies of its queries
-    and of its slab of keys and values (:class:`_Slabs`, about N d in all): autograd keeps those and each chunk's
-    output, and recomputes a chunk's scores when its gradient is needed. So the memory is O(N d) plus one chunk,
+    and of its slab of keys and values (:class:`_Slabs`: the queries' N d, the keys' and values' N d times
+    1 + (width - block) / (a chunk's rows), at most 1.25 with chunks of at least :data:`MIN_CHUNK_BLOCKS` blocks and
+    margins P <= block): autograd keeps those and each chunk's output, and recomputes a chunk's scores when its
+    gradient is needed (without gradients: plain views, nothing kept). So the memory is O(N d) plus one chunk,
     where autograd through the scores would keep O(N w) per head, more than SDPA's own backward on the dense band
     mask keeps on the CPU (its flash kernel saves the log-sum-exp only); the time is O(N w d)."""
     from torch.utils.checkpoint import checkpoint
@@ -322,11 +326,20 @@ def attend_with_gradients(
     ok = torch.nn.functional.pad(real, (pad, pad + tail))
     rows, cols = torch.arange(block, device=q.device)[:, None], torch.arange(width, device=q.device)
     band = (rows + pad - cols).abs() <= reach  # (block, width): the same for every block
-    per = max(1, _CHUNK_ELEMENTS // max(1, b * h * block * width))  # blocks per chunk
+    # blocks per chunk: at least MIN_CHUNK_BLOCKS, so that a chunk's slab of keys and values (its blocks and the
+    # windows' margins, width - block rows) is not much more than its queries' rows (with one block: 3 times)
+    per = max(MIN_CHUNK_BLOCKS, _CHUNK_ELEMENTS // max(1, b * h * block * width))
     bounds = [(t0, min(tq, t0 + per)) for t0 in range(0, tq, per)]  # (the last chunk may be shorter)
-    qs = _Slabs.apply(qp, [(t0 * block, (t1 - t0) * block) for t0, t1 in bounds])
+    rows = [(t0 * block, (t1 - t0) * block) for t0, t1 in bounds]
     slabs = [(t0 * block, (t1 - t0 - 1) * block + width) for t0, t1 in bounds]
-    ks, vs = _Slabs.apply(kp, slabs), _Slabs.apply(vp, slabs)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):  # nothing to keep: plain views
+        outs = [
+            _band_rows(qp[:, :, r : r + m], kp[:, :, s : s + length], vp[:, :, s : s + length],
+                       ok[:, s : s + length], band, block, width, scale, dropout)
+            for (r, m), (s, length) in zip(rows, slabs, strict=True)
+        ]  # fmt: skip
+        return torch.cat(outs, 2)[:, :, :n]
+    qs, ks, vs = _Slabs.apply(qp, rows), _Slabs.apply(kp, slabs), _Slabs.apply(vp, slabs)
     outs = [
         checkpoint(
             _band_rows, qc, kc, vc, ok[:, s : s + length], band, block, width, scale, dropout, use_reentrant=False

@@ -632,10 +632,10 @@ def _keep_state(net: torch.nn.Module, origin: Any) -> None:
     # (fitted methods mark their state "fitted"; a folder saved before its fit would fail at the first forward)
     unfitted = [i for i, lyr in layers.items() if lyr.method.requires_fit(lyr.config) and not _fitted(lyr)]
     if unfitted:
-        where = "the patched layers given" if isinstance(origin, dict) else str(origin)
+        where, then = ("the patched layers given", "them") if isinstance(origin, dict) else (str(origin), "the folder")
         raise ValueError(
             f"{where}: layers {unfitted} have not been fitted yet; fit them first (approx.fit, or `approx fit`), "
-            "then fine-tune the fitted folder"
+            f"then fine-tune {then} fitted"
         )
 
 
