@@ -479,6 +479,15 @@ def _method_layers(model, setups: list[Setup], methods: Sequence, device, local:
     return layers
 
 
+def _check_before_loading(model: Any, local: str | None, allocations: bool, warmup: bool, device: Any) -> None:
+    """What can be told before the model and data are loaded: ``local='band'`` for a checkpoint (a path) without
+    sliding-window layers; ``allocations`` without a warm-up or with another device asked for."""
+    if isinstance(model, str):
+        check_checkpoint_local(model, local)
+    if allocations:
+        _check_allocations(warmup, None if device is None else torch.device(device))
+
+
 def _check_allocations(warmup: bool, device: torch.device | None) -> None:
     """``allocations=True`` measures the CPU allocator in the warm-up pass: refused without the warm-up, or on a
     ``device`` other than the CPU (None: not known yet)."""
@@ -702,12 +711,9 @@ def evaluate(
     task = get_task(task) if isinstance(task, str) else task
     methods = _method_list(methods)
     setups = _setups(methods, seed, batch_size, local)
-    if isinstance(model, str):  # local='band' for a checkpoint without sliding-window layers: before it is loaded
-        check_checkpoint_local(model, local)
     intervals = interval_options(resamples, level, seed)  # checked before anything is loaded
     max_length = _checked_max_length(task, max_length)
-    if allocations:  # what can be told before the model and data are loaded: no warm-up, another device asked for
-        _check_allocations(warmup, None if device is None else torch.device(device))
+    _check_before_loading(model, local, allocations, warmup, device)
     torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:  # undoes a position extension on the way out
         run = _prepare(

@@ -558,25 +558,9 @@ def finetune(
     else:
         setup = None if method is None else as_setup(method, cfg.seed)
     _check_setup(setup, method, cfg)
-    if eval_split is not None:  # its name now (its data once the training data is read, before the model loads)
-        task_def.check_split(parse_split(eval_split)[0])
-    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
-        raise ValueError(f"stop_after (--stop-after) must be at least 1 step, got {stop_after!r}")
-    if method is None and saved_folder(model):
-        warnings.warn(
-            f"approx: {model} holds a patched model's settings (approx_config.json): fine-tuning reads it as a plain "
-            "checkpoint and trains it with full attention; to train it patched, give the folder as the method too "
-            f"(method={model!r}, --method {model})",
-            stacklevel=2,
-        )
+    _check_request(model, method, task_def, train_split, eval_split, stop_after)
     output_dir = Path(output_dir)
     state_dir = output_dir / STATE_DIR
-    if eval_split is not None and splits_overlap(train_split, eval_split):
-        warnings.warn(
-            f"approx: finetune evaluates on {eval_split}, which shares examples with the training split {train_split}: "
-            "its scores are not held out (the two halves dev/0 and dev/1 of a split are apart)",
-            stacklevel=2,
-        )
     run = _run_record(model, task_def.name, train_split, limit, setup, cfg)
     if resume and not (state_dir / PROGRESS_FILE).is_file():
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
@@ -643,6 +627,29 @@ def _fitted(layer) -> bool:
     """Whether a layer whose method learns its state holds a fitted one (its ``fitted`` flag)."""
     flag = layer.state().get("fitted")
     return flag is not None and int(flag) == 1
+
+
+def _check_request(model: str, method: Any, task: Task, train_split: str, eval_split, stop_after) -> None:
+    """Before anything is read: refuse an evaluation split the task lacks and a ``stop_after`` below 1 step; warn
+    when a folder holding a patched model is trained without a method (it trains full attention) and when the
+    evaluation split shares examples with the training split."""
+    if eval_split is not None:  # its name now (its data once the training data is read, before the model loads)
+        task.check_split(parse_split(eval_split)[0])
+    if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1):
+        raise ValueError(f"stop_after (--stop-after) must be at least 1 step, got {stop_after!r}")
+    if method is None and saved_folder(model):
+        warnings.warn(
+            f"approx: {model} holds a patched model's settings (approx_config.json): fine-tuning reads it as a plain "
+            "checkpoint and trains it with full attention; to train it patched, give the folder as the method too "
+            f"(method={model!r}, --method {model})",
+            stacklevel=3,
+        )
+    if eval_split is not None and splits_overlap(train_split, eval_split):
+        warnings.warn(
+            f"approx: finetune evaluates on {eval_split}, which shares examples with the training split {train_split}: "
+            "its scores are not held out (the two halves dev/0 and dev/1 of a split are apart)",
+            stacklevel=3,
+        )
 
 
 def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
