@@ -325,17 +325,18 @@ def _left_and_right_padded(seq_len: int = 40) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _count_band_calls(monkeypatch) -> list[int]:
-    """Count the calls of the banded kernel (a one-element list, incremented per call)."""
+def _count_band_calls(monkeypatch, name: str = "attend") -> list[int]:
+    """Count the calls of the banded kernel (``name="attend_with_gradients"``: of its training form), a one-element
+    list incremented per call."""
     from approx.attention import _band
 
-    calls, attend = [0], _band.attend
+    calls, attend = [0], getattr(_band, name)
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return attend(*args, **kwargs)
 
-    monkeypatch.setattr(_band, "attend", counted)
+    monkeypatch.setattr(_band, name, counted)
     return calls
 
 
@@ -391,20 +392,6 @@ def test_local_band_computes_the_sliding_window_layers_own_attention(implementat
         assert calls[0] == 2
 
 
-def _count_training_calls(monkeypatch) -> list[int]:
-    """Count the calls of the band's training form (a one-element list, incremented per call)."""
-    from approx.attention import _band
-
-    calls, attend = [0], _band.attend_with_gradients
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return attend(*args, **kwargs)
-
-    monkeypatch.setattr(_band, "attend_with_gradients", counted)
-    return calls
-
-
 def _grads(model) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -415,7 +402,8 @@ def test_local_band_trains_its_windows_on_the_bands_training_form(monkeypatch):
     parameter's gradient are the unpatched model's (its own attention on the dense band mask), with padding after
     and before the real tokens, in training mode, in eval mode with gradients (no warning now), under gradient
     checkpointing, and in training mode without gradients (reentrant checkpointing's first forward)."""
-    band_calls, training_calls = _count_band_calls(monkeypatch), _count_training_calls(monkeypatch)
+    band_calls = _count_band_calls(monkeypatch)
+    training_calls = _count_band_calls(monkeypatch, "attend_with_gradients")
     inputs = _left_and_right_padded(40)
     real = inputs["attention_mask"].bool()
 

@@ -330,16 +330,16 @@ def attend_with_gradients(
     # windows' margins, width - block rows) is not much more than its queries' rows (with one block: 3 times)
     per = max(MIN_CHUNK_BLOCKS, _CHUNK_ELEMENTS // max(1, b * h * block * width))
     bounds = [(t0, min(tq, t0 + per)) for t0 in range(0, tq, per)]  # (the last chunk may be shorter)
-    rows = [(t0 * block, (t1 - t0) * block) for t0, t1 in bounds]
+    queries = [(t0 * block, (t1 - t0) * block) for t0, t1 in bounds]  # (start, rows) of each chunk
     slabs = [(t0 * block, (t1 - t0 - 1) * block + width) for t0, t1 in bounds]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):  # nothing to keep: plain views
         outs = [
             _band_rows(qp[:, :, r : r + m], kp[:, :, s : s + length], vp[:, :, s : s + length],
                        ok[:, s : s + length], band, block, width, scale, dropout)
-            for (r, m), (s, length) in zip(rows, slabs, strict=True)
+            for (r, m), (s, length) in zip(queries, slabs, strict=True)
         ]  # fmt: skip
         return torch.cat(outs, 2)[:, :, :n]
-    qs, ks, vs = _Slabs.apply(qp, rows), _Slabs.apply(kp, slabs), _Slabs.apply(vp, slabs)
+    qs, ks, vs = _Slabs.apply(qp, queries), _Slabs.apply(kp, slabs), _Slabs.apply(vp, slabs)
     outs = [
         checkpoint(
             _band_rows, qc, kc, vc, ok[:, s : s + length], band, block, width, scale, dropout, use_reentrant=False
