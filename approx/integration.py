@@ -351,7 +351,9 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     """A ``local="band"`` layer's output (B, N, H, dv) in O(N w) rather than the O(N^2) of SDPA on the dense band
     mask, the same softmax over the same keys (equal to rounding): in inference by approx's banded kernel
     (:mod:`approx.attention._band`); in training mode, with gradients tracked or with attention dropout (which the
-    banded kernel does not do) by its differentiable form (:func:`_band_with_gradients`).
+    banded kernel does not do) by its training form (:func:`approx.attention._band.attend_with_gradients`:
+    differentiable, attention dropout applied as transformers' functions apply it, its chunks checkpointed so that
+    autograd keeps O(N d)).
     None where neither runs and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
     measured there: transformers' kernels stay; a warning says so), a mask other than the boolean (B, 1, N, N) band
     the mask function built and marked with its reach (a mask the caller made, which transformers hands such a
@@ -379,23 +381,14 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # training mode even without gradients: reentrant checkpointing runs the forward so, then again with them
     if module.training or _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout):
-        out = _band_with_gradients(query, key, value, reach=reach, key_mask=key_mask, scale=scale, dropout=dropout)
+        out = _band.attend_with_gradients(
+            query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, scale=scale, dropout=dropout
+        )
     else:
         out = _band.attend(
             query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, shared_keys=None, scale=scale
         )
     return out.transpose(1, 2).to(query.dtype)
-
-
-def _band_with_gradients(query, key, value, *, reach: int, key_mask, scale: float, dropout: float) -> torch.Tensor:
-    """The window |i - j| <= ``reach`` over the real keys for training (:func:`approx.attention._band.
-    attend_with_gradients`: differentiable, attention dropout applied as transformers' functions apply it, its
-    chunks checkpointed so that autograd keeps O(N d)): (B, H, N, dv)."""
-    from .attention import _band
-
-    return _band.attend_with_gradients(
-        query, key, value, reach=reach, block=_BAND_BLOCK, key_mask=key_mask, scale=scale, dropout=dropout
-    )
 
 
 def local_mode(model: nn.Module) -> str:

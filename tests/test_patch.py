@@ -444,7 +444,7 @@ def test_local_band_applies_attention_dropout_in_training():
     """Attention dropout (ModernBERT's ``attention_dropout``) is applied on the band's weights in training, as
     transformers' own functions apply it: a training forward differs from one without dropout, repeats under the same
     seed, and the window's output averaged over many draws is its output without dropout (within 6 standard errors)."""
-    from approx.integration import _band_with_gradients
+    from approx.attention import _band
 
     inputs = batch(40, pad=11)
     real = inputs["attention_mask"].bool()
@@ -458,10 +458,13 @@ def test_local_band_applies_attention_dropout_in_training():
     q, k, v = (torch.randn(2, 3, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
     key_mask = torch.ones(2, 40, dtype=torch.bool)
     key_mask[1, 29:] = False
-    plain = _band_with_gradients(q, k, v, reach=4, key_mask=key_mask, scale=0.3, dropout=0.0)
+    plain = _band.attend_with_gradients(q, k, v, reach=4, block=64, key_mask=key_mask, scale=0.3)
     torch.manual_seed(0)
     draws = torch.stack(
-        [_band_with_gradients(q, k, v, reach=4, key_mask=key_mask, scale=0.3, dropout=0.2) for _ in range(150)]
+        [
+            _band.attend_with_gradients(q, k, v, reach=4, block=64, key_mask=key_mask, scale=0.3, dropout=0.2)
+            for _ in range(150)
+        ]
     )
     bound = 6 * draws.std(0) / 150**0.5 + 1e-9
     assert not torch.equal(draws[0], plain) and ((draws.mean(0) - plain).abs() <= bound).all()
