@@ -94,9 +94,10 @@ _MODULE_ORIGINAL = "_approx_eager_attention"
 _LOCAL = "_approx_local"
 LOCAL_MODES = ("model", "band")  # how a patched model's sliding-window layers run (`patch`'s ``local``)
 _BAND_BLOCK = 64  # query rows per block of the banded kernel for a local layer (speed only)
-# attribute of a sliding-window mask the mask function built (the band and the key padding): the band's reach
+# attributes of the mask the mask function hands a sliding-window layer for its band (`_band_keys`): the band's reach,
+# and the function that gives the dense (B, 1, N, N) mask transformers' SDPA path builds (built once, when first asked)
 _BAND_REACH = "_approx_band_reach"
-_BAND_CHECKED = "_approx_band_checked"  # ... and whether it was found to be that band (checked at first use)
+_BAND_DENSE = "_approx_band_dense"
 
 # Families whose every attention layer is plain bidirectional self-attention routed through
 # AttentionInterface in transformers 5 (checked by the test suite on tiny models of each, with every task head the
@@ -166,17 +167,23 @@ def _key_padding_mask(
     from transformers.masking_utils import bidirectional_mask_function, sdpa_mask
 
     if kwargs.get("local_size") is not None and _symmetric(mask_function):
-        # a bidirectional sliding-window layer's mask (ModernBERT's local layers): those layers run the model's own
-        # attention (`_own_attention`), so they get the mask transformers' SDPA path builds for them, (B, 1, N, S)
-        # bool or None (causal and chunked windows, which transformers asks for with a local size too, are refused)
+        # a bidirectional sliding-window layer's mask (ModernBERT's local layers; causal and chunked windows, which
+        # transformers asks for with a local size too, are refused below): the band's keys (`_band_keys`), from which
+        # `local="band"` computes the window in O(N w) and the layer's own attention gets the dense (B, 1, N, S) mask
+        # transformers' SDPA path builds for it, built at its first use (O(N^2) bytes and time: 256 MiB and about
+        # 2 s a sequence at 16k tokens); that mask itself where the window is another pattern, or None
         args = (batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
-        mask = sdpa_mask(*args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
-        if mask is not None:
-            # built here for a window of this reach: `local="band"` may compute it instead, once `_band_mask_reach`
-            # has checked that it is that band (a mask a caller made, which transformers passes through as it is,
-            # carries no such mark)
-            setattr(mask, _BAND_REACH, kwargs["local_size"])
-        return mask
+        dense = functools.partial(
+            sdpa_mask, *args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs
+        )
+        reach, built = kwargs["local_size"], None
+        if kv_length < reach:  # the window may cover every pair: transformers decides whether the mask is needed
+            built = dense()
+            if built is None:
+                return None
+        if q_length != kv_length or not _is_window(mask_function, reach, kv_length):
+            return dense() if built is None else built  # (a mask that is not the band: the layer's own attention)
+        return _band_keys(attention_mask, batch_size, kv_length, reach, dense, built, kwargs.get("device"))
     if mask_function is not None and mask_function is not bidirectional_mask_function:
         # a causal, sliding-window or chunked mask: returning the padding alone would drop that pattern silently
         name = getattr(mask_function, "__qualname__", type(mask_function).__name__)
@@ -266,38 +273,47 @@ def _symmetric(mask_function: Any, size: int = 12) -> bool:
     return bool(torch.equal(grid, grid.T))
 
 
-def _is_band(mask: torch.Tensor, reach: Any) -> bool:
-    """Whether ``mask`` (B, 1, N, N) bool is exactly the band |i - j| <= ``reach`` over the keys its diagonal marks
-    real (the pattern `local="band"` computes): every pair of the band is as its key says, and the mask holds no
-    other True (its count), so O(N w) comparisons and one count."""
-    if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0 or mask.dtype != torch.bool:
+def _is_window(mask_function: Any, reach: Any, n: int) -> bool:
+    """Whether a transformers mask function (batch, head, query, key) -> bool is the band |i - j| <= ``reach`` on
+    ``n`` positions (the pattern `local="band"` computes): checked on every pair within ``reach + 1`` of the diagonal
+    (O(N w), so a band cut or widened anywhere is seen) and on the first, middle and last rows whole (a pair allowed
+    far from the diagonal)."""
+    if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0:
         return False
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
-        return False
-    n = mask.shape[2]
-    m = mask[:, 0]
-    keys = m.diagonal(dim1=-2, dim2=-1)  # (B, N): key j real where query j may attend it
-    inside = 0
-    for off in range(-min(reach, n - 1), min(reach, n - 1) + 1):
-        pairs = m.diagonal(offset=off, dim1=-2, dim2=-1)  # (B, N - |off|): the pairs (i, i + off)
-        want = keys[:, off:] if off >= 0 else keys[:, : n + off]  # their keys j = i + off
-        if not torch.equal(pairs, want):
+    zero, idx = torch.zeros((), dtype=torch.long), torch.arange(n)
+    for off in range(-min(reach + 1, n - 1), min(reach + 1, n - 1) + 1):
+        rows = idx[max(0, -off) : n - max(0, off)]
+        pairs = torch.as_tensor(mask_function(zero, zero, rows, rows + off))
+        if not (bool(pairs.all()) if abs(off) <= reach else not bool(pairs.any())):
             return False
-        inside += int(want.sum())
-    return int(m.count_nonzero()) == inside
+    for row in sorted({0, n // 2, n - 1}):
+        got = torch.as_tensor(mask_function(zero, zero, torch.tensor(row), idx)).expand(n)
+        if not torch.equal(got, (idx - row).abs() <= reach):
+            return False
+    return True
 
 
-def _band_mask_reach(mask: torch.Tensor) -> int | None:
-    """The reach of a sliding-window mask the mask function built, once checked to be that band (:func:`_is_band`,
-    the answer kept on the mask: the model's sliding-window layers share it); None for any other mask."""
-    reach = getattr(mask, _BAND_REACH, None)
-    if reach is None:
-        return None
-    checked = getattr(mask, _BAND_CHECKED, None)
-    if checked is None:
-        checked = _is_band(mask, reach)
-        setattr(mask, _BAND_CHECKED, checked)
-    return reach if checked else None
+def _band_keys(padding, batch_size, n, reach, dense, built, device) -> torch.Tensor:
+    """What the mask function hands a sliding-window layer whose window is the band |i - j| <= ``reach``: its keys
+    (B, 1, 1, N) bool, True = real, marked with the reach (`local="band"` computes the band from them, and only from
+    a mask so marked: a mask the caller made, which transformers passes through as it is, is not), and with the
+    dense mask transformers' SDPA path builds, ``built`` or built by ``dense()`` when first asked for
+    (:func:`_dense_mask`)."""
+    if padding is None:
+        keys = torch.ones(batch_size, 1, 1, n, dtype=torch.bool, device=device)
+    else:
+        keys = padding.to(torch.bool)[:, None, None, -n:].expand(batch_size, 1, 1, n)
+    setattr(keys, _BAND_REACH, reach)
+    setattr(keys, _BAND_DENSE, (lambda: built) if built is not None else functools.cache(dense))
+    return keys
+
+
+def _dense_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask as the layer's own attention takes it: a sliding-window layer's band keys (:func:`_band_keys`) as
+    the dense mask transformers' SDPA path builds (built once, then kept with the keys: the model's sliding-window
+    layers share them), any other mask as it is."""
+    dense = getattr(mask, _BAND_DENSE, None)
+    return mask if dense is None else dense()
 
 
 def _is_local(module: nn.Module) -> bool:
@@ -313,7 +329,9 @@ def _own_attention(module, query, key, value, attention_mask, *, dropout, scalin
     ``local="band"`` (`patch`), the same window by approx's banded kernel where it can run the call."""
     band = _band_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if band is not None:
-        return band, _window_weights(query, key, attention_mask, scaling) if _attentions_requested() else None
+        weights = _window_weights(query, key, _dense_mask(attention_mask), scaling) if _attentions_requested() else None
+        return band, weights
+    attention_mask = _dense_mask(attention_mask)
     eager = getattr(module, _MODULE_ORIGINAL, None)
     if eager is not None:
         if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -371,13 +389,12 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     from .attention import _band
 
     b, h, n, _ = query.shape
-    reach = _band_mask_reach(attention_mask)  # None: not the mask function's band (e.g. a caller's own mask)
+    reach = getattr(attention_mask, _BAND_REACH, None)  # None: not the mask function's band (a caller's own mask)
     if reach is None or key.shape[1] != h or key.shape[2] != n or _score_changes(kwargs, but=("sliding_window",)):
         return None
-    if tuple(attention_mask.shape) != (b, 1, n, n):  # (a checked band is boolean and square: this batch's, too?)
+    if tuple(attention_mask.shape) != (b, 1, 1, n):  # (the band's keys: this batch's?)
         return None
-    # key j is real exactly where query j may attend it (|j - j| = 0 is within every window): the diagonal
-    key_mask = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    key_mask = attention_mask[:, 0, 0]
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # training mode even without gradients: reentrant checkpointing runs the forward so, then again with them
     if module.training or _band.unusable(query, key, value, reach=reach, block=_BAND_BLOCK, shared=0, dropout=dropout):
@@ -698,10 +715,10 @@ def patch(
 
     ``local`` says how a model's sliding-window layers run (ModernBERT's local layers; see :func:`local_mode`):
     ``"model"``, their own attention as transformers runs it (bit for bit), or ``"band"``, the same window computed
-    by approx's banded kernel in O(N w) time rather than SDPA's O(N^2) on a dense band mask (equal to rounding, not
-    to the bit; on the CPU; in training mode, with gradients or with attention dropout by the band's training form,
-    :func:`approx.attention._band.attend_with_gradients`; on a GPU, or on a mask the caller made, they run their own
-    attention). None (the default) keeps what the model had (``"model"`` at first).
+    by approx's banded kernel in O(N w) time and memory rather than SDPA's O(N^2) on a dense band mask, which is then
+    not built (equal to rounding, not to the bit; on the CPU; in training mode, with gradients or with attention
+    dropout by the band's training form, :func:`approx.attention._band.attend_with_gradients`; on a GPU, or on a mask
+    the caller made, they run their own attention). None (the default) keeps what the model had (``"model"`` at first).
 
     Raises ``ValueError`` on an unknown method, option, layer or head and
     :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on

@@ -553,35 +553,92 @@ def test_local_band_is_saved_and_loaded_and_a_bad_record_is_refused(tmp_path):
     assert not approx.is_patched(bert)
 
 
-def test_the_mask_of_a_sliding_window_layer_is_its_band_and_padding():
-    """Asked for a sliding-window mask (transformers passes ``local_size``), the mask function hands over the dense
-    mask of the window and the padding, for the layer's own attention: |i - j| <= w and key j real."""
+def _count_dense_masks(monkeypatch) -> list[int]:
+    """Count the dense masks transformers' SDPA mask function builds (``sdpa_mask``, which approx's mask function calls
+    for a sliding-window layer's own attention), a one-element list incremented per call."""
     from transformers import masking_utils as mu
 
-    from approx.integration import _band_mask_reach, _key_padding_mask
+    calls, build = [0], mu.sdpa_mask
 
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(mu, "sdpa_mask", counted)
+    return calls
+
+
+def test_the_mask_of_a_sliding_window_layer_is_its_bands_keys_and_its_dense_mask_when_asked(monkeypatch):
+    """Asked for a sliding-window mask (transformers passes ``local_size``), the mask function hands over the band's
+    keys (B, 1, 1, N), marked with the reach for `local="band"`, without building the O(N^2) mask; the layer's own
+    attention gets the dense mask of the window and the padding, |i - j| <= w and key j real, built once when first
+    asked for. A symmetric window that is not that band gets its dense mask, unmarked."""
+    from transformers import masking_utils as mu
+
+    from approx.integration import _BAND_REACH, _dense_mask, _key_padding_mask
+
+    built = _count_dense_masks(monkeypatch)
     padding = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1] * 8]).bool()  # (as transformers hands it over)
-    mask = _key_padding_mask(
-        2, 8, 8, mask_function=mu.sliding_window_bidirectional_mask_function(2), attention_mask=padding, local_size=2
-    )
     i, j = torch.arange(8)[:, None], torch.arange(8)[None, :]
-    want = ((i - j).abs() <= 2)[None, None] & padding.bool()[:, None, None, :]
-    assert mask.shape == (2, 1, 8, 8) and torch.equal(mask, want)
-    assert _band_mask_reach(mask) == 2  # marked and checked: `local="band"` may compute it
-    # a symmetric window that is not that band (cut at position 4) is served, but not marked for the banded kernel
+    want = ((i - j).abs() <= 2)[None, None] & padding[:, None, None, :]
+    for keys, dense in ((padding, want), (None, ((i - j).abs() <= 2)[None, None].expand(2, 1, 8, 8))):
+        mask = _key_padding_mask(
+            2, 8, 8, mask_function=mu.sliding_window_bidirectional_mask_function(2), attention_mask=keys, local_size=2
+        )
+        assert mask.shape == (2, 1, 1, 8) and getattr(mask, _BAND_REACH) == 2 and built[0] == 0
+        assert torch.equal(mask[:, 0, 0], padding if keys is not None else torch.ones(2, 8, dtype=torch.bool))
+        assert torch.equal(_dense_mask(mask), dense) and _dense_mask(mask) is _dense_mask(mask) and built[0] == 1
+        built[0] = 0
+    # shorter than the reach: transformers decides (no padding, every pair in the window: no mask at all)
+    short = mu.sliding_window_bidirectional_mask_function(9)
+    assert _key_padding_mask(2, 8, 8, mask_function=short, attention_mask=None, local_size=9) is None
+    mask = _key_padding_mask(2, 8, 8, mask_function=short, attention_mask=padding, local_size=9)
+    assert getattr(mask, _BAND_REACH) == 9 and torch.equal(
+        _dense_mask(mask), padding[:, None, None, :].expand(2, 1, 8, 8)
+    )
 
+    # a symmetric window that is not that band (cut at position 4) is served, but not marked for the banded kernel
     def cut(batch_idx, head_idx, q_idx, kv_idx):
         return ((q_idx - kv_idx).abs() <= 2) & (q_idx // 4 == kv_idx // 4)
 
     mask = _key_padding_mask(2, 8, 8, mask_function=cut, attention_mask=padding, local_size=2)
-    want = (((i - j).abs() <= 2) & (i // 4 == j // 4))[None, None] & padding.bool()[:, None, None, :]
-    assert torch.equal(mask, want) and _band_mask_reach(mask) is None
+    want = (((i - j).abs() <= 2) & (i // 4 == j // 4))[None, None] & padding[:, None, None, :]
+    assert torch.equal(mask, want) and not hasattr(mask, _BAND_REACH)
 
     def corners(batch_idx, head_idx, q_idx, kv_idx):  # the band and one more pair each way, far outside it
         return ((q_idx - kv_idx).abs() <= 2) | ((q_idx - kv_idx).abs() == 7)
 
     mask = _key_padding_mask(2, 8, 8, mask_function=corners, attention_mask=padding, local_size=2)
-    assert bool(mask[1, 0, 0, 7]) and _band_mask_reach(mask) is None
+    assert bool(mask[1, 0, 0, 7]) and not hasattr(mask, _BAND_REACH)
+
+    def wider(batch_idx, head_idx, q_idx, kv_idx):  # the band and one pair just outside it, (2, 5) and (5, 2)
+        return ((q_idx - kv_idx).abs() <= 2) | (((q_idx - kv_idx).abs() == 3) & (q_idx + kv_idx == 7))
+
+    mask = _key_padding_mask(2, 8, 8, mask_function=wider, attention_mask=padding, local_size=2)
+    assert bool(mask[1, 0, 2, 5]) and not hasattr(mask, _BAND_REACH)
+
+
+def test_local_band_never_builds_the_dense_window_mask_and_the_models_own_attention_builds_it_once(monkeypatch):
+    """A forward of a patched ModernBERT with two sliding-window layers: with ``local="band"`` no O(N^2) mask is built
+    (the band runs from the keys) unless the weights are asked for; with the layers' own attention one, which both
+    layers share."""
+    built = _count_dense_masks(monkeypatch)
+    band_calls = _count_band_calls(monkeypatch)
+    model = tiny_model("modernbert", num_hidden_layers=3, global_attn_every_n_layers=3)  # layers 1 and 2: windows
+    inputs = batch(40, pad=11)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        built[0] = 0
+        approx.patch(model, "full", local="band")
+        got = model_output(model, **inputs)
+        assert (built[0], band_calls[0]) == (0, 2)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        model(**inputs, output_attentions=True)
+        assert (built[0], band_calls[0]) == (1, 4)
+        approx.patch(model, "full", local="model")
+        built[0] = 0
+        torch.testing.assert_close(model_output(model, **inputs), ref, rtol=1e-6, atol=1e-6)
+        assert (built[0], band_calls[0]) == (1, 4)
 
 
 def test_grouped_query_attention_is_expanded_as_transformers_does():
