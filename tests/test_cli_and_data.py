@@ -866,6 +866,46 @@ def test_benchmark_devices_methods_and_options_are_refused_in_one_line(name, arg
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_band_mask_times_the_band_with_and_without_the_dense_mask(benchmark_script, tmp_path, monkeypatch, capsys):
+    """benchmarks/band_mask.py on a tiny ModernBERT: its ``dense`` contender builds the dense sliding-window mask
+    (transformers' ``sdpa_mask``) in every forward and its ``keys`` contender never does; the wrapper that forces
+    it is taken off afterwards; the record holds both contenders' times and peaks, and its provenance."""
+    from conftest import tiny_config
+    from transformers import masking_utils as mu
+
+    from approx import integration
+
+    bench = benchmark_script("band_mask")
+    monkeypatch.setattr(bench, "modernbert_config", lambda: tiny_config("modernbert"))
+    built, build = [], mu.sdpa_mask
+    monkeypatch.setattr(mu, "sdpa_mask", lambda *a, **k: built.append(1) or build(*a, **k))
+    switch_seen = []
+    forcing = bench.forcing_the_dense_mask
+
+    def spy(switch):
+        switch_seen.append(switch)
+        wrapped = forcing(switch)
+
+        def counted(*args, **kwargs):
+            before = len(built)
+            keys = wrapped(*args, **kwargs)
+            assert len(built) - before == int(switch["dense"])  # built exactly when forced
+            return keys
+
+        return counted
+
+    monkeypatch.setattr(bench, "forcing_the_dense_mask", spy)
+    band_keys = integration._band_keys
+    out = tmp_path / "band_mask.json"
+    bench.main(["--lengths", "128", "--repeats", "1", "--window", "8", "--output", str(out)])
+    assert integration._band_keys is band_keys and len(switch_seen) == 1
+    assert len(built) == 3  # the dense contender's warm-up, timed call and measured call
+    record = json.loads(out.read_text())
+    (row,) = record["results"]
+    assert row["n"] == 128 and set(row["seconds"]) == set(row["peak_mib"]) == {"keys", "dense"}
+    assert record["provenance"]["git_commit"] and "| 128 |" in capsys.readouterr().out
+
+
 def test_whole_model_records_every_option_of_its_contenders(benchmark_script, tmp_path, monkeypatch):
     """Its JSON named only the options that differ from the defaults, so a record read differently once a default
     changed (the clustering's ``refine``); ``configs`` holds every option (MiniLM at 16 tokens, one repeat)."""
