@@ -14,9 +14,9 @@ allocator's peak of one call of each (``approx.harness.memory.allocation_peak``)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +26,9 @@ import approx
 from approx import integration
 from approx.harness.argcheck import at_least
 from approx.harness.memory import allocation_peak
-from approx.harness.provenance import provenance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lsh_split import write_record  # noqa: E402
 
 CONTENDERS = ("keys", "dense")  # as approx runs now; made to build the dense mask too
 
@@ -111,13 +113,7 @@ def main(argv=None) -> None:
         print(f"| {r['n']} | {s['keys'] * 1e3:.0f} ms | {s['dense'] * 1e3:.0f} ms | {r['dense_over_keys']:.2f}x | "
               f"{p['keys']:.0f} MiB | {p['dense']:.0f} MiB |")  # fmt: skip
     if args.output:
-        record = {"benchmark": "band_mask", "settings": {k: str(v) if isinstance(v, Path) else v
-                                                         for k, v in vars(args).items()},
-                  "results": rows, "load_average_before": load, "load_average_after": os.getloadavg(),
-                  "provenance": provenance(seed=args.seed)}  # fmt: skip
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.output}")
+        write_record("band_mask", args, rows, load)
 
 
 if __name__ == "__main__":

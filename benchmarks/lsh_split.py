@@ -83,13 +83,19 @@ def main(argv=None) -> None:
         print(f"| (1, {r['heads']}, {r['n']}, 64) | {r['rows_s'] * 1e3:.1f} ms | {r['clusters_s'] * 1e3:.1f} ms | "
               f"{r['rows_over_clusters']:.2f}x | {r['auto']} |")  # fmt: skip
     if args.output:
-        record = {"benchmark": "lsh_split", "settings": {k: str(v) if isinstance(v, Path) else v
-                                                         for k, v in vars(args).items()},
-                  "results": rows, "load_average_before": load, "load_average_after": os.getloadavg(),
-                  "provenance": provenance(seed=args.seed)}  # fmt: skip
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.output}")
+        write_record("lsh_split", args, rows, load)
+
+
+def write_record(benchmark: str, args: argparse.Namespace, rows: list[dict], load: tuple[float, ...]) -> None:
+    """Write ``rows`` to ``args.output`` as JSON, with the settings (``args``), the load average before and after, and
+    the provenance (``args.seed``)."""
+    record = {"benchmark": benchmark, "settings": {k: str(v) if isinstance(v, Path) else v
+                                                   for k, v in vars(args).items()},
+              "results": rows, "load_average_before": load, "load_average_after": os.getloadavg(),
+              "provenance": provenance(seed=args.seed)}  # fmt: skip
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
