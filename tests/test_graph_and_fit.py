@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import batch, tiny_model
 from reference import naive_attention
 
 import approx
+from approx import ApproxAttention
 from approx.attention import _fitting, _graph
 from approx.attention.sparsefinder import SparsefinderConfig
 from approx.harness.fitting import as_batches
@@ -342,3 +343,42 @@ def test_attached_layers_are_filed_under_the_layer_they_are_attached_to():
         attach(model, {1: one})
     assert list(approx.patched_layers(model)) == [0] and one.layer_index == 0
     attach(model, {0: one})  # the same layer again where it is: fine
+
+
+def test_layers_of_two_fitted_methods_take_shared_settings_and_each_ones_own(monkeypatch):
+    """Sparsefinder on layer 0 and Linformer ``fitted`` on layer 1: a setting given plainly reaches both layers' fits,
+    one in a dict under a method's name reaches that method's layer only (and wins over the plain one); a plain
+    setting one of them lacks is refused, saying how to give it to one alone, as are a dict for a method no layer to
+    fit runs and a method's settings not given as a dict, before anything runs; the report records each method's."""
+    model = approx.patch(tiny_model("bert"), "sparsefinder", layers=[0], clusters=3)
+    approx.patch(model, "linformer", layers=[1], mode="fitted", projections=8, length=32)
+    received, fit = [], ApproxAttention.fit
+
+    def spy(self, samples, **options):
+        received.append((self.layer_index, self.method.name, options))
+        return fit(self, samples, **options)
+
+    monkeypatch.setattr(ApproxAttention, "fit", spy)
+    data = [batch(32, pad=5)]
+    for bad, words in (
+        ({"queries": 8}, r"queries.*\(the layers to fit run linformer, sparsefinder: a setting given plainly goes to "
+                         r"each; give one method's own in a dict under its name: linformer=\{...\}, sparsefinder="),
+        ({"entmax": {"steps": 1}}, "entmax={'steps': 1}: no layer to fit runs entmax"),
+        ({"sparsefinder": 8}, r"sparsefinder=8: a method's own fit settings go in a dict"),
+        ({"linformer": {"queries": 8}}, "queries"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            approx.fit(model, data, progress=False, **bad)
+    assert received == []
+    report = approx.fit(
+        model, data, progress=False, steps=2, sparsefinder={"queries": 8, "steps": 3}, linformer={"rows": 4}
+    )
+    assert sorted(received, key=lambda r: r[0]) == [
+        (0, "sparsefinder", {"steps": 3, "queries": 8}),
+        (1, "linformer", {"steps": 2, "rows": 4}),
+    ]
+    assert report["layers"] == [0, 1]
+    assert (report["settings"]["sparsefinder"]["steps"], report["settings"]["sparsefinder"]["queries"]) == (3, 8)
+    assert (report["settings"]["linformer"]["steps"], report["settings"]["linformer"]["rows"]) == (2, 4)
+    with torch.no_grad():
+        assert torch.isfinite(model(**data[0]).last_hidden_state).all()

@@ -109,13 +109,38 @@ def _stand_in(layer: ApproxAttention) -> ApproxAttention:
     return ApproxAttention(name, config, head_dim=layer.head_dim, layer_index=layer.layer_index)
 
 
-def _check_settings(layers: dict[int, ApproxAttention], settings: dict[str, Any]) -> None:
-    """Refuse fit settings that a fitted method does not have (``ValueError`` listing the valid ones)."""
-    for method in {lyr.method.name: lyr.method for lyr in layers.values()}.values():
-        if method.fit_config is not None:
-            method.fit_config.from_options(**settings)
-        elif settings:
-            raise ValueError(f"{method.name}: its fit takes no settings, got {', '.join(map(repr, settings))}")
+def _settings_by_method(layers: dict[int, ApproxAttention], options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each fitted method's settings: the plain ``options`` for every one, and for one alone those in a dict under
+    its name (``sparsefinder={"queries": 256}``), which win; refused (``ValueError`` listing the valid ones) where a
+    method does not have a setting, before anything runs."""
+    fitted = {lyr.method.name: lyr.method for lyr in layers.values()}
+    named = {key: options[key] for key in options if key in methods()}
+    shared = {key: value for key, value in options.items() if key not in named}
+    for name, value in named.items():
+        if name not in fitted:
+            raise ValueError(
+                f"{name}={value!r}: no layer to fit runs {name}; the layers to fit run {', '.join(sorted(fitted))}"
+            )
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r}: a method's own fit settings go in a dict, {name}={{'steps': 100}}")
+    settings = {}
+    for name, method in fitted.items():
+        mine = {**shared, **named.get(name, {})}
+        try:
+            if method.fit_config is not None:
+                method.fit_config.from_options(**mine)
+            elif mine:
+                raise ValueError(f"{name}: its fit takes no settings, got {', '.join(map(repr, mine))}")
+        except ValueError as e:
+            if len(fitted) == 1:
+                raise
+            own = ", ".join(f"{n}={{...}}" for n in sorted(fitted))
+            raise ValueError(
+                f"{e} (the layers to fit run {', '.join(sorted(fitted))}: a setting given plainly goes to each; give "
+                f"one method's own in a dict under its name: {own})"
+            ) from None
+        settings[name] = mine
+    return settings
 
 
 def fit(
@@ -134,7 +159,11 @@ def fit(
     ``options`` are the fit settings of the method's ``fit_config`` (e.g. Sparsefinder's ``steps``, ``lr``,
     ``queries``, ``margin``; defaults and help in ``approx.get_method("sparsefinder").fit_config.describe()``),
     checked before anything runs (``ValueError`` listing the valid ones); the seed is the method's ``seed``
-    option. Returns what was fitted and how long it took."""
+    option. Where the layers to fit run more than one method (Sparsefinder on some, Linformer ``fitted`` on
+    others), a setting given plainly goes to each of them, so it must be one of each one's, and the settings of one
+    method alone go in a dict under its name, which win over the plain ones:
+    ``approx.fit(model, data, steps=100, sparsefinder={"queries": 256}, linformer={"rows": 64})``.
+    Returns what was fitted and how long it took."""
     patched = patched_layers(model)
     elsewhere = "" if patched else patched_elsewhere(model)
     if elsewhere:
@@ -148,7 +177,7 @@ def fit(
             )
         log.warning("approx.fit: nothing to fit: the patched layers' options have no learned state")
         return {"layers": [], "inputs": 0, "options": options, "seconds": 0.0, "collect_seconds": 0.0}
-    _check_settings(layers, options)
+    by_method = _settings_by_method(layers, options)
     start = time.perf_counter()
     batches = as_batches(data, batch_size)
     samples: dict[int, list] = {i: [] for i in layers}
@@ -165,24 +194,24 @@ def fit(
         attach(model, layers)
     collected = time.perf_counter() - start
     for i, lyr in tqdm(layers.items(), disable=not progress, desc="fit layers", unit="layer"):
-        lyr.fit(samples[i], **options)
+        lyr.fit(samples[i], **by_method[lyr.method.name])
     seconds = time.perf_counter() - start
     log.info("fitted %d layers in %.1f s (collecting q/k: %.1f s)", len(layers), seconds, collected)
     return {
         "layers": sorted(layers),
         "inputs": sum(int(b["input_ids"].shape[0]) for b in batches),
         "options": options,
-        "settings": _settings(layers, options),
+        "settings": _settings(layers, by_method),
         "seconds": seconds,
         "collect_seconds": collected,
     }
 
 
-def _settings(layers: dict[int, ApproxAttention], options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _settings(layers: dict[int, ApproxAttention], by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every fit setting each fitted method ran with, defaults included, by method (``options`` holds the given
     ones only): what a later default must not change in a record."""
     return {
-        method.name: method.fit_config.from_options(**options).to_dict() if method.fit_config is not None else {}
+        method.name: method.fit_config.from_options(**by_method[method.name]).to_dict() if method.fit_config else {}
         for method in {lyr.method.name: lyr.method for lyr in layers.values()}.values()
     }
 
