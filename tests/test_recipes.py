@@ -115,6 +115,54 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
     assert merge_halves(crossed, examples)[0]["cross_fitting"].startswith("2-fold cross-fitting: each half scored")
 
 
+def test_halves_scored_by_model_objects_are_told_apart_by_their_weights(fixture_dir, tmp_path):
+    """Two model objects loaded from one checkpoint (as two fine-tunings in memory would be) carry the same name:
+    their results record the weights' SHA-256 (a path's record does not), and their halves merge under the default
+    protocol when the weights differ, not when one model scored both."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from approx.harness.provenance import weights_digest
+
+    path = str(write_checkpoint(tmp_path / "m", "sequence-classification"))
+    tok = AutoTokenizer.from_pretrained(path)
+    first, second = (AutoModelForSequenceClassification.from_pretrained(path) for _ in range(2))
+    with torch.no_grad():
+        second.classifier.bias.add_(0.5)  # (what training in memory would change)
+    opts = dict(tokenizer=tok, data_dir=str(fixture_dir), source="local", progress=False, batch_size=3, resamples=0)
+    splits = ("dev/1", "dev/0")
+    examples = [get_task("mrpc").load(s, source="local", data_dir=str(fixture_dir))[0] for s in splits]
+    runs = {
+        name: [approx.evaluate(m, "mrpc", ["favor:features=4"], split=s, predictions=True, **opts) for s in splits]
+        for name, m in (("first", first), ("second", second))
+    }
+    mine = [runs["first"][0], runs["second"][1]]  # dev/1 by one model, dev/0 by the other
+    assert mine[0][0]["model"] == mine[1][0]["model"] == path
+    assert [h[0]["model_weights_sha256"] for h in mine] == [weights_digest(first), weights_digest(second)]
+    assert weights_digest(first) != weights_digest(second)
+    assert merge_halves(mine, examples)[0]["cross_fitting"].startswith("2-fold cross-fitting")
+    with pytest.raises(ValueError, match=r"both halves were scored by the same model \(.*, the same weights\)"):
+        merge_halves(runs["first"], examples)
+    (by_path,) = approx.evaluate(path, "mrpc", ["favor:features=4"], split="dev/1", **{**opts, "tokenizer": None})
+    assert "model_weights_sha256" not in by_path
+
+
+def test_the_weights_digest_reads_every_tensor_its_name_and_its_type():
+    """The digest is the same for a copy of the weights and moves with any one value or a dtype."""
+    import copy
+
+    from conftest import tiny_model
+
+    from approx.harness.provenance import weights_digest
+
+    model = tiny_model("bert")
+    digest = weights_digest(model)
+    assert weights_digest(copy.deepcopy(model)) == digest and len(digest) == 64
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        next(changed.parameters()).view(-1)[3] += 1e-7
+    assert len({digest, weights_digest(changed), weights_digest(model.double())}) == 3
+
+
 def _flat(value, prefix=""):
     """{"a": {"b": [1, 2]}} -> {"a.b.0": 1, "a.b.1": 2}: nested numbers by path, for approximate comparison."""
     if isinstance(value, dict):

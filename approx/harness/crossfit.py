@@ -51,9 +51,13 @@ def _trained_on(model: Any, task: str) -> str | None:
 def _check_cross_fitting(per_method: tuple[dict[str, Any], ...], protocol: str | None) -> None:
     """Refuse halves the merged result would misdescribe (see :func:`merge_halves`)."""
     models = [r.get("model") for r in per_method]
-    if protocol is None and None not in models and len({json.dumps(m, default=str) for m in models}) == 1:
+    # a model object is its weights (its name may be the checkpoint it was fine-tuned from, the same for both)
+    weights = [r.get("model_weights_sha256") for r in per_method]
+    same = len({json.dumps([m, w], default=str) for m, w in zip(models, weights, strict=True)}) == 1
+    if protocol is None and None not in models and same:
+        which = f"{models[0]}, the same weights" if weights[0] else models[0]
         raise ValueError(
-            f"both halves were scored by the same model ({models[0]}): 2-fold cross-fitting scores each half with the "
+            f"both halves were scored by the same model ({which}): 2-fold cross-fitting scores each half with the "
             "model fine-tuned on the other half; give protocol=... saying what was done to merge them anyway"
         )
     for r in per_method:

@@ -102,6 +102,7 @@ class _Run:
     model_info: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
     main_process: bool = True  # under several processes, the one that says what the results cannot (warnings)
+    weights: str | None = None  # a model object's weights_digest (its name may be the checkpoint it started from)
 
     @property
     def attention_layers(self) -> int:
@@ -369,7 +370,11 @@ def _prepare(
         _say_if_trained_on(model, task, split)
         _say_if_fitted_elsewhere(model, methods)
         _check_own_weights(model, methods)
+    given = model
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
+    from .provenance import weights_digest
+
+    weights = None if isinstance(given, str) else weights_digest(model)  # (before positions are extended)
     if device is not None:
         device = torch.device(device)
     else:
@@ -397,8 +402,9 @@ def _prepare(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     main = state.is_main_process
     return _Run(
-        model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions, main
-    )
+        model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions, main,
+        weights,
+    )  # fmt: skip
 
 
 def _read_record(file: Path, key: str) -> Any:
@@ -544,6 +550,7 @@ def _results(
             "split": run.split,
             "protocol": protocol,
             "model": run.model_name,
+            **({"model_weights_sha256": run.weights} if run.weights else {}),
             "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
             **({"positions": run.positions} if run.positions else {}),
             **run.model_info,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import platform
 import subprocess
@@ -116,6 +117,18 @@ def mark_start() -> None:
     so that a commit made while they run shows in their record as ``git_commit_at_start``. Without it the first
     :func:`provenance` call takes that reading, when the work is done."""
     _AT_START.setdefault("commit", git_commit())
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's weights: every tensor of its state dict (parameters and buffers), in name order, with
+    its name, dtype and shape. What names a model object in a result, whose ``name_or_path`` is the checkpoint it was
+    loaded from even after it was trained in memory (about 0.2 s for MiniLM-L6's 90 MB on the CPU)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def provenance(seed: int | None = None, device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
