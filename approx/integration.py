@@ -170,8 +170,9 @@ def _key_padding_mask(
         # a bidirectional sliding-window layer's mask (ModernBERT's local layers; causal and chunked windows, which
         # transformers asks for with a local size too, are refused below): the band's keys (`_band_keys`), from which
         # `local="band"` computes the window in O(N w) and the layer's own attention gets the dense (B, 1, N, S) mask
-        # transformers' SDPA path builds for it, built at its first use (O(N^2) bytes and time: 256 MiB and about
-        # 2 s a sequence at 16k tokens); that mask itself where the window is another pattern, or None
+        # transformers' SDPA path builds for it, built at its first use (O(N^2): for one sequence of 16k tokens
+        # 256 MiB, its build peaking near 4 GiB, about 2 s on 2 threads); that mask itself where the window is
+        # another pattern, or None
         args = (batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
         dense = functools.partial(
             sdpa_mask, *args, allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs
@@ -181,7 +182,7 @@ def _key_padding_mask(
             built = dense()
             if built is None:
                 return None
-        if q_length != kv_length or not _is_window(mask_function, reach, kv_length):
+        if q_length != kv_length or not _is_window(mask_function, reach):
             return dense() if built is None else built  # (a mask that is not the band: the layer's own attention)
         return _band_keys(attention_mask, batch_size, kv_length, reach, dense, built, kwargs.get("device"))
     if mask_function is not None and mask_function is not bidirectional_mask_function:
@@ -273,22 +274,58 @@ def _symmetric(mask_function: Any, size: int = 12) -> bool:
     return bool(torch.equal(grid, grid.T))
 
 
-def _is_window(mask_function: Any, reach: Any, n: int) -> bool:
-    """Whether a transformers mask function (batch, head, query, key) -> bool is the band |i - j| <= ``reach`` on
-    ``n`` positions (the pattern `local="band"` computes): checked on every pair within ``reach + 1`` of the diagonal
-    (O(N w), so a band cut or widened anywhere is seen) and on the first, middle and last rows whole (a pair allowed
-    far from the diagonal)."""
+def _is_window(mask_function: Any, reach: Any) -> bool:
+    """Whether a transformers mask function (batch, head, query, key) -> bool is the band |i - j| <= ``reach`` (the
+    pattern `local="band"` computes): it must be transformers' own bidirectional sliding-window function for that
+    reach, built as transformers builds it (:func:`_same_function`: a window of any other shape, or one a caller
+    wrote, gets its dense mask and the layer's own attention), and that function must read as that band
+    (:func:`_window_convention`, checked once per reach: a transformers release that moved its convention by one
+    would be seen)."""
+    from transformers.masking_utils import sliding_window_bidirectional_mask_function
+
     if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0:
         return False
-    zero, idx = torch.zeros((), dtype=torch.long), torch.arange(n)
-    for off in range(-min(reach + 1, n - 1), min(reach + 1, n - 1) + 1):
-        rows = idx[max(0, -off) : n - max(0, off)]
-        pairs = torch.as_tensor(mask_function(zero, zero, rows, rows + off))
-        if not (bool(pairs.all()) if abs(off) <= reach else not bool(pairs.any())):
-            return False
-    for row in sorted({0, n // 2, n - 1}):
-        got = torch.as_tensor(mask_function(zero, zero, torch.tensor(row), idx)).expand(n)
-        if not torch.equal(got, (idx - row).abs() <= reach):
+    return _same_function(mask_function, sliding_window_bidirectional_mask_function(reach)) and _window_convention(
+        reach
+    )
+
+
+def _same_function(a: Any, b: Any) -> bool:
+    """Whether two functions are the same code over the same captured values (closures compared the same way, at
+    any depth; other values by type and equality): two calls of one factory with one argument are."""
+    if a is b:
+        return True
+    code = getattr(a, "__code__", None)
+    if code is None or code is not getattr(b, "__code__", None) or a.__defaults__ != b.__defaults__:
+        return False
+    cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+    return len(cells_a) == len(cells_b) and all(
+        _same_value(x.cell_contents, y.cell_contents) for x, y in zip(cells_a, cells_b, strict=True)
+    )
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    if callable(x) or callable(y):
+        return _same_function(x, y)
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_same_value(u, v) for u, v in zip(x, y, strict=True))
+    return type(x) is type(y) and bool(x == y)
+
+
+@functools.cache
+def _window_convention(reach: int) -> bool:
+    """Whether transformers' bidirectional sliding-window function for ``reach`` allows exactly the pairs with
+    |i - j| <= reach, on every pair of max(2 reach + 3, 512) positions (each offset up to past the band's reach on
+    every side, and far from it), for two batch and head indices: computed once per reach."""
+    from transformers.masking_utils import sliding_window_bidirectional_mask_function
+
+    window = sliding_window_bidirectional_mask_function(reach)
+    size = max(2 * reach + 3, 512)
+    idx = torch.arange(size)
+    want = (idx[:, None] - idx[None, :]).abs() <= reach
+    for b, h in ((0, 0), (1, 3)):
+        got = torch.as_tensor(window(torch.tensor(b), torch.tensor(h), idx[:, None], idx[None, :]))
+        if not torch.equal(got.expand(size, size), want):
             return False
     return True
 
@@ -325,8 +362,10 @@ def _is_local(module: nn.Module) -> bool:
 def _own_attention(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs):
     """A sliding-window layer as the model ran it before it was patched: its family's eager function on the additive
     mask eager attention takes, for a model loaded with eager attention; else transformers' SDPA function on the
-    boolean mask its SDPA path builds (what the mask function hands such a layer), so the same numbers. With
-    ``local="band"`` (`patch`), the same window by approx's banded kernel where it can run the call."""
+    boolean mask its SDPA path builds (:func:`_dense_mask` builds it from the band's keys the mask function hands
+    such a layer), so the same numbers. With ``local="band"`` (`patch`), the same window by approx's banded kernel
+    from the keys where it can run the call (the dense mask then built only for the attention weights, if asked
+    for)."""
     band = _band_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if band is not None:
         weights = _window_weights(query, key, _dense_mask(attention_mask), scaling) if _attentions_requested() else None
@@ -373,9 +412,9 @@ def _band_attention(module, query, key, value, attention_mask, *, dropout, scali
     differentiable, attention dropout applied as transformers' functions apply it, its chunks checkpointed so that
     autograd keeps O(N d)).
     None where neither runs and the model's own attention does: a layer not set to ``band``, a call on a GPU (not
-    measured there: transformers' kernels stay; a warning says so), a mask other than the boolean (B, 1, N, N) band
-    the mask function built and marked with its reach (a mask the caller made, which transformers hands such a
-    layer as it is; no mask, where the window covers every pair), or an argument that changes the scores beside
+    measured there: transformers' kernels stay; a warning says so), a mask other than the band's keys (B, 1, 1, N)
+    the mask function marked with its reach (:func:`_band_keys`; a mask the caller made, which transformers hands
+    such a layer as it is; no mask, where the window covers every pair), or an argument that changes the scores beside
     the window (a cap, sinks: the model's own function takes them into account)."""
     if module.__dict__.get(_LOCAL) != "band" or attention_mask is None:
         return None  # (no mask: transformers skipped it, the window covering every pair; SDPA's own path is fast)

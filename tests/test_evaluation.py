@@ -650,6 +650,37 @@ _ONE_BATCH_SUMS = {
 }  # fmt: skip
 
 
+def test_hidden_state_cosines_read_only_the_real_tokens_whatever_padding_holds():
+    """The last layer's worst per-input cosine and the pooled cosine, against a float64 loop over each input's real
+    tokens, with NaN and inf written at padded positions (a product with the mask let NaN x 0 through); and the
+    minimum of two records is NaN if either is, in either order."""
+    import math
+
+    from approx.harness.fidelity import _COMBINE, _hidden_sums
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    mask[2, :3] = 0
+    ref = tuple(torch.randn(3, 12, 8, generator=g) for _ in range(3))
+    hid = tuple(r + 0.7 * torch.randn(3, 12, 8, generator=g) for r in ref)
+    for h, r in zip(hid, ref, strict=True):
+        h[1, 10], h[2, 0], r[2, 1] = math.nan, math.inf, math.nan
+    got = _hidden_sums(ref, hid, mask)
+    per_input, pooled = [], []
+    for b in range(3):
+        keep = mask[b].bool()
+        last, want = hid[-1][b][keep].double(), ref[-1][b][keep].double()
+        per_input.append(float(torch.nn.functional.cosine_similarity(last, want, dim=-1).mean()))
+        pooled.append(float(torch.nn.functional.cosine_similarity(last.mean(0), want.mean(0), dim=0)))
+    assert got["worst_input_cosine"] == pytest.approx(min(per_input), rel=1e-6)
+    assert got["pooled_cosine_sum"] == pytest.approx(sum(pooled), rel=1e-6)
+    assert all(math.isfinite(c) for c in got["cosine_sum"]) and got["tokens"] == int(mask.sum())
+    worst = _COMBINE["worst_input_cosine"]
+    assert math.isnan(worst(math.nan, 0.5)) and math.isnan(worst(0.5, math.nan))
+    assert worst(0.5, 0.4) == 0.4 and worst(None, 0.4) == 0.4 and worst(None, None) is None
+
+
 def test_several_methods_share_one_reference_run(fixture_dir, checkpoints):
     res = _run(checkpoints("sequence-classification"), "sst2", ["full", "clustered:clusters=3", "favor"], fixture_dir)
     assert [r["method"]["name"] for r in res] == ["full", "clustered", "favor"]

@@ -2,6 +2,7 @@
 exactness of ``full``, unpatch, layer selection, save/load, refusals."""
 
 import copy
+import functools
 import re
 import types
 import warnings
@@ -616,6 +617,66 @@ def test_the_mask_of_a_sliding_window_layer_is_its_bands_keys_and_its_dense_mask
 
     mask = _key_padding_mask(2, 8, 8, mask_function=wider, attention_mask=padding, local_size=2)
     assert bool(mask[1, 0, 2, 5]) and not hasattr(mask, _BAND_REACH)
+
+    # the band written by hand, the band and one far pair on a middle row (which samples of rows would miss), one that
+    # reads the batch, and transformers' own window of another reach: each gets its dense mask, unmarked
+    def band(batch_idx, head_idx, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 2
+
+    def linked(batch_idx, head_idx, q_idx, kv_idx):  # tokens 3 and 23 of 40 see each other
+        return band(batch_idx, head_idx, q_idx, kv_idx) | ((q_idx - kv_idx).abs() == 20) & (q_idx + kv_idx == 26)
+
+    def per_batch(batch_idx, head_idx, q_idx, kv_idx):
+        return band(batch_idx, head_idx, q_idx, kv_idx) | ((batch_idx == 1) & ((q_idx - kv_idx).abs() == 3))
+
+    wide = mu.sliding_window_bidirectional_mask_function(3)
+    d = (torch.arange(40)[:, None] - torch.arange(40)[None, :]).abs()  # the second row's mask of each, from |i - j|
+    with_link = (d <= 2).clone()
+    with_link[3, 23] = with_link[23, 3] = True
+    wants = {band: d <= 2, linked: with_link, per_batch: d <= 3, wide: d <= 3}
+    for other, want in wants.items():
+        mask = _key_padding_mask(2, 40, 40, mask_function=other, attention_mask=None, local_size=2)
+        assert mask.shape == (2, 1, 40, 40) and not hasattr(mask, _BAND_REACH), other
+        assert torch.equal(mask[1, 0], want), other
+
+
+def _narrower(sliding_window):  # a window reaching one less than transformers' |i - j| <= w
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < sliding_window
+
+    return inner
+
+
+def _linked(sliding_window):  # transformers' window, and tokens 5 and 30 linked (a far pair)
+    def inner(batch_idx, head_idx, q_idx, kv_idx):
+        far = (torch.minimum(q_idx, kv_idx) == 5) & ((q_idx - kv_idx).abs() == 25)
+        return ((q_idx - kv_idx).abs() <= sliding_window) | far
+
+    return inner
+
+
+@pytest.mark.parametrize("overlay", [_narrower, _linked])
+def test_a_window_function_that_moved_its_convention_runs_the_layers_own_attention(overlay, monkeypatch):
+    """The band's keys are handed over only where transformers' window function for the reach allows exactly
+    |i - j| <= reach (checked once per reach): a release whose window reached one less (|i - j| < reach), or linked
+    two far tokens, would get its own dense mask, and the model with ``local="band"`` still gives the unpatched
+    model's outputs."""
+    from transformers import masking_utils as mu
+
+    from approx import integration
+
+    built = _count_dense_masks(monkeypatch)
+    band_calls = _count_band_calls(monkeypatch)
+    monkeypatch.setattr(mu, "sliding_window_bidirectional_overlay", overlay)
+    monkeypatch.setattr(integration, "_window_convention", functools.cache(integration._window_convention.__wrapped__))
+    model = tiny_model("modernbert")
+    inputs = batch(40, pad=11)
+    with torch.no_grad():
+        ref = model_output(model, **inputs)
+        approx.patch(model, "full", local="band")
+        built[0] = 0
+        torch.testing.assert_close(model_output(model, **inputs), ref, rtol=1e-6, atol=1e-6)
+    assert (built[0], band_calls[0]) == (1, 0) and not integration._window_convention(4)
 
 
 def test_local_band_never_builds_the_dense_window_mask_and_the_models_own_attention_builds_it_once(monkeypatch):

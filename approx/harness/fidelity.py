@@ -166,12 +166,16 @@ def _hidden_sums(ref_hidden, hidden, mask: torch.Tensor) -> dict[str, Any]:
     mean token cosine (its minimum kept) and the cosine of the mean-pooled states (summed)."""
     m = mask.bool()
     cos = [F.cosine_similarity(h.float(), r.float(), dim=-1) for r, h in zip(ref_hidden[1:], hidden[1:], strict=True)]
-    w = mask.float()[..., None]  # (B, N, 1)
-    lengths = w.sum(1)  # (B, 1)
+    lengths = m.sum(1, keepdim=True).float()  # (B, 1)
+    # padding left out by selection, not by a product with the mask: what a padded position holds (NaN, inf)
+    # does not reach the real tokens' numbers
+    real = m[..., None]  # (B, N, 1)
     pooled = F.cosine_similarity(
-        (hidden[-1].float() * w).sum(1) / lengths, (ref_hidden[-1].float() * w).sum(1) / lengths, dim=-1
+        torch.where(real, hidden[-1].float(), 0.0).sum(1) / lengths,
+        torch.where(real, ref_hidden[-1].float(), 0.0).sum(1) / lengths,
+        dim=-1,
     )  # (B,)
-    per_input = (cos[-1] * mask).sum(1) / lengths[:, 0]  # (B,)
+    per_input = torch.where(m, cos[-1], 0.0).sum(1) / lengths[:, 0]  # (B,)
     return {
         "tokens": int(m.sum()),
         "inputs": int(mask.shape[0]),
@@ -266,8 +270,13 @@ def _add_graph(a: dict, b: dict) -> dict:
 
 
 def _extreme(pick: Callable) -> Callable:
+    """The smallest or largest (``pick``) of two records' values (None: not recorded); NaN if either is NaN, in
+    either order (Python's min and max keep or drop a NaN by where it stands)."""
+
     def combine(a, b):
         values = [v for v in (a, b) if v is not None]
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            return math.nan
         return pick(values) if values else None
 
     return combine

@@ -8,8 +8,8 @@ the same definitions are called from scikit-learn and scipy directly:
 * SQuAD v1.1 exact match and F1: the official evaluation script's normalisation (lower case, drop
   punctuation, drop the articles a/an/the, collapse white space), maximum over the gold answers.
 
-Every function returns a plain float in [0, 100] for percentages (as GLUE and SQuAD report them) or in
-[-1, 1] for correlations (multiplied by 100 too, as the GLUE leaderboard does).
+Every function returns a plain float: percentages in [0, 100] (as GLUE and SQuAD report them), and correlations
+(Matthews, Pearson, Spearman) multiplied by 100 too, in [-100, 100], as the GLUE leaderboard reports them.
 """
 
 from __future__ import annotations
