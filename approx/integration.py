@@ -387,10 +387,12 @@ def _own_attention(module, query, key, value, attention_mask, *, dropout, scalin
 
 
 def _window_weights(query, key, attention_mask, scaling) -> torch.Tensor:
-    """A sliding-window layer's dense attention weights (B, H, N, S), from its mask (``output_attentions``)."""
+    """A sliding-window layer's dense attention weights (B, H, N, S), from its mask (``output_attentions``). Masked
+    pairs get the most negative number, as eager attention's additive mask gives them: a padded query whose window
+    holds no real key gets weights spread over every key, as eager attention's, rather than NaN."""
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif attention_mask is not None:  # an additive mask the caller made
         scores = scores + attention_mask.float()
     return torch.softmax(scores, dim=-1).to(query.dtype)

@@ -315,6 +315,10 @@ def test_a_patched_modernbert_gives_every_layers_attention_weights():
         torch.testing.assert_close(g[0], r[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g[1, :, :19, :19], r[1, :, :19, :19], rtol=1e-5, atol=1e-6)  # real rows, real keys
         assert float(g[1, :, :19, 19:].abs().max()) == 0.0  # no weight on padding
+    # the sliding-window layer's padded query 23, whose window (19 to 27) holds padding only: eager attention's
+    # weights, spread over every key (they had been NaN)
+    torch.testing.assert_close(got[1][1, :, 23], ref[1][1, :, 23])
+    torch.testing.assert_close(got[1][1, :, 23], torch.full_like(got[1][1, :, 23], 1 / 24))
 
 
 def _left_and_right_padded(seq_len: int = 40) -> dict[str, torch.Tensor]:
