@@ -1007,3 +1007,25 @@ def test_hull_path_passes_every_point_of_a_hull_edge_in_layer_order_on_ties():
     assert hull_path(loss, cost) == [[0], [1], [2], [3]]
     two = hull_path([[0.0, 0.5], [0.0, 0.5]], [[1.0, 0.5], [1.0, 0.5]])
     assert two == [[0, 0], [1, 0], [1, 1]]
+
+
+def test_the_tuning_objective_reads_only_the_real_tokens_whatever_padding_holds():
+    """The masked-LM KL per real token against a float64 sum over real tokens, with NaN written in the approximate
+    model's log-probabilities at padded positions (a product with the mask let NaN x 0 through)."""
+    import math
+
+    from approx.harness.autotune import _kl
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    ref_logp = torch.randn(2, 4, 5, generator=g).log_softmax(-1)
+    logp = torch.randn(2, 4, 5, generator=g).log_softmax(-1)
+    logp[0, 3] = math.nan
+    total, count = _kl(ref_logp, logp, mask, "logits")
+    want = sum(
+        float((ref_logp[b, t].double().exp() * (ref_logp[b, t].double() - logp[b, t].double())).sum())
+        for b in range(2)
+        for t in range(4)
+        if mask[b, t]
+    )
+    assert count == 7 and total == pytest.approx(want, rel=1e-5)

@@ -361,11 +361,13 @@ def test_layers_of_two_fitted_methods_take_shared_settings_and_each_ones_own(mon
     monkeypatch.setattr(ApproxAttention, "fit", spy)
     data = [batch(32, pad=5)]
     for bad, words in (
-        ({"queries": 8}, r"queries.*\(the layers to fit run linformer, sparsefinder: a setting given plainly goes to "
-                         r"each; give one method's own in a dict under its name: linformer=\{...\}, sparsefinder="),
+        ({"queries": 8}, r"linformer's fit has no setting 'queries' \(its settings: lr, rows, steps\); the layers to "
+                         r"fit run linformer, sparsefinder, and a setting given plainly goes to each: give one "
+                         r"method's own in a dict under its name \(linformer=\{...\}, sparsefinder="),
         ({"entmax": {"steps": 1}}, "entmax={'steps': 1}: no layer to fit runs entmax"),
         ({"sparsefinder": 8}, r"sparsefinder=8: a method's own fit settings go in a dict"),
-        ({"linformer": {"queries": 8}}, "queries"),
+        ({"linformer": {"queries": 8}}, r"^(?!.*given plainly).*'queries'"),  # (in its own dict: no such hint)
+        ({"sparsefinder": {"steps": -1}}, r"^(?!.*given plainly).*steps"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=words):
             approx.fit(model, data, progress=False, **bad)
@@ -382,3 +384,21 @@ def test_layers_of_two_fitted_methods_take_shared_settings_and_each_ones_own(mon
     assert (report["settings"]["linformer"]["steps"], report["settings"]["linformer"]["rows"]) == (2, 4)
     with torch.no_grad():
         assert torch.isfinite(model(**data[0]).last_hidden_state).all()
+
+
+def test_a_fit_setting_named_like_a_method_is_that_setting():
+    """A fitted method (a plugin's) whose fit has a setting named like a registered method (``window``): given
+    plainly, it is that setting, not a dict of the ``window`` method's own (which no layer to fit runs)."""
+    import dataclasses
+    import types
+
+    from approx.config import MethodConfig, option
+    from approx.harness.fitting import _settings_by_method
+
+    @dataclasses.dataclass(frozen=True)
+    class PluginFit(MethodConfig):
+        window: int = option(4, "a window")
+
+    layer = types.SimpleNamespace(method=types.SimpleNamespace(name="mylin", fit_config=PluginFit))
+    assert _settings_by_method({0: layer}, {"window": 8}) == {"mylin": {"window": 8}}
+    assert _settings_by_method({0: layer}, {"mylin": {"window": 2}}) == {"mylin": {"window": 2}}

@@ -139,11 +139,18 @@ def test_halves_scored_by_model_objects_are_told_apart_by_their_weights(fixture_
     assert mine[0][0]["model"] == mine[1][0]["model"] == path
     assert [h[0]["model_weights_sha256"] for h in mine] == [weights_digest(first), weights_digest(second)]
     assert weights_digest(first) != weights_digest(second)
-    assert merge_halves(mine, examples)[0]["cross_fitting"].startswith("2-fold cross-fitting")
+    (merged,) = merge_halves(mine, examples)
+    assert merged["cross_fitting"].startswith("2-fold cross-fitting")
+    assert merged["model_weights_sha256"] == [weights_digest(first), weights_digest(second)]  # (each half's)
     with pytest.raises(ValueError, match=r"both halves were scored by the same model \(.*, the same weights\)"):
         merge_halves(runs["first"], examples)
-    (by_path,) = approx.evaluate(path, "mrpc", ["favor:features=4"], split="dev/1", **{**opts, "tokenizer": None})
-    assert "model_weights_sha256" not in by_path
+    by_path = approx.evaluate(
+        path, "mrpc", ["favor:features=4"], split="dev/0", predictions=True, **{**opts, "tokenizer": None}
+    )
+    assert "model_weights_sha256" not in by_path[0]
+    # one half by path, the other by an object of the same, unchanged weights: one model, as two paths would be
+    with pytest.raises(ValueError, match=r"both halves were scored by the same model \([^,]*\): 2-fold"):
+        merge_halves([runs["first"][0], by_path], examples)
 
 
 def test_the_weights_digest_reads_every_tensor_its_name_and_its_type():
@@ -161,6 +168,9 @@ def test_the_weights_digest_reads_every_tensor_its_name_and_its_type():
     with torch.no_grad():
         next(changed.parameters()).view(-1)[3] += 1e-7
     assert len({digest, weights_digest(changed), weights_digest(model.double())}) == 3
+    # weights that are not plain tensors (a quantized model's packed parameters, meta tensors): no digest
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+    assert weights_digest(quantized) is None and weights_digest(copy.deepcopy(model).to("meta")) is None
 
 
 def _flat(value, prefix=""):

@@ -304,7 +304,7 @@ def _kl(ref_logp: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor, name: st
     # KL per distribution, at least 0 (float32 rounding can leave -1e-9 where the two agree)
     terms = torch.where(p > 0, p * (ref_logp - logp), torch.zeros_like(p)).sum(-1).clamp_min(0)
     if name == "logits" and terms.dim() == 2:  # masked LM: per real token
-        return float((terms * mask).sum()), int(mask.sum())
+        return float(terms[mask.bool()].sum()), int(mask.sum())  # (selected: NaN x 0 would be NaN)
     return float(terms.sum()), int(terms.numel())
 
 
@@ -353,7 +353,7 @@ class _Calibration:
                     mask = ref.inputs["attention_mask"]
                     if self.target.measure == "cosine":
                         num, den = (
-                            num + float((_cosine(_last_hidden(out), ref.hidden) * mask).sum()),
+                            num + float(_cosine(_last_hidden(out), ref.hidden)[mask.bool()].sum()),
                             den + int(mask.sum()),
                         )
                     else:

@@ -51,11 +51,13 @@ def _trained_on(model: Any, task: str) -> str | None:
 def _check_cross_fitting(per_method: tuple[dict[str, Any], ...], protocol: str | None) -> None:
     """Refuse halves the merged result would misdescribe (see :func:`merge_halves`)."""
     models = [r.get("model") for r in per_method]
-    # a model object is its weights (its name may be the checkpoint it was fine-tuned from, the same for both)
+    # a model object is told apart by its weights (its name may be the checkpoint it was fine-tuned from, the same
+    # for both); a path has no digest, so one name with a digest missing on either side reads as one model
     weights = [r.get("model_weights_sha256") for r in per_method]
-    same = len({json.dumps([m, w], default=str) for m, w in zip(models, weights, strict=True)}) == 1
+    named_alike = len({json.dumps(m, default=str) for m in models}) == 1
+    same = named_alike and (None in weights or len(set(weights)) == 1)
     if protocol is None and None not in models and same:
-        which = f"{models[0]}, the same weights" if weights[0] else models[0]
+        which = f"{models[0]}, the same weights" if None not in weights else models[0]
         raise ValueError(
             f"both halves were scored by the same model ({which}): 2-fold cross-fitting scores each half with the "
             "model fine-tuned on the other half; give protocol=... saying what was done to merge them anyway"
@@ -132,6 +134,11 @@ def merge_halves(
         result.update(
             split="+".join(r["split"] for r in per_method),
             model=[r["model"] for r in per_method],
+            **(
+                {"model_weights_sha256": [r.get("model_weights_sha256") for r in per_method]}
+                if any(r.get("model_weights_sha256") for r in per_method)
+                else {}
+            ),
             metrics=task.score(all_examples, preds, mode),
             reference_metrics=task.score(all_examples, ref_preds, mode),
             fidelity=fidelity,

@@ -16,6 +16,7 @@ checked against the method's ``fit_config`` (their defaults and help: ``get_meth
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -111,10 +112,14 @@ def _stand_in(layer: ApproxAttention) -> ApproxAttention:
 
 def _settings_by_method(layers: dict[int, ApproxAttention], options: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each fitted method's settings: the plain ``options`` for every one, and for one alone those in a dict under
-    its name (``sparsefinder={"queries": 256}``), which win; refused (``ValueError`` listing the valid ones) where a
-    method does not have a setting, before anything runs."""
+    its name (``sparsefinder={"queries": 256}``), which win (a name that is a fit setting of one of them is that
+    setting); refused (``ValueError`` listing the valid ones) where a method does not have a setting, before
+    anything runs."""
     fitted = {lyr.method.name: lyr.method for lyr in layers.values()}
-    named = {key: options[key] for key in options if key in methods()}
+    fields = {name: _fit_fields(method) for name, method in fitted.items()}
+    settings_named = set().union(*fields.values())
+    names = set(methods()) | set(fitted)
+    named = {key: options[key] for key in options if key in names and key not in settings_named}
     shared = {key: value for key, value in options.items() if key not in named}
     for name, value in named.items():
         if name not in fitted:
@@ -123,24 +128,30 @@ def _settings_by_method(layers: dict[int, ApproxAttention], options: dict[str, A
             )
         if not isinstance(value, dict):
             raise ValueError(f"{name}={value!r}: a method's own fit settings go in a dict, {name}={{'steps': 100}}")
+    if len(fitted) > 1:  # a plain setting one of them lacks: say how to give it to the others alone
+        for name in sorted(fitted):
+            lacking = sorted(set(shared) - fields[name])
+            if lacking:
+                own = ", ".join(f"{n}={{...}}" for n in sorted(fitted))
+                raise ValueError(
+                    f"{name}'s fit has no setting {', '.join(map(repr, lacking))} (its settings: "
+                    f"{', '.join(sorted(fields[name])) or 'none'}); the layers to fit run {', '.join(sorted(fitted))}, "
+                    f"and a setting given plainly goes to each: give one method's own in a dict under its name ({own})"
+                )
     settings = {}
     for name, method in fitted.items():
         mine = {**shared, **named.get(name, {})}
-        try:
-            if method.fit_config is not None:
-                method.fit_config.from_options(**mine)
-            elif mine:
-                raise ValueError(f"{name}: its fit takes no settings, got {', '.join(map(repr, mine))}")
-        except ValueError as e:
-            if len(fitted) == 1:
-                raise
-            own = ", ".join(f"{n}={{...}}" for n in sorted(fitted))
-            raise ValueError(
-                f"{e} (the layers to fit run {', '.join(sorted(fitted))}: a setting given plainly goes to each; give "
-                f"one method's own in a dict under its name: {own})"
-            ) from None
+        if method.fit_config is not None:
+            method.fit_config.from_options(**mine)
+        elif mine:
+            raise ValueError(f"{name}: its fit takes no settings, got {', '.join(map(repr, mine))}")
         settings[name] = mine
     return settings
+
+
+def _fit_fields(method) -> set[str]:
+    """The names of a fitted method's fit settings (none for a fit without settings)."""
+    return {f.name for f in dataclasses.fields(method.fit_config)} if method.fit_config is not None else set()
 
 
 def fit(
