@@ -85,7 +85,13 @@ def report(res: dict[str, Any]) -> str:
     out += ["| N | " + " | ".join(ms) + " |", "|" + "---|" * (len(ms) + 1)]
     for n in ns:
         out.append(f"| {n} | " + " | ".join(f"{res['cost'][m][n]['qk_pairs']:,}" for m in ms) + " |")
-    out += ["", f"d = dv = {D}. Settings: " + "; ".join(f"{m}: {res['configs'][m]}" for m in ms) + "."]
+    out += [
+        "",
+        f"d = dv = {D}. Settings (at N = {ns[-1]}): " + "; ".join(f"{m}: {res['configs'][m]}" for m in ms) + ".",
+    ]
+    if "sparsefinder" in ms:  # (its clusters follow the length: config_at)
+        clusters = ", ".join(f"{config_at('sparsefinder', n).clusters} at N = {n}" for n in ns)
+        out.append(f"Sparsefinder's clusters follow the length, about sqrt(N): {clusters}.")
     return "\n".join(out)
 
 

@@ -43,7 +43,8 @@ ExactFn = Callable[[torch.Tensor | None], torch.Tensor]
 
 def exact_for_length(n: int, *, exact_below: int = 0, at_most: int | None = None) -> bool:
     """True when a sequence of ``n`` real tokens gets exact attention: fewer than ``exact_below``, or at most
-    ``at_most`` (None: no such limit). Also what cost models use for a batch of padded length ``n``."""
+    ``at_most`` (None: no such limit). Also what cost models use for a sequence of ``n`` tokens (the harness counts
+    each row of a batch at its real length)."""
     return n < exact_below or (at_most is not None and n <= at_most)
 
 

@@ -153,8 +153,8 @@ def pattern_pairs(config: SparseTransformerConfig, n: int, s: int) -> tuple[int,
 
 
 def cost(config: SparseTransformerConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    """Exact pair counts of the pattern over n queries and s keys, all real (a padded batch is counted at its
-    padded length): the union in ``"union"`` mode; in ``"split"`` mode the mean of A1 and A2 over two heads
+    """Exact pair counts of the pattern over n queries and s keys, all real (the harness counts each row of a padded
+    batch at its real length, ``Method.costs``): the union in ``"union"`` mode; in ``"split"`` mode the mean of A1 and A2 over two heads
     (rounded up; a layer's cost counts each head's own half, :func:`head_cost`). The kernel evaluates whole blocks,
     more products than pairs: the count is the pattern's, the literature's convention."""
     return _pairs_cost(config, n=n, s=s, d=d, dv=dv, head=None)
