@@ -57,6 +57,7 @@ WHOLE_MODEL = [
     "benchmarks/results/whole_model_cpu_memory.json",
     "benchmarks/results/whole_model_cpu_modernbert.json",
     "benchmarks/results/whole_model_cpu_modernbert_backward.json",
+    "benchmarks/results/whole_model_cpu_modernbert_backward_batch2.json",
     "benchmarks/results/whole_model_cpu_modernbert_backward_memory.json",
 ]
 HARNESS = [

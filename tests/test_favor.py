@@ -277,3 +277,35 @@ def test_dropout_is_not_ignored_silently():
     with pytest.warns(RuntimeWarning, match="dropout"):
         out = lyr(q, k, v, mask, dropout=0.1)
     assert torch.equal(out, lyr(q, k, v, mask))
+
+
+def test_the_rows_that_broke_down_add_their_exact_attention_to_the_cost():
+    """A batch of three sequences, the middle one's queries and keys of large norm (its normaliser underflows): the
+    probe's cost of the call is FAVOR+'s on every row plus exact attention's on that batch row, at its real length
+    and for every head (the replacement computes it for the whole row), and nothing for the others."""
+    import warnings
+
+    from approx import get_method
+    from approx.attention import _fallback
+    from approx.harness.fidelity import AttentionProbe
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 40, D, generator=g) for _ in range(3))
+    q[1], k[1] = 50 * q[1], 50 * k[1]
+    mask = torch.ones(3, 40, dtype=torch.bool)
+    mask[1, 30:] = False  # (real length 30)
+    lyr = ApproxAttention("favor", FavorConfig(features=16), head_dim=D)
+    _fallback.reset_counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _fallback.FallbackWarning)
+        out = lyr(q, k, v, mask)
+    assert _fallback.counts()["favor"] >= 1 and [r.tolist() for r in _fallback.BROKE_DOWN_ROWS] == [[1]]
+    probe = AttentionProbe(total_layers=1)
+    probe(lyr, q, k, v, mask, D**-0.5, out)
+    favor, full = get_method("favor"), get_method("full")
+    per_head = [favor.cost(lyr.config, n=m, s=m, d=D, dv=D) for m in (40, 30, 40)]
+    exact_row = full.cost(full.config_class(), n=30, s=30, d=D, dv=D)
+    assert probe.cost[0] == 2 * sum(c.flops for c in per_head) + 2 * exact_row.flops
+    assert probe.cost[4] == 2 * sum(c.matmul_macs for c in per_head) + 2 * exact_row.matmul_macs
+    lyr(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask[[0, 2]])  # a call without a breakdown forgets the last one's rows
+    assert _fallback.BROKE_DOWN_ROWS == []

@@ -28,6 +28,17 @@ class FallbackWarning(RuntimeWarning):
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
+# The batch rows that got exact attention after a breakdown during the current layer call, one (R,) index tensor per
+# replacement: cleared by ``ApproxAttention.forward`` as each call starts (so it holds one call's at most), read by
+# the harness's probe after the call to add their exact attention to its cost.
+BROKE_DOWN_ROWS: list[torch.Tensor] = []
+
+
+def start_call() -> None:
+    """Forget the rows of the previous layer call (:data:`BROKE_DOWN_ROWS`)."""
+    BROKE_DOWN_ROWS.clear()
+
+
 def counts() -> dict[str, int]:
     """Query rows per method that fell back to exact attention since the last :func:`reset_counts`."""
     return dict(COUNTS)
@@ -113,5 +124,7 @@ def replace_query_rows(
             stacklevel=2,
         )
     rows = bad.flatten(1).any(-1).nonzero().squeeze(-1)  # (R,) batch rows with a flagged query
+    if count:
+        BROKE_DOWN_ROWS.append(rows)
     flags = bad[rows].view(*bad[rows].shape, *([1] * (out.dim() - 3)))  # (R, H, N, 1...)
     return out.index_put((rows,), torch.where(flags, exact(rows).to(out.dtype), out[rows]))
