@@ -309,3 +309,18 @@ def test_the_rows_that_broke_down_add_their_exact_attention_to_the_cost():
     assert probe.cost[4] == 2 * sum(c.matmul_macs for c in per_head) + 2 * exact_row.matmul_macs
     lyr(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask[[0, 2]])  # a call without a breakdown forgets the last one's rows
     assert _fallback.BROKE_DOWN_ROWS == []
+    # the method called directly, again and again: the rows of its last breakdown alone are kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _fallback.FallbackWarning)
+        for _ in range(3):
+            favor.attend(q, k, v, key_mask=mask, query_mask=mask, scale=D**-0.5, config=lyr.config, state=lyr.state())
+    assert [r.tolist() for r in _fallback.BROKE_DOWN_ROWS] == [[1]]
+    # below exact_below the row is exact anyway: no breakdown counted, and its cost is the cost model's (exact) alone
+    short = ApproxAttention("favor", FavorConfig(features=16, exact_below=35), head_dim=D)
+    _fallback.reset_counts()
+    out = short(q, k, v, mask)
+    assert _fallback.counts().get("favor", 0) == 0 and _fallback.BROKE_DOWN_ROWS == []
+    probe = AttentionProbe(total_layers=1)
+    probe(short, q, k, v, mask, D**-0.5, out)
+    per_head = [favor.cost(short.config, n=m, s=m, d=D, dv=D) for m in (40, 30, 40)]
+    assert per_head[1] == exact_row and probe.cost[0] == 2 * sum(c.flops for c in per_head)

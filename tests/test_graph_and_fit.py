@@ -367,6 +367,7 @@ def test_layers_of_two_fitted_methods_take_shared_settings_and_each_ones_own(mon
         ({"entmax": {"steps": 1}}, "entmax={'steps': 1}: no layer to fit runs entmax"),
         ({"sparsefinder": 8}, r"sparsefinder=8: a method's own fit settings go in a dict"),
         ({"linformer": {"queries": 8}}, r"^(?!.*given plainly).*'queries'"),  # (in its own dict: no such hint)
+        ({"stepz": 8}, r"^(?!.*given plainly).*'stepz'.*did you mean 'steps'"),  # (neither has it: no such hint)
         ({"sparsefinder": {"steps": -1}}, r"^(?!.*given plainly).*steps"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=words):

@@ -151,6 +151,10 @@ def test_halves_scored_by_model_objects_are_told_apart_by_their_weights(fixture_
     # one half by path, the other by an object of the same, unchanged weights: one model, as two paths would be
     with pytest.raises(ValueError, match=r"both halves were scored by the same model \([^,]*\): 2-fold"):
         merge_halves([runs["first"][0], by_path], examples)
+    # objects whose weights give no digest (quantized): recorded as such, and not told apart, which the message says
+    quantized = [[{**r, "model_weights_sha256": None} for r in h] for h in mine]
+    with pytest.raises(ValueError, match=r"models named .* which their records cannot tell apart \(a model whose"):
+        merge_halves(quantized, examples)
 
 
 def test_the_weights_digest_reads_every_tensor_its_name_and_its_type():
@@ -171,6 +175,9 @@ def test_the_weights_digest_reads_every_tensor_its_name_and_its_type():
     # weights that are not plain tensors (a quantized model's packed parameters, meta tensors): no digest
     quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
     assert weights_digest(quantized) is None and weights_digest(copy.deepcopy(model).to("meta")) is None
+    sparse = copy.deepcopy(model)
+    sparse.register_buffer("table", torch.eye(3).to_sparse())
+    assert weights_digest(sparse) is None
 
 
 def _flat(value, prefix=""):

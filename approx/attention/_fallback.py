@@ -28,9 +28,10 @@ class FallbackWarning(RuntimeWarning):
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
-# The batch rows that got exact attention after a breakdown during the current layer call, one (R,) index tensor per
-# replacement: cleared by ``ApproxAttention.forward`` as each call starts (so it holds one call's at most), read by
-# the harness's probe after the call to add their exact attention to its cost.
+# The batch rows that got exact attention after a breakdown in the current layer call, as an (R,) index tensor: set
+# by the call's replacement (a method makes one per call: FAVOR+), cleared by ``ApproxAttention.forward`` as each
+# call starts (so a call without a breakdown leaves it empty, and a method called directly holds one at most), read
+# by the harness's probe after the call to add their exact attention to its cost.
 BROKE_DOWN_ROWS: list[torch.Tensor] = []
 
 
@@ -125,6 +126,6 @@ def replace_query_rows(
         )
     rows = bad.flatten(1).any(-1).nonzero().squeeze(-1)  # (R,) batch rows with a flagged query
     if count:
-        BROKE_DOWN_ROWS.append(rows)
+        BROKE_DOWN_ROWS[:] = [rows]
     flags = bad[rows].view(*bad[rows].shape, *([1] * (out.dim() - 3)))  # (R, H, N, 1...)
     return out.index_put((rows,), torch.where(flags, exact(rows).to(out.dtype), out[rows]))

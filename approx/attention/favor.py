@@ -371,6 +371,9 @@ def favor_attention(
     def approximate() -> torch.Tensor:
         out, den = _favor(q, k, v, key_mask, scale, config, state)
         low = _underflow(den, query_mask, config, compute_dtype(q.dtype))
+        if config.exact_below > 0 and query_mask is not None:  # rows exact anyway (below exact_below): no breakdown
+            short = _fallback.exact_rows(query_mask, q.shape[-2], q.shape[0], q.device, exact_below=config.exact_below)
+            low = low & ~short[:, None, None]
         return _fallback.replace_query_rows(out, low, exact, method="favor", why=_UNDERFLOW)
 
     return _with_fallback(approximate, exact, q, query_mask, config)

@@ -526,9 +526,11 @@ def _cost(
     layer: ApproxAttention, masks: list[tuple[torch.Tensor, torch.Tensor | None]], convention: str, heads: int
 ) -> float:
     """A layer's attention cost over batches (their attention masks and question tokens, :func:`_masks`), summed over
-    its ``heads`` heads, from its method's cost model at their real lengths (as the harness's probe counts it; with the
-    batches' data for a method whose cost depends on it; exact attention's on heads the method leaves exact); infinite
-    for a method that does not count this convention."""
+    its ``heads`` heads, from its method's cost model at their real lengths (with the batches' data for a method whose
+    cost depends on it; exact attention's on heads the method leaves exact); infinite for a method that does not
+    count this convention. The harness's probe counts the same, but for the exact attention of rows a method broke
+    down on (FAVOR+'s underflow), which it adds from the run: so a tuned model's table can put such a layer above
+    the cost the search chose it at."""
     total = 0.0
     for mask, question in masks:
         with _context.tokens(question_mask=question):

@@ -57,10 +57,18 @@ def _check_cross_fitting(per_method: tuple[dict[str, Any], ...], protocol: str |
     named_alike = len({json.dumps(m, default=str) for m in models}) == 1
     same = named_alike and (None in weights or len(set(weights)) == 1)
     if protocol is None and None not in models and same:
-        which = f"{models[0]}, the same weights" if None not in weights else models[0]
+        if None not in weights:
+            which = f"both halves were scored by the same model ({models[0]}, the same weights)"
+        elif any(r.get("model_weights_sha256", "") is None for r in per_method):  # an object without a digest
+            which = (
+                f"both halves were scored by models named {models[0]}, which their records cannot tell apart (a "
+                "model whose weights give no digest: quantized, or on the meta device)"
+            )
+        else:
+            which = f"both halves were scored by the same model ({models[0]})"
         raise ValueError(
-            f"both halves were scored by the same model ({which}): 2-fold cross-fitting scores each half with the "
-            "model fine-tuned on the other half; give protocol=... saying what was done to merge them anyway"
+            f"{which}: 2-fold cross-fitting scores each half with the model fine-tuned on the other half; give "
+            "protocol=... saying what was done to merge them anyway"
         )
     for r in per_method:
         trained = _trained_on(r.get("model"), r.get("task"))

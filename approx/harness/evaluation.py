@@ -374,7 +374,8 @@ def _prepare(
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     from .provenance import weights_digest
 
-    weights = None if isinstance(given, str) else weights_digest(model)  # (before positions are extended)
+    # a model object's weights (before positions are extended); "" for one whose weights give no digest
+    weights = None if isinstance(given, str) else (weights_digest(model) or "")
     if device is not None:
         device = torch.device(device)
     else:
@@ -550,7 +551,7 @@ def _results(
             "split": run.split,
             "protocol": protocol,
             "model": run.model_name,
-            **({"model_weights_sha256": run.weights} if run.weights else {}),
+            **({"model_weights_sha256": run.weights or None} if run.weights is not None else {}),
             "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
             **({"positions": run.positions} if run.positions else {}),
             **run.model_info,

@@ -17,7 +17,8 @@ The ``fidelity`` dict, per method:
   O_exact is exact attention on the *same* queries, keys and values (``mean`` over the patched layers, a layer
   patched with ``full``, as an autotuned model's exact layers are, included at 0; ``per_layer`` tells them apart);
 * ``cost``: attention FLOPs and query-key pairs from the method's cost model at each input's real length (and
-  its data, where the cost depends on it: window's global question tokens, ``Method.costs``), and their ratio to
+  its data, where the cost depends on it: window's global question tokens, ``Method.costs``; plus exact attention on
+  a batch row the method broke down on, ``_fallback.BROKE_DOWN_ROWS``), and their ratio to
   full attention's, over the patched layers; and the literature's convention (the MonarchAttention paper's axis):
   ``matmul_macs``, the multiply-accumulates of the attention matrix products, its ratio to softmax's over the
   patched layers (``matmul_vs_softmax``) and over *every* attention layer of the model, unpatched ones counted as

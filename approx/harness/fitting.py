@@ -128,9 +128,9 @@ def _settings_by_method(layers: dict[int, ApproxAttention], options: dict[str, A
             )
         if not isinstance(value, dict):
             raise ValueError(f"{name}={value!r}: a method's own fit settings go in a dict, {name}={{'steps': 100}}")
-    if len(fitted) > 1:  # a plain setting one of them lacks: say how to give it to the others alone
+    if len(fitted) > 1:  # a plain setting one of them lacks and another has: say how to give it to that one alone
         for name in sorted(fitted):
-            lacking = sorted(set(shared) - fields[name])
+            lacking = sorted((set(shared) & settings_named) - fields[name])
             if lacking:
                 own = ", ".join(f"{n}={{...}}" for n in sorted(fitted))
                 raise ValueError(

@@ -124,9 +124,11 @@ def weights_digest(model: torch.nn.Module) -> str | None:
     its name, dtype and shape. What names a model object in a result, whose ``name_or_path`` is the checkpoint it was
     loaded from even after it was trained in memory (about 0.1 s for MiniLM-L6's 90 MB on the CPU, 0.3 s for
     BERT-base). None where the weights cannot be read as plain tensors (a quantized model's packed parameters, meta
-    tensors): no digest rather than one of part of them."""
+    tensors, sparse layouts): no digest rather than one of part of them."""
     entries = sorted(model.state_dict().items())
-    if any(not isinstance(t, torch.Tensor) or t.is_meta or t.is_quantized for _, t in entries):
+    if any(
+        not isinstance(t, torch.Tensor) or t.is_meta or t.is_quantized or t.layout != torch.strided for _, t in entries
+    ):
         return None
     digest = hashlib.sha256()
     for name, tensor in entries:
