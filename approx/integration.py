@@ -285,9 +285,8 @@ def _is_window(mask_function: Any, reach: Any) -> bool:
 
     if not isinstance(reach, int) or isinstance(reach, bool) or reach < 0:
         return False
-    return _same_function(mask_function, sliding_window_bidirectional_mask_function(reach)) and _window_convention(
-        reach
-    )
+    transformers_window = sliding_window_bidirectional_mask_function(reach)
+    return _same_function(mask_function, transformers_window) and _window_convention(reach)
 
 
 def _same_function(a: Any, b: Any) -> bool:

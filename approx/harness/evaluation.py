@@ -102,7 +102,8 @@ class _Run:
     model_info: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
     main_process: bool = True  # under several processes, the one that says what the results cannot (warnings)
-    weights: str | None = None  # a model object's weights_digest (its name may be the checkpoint it started from)
+    # a model object's {"model_weights_sha256": weights_digest} (its name may be the checkpoint it started from)
+    weights: dict[str, str | None] | None = None
 
     @property
     def attention_layers(self) -> int:
@@ -374,8 +375,8 @@ def _prepare(
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     from .provenance import weights_digest
 
-    # a model object's weights (before positions are extended); "" for one whose weights give no digest
-    weights = None if isinstance(given, str) else (weights_digest(model) or "")
+    # a model object's weights, before positions are extended (None where they give no digest); a path has none
+    weights = None if isinstance(given, str) else {"model_weights_sha256": weights_digest(model)}
     if device is not None:
         device = torch.device(device)
     else:
@@ -551,7 +552,7 @@ def _results(
             "split": run.split,
             "protocol": protocol,
             "model": run.model_name,
-            **({"model_weights_sha256": run.weights or None} if run.weights is not None else {}),
+            **(run.weights or {}),
             "model_shape": {"attention_layers": n_layers, "heads": n_heads, "head_dim": head_dim},
             **({"positions": run.positions} if run.positions else {}),
             **run.model_info,
