@@ -7,10 +7,14 @@ Usage::
 
 Nothing is timed: the figures come from each registered method's cost model (``approx.get_method(m).cost``),
 per batch item and head, d = dv = 64, with the attention-op benchmark's settings (C = 100 clusters, k = 32,
-m = 256 features, sparsefinder with k-means grouping and about sqrt(N) clusters). ``full`` is exact attention
-(N^2 pairs). A log-log plot shows the asymptotics: O(N^2) for exact and entmax attention, O(N) for clustered,
-improved clustered and FAVOR+, O(N sqrt(N)) for Sparsefinder with sqrt(N) balanced clusters. Results:
-markdown on stdout, JSON (with provenance) and a PNG next to it (``--output``).
+m = 256 features, sparsefinder with k-means grouping and about sqrt(N) clusters) and every other method at its
+defaults. ``full`` is exact attention (N^2 pairs). A log-log plot shows the asymptotics: O(N^2) for exact and
+entmax attention; O(N) for clustered, improved clustered, FAVOR+, the linear kernels (linear, efficient,
+taylor), Linformer, Nystrom, LSH, BigBird and the window (fixed clusters, features, projections, landmarks,
+buckets, blocks or width); O(N sqrt(N)) for Sparsefinder with sqrt(N) balanced clusters and MonarchAttention with
+blocks of about sqrt(N); O(N^2 / stride) for the strided Sparse Transformer at its fixed stride. Line styles group
+the families: exact solid, clustering and hashing dashed, sparse patterns dash-dotted, kernel and low-rank
+dotted. Results: markdown on stdout, JSON (with provenance) and a PNG next to it (``--output``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ from approx.harness.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 D = 64
+# the plot's line style per family (a method in none: solid, with the exact ones)
+STYLES = (
+    ("--", ("clustered", "i-clustered", "lsh", "sparsefinder")),
+    ("-.", ("window", "bigbird", "sparse-transformer")),
+    (":", ("favor", "linear", "efficient", "taylor", "linformer", "nystrom", "monarch")),
+)
 OPTIONS: dict[str, dict[str, Any]] = {
     "clustered": {"clusters": 100},
     "i-clustered": {"clusters": 100, "topk": 32},
@@ -101,22 +111,29 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_f, ax_p) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_f, ax_p) = plt.subplots(1, 2, figsize=(14, 5.5))
     ns = res["lengths"]
+    colours = plt.get_cmap("tab20").colors
+    none = []  # methods that score no query-key pair (kernel methods)
     for i, m in enumerate(res["methods"]):
-        ax_f.plot(ns, [res["cost"][m][n]["flops"] for n in ns], "o-", color=f"C{i}", label=m)
-        pairs = [max(res["cost"][m][n]["qk_pairs"], 1) for n in ns]
-        if any(p > 1 for p in pairs):
-            ax_p.plot(ns, pairs, "o-", color=f"C{i}", label=m)
+        style = next((ls for ls, members in STYLES if m in members), "-")
+        line = {"linestyle": style, "marker": "o", "markersize": 3, "color": colours[i % len(colours)], "label": m}
+        ax_f.plot(ns, [res["cost"][m][n]["flops"] for n in ns], **line)
+        pairs = [res["cost"][m][n]["qk_pairs"] for n in ns]
+        if any(pairs):
+            ax_p.plot(ns, [max(p, 1) for p in pairs], **line)
+        else:
+            none.append(m)
     for ax, what in ((ax_f, "attention FLOPs"), (ax_p, "query-key pairs scored")):
         ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=f"{what} per batch item and head")
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.minorticks_off()
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=8)
     ax_f.set_title("Cost model: FLOPs (log-log; slope 2 = quadratic)")
-    ax_p.set_title("Cost model: q-k pairs (FAVOR+ scores none)")
-    fig.tight_layout()
+    ax_p.set_title("Cost model: q-k pairs" + (f" (none scored by {', '.join(none)})" if none else ""), fontsize=9)
+    handles, labels = ax_f.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
