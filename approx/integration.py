@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterable
@@ -81,7 +82,7 @@ __all__ = [
 ATTENTION_NAME = "approx"
 _CHILD = "approx_attention"  # attribute name of the ApproxAttention attached to a patched attention module
 _ORIGINAL = "_approx_original_attn_implementation"  # attribute on the model
-_HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of the question-mask hooks
+_HOOKS = "_approx_token_hooks"  # attribute on the model: the handles of its hooks (question mask, an outer save)
 _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose its layers (written by save)
 # attribute on a patched model: the config object it was loaded with, which other models may share (two models made
 # from one config, AutoModel.from_config(model.config)); the patched model runs on its own copy (see `_own_config`)
@@ -608,6 +609,33 @@ def _reset_question(model: nn.Module, args: tuple, output: Any) -> None:
         _context._QUESTION.reset(stack.pop())
 
 
+def _outer_save(model: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict hook of a patched model: warn when transformers' ``save_pretrained`` of a model holding it (a task
+    model whose encoder was patched, ``model.bert``) takes its state. That folder gets the method state among its
+    weights but no ``approx_config.json``: it loads with exact attention, and ``approx.load`` cannot restore the patch."""
+    if not prefix:  # the patched model's own state dict (its own save writes a complete folder: `save`)
+        return
+    from transformers import PreTrainedModel
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "save_pretrained":
+            outer = frame.f_locals.get("self")
+            if isinstance(outer, PreTrainedModel) and outer is not model:
+                name = prefix.rstrip(".")
+                methods = sorted({saved.layer_record(i, layer)["method"] for i, layer in patched_layers(model).items()})
+                warnings.warn(
+                    f"approx: {type(outer).__name__}.save_pretrained saves a model whose {name!r} is patched "
+                    f"({', '.join(methods)}), but transformers writes no approx_config.json: the folder loads with "
+                    f"exact attention, and approx.load cannot restore the patch. Patch the model you save "
+                    f"(approx.patch(model, ...)), or save the patched part with approx.save(model.{name}, folder)",
+                    UserWarning,
+                    stacklevel=caller_level("torch", "transformers"),
+                )
+                return
+        frame = frame.f_back
+
+
 def _attentions_requested() -> bool:
     """Is the model's forward collecting attention weights (``output_attentions=True``)? transformers 5 does not
     tell the attention function; its output collector (private) holds an ``"attentions"`` list while it does.
@@ -818,6 +846,7 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
             (
                 model.register_forward_pre_hook(_set_question, with_kwargs=True),
                 model.register_forward_hook(_reset_question, always_call=True),
+                model.register_state_dict_post_hook(_outer_save),
             ),
         )
     for i, layer in layers.items():

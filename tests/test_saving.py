@@ -89,6 +89,33 @@ def test_save_pretrained_of_a_patched_model_writes_a_complete_folder(tmp_path):
     assert "save_pretrained" not in vars(model)
 
 
+def test_save_pretrained_of_a_task_model_whose_encoder_is_patched_warns(tmp_path):
+    """transformers' ``save_pretrained`` of a task model whose encoder was patched writes no approx_config.json (the
+    folder loads with exact attention): it says so, naming the patched part and what to do, instead of saving without
+    a word. The patched model's own save, the task model patched itself, and a plain state_dict do not warn."""
+    import warnings
+
+    from transformers import AutoModelForSequenceClassification
+
+    model = tiny_model("bert", head="sequence-classification")
+    approx.patch(model.bert, "favor", features=8)
+    with pytest.warns(UserWarning, match=r"BertForSequenceClassification\.save_pretrained .* 'bert' is patched "
+                      r"\(favor\).*approx\.save\(model\.bert, folder\)") as record:  # fmt: skip
+        model.save_pretrained(tmp_path / "task")
+    assert [w.filename for w in record if "approx:" in str(w.message)] == [__file__]  # pointing at the caller
+    assert not (tmp_path / "task" / SETTINGS_FILE).exists()  # (what the warning is about)
+    assert not approx.is_patched(AutoModelForSequenceClassification.from_pretrained(tmp_path / "task"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.state_dict()  # not a save
+        approx.save(model.bert, tmp_path / "encoder")  # the patched model's own save: a complete folder
+        approx.unpatch(model.bert)
+        model.save_pretrained(tmp_path / "plain")  # unpatched: nothing to say
+        approx.patch(model, "favor", features=8)
+        model.save_pretrained(tmp_path / "whole")  # the task model patched: a complete folder
+    assert (tmp_path / "encoder" / SETTINGS_FILE).is_file() and (tmp_path / "whole" / SETTINGS_FILE).is_file()
+
+
 def test_a_model_built_from_a_patched_models_config_leaves_the_patched_model_as_it_is():
     """``from_config(patched.config)`` shares the config object (transformers 5): patching and unpatching the twin
     must leave the patched model's implementation, and its outputs, as they were (a fallback to sdpa there once
