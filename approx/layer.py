@@ -154,7 +154,11 @@ def _additive_allowed(m: torch.Tensor) -> torch.Tensor:
 
 
 def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
-    """Whatever mask an attention function is passed (2-D, or a boolean or additive 4-D mask) -> (B, S) bool key-padding mask, or None (no padding)."""
+    """Whatever mask an attention function is passed (2-D, or a boolean or additive 4-D mask) -> (B, S) bool key-padding
+    mask, or None (no padding). A 4-D mask is padding when every query row allows the same keys, or none at all on a
+    padded query (``m[:, None, :, None] & m[:, None, None, :]``, the "3-D" padding mask of the original BERT): the
+    keys are those the rows allow. A padded query's output is then what a 2-D mask gives it (the real keys'
+    attention), not the zeros or uniform weights of a row with nothing to attend; no real query is affected."""
     if attention_mask is None:
         return None
     m = attention_mask
@@ -169,10 +173,17 @@ def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torc
     key = allowed[:, :1, :1, :]  # (B, 1, 1, S)
     if allowed.shape[1] > 1 or allowed.shape[2] > 1:
         if not bool((allowed == key).all()):
-            raise ValueError(
-                "approx attention supports key-padding masks only; this (B, H, N, S) mask differs between "
-                "queries or heads (a causal or custom attention pattern), which the approximations cannot honour"
-            )
+            key = allowed.any(2, keepdim=True)[:, :1]  # the keys some query row allows
+            rows = allowed.any(-1)  # (B, H, N): query rows that allow a key
+            padding = bool(((allowed == key) | ~rows[..., None]).all()) and bool((allowed.any(2) == key[:, :, 0]).all())
+            if padding and allowed.shape[2] == allowed.shape[3]:  # a query row with no key: a padded position's
+                padding = bool((rows | ~key[:, :, 0]).all())
+            if not padding:
+                raise ValueError(
+                    "approx attention supports key-padding masks only; this (B, H, N, S) mask differs between "
+                    "queries or heads beyond padding (a causal or custom attention pattern), which the approximations "
+                    "cannot honour"
+                )
     return key[:, 0, 0, :].expand(batch, s)
 
 

@@ -956,6 +956,49 @@ def test_non_padding_masks_are_refused():
         _key_mask(torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], -2.0), 2, 4)
 
 
+def test_an_outer_product_padding_mask_is_padding():
+    """The original BERT's "3-D" padding mask, m_i & m_j (a padded query's row allows nothing), is padding: the keys
+    its rows allow (it had been refused as "a causal or custom attention pattern"). Rows that differ otherwise are
+    still refused: a row with no key at a real position, rows of real queries that differ, heads that differ."""
+    padding = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    outer = padding[:, None, :, None] & padding[:, None, None, :]  # (3, 1, 5, 5)
+    assert torch.equal(_key_mask(outer, 3, 5), padding)
+    additive = torch.zeros(3, 1, 5, 5).masked_fill(~outer, torch.finfo(torch.float32).min)
+    assert torch.equal(_key_mask(additive, 3, 5), padding)
+    assert torch.equal(_key_mask(outer.expand(3, 4, 5, 5), 3, 5), padding)  # every head alike
+    real_row_empty = outer.clone()
+    real_row_empty[0, 0, 2] = False  # position 2 is a real token
+    other_keys = outer.clone()
+    other_keys[0, 0, 2, 3] = False  # a real query that leaves out a real key
+    heads = outer.expand(3, 2, 5, 5).clone()
+    heads[1, 1, :, 4] = False  # a head without the last key
+    for mask in (real_row_empty, other_keys, heads):
+        with pytest.raises(ValueError, match="beyond padding"):
+            _key_mask(mask, 3, 5)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_an_outer_product_padding_mask_reproduces_the_two_d_masks_model(family, kind):
+    """A model given the "3-D" padding mask (as 4-D) computes every real token as the unpatched model given the 2-D
+    mask does, patched with ``full``, and an approximation gives what it gives with the 2-D mask."""
+    model = tiny_model(family)
+    inputs = batch(24, pad=9)
+    m = inputs["attention_mask"].bool()
+    outer = m[:, None, :, None] & m[:, None, None, :]
+    mask = outer if kind == "bool" else torch.zeros(outer.shape).masked_fill(~outer, torch.finfo(torch.float32).min)
+    real = m[..., None]
+    with torch.no_grad():
+        base = model(**inputs).last_hidden_state
+        approx.patch(model, "full")
+        full = model(input_ids=inputs["input_ids"], attention_mask=mask).last_hidden_state
+        approx.patch(model, "favor", features=16)
+        favor_2d = model(**inputs).last_hidden_state
+        favor_4d = model(input_ids=inputs["input_ids"], attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(full * real, base * real, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(favor_4d * real, favor_2d * real, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("method", ["full", "favor", "window"])
 def test_an_extended_mask_of_minus_10000_masks_the_padding(method):
     """BERT's original "extended" additive mask (0 for a real key, -10000 for padding, (B, 1, 1, S)) gives what the
