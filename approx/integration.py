@@ -986,7 +986,9 @@ def _check_routed(model: nn.Module) -> None:
     if current != ATTENTION_NAME:
         raise ValueError(
             f"{type(model).__name__} was patched by approx, but its attention implementation is now {current!r}, so "
-            "the patched layers no longer run: approx.unpatch(model) and patch it again"
+            "the patched layers no longer run: approx.unpatch(model) and patch it again (unpatching restores "
+            f"{getattr(model, _ORIGINAL)!r}, the implementation it was patched from: to run {current!r}, set it "
+            "after unpatching)"
         )
 
 

@@ -167,6 +167,13 @@ def test_another_attention_implementation_is_refused_while_patched(tmp_path):
     classifier.bert.set_attn_implementation("sdpa")  # the inner encoder, sharing the config
     with pytest.raises(ValueError, match="its attention implementation is now 'sdpa'"):
         classifier(**batch(8))
+    # the task model of a patched encoder: its setting is refused at the next forward, which says what unpatch restores
+    outer = tiny_model("bert", "sequence-classification")
+    outer.bert.set_attn_implementation("eager")
+    approx.patch(outer.bert, "favor")
+    outer.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"now 'sdpa'.*unpatching restores 'eager'.*to run 'sdpa', set it after"):
+        outer(**batch(8))
     approx.unpatch(model)
     model.set_attn_implementation("eager")
     assert model.config._attn_implementation == "eager"
