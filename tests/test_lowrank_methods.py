@@ -612,6 +612,29 @@ def test_nystrom_exact_limit_holds_for_float32_inputs():
     torch.testing.assert_close(out.double().masked_fill(~real, 0), ref.masked_fill(~real, 0), rtol=1e-5, atol=1e-5)
 
 
+def test_nystrom_computes_no_more_landmarks_than_tokens():
+    """More landmarks than tokens (the exact limit asked for at a longer length) compute, and cost, as many as there
+    are tokens: the extra ones were empty, yet each short call paid their SVD. The output is the same exact
+    attention."""
+    n = 40
+    q, k, v = make(n, seed=6, sharp=3.0)
+    mask = right_padded(n, 25)
+    at_n, many = (NystromConfig(landmarks=m, pinv="exact") for m in (n, 8 * n))
+    outs = [ApproxAttention("nystrom", c, head_dim=D)(q, k, v, mask) for c in (at_n, many)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    ref = naive_attention(q, k, v, mask)
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(outs[1].masked_fill(~real, 0), ref.masked_fill(~real, 0), rtol=1e-9, atol=1e-9)
+    cost = get_method("nystrom").cost
+    assert cost(many, n=n, s=n, d=D, dv=D) == cost(at_n, n=n, s=n, d=D, dv=D)
+    seen = []
+    real_pinv = torch.linalg.pinv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.linalg, "pinv", lambda a, *args, **kw: seen.append(a.shape[-1]) or real_pinv(a, *args, **kw))
+        ApproxAttention("nystrom", many, head_dim=D)(q, k, v, mask)
+    assert seen == [n]
+
+
 @pytest.mark.parametrize("n", [20, 48, 300])
 def test_mean_pooling_cost_counts_the_products_that_run(n):
     """Linformer ``mean``'s ``matmul_macs`` is the products that run (torch's FlopCounterMode, an independent count)

@@ -188,6 +188,31 @@ def test_overflowing_padding_changes_nothing(method):
     torch.testing.assert_close(poisoned[:, :, :70], clean[:, :, :70], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("route", ["own", "exact rows"])
+@pytest.mark.parametrize("method", with_kernels([m for m in METHODS if m != "full"]))
+def test_non_finite_padding_never_reaches_a_real_row(method, route):
+    """inf and NaN at padded keys and values (whatever a model leaves at padding) reach no real row, on the method's
+    own path and on the rows it gives exact attention (``exact_below``): those had run SDPA on the inputs as they
+    were, whose masked weight of 0 times an inf value, or a NaN score, is NaN. (``full`` is SDPA, as unpatched.)"""
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 70)
+    options = small_budget(method)
+    if route == "exact rows":
+        if "exact_below" not in get_method(method).config_class.option_names():
+            pytest.skip(f"{method} has no exact rows")
+        options["exact_below"] = 100  # row 1 (70 real tokens) exact, row 0 approximated
+    lyr = layer(method, **options)
+    clean = lyr(q, k, v, mask)
+    for poisoned in ("keys", "values"):
+        bad_k, bad_v = k.clone(), v.clone()
+        bad = bad_k if poisoned == "keys" else bad_v
+        bad[1, :, 70:95] = float("inf")
+        bad[1, 0, 95:] = float("nan")
+        out = lyr(q, bad_k, bad_v, mask)
+        assert torch.isfinite(out[1, :, :70]).all(), poisoned
+        torch.testing.assert_close(out[:, :, :70], clean[:, :, :70], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_half_precision(method, dtype):
@@ -771,6 +796,11 @@ def test_more_cost_models_are_their_formulas():
         cost = get_method("nystrom").cost(config, n=n, s=s, d=d, dv=dv)
         macs = n * 8 * (d + dv) + 64 * d + 8 * s * (d + dv) + 64 * dv + extra
         assert (cost.matmul_macs, cost.flops, cost.qk_pairs) == (macs, 2 * macs + (n + s) * d, n * 8 + 64 + 8 * s)
+    # more landmarks than tokens: counted at as many as there are (n = s = 20: 20 landmarks, whatever was asked)
+    many = get_method("nystrom").cost(get_method("nystrom").make_config(landmarks=512, pinv="exact"), n=20, s=20, d=d,
+                                      dv=dv)  # fmt: skip
+    macs = 20 * 20 * (d + dv) + 400 * d + 20 * 20 * (d + dv) + 400 * dv + 11 * 20**3
+    assert (many.matmul_macs, many.qk_pairs) == (macs, 3 * 400)
     for mode in ("random", "fitted"):
         config = get_method("linformer").make_config(mode=mode, projections=16, length=128)
         cost = get_method("linformer").cost(config, n=n, s=s, d=d, dv=dv)

@@ -65,7 +65,7 @@ def masked_columns(reach: int, block: int) -> int:
 def unusable(q, k, v, *, reach: int, block: int, shared: int, dropout: float) -> str | None:
     """Why the band kernel cannot run this call (None: it can)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return "it is inference only (no gradient: attend_with_gradients is its training form)"
+        return "it is inference only (no gradients)"
     if dropout > 0.0:
         return "it applies no dropout"
     if q.shape[2] != k.shape[2]:

@@ -436,7 +436,9 @@ def _try_band(
             return _attend_band(q, k, v, pattern, key_mask=key_mask, scale=scale)
         return _attend_blockband(q, k, v, pattern, key_mask=key_mask, scale=scale, fused=fused)
     if kernel == BAND:
-        raise RuntimeError(f"kernel='band' cannot run this call: {why}")
+        raise RuntimeError(
+            f"kernel='band' cannot run this call: {why}; kernel='auto' picks a kernel that can (or name 'gather')"
+        )
     return None
 
 

@@ -68,14 +68,26 @@ def exact_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, scale=scale)
 
 
+def padded_exact_attention(q, k, v, key_mask: torch.Tensor | None, scale: float, dropout: float = 0.0):
+    """:func:`exact_attention` with padded keys and values zeroed first, for a method's rows that fall back to exact
+    attention: whatever a model leaves at padding (inf, NaN) then reaches no real row, as on the method's own path
+    (SDPA's masked weight of 0 times an inf value, or a NaN score, is NaN). ``full`` runs :func:`exact_attention` on
+    the inputs as they are, as the unpatched model does."""
+    return exact_attention(
+        q, zero_padded_values(k, key_mask), zero_padded_values(v, key_mask), key_mask, scale, dropout
+    )
+
+
 def exact_rows(q, k, v, key_mask: torch.Tensor | None, scale: float, dropout: float = 0.0):
     """``exact(rows)`` for :func:`._fallback.with_fallback` and ``replace_query_rows``: exact attention on the
-    batch rows ``rows`` (a bool or index tensor over B; None: every row), (b, H, N, dv)."""
+    batch rows ``rows`` (a bool or index tensor over B; None: every row), (b, H, N, dv), padding zeroed first
+    (:func:`padded_exact_attention`)."""
 
     def exact(rows: torch.Tensor | None) -> torch.Tensor:
         if rows is None:
-            return exact_attention(q, k, v, key_mask, scale, dropout)
-        return exact_attention(q[rows], k[rows], v[rows], None if key_mask is None else key_mask[rows], scale, dropout)
+            return padded_exact_attention(q, k, v, key_mask, scale, dropout)
+        mask = None if key_mask is None else key_mask[rows]
+        return padded_exact_attention(q[rows], k[rows], v[rows], mask, scale, dropout)
 
     return exact
 

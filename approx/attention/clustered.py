@@ -48,7 +48,15 @@ import torch
 from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _compiled, _context, _fallback
-from ._common import compute_dtype, dense_softmax, exact_attention, safe_key_mask, softmax_, zero_padded_values
+from ._common import (
+    compute_dtype,
+    dense_softmax,
+    exact_attention,
+    padded_exact_attention,
+    safe_key_mask,
+    softmax_,
+    zero_padded_values,
+)
 from ._fallback import exact_for_length
 from ._hashing import hash_signs
 from ._kmeans import kmeans
@@ -287,7 +295,7 @@ def run(
     """
 
     def exact(q_, k_, v_, m_):
-        return dense_softmax(q_, k_, m_, scale) if dense else exact_attention(q_, k_, v_, m_, scale, dropout)
+        return dense_softmax(q_, k_, m_, scale) if dense else padded_exact_attention(q_, k_, v_, m_, scale, dropout)
 
     prepared = []  # the inputs in the compute dtype, for the rows replaced by exact attention
 

@@ -27,7 +27,8 @@ Choices made here:
 * Short rows: a row with at most ``landmarks`` real queries gets exact attention (rows shorter than the
   budget, rule 5 of the method rules), counted in the cost. Not with ``pinv="exact"``, where the formula
   itself is exact there (each real token is its own landmark; an empty landmark, possible only when a row is
-  shorter than m, is left out of every softmax and gets zero rows and columns in the matrix inverted).
+  shorter than m, is left out of every softmax and gets zero rows and columns in the matrix inverted). A call
+  of fewer tokens than ``landmarks`` (queries or keys, padding included) computes, and is counted at, that many.
 * No ``weights``: the matrix Nystrom implies is not a distribution (the pseudo-inverse makes entries negative).
   ``exact_below`` is the generic fallback, as for every method; the "at most m real tokens" rule above covers the
   rows where Nystrom cannot pay.
@@ -97,8 +98,14 @@ def _budget(config: NystromConfig) -> int | None:
     return config.landmarks if config.pinv == "iterative" else None
 
 
+def _landmarks(config: NystromConfig, n: int, s: int) -> int:
+    """Landmarks computed on a call of ``n`` queries and ``s`` keys: no more than tokens (more would be empty: with the
+    exact pseudo-inverse, a short call paid the SVD of every one)."""
+    return min(config.landmarks, max(n, s))
+
+
 def cost(config: NystromConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
-    m = config.landmarks
+    m = _landmarks(config, n, s)
     if exact_for_length(n, exact_below=config.exact_below, at_most=_budget(config)):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     # the three factors' scores and value products, right to left; Z (m x m) times softmax(Q~ K^T) V
@@ -136,7 +143,7 @@ def _nystrom(q, k, v, key_mask, query_mask, scale, config) -> torch.Tensor:
     """The Nystrom estimate (B, H, N, dv) in the input dtype (computed in float64 with ``pinv="exact"``)."""
     dt = torch.float64 if config.pinv == "exact" else compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
-    m = config.landmarks
+    m = _landmarks(config, q.shape[-2], k.shape[-2])
     # padded keys zeroed too: their scores get a -inf bias, which an inf in a padded key would turn into NaN
     q, k, v = q.to(dt), zero_padded_values(k.to(dt), key_mask), zero_padded_values(v.to(dt), key_mask)
     q_land, q_sizes = segment_means(q, safe_key_mask(query_mask), m)  # (B, H, m, d), (B, m)
