@@ -186,8 +186,9 @@ class Method:
     exact_limit: ExactLimit | None = None
     # the settings of ``fit`` (a MethodConfig subclass: options with defaults and help), for the CLI and docs
     fit_config: type[MethodConfig] | None = None
-    # which configs have learned state (e.g. Linformer's mode="fitted"); None: every config of a method with ``fit``
-    fit_when: Callable[[MethodConfig], bool] | None = None
+    # which configs have learned state: the options that give it ({"mode": "fitted"}, Linformer's; errors can then name
+    # them) or a test of a config; None: every config of a method with ``fit``
+    fit_when: dict[str, Any] | Callable[[MethodConfig], bool] | None = None
     # the per-row cost of a call when it depends on the data, not only the lengths (see ``costs``); None: ``cost``
     batch_cost: BatchCostFn | None = None
     # one head's cost by its index in the layer, when heads differ (see ``head_costs``); None: ``cost`` on every head
@@ -203,7 +204,18 @@ class Method:
         """True when ``config``'s state is learned (``approx.fit``) and must be fitted before the method runs;
         False for a method without ``fit`` and for the configs that ``fit_when`` leaves out (e.g. Linformer's
         ``mean`` and ``random`` modes)."""
-        return self.fit is not None and (self.fit_when is None or bool(self.fit_when(config)))
+        if self.fit is None or self.fit_when is None:
+            return self.fit is not None
+        if isinstance(self.fit_when, dict):
+            return all(getattr(config, k) == v for k, v in self.fit_when.items())
+        return bool(self.fit_when(config))
+
+    def fit_options(self) -> str:
+        """The options with which the method has learned state, as a spec writes them (``"mode=fitted"``); "" when
+        every config has it, or ``fit_when`` is a test that does not say."""
+        if not isinstance(self.fit_when, dict):
+            return ""
+        return ",".join(f"{k}={v}" for k, v in self.fit_when.items())
 
     def make_config(self, **options: Any) -> MethodConfig:
         return self.config_class.from_options(**options)
@@ -298,7 +310,7 @@ def register(
     test_options: dict[str, Any] | None = None,
     exact_limit: ExactLimit | None = None,
     fit_config: type[MethodConfig] | None = None,
-    fit_when: Callable[[MethodConfig], bool] | None = None,
+    fit_when: dict[str, Any] | Callable[[MethodConfig], bool] | None = None,
     batch_cost: BatchCostFn | None = None,
     head_cost: HeadCostFn | None = None,
 ) -> Callable[[AttendFn], AttendFn]:

@@ -1,6 +1,5 @@
 """The command line and the data helpers."""
 
-import contextlib
 import json
 import os
 import re
@@ -761,9 +760,8 @@ def test_a_squad_length_too_short_for_the_longest_question_is_refused_with_the_l
     ],
 )
 def test_an_abbreviated_flag_is_refused_not_taken_for_another(argv, flag, capsys):
-    with pytest.raises(SystemExit) if argv[0] == "autotune" else contextlib.nullcontext():  # argparse's own refusal
-        assert main([*argv, "--task", "stsb", "--limit", "2"]) == 2
-    assert flag in capsys.readouterr().err
+    assert main([*argv, "--task", "stsb", "--limit", "2"]) == 2
+    assert f"unknown argument {flag}" in capsys.readouterr().err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path, capsys, monkeypatch):

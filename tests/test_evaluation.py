@@ -956,6 +956,48 @@ def test_cli_eval_bad_input_exits_2(extra, words, capsys):
         assert w in err
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        # finetune's suggestions are its own flags (they were eval's: --max-step -> '--steps', --resamples -> itself)
+        (
+            ["finetune", "--task", "rte", "--output-dir", "o", "--max-step", "1"],
+            ["--max-step (did you mean '--max-steps'"],
+        ),
+        (["finetune", "--task", "rte", "--output-dir", "o", "--resamples", "5"], ["unknown argument --resamples"]),
+        # the other commands: their own usage's flags, not argparse's top-level usage without a suggestion
+        (
+            ["demo", "--windws", "1"],
+            ["unknown argument --windws (did you mean '--windows'?); see `approx demo --help`"],
+        ),
+        (["methods", "--mark"], ["did you mean '--markdown'"]),
+        (["fit", "--wind", "1", "--output-dir", "o"], ["did you mean '--windows'"]),
+        # a method's option as a flag where --method takes a spec: the spec written out
+        (["demo", "--method", "favor", "--features", "64"], ["goes in its spec here: --method NAME:features=64"]),
+        (["autotune", "--output-dir", "o", "--features=32"], ["--method NAME:features=32"]),
+    ],
+)
+def test_cli_unknown_arguments_are_named_with_the_commands_own_flags(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: approx [-h]" not in err
+    for w in words:
+        assert w in err
+    if argv[0] == "finetune":
+        assert "did you mean '--resamples'" not in err
+
+
+def test_cli_warnings_read_as_messages(capsys):
+    """A warning on the command line prints as ``approx: warning: ...`` with its kind, not Python's file, line and
+    source line (``approx eval`` of a model fine-tuned on the split it scores)."""
+    from approx.harness.cli import _plain_warning
+
+    line = _plain_warning(UserWarning("approx: the limit is above the split's size"), UserWarning, "/x/y.py", 3)
+    assert line == "approx: warning: the limit is above the split's size (UserWarning)\n"
+    shown = warnings.formatwarning
+    assert main(["methods", "--nosuch"]) == 2 and warnings.formatwarning is shown  # restored after the command
+
+
 def test_cli_tasks_lists_every_task(capsys):
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out

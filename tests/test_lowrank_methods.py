@@ -477,8 +477,13 @@ def test_model_fit_through_the_hook_and_harness_refusals(tmp_path, capsys):
         other.load_state_dict(model.state_dict())
         assert torch.equal(model_output(other, **batch(40, pad=9)), out)
     assert approx.fit(approx.patch(tiny_model("bert"), "linformer"), [batch(16)], progress=False)["layers"] == []
-    assert main(["fit", "--method", "linformer:mode=mean", "--output-dir", str(tmp_path)]) == 2
-    assert "nothing to fit" in capsys.readouterr().err
+    assert main(["fit", "--method", "linformer:mode=mean,projections=8", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err  # the options that give it learned state, written into the spec
+    assert "learns its state only with mode=fitted: --method linformer:mode=fitted,projections=8" in err
+    assert main(["fit", "--method", "favor", "--output-dir", str(tmp_path)]) == 2
+    assert "nothing to fit with these options; methods with learned state: linformer (with mode=fitted)" in (
+        capsys.readouterr().err
+    )
     with pytest.raises(ValueError, match="must be fitted"):
         _setups(["linformer:mode=fitted"], 0, 4)
     assert [s.method for s in _setups(["linformer", "linformer:mode=random", "nystrom"], 0, 4)] == ["linformer"] * 2 + [

@@ -365,7 +365,7 @@ def fit_error(config: LinformerConfig, state, samples) -> float:
     init_state=init_state,
     weights=linformer_weights,
     fit=fit,
-    fit_when=lambda config: config.mode == "fitted",
+    fit_when={"mode": "fitted"},
     fit_config=LinformerFitConfig,
     test_options={"projections": 16},
     # mean pooling with a segment per real token (k >= the longest row): every pooled key is one key

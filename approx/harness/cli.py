@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from .. import __version__, _json, methods
@@ -423,9 +424,19 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     setup = parse_setup(args.method)  # unknown method or option: exit 2 before loading anything
     if not get_method(setup.method).requires_fit(get_method(setup.method).make_config(**setup.options)):
+        own = get_method(setup.method).fit_options() if get_method(setup.method).needs_fit else ""
+        if own:  # a fitted method given without the options that give it learned state
+            raise ValueError(
+                f"method {setup.method!r} learns its state only with {own}: --method {setup.method}:{own}"
+                + "".join(f",{k}={v}" for k, v in setup.options.items() if f"{k}=" not in own)
+            )
+        fitted = [
+            m + (f" (with {get_method(m).fit_options()})" if get_method(m).fit_options() else "")
+            for m in _fit_configs()
+        ]
         raise ValueError(
-            f"method {setup.method!r} has nothing to fit with these options; methods with learned state (for "
-            f"some, only with some options): {', '.join(_fit_configs())}"
+            f"method {setup.method!r} has nothing to fit with these options; methods with learned state: "
+            f"{', '.join(fitted)}"
         )
     options = _fit_options(args, setup.method)
     _check_output(args.output_dir, "--output-dir", folder_out=True)
@@ -810,7 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Efficient attention for pretrained encoders.",
         epilog="Also runs as `python -m approx ...`, so several processes or GPUs work as usual:\n"
         "  accelerate launch -m approx eval ...      (or finetune)\n"
-        "Errors end with one line on stderr and exit status 2.",
+        "Errors are printed on stderr after 'approx: error:' and end with exit status 2.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"approx {__version__}")
@@ -871,6 +882,28 @@ def _one_method_each(arg: str, command: str) -> str:
     return f" (each method takes its own --method: `--method {arg}`)"
 
 
+def _unknown_argument(unknown: list[str], command: str, parser: argparse.ArgumentParser) -> ValueError:
+    """The error for arguments ``command``'s parser does not take, with a "did you mean" among its own flags (and,
+    for eval and finetune, the method flags they take); a method's option given as a flag to a command whose
+    ``--method`` takes a spec says to put it in the spec (the spec written out, from the last ``--method``)."""
+    own = list(parser._subparsers._group_actions[0].choices[command]._option_string_actions)
+    at = next((i for i, u in enumerate(unknown) if u.startswith("-")), 0)
+    bad, _, inline = unknown[at].partition("=") if unknown[at].startswith("-") else (unknown[at], "", "")
+    if command in ("eval", "finetune"):
+        hint = _one_method_each(bad, command) or did_you_mean(bad, [*method_flags(), *own])
+    elif bad in method_flags() and "--method" in own:
+        value = inline or next((u for u in unknown[at + 1 : at + 2] if not u.startswith("-")), "VALUE")
+        hint = f" (a method's option goes in its spec here: --method NAME:{bad[2:].replace('-', '_')}={value})"
+    else:
+        hint = did_you_mean(bad, own)
+    return ValueError(f"unknown argument {bad}{hint}; see `approx {command} --help`")
+
+
+def _plain_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings on the command line: the message and its kind, not the source file and line that raised it."""
+    return f"approx: warning: {str(message).removeprefix('approx: ')} ({category.__name__})\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from .provenance import mark_start
 
@@ -878,27 +911,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    shown = warnings.formatwarning
+    warnings.formatwarning = _plain_warning
     try:
         if argv and argv[0] in ("eval", "finetune") and not {"-h", "--help"} & set(argv):
             rest, groups, shared = split_method_args(argv)
             args, unknown = parser.parse_known_args(rest)
             if unknown:
-                flags = [
-                    *method_flags(),
-                    *(a for a in parser._subparsers._group_actions[0].choices["eval"]._option_string_actions),
-                ]
-                bad = next((u.partition("=")[0] for u in unknown if u.startswith("-")), unknown[0])
-                raise ValueError(
-                    f"unknown argument {bad}{_one_method_each(bad, argv[0]) or did_you_mean(bad, flags)}; "
-                    f"see `approx {argv[0]} --help`"
-                )
+                raise _unknown_argument(unknown, argv[0], parser)
             if getattr(args, "task", None) is not None:
                 from .tasks import get_task
 
                 get_task(args.task)  # a misspelt task before a missing --method: the first thing to fix
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
-            args = parser.parse_args(argv)
+            args, unknown = parser.parse_known_args(argv)
+            if unknown:  # (argparse would print the top-level usage, which lists none of the command's flags)
+                raise _unknown_argument(unknown, args.command, parser)
         return args.func(without_bookkeeping(args))
     except BrokenPipeError:  # `approx ... | head`: the reader has gone; stop quietly
         _silence_stdout()
@@ -908,6 +937,8 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e).strip() if own else (str(e).strip().splitlines() or [""])[0]
         print(f"approx: error: {message or type(e).__name__}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = shown
 
 
 def _silence_stdout() -> None:
