@@ -11,6 +11,7 @@ package imports transformers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -139,7 +140,7 @@ class UnsupportedModelError(ValueError):
 
     def __init__(self, model: Any, reasons: list[str]) -> None:
         self.reasons = reasons
-        name = type(model).__name__
+        name = model if isinstance(model, str) else type(model).__name__  # (a checkpoint, by its path or hub id)
         lines = "\n".join(f"  - {r}" for r in reasons)
         super().__init__(f"cannot patch {name}:\n{lines}")
 
@@ -768,7 +769,7 @@ def _device(module: nn.Module) -> torch.device:
 
 def patch(
     model: nn.Module,
-    method: str,
+    method: str | MethodConfig,
     *,
     layers: int | Iterable[int] | None = None,
     on_heads: int | Iterable[int] | None = None,
@@ -784,6 +785,9 @@ def patch(
     Sparse Transformer's). ``options`` are the fields of the method's
     config class (see ``approx methods``).
 
+    ``method`` is a method's name, or a config object (``approx.get_method("favor").make_config(features=64)``, as
+    :func:`approx.evaluate` takes), whose options ``options`` may override.
+
     ``local`` says how a model's sliding-window layers run (ModernBERT's local layers; see :func:`local_mode`):
     ``"model"``, their own attention as transformers runs it (bit for bit), or ``"band"``, the same window computed
     by approx's banded kernel in O(N w) time and memory rather than SDPA's O(N^2) on a dense band mask, which is then
@@ -795,8 +799,16 @@ def patch(
     :class:`UnsupportedModelError` (a ``ValueError``) listing the reasons when the model cannot be patched; on
     any error the model is left as it was.
     """
-    spec = get_method(method)
-    config = spec.make_config(**options)
+    if isinstance(method, MethodConfig):  # its options that differ from the defaults, checked as if named
+        spec = get_method(method.method)
+        if type(method) is not spec.config_class:
+            raise TypeError(f"{type(method).__name__} is not {method.method}'s config ({spec.config_class.__name__})")
+        defaults = spec.make_config().to_dict()
+        given = {k: v for k, v in method.to_dict().items() if v != defaults[k]}
+        config = spec.make_config(**{**given, **options})
+    else:
+        spec = get_method(method)
+        config = spec.make_config(**options)
     modules = attention_modules(model)
     check_local(model, modules, local)
     indices = select_layers(layers, len(modules))
@@ -1265,6 +1277,20 @@ def load(path: str | os.PathLike, model_class: Any = None, **from_pretrained_kwa
     return restore(model, path)
 
 
+@contextlib.contextmanager
+def _loading(name_or_path: str | os.PathLike):
+    """transformers' failures to load ``name_or_path`` (``OSError``: no such hub id, the hub unreachable, a folder
+    without weights) as one line naming it and where it was looked for; approx's own refusals pass as they are."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) and str(name_or_path) in str(e):
+            raise
+        where = "its folder" if os.path.isdir(name_or_path) else "the Hugging Face hub (it is not a folder here)"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].removeprefix("Error ")
+        raise OSError(f"{name_or_path}: cannot load it from {where}: {first}") from e
+
+
 def load_pretrained(
     name_or_path: str | os.PathLike, *, task: str | None = None, progress: bool = True, tokenizer: Any = None, **kwargs
 ):
@@ -1285,12 +1311,13 @@ def load_pretrained(
     }
     if task not in classes:
         raise ValueError(f"unknown task head {task!r}; choose one of {', '.join(map(str, classes))}")
-    if tokenizer is None:
-        if os.path.isdir(name_or_path):
-            saved.check_tokenizer_folder(name_or_path)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     try:
-        model = classes[task].from_pretrained(name_or_path, **kwargs)
+        with _loading(name_or_path):
+            if tokenizer is None:
+                if os.path.isdir(name_or_path):
+                    saved.check_tokenizer_folder(name_or_path)
+                tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+            model = classes[task].from_pretrained(name_or_path, **kwargs)
     except RuntimeError as e:  # transformers' refusal of a head of other sizes: one line, naming what was asked
         if "ignore_mismatched_sizes" not in str(e):
             raise
@@ -1353,8 +1380,24 @@ def checkpoint_heads(name_or_path: str) -> list[str]:
     ``BertForSequenceClassification`` -> ``["sequence-classification"]``); ``[]`` for a bare encoder."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(name_or_path)
+    with _loading(name_or_path):
+        config = AutoConfig.from_pretrained(name_or_path)
     return [h for h in map(model_head_from_name, config.architectures or []) if h != "base"]
+
+
+def check_checkpoint_supported(name_or_path: str) -> None:
+    """Refuse a checkpoint of a model type approx cannot patch from its config, before its weights load (and before
+    its head is judged: a GPT-2 language model is unsupported, not a model without a task head)."""
+    from transformers import AutoConfig
+
+    with _loading(name_or_path):
+        config = AutoConfig.from_pretrained(name_or_path)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            name_or_path,
+            [f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"],
+        )
 
 
 def model_head_from_name(class_name: str) -> str:

@@ -114,6 +114,17 @@ def test_demo_without_data_fails_at_once_with_what_was_looked_for(tmp_path, caps
     assert "nowhere" in err and "APPROX_DATA_DIR" in err
 
 
+def test_missing_data_names_the_file_and_where_the_hub_can_be_asked(tmp_path, capsys):
+    """A folder without the file asked for says which file to put there (not "the GLUE layout" of a folder that has
+    it); a task's missing data names the commands whose --source reads the hub (demo and fit have none)."""
+    (tmp_path / "wikitext-2").mkdir()
+    with pytest.raises(DataNotFoundError, match=r"^data not found .* a folder holding wikitext-2/wiki.train.tokens\.$"):
+        find_data_dir(tmp_path, need="wikitext-2/wiki.train.tokens")
+    assert main(["demo", "--data-dir", str(tmp_path), "--windows", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--source hub of approx eval, finetune and autotune" in err and "or use --source hub" not in err
+
+
 def test_find_data_dir_prefers_argument_then_environment(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -182,6 +182,9 @@ def test_local_band_through_the_harness_and_the_cli(fixture_dir, tmp_path, monke
     with pytest.raises(ValueError, match=r"local='banded': choose one of 'model', 'band'"):
         _run("/nonexistent", "sst2", ["full"], fixture_dir, local="banded")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (asked for a GPU: refused before anything runs)
+    from approx.harness import evaluation as harness
+
+    monkeypatch.setattr(harness, "check_device", lambda *a: None)  # ("meta": a device other than the CPU)
     with pytest.raises(ValueError, match=r"local='band' \(for full\) runs approx's banded kernel on the CPU only"):
         _run(path, "sst2", ["full"], fixture_dir, local="band", device="meta")
     monkeypatch.undo()
@@ -998,6 +1001,38 @@ def test_cli_warnings_read_as_messages(capsys):
     assert main(["methods", "--nosuch"]) == 2 and warnings.formatwarning is shown  # restored after the command
 
 
+def test_evaluate_refuses_what_it_cannot_read_saying_what_to_pass(fixture_dir, checkpoints, tmp_path):
+    """Arguments ``approx.evaluate`` refuses with its own message, before anything loads: a dict that is not patched
+    layers (it crashed deep inside on an option's value), an unknown device (torch's error, naming no argument), a
+    limit that is not a whole number (it said "at least 1" of 4.5), a method given twice (it ran twice), and a
+    checkpoint of a model type approx cannot patch (it said the model had no task head)."""
+    model = checkpoints("sequence-classification")
+    with pytest.raises(TypeError, match=r"a dict is read as patched layers .*str -> str.*'favor:features=16'"):
+        _run(model, "sst2", [{"name": "favor", "features": "16"}], fixture_dir, limit=4)
+    with pytest.raises(ValueError, match=r"device='gpu': unknown device; use cpu"):
+        _run(model, "sst2", ["favor"], fixture_dir, limit=4, device="gpu")
+    for limit in (4.5, "4"):
+        with pytest.raises(ValueError, match="limit must be a whole number, at least 1"):
+            _run(model, "sst2", ["favor"], fixture_dir, limit=limit)
+    with pytest.raises(ValueError, match="favor:features=16 is given twice"):
+        _run(model, "sst2", ["favor:features=16", approx.get_method("favor").make_config(features=16)], fixture_dir)
+    import transformers
+
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=99)).save_pretrained(
+        gpt2
+    )
+    with pytest.raises(approx.UnsupportedModelError, match="model type 'gpt2' is not supported"):
+        _run(str(gpt2), "sst2", ["favor"], fixture_dir, limit=4)
+    with pytest.raises(OSError, match=r"nosuch-org/nosuch-model: cannot load it from the Hugging Face hub"):
+        _run("nosuch-org/nosuch-model", "sst2", ["favor"], fixture_dir, limit=4)
+
+
+def test_cli_level_without_intervals_is_refused(capsys):
+    assert main(["eval", "--task", "sst2", "--method", "favor", "--resamples", "0", "--level", "0.9"]) == 2
+    assert "--level 0.9: --resamples 0 computes no intervals" in capsys.readouterr().err
+
+
 def test_cli_tasks_lists_every_task(capsys):
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out
@@ -1326,6 +1361,9 @@ def test_allocation_peaks_see_what_a_method_holds(fixture_dir, checkpoints, monk
     # refused before the model or the data is read (a missing model would fail later, with another error): no
     # warm-up, or another device asked for
     missing = str(fixture_dir / "no-such-model")
+    from approx.harness import evaluation
+
+    monkeypatch.setattr(evaluation, "check_device", lambda *a: None)  # ("meta": a device other than the CPU)
     for refused in ({"warmup": False}, {"device": "meta"}):
         with pytest.raises(ValueError, match="warmup=True and a CPU"):
             _run(missing, "rte", ["window:window=2"], fixture_dir, allocations=True, **refused)

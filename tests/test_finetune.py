@@ -122,6 +122,21 @@ def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         _run(base_model, fixture_dir, tmp_path / "c", max_steps=2, resume=True)
+    _run(base_model, fixture_dir, tmp_path / "b", max_steps=2)  # a finished run's folder: started afresh, as asked
+
+
+def test_starting_afresh_over_a_run_that_did_not_finish_is_refused(base_model, fixture_dir, tmp_path):
+    """A run stopped by ``stop_after``, or killed (its training state there, no record of it finishing), would have
+    been overwritten by a run started without ``resume``, its steps lost without a word: refused, naming resume."""
+    _run(base_model, fixture_dir, tmp_path / "s", max_steps=3, stop_after=1)
+    before = (tmp_path / "s" / "finetune.json").read_text()
+    with pytest.raises(ValueError, match=r"holds a run that did not finish .*at step 1.*resume=True \(--resume\)"):
+        _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
+    assert (tmp_path / "s" / "finetune.json").read_text() == before  # untouched
+    (tmp_path / "s" / "finetune.json").unlink()  # killed before any record: the training state alone
+    with pytest.raises(ValueError, match="did not finish"):
+        _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
+    assert _run(base_model, fixture_dir, tmp_path / "s", max_steps=3, resume=True)["step"] == 3
 
 
 def test_evaluating_on_the_training_examples_is_said(base_model, fixture_dir, tmp_path):

@@ -963,6 +963,33 @@ def test_non_padding_masks_are_refused():
         _key_mask(torch.zeros(2, 1, 1, 4).masked_fill(~padding[:, None, None, :], -2.0), 2, 4)
 
 
+def test_patch_takes_a_config_object_as_evaluate_does():
+    """``approx.patch(model, config)`` patches with the config's options (it called the config "an unknown attention
+    method"); options given beside it override them, checked as options named are (unknown ones, one that another
+    leaves unused); a config of another class under a method's name is refused."""
+    from approx.attention.nystrom import NystromConfig
+
+    inputs = batch(20, pad=4)
+    by_name = approx.patch(tiny_model("bert"), "i-clustered", clusters=6, topk=8)
+    config = approx.get_method("i-clustered").make_config(clusters=6, topk=4)
+    by_config = approx.patch(tiny_model("bert"), config, topk=8)
+    assert approx.settings(by_config) == approx.settings(by_name)
+    with torch.no_grad():
+        assert torch.equal(by_config(**inputs).last_hidden_state, by_name(**inputs).last_hidden_state)
+    model = tiny_model("bert")
+    with pytest.raises(ValueError, match="unknown option"):
+        approx.patch(model, config, nosuch=1)
+    with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
+        approx.patch(model, NystromConfig(pinv="exact"), pinv_iterations=3)
+
+    class Other(NystromConfig):
+        method = "favor"
+
+    with pytest.raises(TypeError, match="is not favor's config"):
+        approx.patch(model, Other())
+    assert not approx.is_patched(model)
+
+
 def test_an_outer_product_padding_mask_is_padding():
     """The original BERT's "3-D" padding mask, m_i & m_j (a padded query's row allows nothing), is padding: the keys
     its rows allow (it had been refused as "a causal or custom attention pattern"). Rows that differ otherwise are

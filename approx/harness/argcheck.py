@@ -68,28 +68,31 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def check_device(device: str | None) -> None:
-    """Refuse a device that is unknown or not available on this machine, before anything is loaded."""
+def check_device(device: str | torch.device | None, name: str = "--device") -> None:
+    """Refuse a device that is unknown or not available on this machine, before anything is loaded (``name``: the
+    flag, or a Python argument's name, that the message says)."""
     if device is None:
         return
+    given = f"{name} {device}" if name.startswith("--") else f"{name}={str(device)!r}"
+    cpu = "--device cpu" if name.startswith("--") else f"{name}='cpu'"
     try:
         kind = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device}: unknown device; use cpu, cuda, cuda:N or mps") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{given}: unknown device; use cpu, cuda, cuda:N or mps") from None
     if kind.type == "cpu":
         if kind.index not in (None, 0):  # torch takes cpu:1 and runs on the one CPU device: not what was asked
-            raise ValueError(f"--device {device}: there is one CPU device (its threads: --threads); use --device cpu")
+            raise ValueError(f"{given}: there is one CPU device (its threads: --threads); use {cpu}")
         return
     if kind.type == "cuda":
         if not torch.cuda.is_available():
             build = "a CPU-only build of torch" if torch.version.cuda is None else "no CUDA device found"
-            raise ValueError(f"--device {device}: CUDA is not available here ({build}); use --device cpu")
+            raise ValueError(f"{given}: CUDA is not available here ({build}); use {cpu}")
         if kind.index is not None and kind.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"{given}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         return
     if kind.type == "mps" and torch.backends.mps.is_available():
         return
-    raise ValueError(f"--device {device}: {kind.type} is not available here; use cpu, cuda, cuda:N or mps")
+    raise ValueError(f"{given}: {kind.type} is not available here; use cpu, cuda, cuda:N or mps")
 
 
 def device_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

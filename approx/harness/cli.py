@@ -211,9 +211,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     from .evaluation import evaluate, markdown_report
+    from .resampling import DEFAULT_LEVEL
     from .tasks import get_task
 
     task = get_task(args.task)  # unknown task: exit 2 with the list, before any model is loaded
+    if args.resamples == 0 and args.level is not None:
+        raise ValueError(f"--level {args.level}: --resamples 0 computes no intervals; drop one of them")
     check_device(args.device)
     _check_output(args.output)
     set_threads(args.threads)
@@ -235,7 +238,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         allocations=args.allocations,
         resamples=args.resamples,
-        level=args.level,
+        level=DEFAULT_LEVEL if args.level is None else args.level,
         local=args.local,
     )
     if not PartialState().is_main_process:
@@ -313,7 +316,7 @@ def _add_eval_parser(sub) -> None:
         help="bootstrap resamples of the examples for each method's interval against full attention (default 1000; "
         "at least 10 / (1 - level), 200 at the default level; 0: no intervals)",
     )
-    p.add_argument("--level", type=float, default=0.95, help="the intervals' level (default 0.95)")
+    p.add_argument("--level", type=float, help="the intervals' level (default 0.95)")
     p.add_argument(
         "--local",
         choices=LOCAL_MODES,

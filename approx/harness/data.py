@@ -62,9 +62,9 @@ def find_data_dir(data_dir: str | os.PathLike | None = None, *, need: str | None
         if path.is_dir() and (need is None or (path / need).is_file()):
             return path.resolve()
     looked = ", ".join(f"{src}: {p.resolve()}" + (f"/{need}" if need else "") for src, p in candidates)
+    wanted = f"holding {need}" if need else "with the GLUE layout plus wikitext-2/ (e.g. the project's shared/data)"
     raise DataNotFoundError(
-        f"evaluation data not found (looked in {looked}). Point --data-dir or ${ENV_VAR} at a folder with the "
-        "GLUE layout plus wikitext-2/ (e.g. the project's shared/data)."
+        f"data not found (looked in {looked}). Point --data-dir or ${ENV_VAR} at a folder {wanted}."
     )
 
 
@@ -87,7 +87,8 @@ def wikitext_windows(
     length: int = 512,
     count: int | None = None,
 ) -> list[list[int]]:
-    """Consecutive windows of ``length`` tokens over WikiText-2 ``split`` (``test`` or ``valid``).
+    """Consecutive windows of ``length`` tokens over WikiText-2 ``split`` (``test``, ``valid`` or ``train``: the
+    ``wikitext2`` task evaluates on the first two; ``approx fit`` may fit on any).
 
     Protocol: the token file is read whole and tokenised without special tokens; it is cut into consecutive
     non-overlapping chunks of ``length - 2`` tokens, each wrapped as ``[CLS] chunk [SEP]``; the first

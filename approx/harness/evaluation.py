@@ -42,6 +42,7 @@ from ..integration import (
     attention_probe,
     attention_shape,
     check_checkpoint_local,
+    check_checkpoint_supported,
     check_local,
     check_local_name,
     checkpoint_heads,
@@ -60,6 +61,7 @@ from ..positions import extend_positions, extended_positions, position_limit
 from ..registry import get_method
 from ..saved import FIT_RECORD, check_checkpoint, read_settings
 from . import fidelity as fid
+from .argcheck import check_device
 from .crossfit import examples_digest
 from .memory import PeakMemory, allocation_peak
 from .resampling import (
@@ -315,6 +317,16 @@ def _setups(methods: Sequence, seed: int, batch_size: int, local: str | None = N
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     setups = [as_setup(m, seed) for m in methods]
+    # a method named twice (a name with options and a config object of the same are one); patched layers or a
+    # folder of some layers read as their method's setup, and are not that method on every layer
+    named = [
+        None if isinstance(m, dict) or saved_folder(m) else (s.method, s.config())
+        for s, m in zip(setups, methods, strict=True)
+    ]
+    for i, s in enumerate(setups):
+        if named[i] is not None and named[i] in named[:i]:
+            label = short_label({"name": s.method, **s.config()})
+            raise ValueError(f"{label} is given twice: each method is evaluated once, beside full attention")
     for s, given in zip(setups, methods, strict=True):
         if s.method == PER_LAYER:  # a saved folder: its layers are built as saved, state included
             continue
@@ -361,6 +373,8 @@ def _prepare(
 ):
     """Check the checkpoint's head and the data before loading any weights, then load the model (its positions
     extended when ``max_length`` is above its limit) and the features."""
+    if isinstance(model, str):
+        check_checkpoint_supported(model)  # (a GPT-2 is unsupported, not a model without a task head)
     head = (
         task.head_for(checkpoint_heads(model)) if isinstance(model, str) else model_head_from_name(type(model).__name__)
     )
@@ -714,6 +728,7 @@ def evaluate(
     from .provenance import mark_start, provenance
 
     mark_start()
+    check_device(device, "device")  # (an unknown one: torch's error below would not name the argument)
     # without a GPU (or with device="cpu"), processes started by `accelerate launch` / torchrun join on CPU (gloo)
     cpu = (device is not None and torch.device(device).type == "cpu") or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)

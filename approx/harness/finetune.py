@@ -330,6 +330,23 @@ def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
         )
 
 
+def _check_no_unfinished_run(output_dir: Path, state_dir: Path) -> None:
+    """Refuse to start afresh over a run that did not finish (stopped by ``stop_after``, or killed: its training
+    state is there, and no record of it finishing), which training would overwrite without a word."""
+    if not (state_dir / PROGRESS_FILE).is_file():
+        return
+    try:
+        finished = not json.loads((output_dir / "finetune.json").read_text()).get("partial", True)
+    except (OSError, ValueError):
+        finished = False
+    if not finished:
+        step = json.loads((state_dir / PROGRESS_FILE).read_text()).get("step")
+        raise ValueError(
+            f"{output_dir} holds a run that did not finish (its training state, at step {step}, in {state_dir}): "
+            "continue it with resume=True (--resume), or start afresh in another output folder (or remove this one)"
+        )
+
+
 def _resume(tr: _Training) -> None:
     with warnings.catch_warnings():  # the method state loaded is that of the last redraw, whose seed is recorded below
         warnings.filterwarnings("ignore", message=r"approx: the .* state loaded into", category=UserWarning)
@@ -564,6 +581,8 @@ def finetune(
     run = _run_record(model, task_def.name, train_split, limit, setup, cfg)
     if resume and not (state_dir / PROGRESS_FILE).is_file():
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
+    if not resume:
+        _check_no_unfinished_run(output_dir, state_dir)
     if resume:  # before anything is loaded (a checkpoint of another method would not even load)
         _check_resume(state_dir, run)
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)

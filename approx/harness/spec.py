@@ -185,6 +185,15 @@ def layer_entries(method: Any) -> list[dict[str, Any]] | None:
     if isinstance(method, dict):  # existing layers: their own method and options, state as it is
         if not method:
             raise ValueError("no patched layers given (approx.patched_layers of an unpatched model is empty)")
+        from ..layer import ApproxAttention
+
+        if not all(isinstance(i, int) and isinstance(x, ApproxAttention) for i, x in method.items()):
+            raise TypeError(
+                f"a dict is read as patched layers (approx.patched_layers(model): layer index -> its layer), and "
+                f"this one maps {', '.join(sorted({type(i).__name__ + ' -> ' + type(x).__name__ for i, x in method.items()}))}; "
+                "a method with options is a spec ('favor:features=16'), a Setup, or a config "
+                "(approx.get_method('favor').make_config(features=16))"
+            )
         return [layer_record(i, x) for i, x in sorted(method.items())]
     if saved_folder(method):  # a folder written by approx.save / `approx fit`
         return [  # options the folder predates: as it was saved

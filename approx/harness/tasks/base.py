@@ -241,7 +241,8 @@ class Task:
         raise FileNotFoundError(
             f"no data for task {self.name!r} ({split}, source {source!r}). Looked at:{places}\n"
             f"Provide the files in a folder with the GLUE layout and pass --data-dir (or set ${ENV_VAR}), "
-            "or use --source hub on a machine with a network."
+            "or read them from the hub on a machine with a network (--source hub of approx eval, finetune and "
+            "autotune; source='hub' in Python)."
         )
 
     def check_split(self, split: str) -> None:
@@ -285,7 +286,7 @@ class Task:
         spreads a subset otherwise overrides this (``squad-doc``); :meth:`load` and :meth:`load_after` both use it."""
         count = as_integer(limit)
         if count is None or count < 1:
-            raise ValueError(f"limit must be at least 1, got {limit!r}")
+            raise ValueError(f"limit must be a whole number, at least 1, got {limit!r}")
         return list(range(min(count, len(examples))))
 
     def spread(self, examples: list[dict[str, Any]], limit: int, key: str) -> list[int]:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...config import as_integer
 from ..data import read_wikitext, token_windows
 from .base import Feature, Task, register_task
 
@@ -94,8 +95,8 @@ class WikiText(Task):
         if split and "/" in split:
             raise ValueError(f"{self.name}: cross-fitting halves ({split!r}) are for GLUE and SQuAD, not WikiText")
         examples, where = super().load(split, source=source, data_dir=data_dir)
-        if limit is not None and limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
+        if limit is not None and (as_integer(limit) is None or limit < 1):
+            raise ValueError(f"limit must be a whole number, at least 1, got {limit!r}")
         return [{**examples[0], "windows": limit}], where
 
     def load_after(self, split, skip, *, limit=None, source=None, data_dir=None):
