@@ -477,9 +477,14 @@ def test_cli_autotune_suggests_an_evaluation_on_other_data(split, score_split, m
         (["--task", "rte", "--length", "64"], "--length: for calibration on WikiText-2 windows"),
         (["--windows", "0"], "--windows must be at least 1, got 0"),
         (["--task", "rte", "--cost-examples", "1"], "--cost-examples is at least 2"),
+        (["--method", "sparsefinder"], "candidate sparsefinder has fitted state"),  # (it loaded the model first)
+        (["--method", "full"], "'full' is always a candidate"),
     ],
 )
-def test_cli_autotune_refuses_bad_arguments_before_loading(tmp_path, capsys, args, words):
+def test_cli_autotune_refuses_bad_arguments_before_loading(tmp_path, capsys, args, words, monkeypatch):
+    from approx import integration
+
+    monkeypatch.setattr(integration, "load_pretrained", mock.Mock(side_effect=AssertionError("loaded")))
     assert main(["autotune", "--output-dir", str(tmp_path / "x"), *args]) == 2
     assert words in capsys.readouterr().err
 

@@ -500,18 +500,24 @@ def _split(data: list, seed: int, batch_size: int, pad_id: int) -> tuple[list, l
     return fit, check
 
 
+def check_candidate(s: Setup) -> None:
+    """Refuse a candidate autotune cannot take (``full``, always one; a method with learned state), before anything
+    is loaded."""
+    spec = get_method(s.method)
+    if s.method == "full":
+        raise ValueError("'full' is always a candidate; name only approximations")
+    if spec.requires_fit(spec.make_config(**s.options)):
+        raise ValueError(
+            f"candidate {short_label({'name': s.method, **s.config()})} has fitted state; autotune draws its "
+            "candidates fresh: choose methods without learned state (see `approx methods`)"
+        )
+
+
 def _candidate_layers(model, setups: list[Setup]) -> list[dict[int, ApproxAttention]]:
     """Each candidate's layers for every attention layer, drawn as :func:`approx.patch` draws them."""
     layers = []
     for s in setups:
-        spec = get_method(s.method)
-        if s.method == "full":
-            raise ValueError("'full' is always a candidate; name only approximations")
-        if spec.requires_fit(spec.make_config(**s.options)):
-            raise ValueError(
-                f"candidate {short_label({'name': s.method, **s.config()})} has fitted state; autotune draws its "
-                "candidates fresh: choose methods without learned state (see `approx methods`)"
-            )
+        check_candidate(s)
         patch(model, s.method, **s.options)
         layers.append(patched_layers(model))
         unpatch(model)

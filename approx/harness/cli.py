@@ -534,15 +534,23 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
     import time
 
     from ..integration import checkpoint_heads, load_pretrained, save
-    from .autotune import DEFAULT_CANDIDATES, DEFAULT_TARGET, autotune, check_goal, parse_target, task_batches
+    from .autotune import (
+        DEFAULT_CANDIDATES,
+        DEFAULT_TARGET,
+        autotune,
+        check_candidate,
+        check_goal,
+        parse_target,
+        task_batches,
+    )
     from .data import wikitext_windows
     from .provenance import provenance
     from .scoring import task_scorer
     from .tasks import get_task
 
     candidates = args.method or list(DEFAULT_CANDIDATES)
-    for spec in candidates:  # unknown method or option: exit 2 before loading anything
-        parse_setup(spec)
+    for spec in candidates:  # unknown method or option, or one autotune cannot take: exit 2 before loading anything
+        check_candidate(parse_setup(spec))
     _check_output(args.output_dir, "--output-dir", folder_out=True)
     target = None if args.target is None and args.budget is not None else parse_target(args.target or DEFAULT_TARGET)
     check_goal(target, args.budget)  # a bad budget: exit 2 before loading anything
