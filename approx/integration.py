@@ -611,29 +611,36 @@ def _reset_question(model: nn.Module, args: tuple, output: Any) -> None:
 
 
 def _outer_save(model: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State-dict hook of a patched model: warn when transformers' ``save_pretrained`` of a model holding it (a task
-    model whose encoder was patched, ``model.bert``) takes its state. That folder gets the method state among its
-    weights but no ``approx_config.json``: it loads with exact attention, and ``approx.load`` cannot restore the patch."""
+    """State-dict hook of a patched model: warn when transformers saves a model holding it (a task model whose encoder
+    was patched, ``model.bert``) and takes its state: that model's ``save_pretrained``, or a Trainer's ``_save``, which
+    takes the state dict before it calls ``save_pretrained`` (a compiled model, FSDP). That folder gets the method
+    state among its weights but no ``approx_config.json``: it loads with exact attention, and ``approx.load`` cannot
+    restore the patch. (A state dict taken by the caller and handed to ``save_pretrained(state_dict=...)`` is not
+    seen.)"""
     if not prefix:  # the patched model's own state dict (its own save writes a complete folder: `save`)
         return
     from transformers import PreTrainedModel
 
+    trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)  # (none imported: no Trainer saving)
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "save_pretrained":
-            outer = frame.f_locals.get("self")
-            if isinstance(outer, PreTrainedModel) and outer is not model:
-                name = prefix.rstrip(".")
-                methods = sorted({saved.layer_record(i, layer)["method"] for i, layer in patched_layers(model).items()})
-                warnings.warn(
-                    f"approx: {type(outer).__name__}.save_pretrained saves a model whose {name!r} is patched "
-                    f"({', '.join(methods)}), but transformers writes no approx_config.json: the folder loads with "
-                    f"exact attention, and approx.load cannot restore the patch. Patch the model you save "
-                    f"(approx.patch(model, ...)), or save the patched part with approx.save(model.{name}, folder)",
-                    UserWarning,
-                    stacklevel=caller_level("torch", "transformers"),
-                )
-                return
+        called = frame.f_code.co_name
+        outer = frame.f_locals.get("self") if called in ("save_pretrained", "_save") else None
+        if called == "_save":  # a Trainer's: the model it saves (a compiled one's own)
+            is_trainer = trainer is not None and isinstance(outer, trainer)
+            outer = outer.accelerator.unwrap_model(outer.model, keep_torch_compile=False) if is_trainer else None
+        if isinstance(outer, PreTrainedModel) and outer is not model:
+            name = next((n for n, m in outer.named_modules() if m is model), prefix.rstrip("."))
+            methods = sorted({saved.layer_record(i, layer)["method"] for i, layer in patched_layers(model).items()})
+            warnings.warn(
+                f"approx: {type(outer).__name__}.save_pretrained saves a model whose {name!r} is patched "
+                f"({', '.join(methods)}), but transformers writes no approx_config.json: the folder loads with "
+                f"exact attention, and approx.load cannot restore the patch. Patch the model you save "
+                f"(approx.patch(model, ...)), or save the patched part with approx.save(model.{name}, folder)",
+                UserWarning,
+                stacklevel=caller_level("torch", "transformers"),
+            )
+            return
         frame = frame.f_back
 
 
@@ -1286,7 +1293,10 @@ def _loading(name_or_path: str | os.PathLike):
     except OSError as e:
         if isinstance(e, FileNotFoundError) and str(name_or_path) in str(e):
             raise
-        where = "its folder" if os.path.isdir(name_or_path) else "the Hugging Face hub (it is not a folder here)"
+        text = os.fspath(name_or_path)
+        if not os.path.exists(text) and (os.path.isabs(text) or text.startswith((".", "~"))):  # a path, not an id
+            raise OSError(f"{text}: no such folder") from e
+        where = "its folder" if os.path.isdir(text) else "the Hugging Face hub (it is not a folder here)"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].removeprefix("Error ")
         raise OSError(f"{name_or_path}: cannot load it from {where}: {first}") from e
 

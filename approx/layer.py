@@ -176,8 +176,9 @@ def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torc
             key = allowed.any(2, keepdim=True)[:, :1]  # the keys some query row allows
             rows = allowed.any(-1)  # (B, H, N): query rows that allow a key
             padding = bool(((allowed == key) | ~rows[..., None]).all()) and bool((allowed.any(2) == key[:, :, 0]).all())
-            if padding and allowed.shape[2] == allowed.shape[3]:  # a query row with no key: a padded position's
-                padding = bool((rows | ~key[:, :, 0]).all())
+            if padding:  # a query row with no key: a padded position's (cross-attention: none can be told padded)
+                same = allowed.shape[2] == allowed.shape[3]
+                padding = bool((rows | ~key[:, :, 0]).all()) if same else bool(rows.all())
             if not padding:
                 raise ValueError(
                     "approx attention supports key-padding masks only; this (B, H, N, S) mask differs between "

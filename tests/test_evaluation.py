@@ -11,6 +11,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import FAMILY_HEADS
@@ -997,6 +998,8 @@ def test_cli_warnings_read_as_messages(capsys):
 
     line = _plain_warning(UserWarning("approx: the limit is above the split's size"), UserWarning, "/x/y.py", 3)
     assert line == "approx: warning: the limit is above the split's size (UserWarning)\n"
+    other = _plain_warning(FutureWarning("torch's thing is deprecated"), FutureWarning, "/x/torch.py", 3)
+    assert other.startswith("/x/torch.py:3: FutureWarning: torch's thing") and "approx" not in other  # Python's form
     shown = warnings.formatwarning
     assert main(["methods", "--nosuch"]) == 2 and warnings.formatwarning is shown  # restored after the command
 
@@ -1004,7 +1007,7 @@ def test_cli_warnings_read_as_messages(capsys):
 def test_evaluate_refuses_what_it_cannot_read_saying_what_to_pass(fixture_dir, checkpoints, tmp_path):
     """Arguments ``approx.evaluate`` refuses with its own message, before anything loads: a dict that is not patched
     layers (it crashed deep inside on an option's value), an unknown device (torch's error, naming no argument), a
-    limit that is not a whole number (it said "at least 1" of 4.5), a method given twice (it ran twice), and a
+    limit that is not an integer (it said "at least 1" of 4.5), a method given twice (it ran twice), and a
     checkpoint of a model type approx cannot patch (it said the model had no task head)."""
     model = checkpoints("sequence-classification")
     with pytest.raises(TypeError, match=r"a dict is read as patched layers .*str -> str.*'favor:features=16'"):
@@ -1012,10 +1015,19 @@ def test_evaluate_refuses_what_it_cannot_read_saying_what_to_pass(fixture_dir, c
     with pytest.raises(ValueError, match=r"device='gpu': unknown device; use cpu"):
         _run(model, "sst2", ["favor"], fixture_dir, limit=4, device="gpu")
     for limit in (4.5, "4"):
-        with pytest.raises(ValueError, match="limit must be a whole number, at least 1"):
+        with pytest.raises(ValueError, match="limit must be an integer, at least 1"):
             _run(model, "sst2", ["favor"], fixture_dir, limit=limit)
     with pytest.raises(ValueError, match="favor:features=16 is given twice"):
         _run(model, "sst2", ["favor:features=16", approx.get_method("favor").make_config(features=16)], fixture_dir)
+    tuned, _ = approx.integration.load_pretrained(model, task="sequence-classification", progress=False)
+    approx.patch(tuned, "favor", features=8, layers=[-1])
+    layers = approx.patched_layers(tuned)
+    approx.save(tuned, tmp_path / "saved")
+    for twice in ([layers, layers], [str(tmp_path / "saved"), str(tmp_path / "saved")]):  # the same layers, folder
+        with pytest.raises(ValueError, match="is given twice"):
+            _run(model, "sst2", twice, fixture_dir, limit=4)
+    as_numpy = {np.int64(i): x for i, x in layers.items()}  # layer indices as a sweep over numpy gives them
+    assert approx.harness.spec.layer_entries(as_numpy) == approx.harness.spec.layer_entries(layers)
     import transformers
 
     gpt2 = tmp_path / "gpt2"
@@ -1026,6 +1038,8 @@ def test_evaluate_refuses_what_it_cannot_read_saying_what_to_pass(fixture_dir, c
         _run(str(gpt2), "sst2", ["favor"], fixture_dir, limit=4)
     with pytest.raises(OSError, match=r"nosuch-org/nosuch-model: cannot load it from the Hugging Face hub"):
         _run("nosuch-org/nosuch-model", "sst2", ["favor"], fixture_dir, limit=4)
+    with pytest.raises(OSError, match=r"no-such-folder: no such folder$"):  # a path, not a hub id
+        _run(str(tmp_path / "no-such-folder"), "sst2", ["favor"], fixture_dir, limit=4)
 
 
 def test_cli_level_without_intervals_is_refused(capsys):

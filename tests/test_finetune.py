@@ -137,6 +137,21 @@ def test_starting_afresh_over_a_run_that_did_not_finish_is_refused(base_model, f
     with pytest.raises(ValueError, match="did not finish"):
         _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
     assert _run(base_model, fixture_dir, tmp_path / "s", max_steps=3, resume=True)["step"] == 3
+    # a run started afresh in a finished run's folder and killed: the finished record is the earlier run's, not its
+    # end (a reviewer's sequence, which the first version let through)
+
+    def killed(step, model):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(base_model, fixture_dir, tmp_path / "s", max_steps=3, checkpoint_every=1, callback=killed)
+    assert not json.loads((tmp_path / "s" / "finetune.json").read_text())["partial"]  # (the earlier run's)
+    with pytest.raises(ValueError, match="did not finish .*at step"):
+        _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
+    (tmp_path / "s" / "checkpoint" / "progress.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"progress.json: not a progress record of a run"):
+        _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
 
 
 def test_evaluating_on_the_training_examples_is_said(base_model, fixture_dir, tmp_path):

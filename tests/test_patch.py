@@ -1006,7 +1006,8 @@ def test_an_outer_product_padding_mask_is_padding():
     other_keys[0, 0, 2, 3] = False  # a real query that leaves out a real key
     heads = outer.expand(3, 2, 5, 5).clone()
     heads[1, 1, :, 4] = False  # a head without the last key
-    for mask in (real_row_empty, other_keys, heads):
+    cross = padding[:, None, :4, None] & padding[:, None, None, :]  # 4 queries, 5 keys: no row can be told padded
+    for mask in (real_row_empty, other_keys, heads, cross):
         with pytest.raises(ValueError, match="beyond padding"):
             _key_mask(mask, 3, 5)
 

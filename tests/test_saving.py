@@ -116,6 +116,28 @@ def test_save_pretrained_of_a_task_model_whose_encoder_is_patched_warns(tmp_path
     assert (tmp_path / "encoder" / SETTINGS_FILE).is_file() and (tmp_path / "whole" / SETTINGS_FILE).is_file()
 
 
+def test_a_trainer_saving_a_compiled_task_model_around_a_patched_encoder_warns(tmp_path):
+    """A Trainer takes a compiled model's state dict in its own ``_save``, then hands it to ``save_pretrained``, so
+    the hook saw no save (a reviewer's case); it now reads the Trainer's model. The patched model itself compiled
+    saves a complete folder, and says nothing."""
+    import warnings
+
+    import transformers
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "args"), report_to=[], use_cpu=True)
+    model = tiny_model("bert", head="sequence-classification")
+    approx.patch(model.bert, "favor", features=8)
+    trainer = transformers.Trainer(model=torch.compile(model), args=args)
+    with pytest.warns(UserWarning, match=r"'bert' is patched \(favor\).*approx\.save\(model\.bert, folder\)"):
+        trainer.save_model(str(tmp_path / "task"))
+    assert not (tmp_path / "task" / SETTINGS_FILE).exists()
+    whole = approx.patch(tiny_model("bert", head="sequence-classification"), "favor", features=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        transformers.Trainer(model=torch.compile(whole), args=args).save_model(str(tmp_path / "whole"))
+    assert (tmp_path / "whole" / SETTINGS_FILE).is_file()
+
+
 def test_a_model_built_from_a_patched_models_config_leaves_the_patched_model_as_it_is():
     """``from_config(patched.config)`` shares the config object (transformers 5): patching and unpatching the twin
     must leave the patched model's implementation, and its outputs, as they were (a fallback to sdpa there once

@@ -896,7 +896,7 @@ def _one_method_each(arg: str, command: str) -> str:
 def _unknown_argument(unknown: list[str], command: str, parser: argparse.ArgumentParser) -> ValueError:
     """The error for arguments ``command``'s parser does not take, with a "did you mean" among its own flags (and,
     for eval and finetune, the method flags they take); a method's option given as a flag to a command whose
-    ``--method`` takes a spec says to put it in the spec (the spec written out, from the last ``--method``)."""
+    ``--method`` takes a spec says to put it in the spec (``--method NAME:option=value``, the value given)."""
     own = list(parser._subparsers._group_actions[0].choices[command]._option_string_actions)
     at = next((i for i, u in enumerate(unknown) if u.startswith("-")), 0)
     bad, _, inline = unknown[at].partition("=") if unknown[at].startswith("-") else (unknown[at], "", "")
@@ -910,8 +910,14 @@ def _unknown_argument(unknown: list[str], command: str, parser: argparse.Argumen
     return ValueError(f"unknown argument {bad}{hint}; see `approx {command} --help`")
 
 
+_PYTHON_FORMAT = warnings.formatwarning  # Python's own, for other packages' warnings
+
+
 def _plain_warning(message, category, filename, lineno, line=None) -> str:
-    """Warnings on the command line: the message and its kind, not the source file and line that raised it."""
+    """approx's warnings on the command line: the message and its kind, not the source file and line that raised it
+    (another package's keep Python's form, which names where they come from)."""
+    if not str(message).startswith("approx:"):
+        return _PYTHON_FORMAT(message, category, filename, lineno, line)
     return f"approx: warning: {str(message).removeprefix('approx: ')} ({category.__name__})\n"
 
 

@@ -317,14 +317,17 @@ def _setups(methods: Sequence, seed: int, batch_size: int, local: str | None = N
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     setups = [as_setup(m, seed) for m in methods]
-    # a method named twice (a name with options and a config object of the same are one); patched layers or a
-    # folder of some layers read as their method's setup, and are not that method on every layer
+    # a method named twice (a name with options and a config object of the same are one), a folder or patched
+    # layers given twice; a folder or layers of some layers read as their method's setup, and are not that method
+    # on every layer, so they are told apart from names by what they are
     named = [
-        None if isinstance(m, dict) or saved_folder(m) else (s.method, s.config())
+        ("layers", id(m)) if isinstance(m, dict)
+        else ("folder", os.path.realpath(m)) if saved_folder(m)
+        else (s.method, s.config())
         for s, m in zip(setups, methods, strict=True)
-    ]
+    ]  # fmt: skip
     for i, s in enumerate(setups):
-        if named[i] is not None and named[i] in named[:i]:
+        if named[i] in named[:i]:
             label = short_label({"name": s.method, **s.config()})
             raise ValueError(f"{label} is given twice: each method is evaluated once, beside full attention")
     for s, given in zip(setups, methods, strict=True):

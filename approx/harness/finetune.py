@@ -34,6 +34,7 @@ import json
 import math
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -222,6 +223,7 @@ class _Training:
     positions: dict[str, Any] | None = None  # set when the learned positions were extended to max_length
     dropout_key: tuple[str, float] | None = None  # (config key, the model's own value) when training overrides it
     run: dict[str, Any] | None = None  # what a resume must ask for again (:func:`_run_record`)
+    run_id: str = ""  # this run's, in its checkpoints and its record: a record of another run is not its end
     step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
 
@@ -316,10 +318,22 @@ def _run_record(model: str, task: str, train_split: str, limit, setup: Setup | N
             **json.loads(_json.dumps(settings))}  # fmt: skip
 
 
+def _progress(state_dir: Path) -> dict[str, Any]:
+    """The progress record of the run checkpointed in ``state_dir``; a file that cannot be read is named."""
+    path = state_dir / PROGRESS_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not a progress record of a run ({e}); remove the folder to start afresh") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: not a progress record of a run; remove the folder to start afresh")
+    return saved
+
+
 def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
     """Refuse a resume whose settings differ from those the run in ``state_dir`` started with, naming each; a
     checkpoint written before runs were recorded is checked on its attention dropout alone."""
-    saved = json.loads((state_dir / PROGRESS_FILE).read_text())
+    saved = _progress(state_dir)
     started = saved.get("run", {"attention_dropout": saved.get("attention_dropout")})
     differ = [(k, v, run.get(k)) for k, v in started.items() if run.get(k) != v]
     if differ:
@@ -332,15 +346,18 @@ def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
 
 def _check_no_unfinished_run(output_dir: Path, state_dir: Path) -> None:
     """Refuse to start afresh over a run that did not finish (stopped by ``stop_after``, or killed: its training
-    state is there, and no record of it finishing), which training would overwrite without a word."""
+    state is there, and no record of *that* run finishing: a finished record of an earlier run in the folder, with
+    another ``run_id``, is not its end), which training would overwrite without a word."""
     if not (state_dir / PROGRESS_FILE).is_file():
         return
+    progress = _progress(state_dir)
     try:
-        finished = not json.loads((output_dir / "finetune.json").read_text()).get("partial", True)
-    except (OSError, ValueError):
+        done = json.loads((output_dir / "finetune.json").read_text())
+        finished = not done.get("partial", True) and done.get("run_id") == progress.get("run_id")
+    except (OSError, ValueError, AttributeError):
         finished = False
     if not finished:
-        step = json.loads((state_dir / PROGRESS_FILE).read_text()).get("step")
+        step = progress.get("step")
         raise ValueError(
             f"{output_dir} holds a run that did not finish (its training state, at step {step}, in {state_dir}): "
             "continue it with resume=True (--resume), or start afresh in another output folder (or remove this one)"
@@ -351,10 +368,11 @@ def _resume(tr: _Training) -> None:
     with warnings.catch_warnings():  # the method state loaded is that of the last redraw, whose seed is recorded below
         warnings.filterwarnings("ignore", message=r"approx: the .* state loaded into", category=UserWarning)
         tr.accelerator.load_state(str(tr.state_dir))
-        saved = json.loads((tr.state_dir / PROGRESS_FILE).read_text())
+        saved = _progress(tr.state_dir)
         if tr.setup is not None and saved.get("method_state"):
             load_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
     tr.step, tr.losses = saved["step"], saved["losses"]
+    tr.run_id = saved.get("run_id", "")  # (a checkpoint written before runs had one: none)
     if tr.setup is not None and saved.get("method_state"):
         seed = _state_seed(tr)
         if seed is not None:  # the loaded state is that of the last redraw: its seed, as redraw records it
@@ -372,7 +390,7 @@ def _checkpoint(tr: _Training) -> None:
     if tr.accelerator.is_main_process:
         save_method_state(tr.accelerator.unwrap_model(tr.net), tr.state_dir)
         record = {"step": tr.step, "losses": tr.losses, "method_state": tr.setup is not None,
-                  "attention_dropout": tr.config.attention_dropout, "run": tr.run}  # fmt: skip
+                  "attention_dropout": tr.config.attention_dropout, "run": tr.run, "run_id": tr.run_id}  # fmt: skip
         (tr.state_dir / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
 
 
@@ -592,7 +610,7 @@ def finetune(
         task_def.load(eval_split, source=source, data_dir=data_dir)
     origin = "the patched layers given" if isinstance(method, dict) else method
     tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin, state_from=method)
-    tr.run = run
+    tr.run, tr.run_id = run, uuid.uuid4().hex  # (a resume reads the run's own)
     if resume:
         _resume(tr)
     stop = tr.total if stop_after is None else min(tr.total, tr.step + stop_after)
@@ -601,7 +619,7 @@ def finetune(
         _train(tr, stop, callback, bar)
     tr.accelerator.wait_for_everyone()
     record = _record(tr, task_def, model, train_split, eval_split, len(examples))
-    record.update(partial=tr.step < tr.total, step=tr.step)
+    record.update(partial=tr.step < tr.total, step=tr.step, run_id=tr.run_id)
     if record["partial"]:  # stopped on request: the model so far, loadable; the training state to resume from
         _save_model(tr, output_dir)
         record["stopped_at"] = tr.step

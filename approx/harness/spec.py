@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import MethodConfig, did_you_mean
+from ..config import MethodConfig, as_integer, did_you_mean
 from ..registry import get_method, methods
 from ..saved import SETTINGS_FILE, is_saved_setting, layer_record, read_settings
 
@@ -187,14 +187,14 @@ def layer_entries(method: Any) -> list[dict[str, Any]] | None:
             raise ValueError("no patched layers given (approx.patched_layers of an unpatched model is empty)")
         from ..layer import ApproxAttention
 
-        if not all(isinstance(i, int) and isinstance(x, ApproxAttention) for i, x in method.items()):
+        if not all(as_integer(i) is not None and isinstance(x, ApproxAttention) for i, x in method.items()):
             raise TypeError(
                 f"a dict is read as patched layers (approx.patched_layers(model): layer index -> its layer), and "
                 f"this one maps {', '.join(sorted({type(i).__name__ + ' -> ' + type(x).__name__ for i, x in method.items()}))}; "
                 "a method with options is a spec ('favor:features=16'), a Setup, or a config "
                 "(approx.get_method('favor').make_config(features=16))"
             )
-        return [layer_record(i, x) for i, x in sorted(method.items())]
+        return [layer_record(as_integer(i), x) for i, x in sorted(method.items())]
     if saved_folder(method):  # a folder written by approx.save / `approx fit`
         return [  # options the folder predates: as it was saved
             {**x, "config": get_method(x["method"]).config_class.recorded_options(x["config"])}

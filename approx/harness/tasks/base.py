@@ -286,7 +286,7 @@ class Task:
         spreads a subset otherwise overrides this (``squad-doc``); :meth:`load` and :meth:`load_after` both use it."""
         count = as_integer(limit)
         if count is None or count < 1:
-            raise ValueError(f"limit must be a whole number, at least 1, got {limit!r}")
+            raise ValueError(f"limit must be an integer, at least 1, got {limit!r}")
         return list(range(min(count, len(examples))))
 
     def spread(self, examples: list[dict[str, Any]], limit: int, key: str) -> list[int]:

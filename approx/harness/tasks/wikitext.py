@@ -96,7 +96,7 @@ class WikiText(Task):
             raise ValueError(f"{self.name}: cross-fitting halves ({split!r}) are for GLUE and SQuAD, not WikiText")
         examples, where = super().load(split, source=source, data_dir=data_dir)
         if limit is not None and (as_integer(limit) is None or limit < 1):
-            raise ValueError(f"limit must be a whole number, at least 1, got {limit!r}")
+            raise ValueError(f"limit must be an integer, at least 1, got {limit!r}")
         return [{**examples[0], "windows": limit}], where
 
     def load_after(self, split, skip, *, limit=None, source=None, data_dir=None):
