@@ -32,6 +32,7 @@ the protocol differ (a reader fine-tuned again from the same settings, data and 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import math
 import sys
@@ -215,15 +216,32 @@ _CHECKPOINT_IGNORED = ("reused_from_cache", "finetune_wall_seconds")
 _LOSS_TOLERANCE = 1e-4
 
 
+# a reader's record fields that are outcomes of its settings, not settings (records written before them lack them)
+_OUTCOMES = ("epochs_run",)
+
+
 def _set(settings: dict[str, Any]) -> dict[str, Any]:
-    """Settings without those at None (the default of a setting added after a record was written)."""
-    return {k: v for k, v in settings.items() if v is not None}
+    """Settings without those at None (the default of a setting added after a record was written) and outcomes."""
+    return {k: v for k, v in settings.items() if v is not None and k not in _OUTCOMES}
+
+
+def _same_base_model(a: Any, b: Any) -> bool:
+    """The same base model: the same path, or two folders (the same wheel installed in two environments) whose weight
+    files are equal byte for byte."""
+    if a == b:
+        return True
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+    files = [sorted(Path(x).glob("*.safetensors")) for x in (a, b)]
+    if not files[0] or [f.name for f in files[0]] != [f.name for f in files[1]]:
+        return False
+    return all(filecmp.cmp(f, g, shallow=False) for f, g in zip(*files, strict=True))
 
 
 def _same_checkpoints(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:
-    """Whether two runs read the same readers: the same folders, base model, split, examples and settings, and
-    losses equal within :data:`_LOSS_TOLERANCE` (relative; a NaN or infinite loss equals none), whatever their wall
-    time or cache state."""
+    """Whether two runs read the same readers: the same folders, base model (:func:`_same_base_model`), split,
+    examples and settings (:func:`_set`), and losses equal within :data:`_LOSS_TOLERANCE` (relative; a NaN or infinite
+    loss equals none), whatever their wall time or cache state."""
     if len(old) != len(new):
         return False
     for a, b in zip(old, new, strict=True):
@@ -235,6 +253,9 @@ def _same_checkpoints(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> b
                     return False
             elif k == "settings" and isinstance(x, dict) and isinstance(y, dict):
                 if _set(x) != _set(y):  # a setting a record predates was at its default, None (attention_dropout)
+                    return False
+            elif k == "base_model":
+                if not _same_base_model(x, y):
                     return False
             elif x != y:
                 return False

