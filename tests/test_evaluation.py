@@ -1000,6 +1000,12 @@ def test_cli_warnings_read_as_messages(capsys):
     assert line == "approx: warning: the limit is above the split's size (UserWarning)\n"
     other = _plain_warning(FutureWarning("torch's thing is deprecated"), FutureWarning, "/x/torch.py", 3)
     assert other.startswith("/x/torch.py:3: FutureWarning: torch's thing") and "approx" not in other  # Python's form
+    import approx.harness.cli as cli
+
+    # approx's own whose message names the method, pointing at the command's call into the library (a reviewer found
+    # them printed in Python's form by the first version, which looked at the message alone)
+    mine = _plain_warning(UserWarning("favor: equalled exact attention"), UserWarning, cli.__file__, 225)
+    assert mine == "approx: warning: favor: equalled exact attention (UserWarning)\n"
     shown = warnings.formatwarning
     assert main(["methods", "--nosuch"]) == 2 and warnings.formatwarning is shown  # restored after the command
 
@@ -1023,7 +1029,8 @@ def test_evaluate_refuses_what_it_cannot_read_saying_what_to_pass(fixture_dir, c
     approx.patch(tuned, "favor", features=8, layers=[-1])
     layers = approx.patched_layers(tuned)
     approx.save(tuned, tmp_path / "saved")
-    for twice in ([layers, layers], [str(tmp_path / "saved"), str(tmp_path / "saved")]):  # the same layers, folder
+    again = approx.patched_layers(tuned)  # (a new dict of the same layers)
+    for twice in ([layers, again], [str(tmp_path / "saved"), str(tmp_path / "saved")]):  # the same layers, folder
         with pytest.raises(ValueError, match="is given twice"):
             _run(model, "sst2", twice, fixture_dir, limit=4)
     as_numpy = {np.int64(i): x for i, x in layers.items()}  # layer indices as a sweep over numpy gives them

@@ -12,7 +12,7 @@ from evalfixtures import write_checkpoint
 
 import approx
 from approx.harness.cli import main
-from approx.harness.finetune import finetune
+from approx.harness.finetune import _check_no_unfinished_run, finetune
 from approx.harness.tasks import get_task
 from approx.harness.tasks.base import cross_fit_half
 
@@ -149,9 +149,20 @@ def test_starting_afresh_over_a_run_that_did_not_finish_is_refused(base_model, f
     assert not json.loads((tmp_path / "s" / "finetune.json").read_text())["partial"]  # (the earlier run's)
     with pytest.raises(ValueError, match="did not finish .*at step"):
         _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
-    (tmp_path / "s" / "checkpoint" / "progress.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"progress.json: not a progress record of a run"):
-        _run(base_model, fixture_dir, tmp_path / "s", max_steps=3)
+    for bad in ("{not json", "{}", '{"step": 1}'):  # not JSON; JSON without the record's fields
+        (tmp_path / "s" / "checkpoint" / "progress.json").write_text(bad)
+        for resume in (False, True):
+            with pytest.raises(ValueError, match=r"progress.json: not a progress record of a run"):
+                _run(base_model, fixture_dir, tmp_path / "s", max_steps=3, resume=resume)
+    # a run from before run ids: its checkpoint and record carry none, or "" once resumed and finished: finished
+    _run(base_model, fixture_dir, tmp_path / "old", max_steps=2)
+    progress = tmp_path / "old" / "checkpoint" / "progress.json"
+    progress.write_text(json.dumps({k: v for k, v in json.loads(progress.read_text()).items() if k != "run_id"}))
+    record = tmp_path / "old" / "finetune.json"
+    for legacy in (None, ""):
+        done = {k: v for k, v in json.loads(record.read_text()).items() if k != "run_id"}
+        record.write_text(json.dumps(done if legacy is None else {**done, "run_id": legacy}))
+        _check_no_unfinished_run(tmp_path / "old", tmp_path / "old" / "checkpoint")  # no refusal
 
 
 def test_evaluating_on_the_training_examples_is_said(base_model, fixture_dir, tmp_path):

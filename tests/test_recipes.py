@@ -595,6 +595,18 @@ def test_monarch_protocol_update_replaces_keeps_and_refuses(tmp_path):
     assert recipe.merge(base, {**new, "checkpoints": [moved]})["runs"][-1]["checkpoints"] == [moved]
     with pytest.raises(SystemExit, match="checkpoints"):
         recipe.merge(base, {**new, "checkpoints": [{**at, "base_model": str(other)}]})
+    same = recipe._same_base_model
+    (wheel / "config.json").write_text("{}")
+    assert not same(str(wheel), str(copy))  # a config in one only
+    (copy / "config.json").write_text('{"layers": 2}')
+    assert not same(str(wheel), str(copy))  # another config
+    (copy / "config.json").write_text("{}")
+    assert same(str(wheel), str(copy)) and not same(str(wheel), str(tmp_path / "gone"))  # (not here: not comparable)
+    bins = [tmp_path / f"bin{i}" for i in (1, 2)]
+    for folder in bins:
+        folder.mkdir()
+        (folder / "pytorch_model.bin").write_bytes(b"w")
+    assert same(*map(str, bins))
     for change, word in (
         ({"checkpoints": [{"folder": "runs/checkpoints/y", "settings": {"epochs": 1}}]}, "checkpoints"),
         ({"checkpoints": [{**ckpt, "last_loss": 2.95}]}, "checkpoints"),  # another reader: 1 % off

@@ -911,12 +911,15 @@ def _unknown_argument(unknown: list[str], command: str, parser: argparse.Argumen
 
 
 _PYTHON_FORMAT = warnings.formatwarning  # Python's own, for other packages' warnings
+_PACKAGE = Path(__file__).resolve().parent.parent  # approx/
 
 
 def _plain_warning(message, category, filename, lineno, line=None) -> str:
-    """approx's warnings on the command line: the message and its kind, not the source file and line that raised it
-    (another package's keep Python's form, which names where they come from)."""
-    if not str(message).startswith("approx:"):
+    """approx's warnings on the command line (its message says approx, or the line it points at is approx's own: the
+    command's call into the library): the message and its kind, not the source file and line. Another package's keep
+    Python's form, which names where they come from."""
+    ours = str(message).startswith("approx") or Path(filename).resolve().is_relative_to(_PACKAGE)
+    if not ours:
         return _PYTHON_FORMAT(message, category, filename, lineno, line)
     return f"approx: warning: {str(message).removeprefix('approx: ')} ({category.__name__})\n"
 

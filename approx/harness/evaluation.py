@@ -321,7 +321,7 @@ def _setups(methods: Sequence, seed: int, batch_size: int, local: str | None = N
     # layers given twice; a folder or layers of some layers read as their method's setup, and are not that method
     # on every layer, so they are told apart from names by what they are
     named = [
-        ("layers", id(m)) if isinstance(m, dict)
+        ("layers", tuple(sorted((i, id(x)) for i, x in m.items()))) if isinstance(m, dict)
         else ("folder", os.path.realpath(m)) if saved_folder(m)
         else (s.method, s.config())
         for s, m in zip(setups, methods, strict=True)

@@ -325,8 +325,10 @@ def _progress(state_dir: Path) -> dict[str, Any]:
         saved = json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path}: not a progress record of a run ({e}); remove the folder to start afresh") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path}: not a progress record of a run; remove the folder to start afresh")
+    if not (isinstance(saved, dict) and isinstance(saved.get("step"), int) and isinstance(saved.get("losses"), list)):
+        raise ValueError(
+            f"{path}: not a progress record of a run (no step and losses); remove the folder to start afresh"
+        )
     return saved
 
 
@@ -353,7 +355,8 @@ def _check_no_unfinished_run(output_dir: Path, state_dir: Path) -> None:
     progress = _progress(state_dir)
     try:
         done = json.loads((output_dir / "finetune.json").read_text())
-        finished = not done.get("partial", True) and done.get("run_id") == progress.get("run_id")
+        # ("" and absent both mean a run from before run ids: a legacy checkpoint resumed and finished records "")
+        finished = not done.get("partial", True) and (done.get("run_id") or None) == (progress.get("run_id") or None)
     except (OSError, ValueError, AttributeError):
         finished = False
     if not finished:
