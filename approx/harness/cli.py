@@ -427,11 +427,12 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     setup = parse_setup(args.method)  # unknown method or option: exit 2 before loading anything
     if not get_method(setup.method).requires_fit(get_method(setup.method).make_config(**setup.options)):
-        own = get_method(setup.method).fit_options() if get_method(setup.method).needs_fit else ""
+        spec = get_method(setup.method)
+        own = spec.fit_options() if spec.needs_fit else ""
         if own:  # a fitted method given without the options that give it learned state
             raise ValueError(
                 f"method {setup.method!r} learns its state only with {own}: --method {setup.method}:{own}"
-                + "".join(f",{k}={v}" for k, v in setup.options.items() if f"{k}=" not in own)
+                + "".join(f",{k}={v}" for k, v in setup.options.items() if k not in spec.fit_when)
             )
         fitted = [
             m + (f" (with {get_method(m).fit_options()})" if get_method(m).fit_options() else "")

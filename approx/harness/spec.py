@@ -188,10 +188,10 @@ def layer_entries(method: Any) -> list[dict[str, Any]] | None:
         from ..layer import ApproxAttention
 
         if not all(as_integer(i) is not None and isinstance(x, ApproxAttention) for i, x in method.items()):
+            kinds = ", ".join(sorted({f"{type(i).__name__} -> {type(x).__name__}" for i, x in method.items()}))
             raise TypeError(
                 f"a dict is read as patched layers (approx.patched_layers(model): layer index -> its layer), and "
-                f"this one maps {', '.join(sorted({type(i).__name__ + ' -> ' + type(x).__name__ for i, x in method.items()}))}; "
-                "a method with options is a spec ('favor:features=16'), a Setup, or a config "
+                f"this one maps {kinds}; a method with options is a spec ('favor:features=16'), a Setup, or a config "
                 "(approx.get_method('favor').make_config(features=16))"
             )
         return [layer_record(as_integer(i), x) for i, x in sorted(method.items())]
