@@ -138,6 +138,15 @@ class MethodConfig:
                 )
         return config
 
+    def given_options(self) -> dict[str, Any]:
+        """The options of this config that differ from the defaults, checked as :meth:`from_options` checks options
+        given by name (a value for an option the others leave unused is refused): a config object a caller built is
+        taken as if its options had been named (``approx.patch``, ``approx.evaluate``), not as a record."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = {k: v for k, v in self.to_dict().items() if v != defaults[k]}
+        type(self).from_options(**given)
+        return given
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -810,9 +810,7 @@ def patch(
         spec = get_method(method.method)
         if type(method) is not spec.config_class:
             raise TypeError(f"{type(method).__name__} is not {method.method}'s config ({spec.config_class.__name__})")
-        defaults = spec.make_config().to_dict()
-        given = {k: v for k, v in method.to_dict().items() if v != defaults[k]}
-        config = spec.make_config(**{**given, **options})
+        config = spec.make_config(**{**method.given_options(), **options})
     else:
         spec = get_method(method)
         config = spec.make_config(**options)

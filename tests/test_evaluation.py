@@ -410,6 +410,19 @@ def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
     assert mine["metrics"] == by_name["metrics"]
 
 
+def test_a_config_object_is_checked_as_patch_checks_it(fixture_dir, checkpoints):
+    """A config object whose option the others leave unused (``pinv_iterations`` under ``pinv="exact"``) is refused
+    by evaluate as by ``approx.patch`` (evaluate took it whole, as a record, and reported the value as if it had
+    mattered); without that option the same config runs."""
+    from approx.attention.nystrom import NystromConfig
+
+    path = checkpoints("sequence-classification")
+    with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
+        _run(path, "rte", [NystromConfig(pinv="exact", pinv_iterations=3)], fixture_dir)
+    (result,) = _run(path, "rte", [NystromConfig(pinv="exact", landmarks=4)], fixture_dir)
+    assert result["method"]["pinv"] == "exact" and result["method"]["landmarks"] == 4
+
+
 def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
     path = checkpoints("question-answering")
     full, fav = _run(path, "squad", ["full", "favor:features=16"], fixture_dir, max_length=48, batch_size=4)
@@ -979,6 +992,11 @@ def test_cli_eval_bad_input_exits_2(extra, words, capsys):
         # a method's option as a flag where --method takes a spec: the spec written out
         (["demo", "--method", "favor", "--features", "64"], ["goes in its spec here: --method NAME:features=64"]),
         (["autotune", "--output-dir", "o", "--features=32"], ["--method NAME:features=32"]),
+        # a misspelt required flag: named, not hidden behind "the following arguments are required"
+        (["fit", "--ouput-dir", "o"], ["unknown argument --ouput-dir (did you mean '--output-dir'"]),
+        (["autotune", "--output_dir", "o"], ["unknown argument --output_dir (did you mean '--output-dir'"]),
+        (["finetune", "--taks", "rte", "--output-dir", "o"], ["unknown argument --taks (did you mean '--task'"]),
+        (["eval", "--tsak", "rte", "--method", "clustered"], ["unknown argument --tsak (did you mean '--task'"]),
     ],
 )
 def test_cli_unknown_arguments_are_named_with_the_commands_own_flags(argv, words, capsys):
@@ -989,6 +1007,24 @@ def test_cli_unknown_arguments_are_named_with_the_commands_own_flags(argv, words
         assert w in err
     if argv[0] == "finetune":
         assert "did you mean '--resamples'" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["fit", "--windows", "1"], ["the following arguments are required: --output-dir"]),
+        (["fit", "--windows", "x", "--ouput-dir", "o"], ["argument --windows: invalid int value: 'x'"]),
+        (["finetune", "--output-dir", "o"], ["the following arguments are required: --task"]),
+    ],
+)
+def test_cli_other_argument_errors_are_reported_once(argv, words, capsys):
+    """The first pass that looks for unknown arguments leaves every other error to argparse's own pass: said once."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert err.count(w) == 1
 
 
 def test_cli_warnings_read_as_messages(capsys):

@@ -981,6 +981,9 @@ def test_patch_takes_a_config_object_as_evaluate_does():
         approx.patch(model, config, nosuch=1)
     with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
         approx.patch(model, NystromConfig(pinv="exact"), pinv_iterations=3)
+    # the same option set inside the config object (approx.evaluate refuses it too: test_evaluation)
+    with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
+        approx.patch(model, NystromConfig(pinv="exact", pinv_iterations=3))
 
     class Other(NystromConfig):
         method = "favor"

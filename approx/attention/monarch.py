@@ -60,7 +60,9 @@ Choices made here (where the paper was not at hand or is silent, derived and sta
   the L update runs one head at a time on strided views where a head's scores are large (the rows (l, j) of a slot
   j are read and the output written where they are: regrouping them by copies cost more than the products on the
   CPU), and many heads at once, regrouped, where they are small (a batch of short inputs: the loop over heads had
-  cost more than the products). With one key block (b >= N) only Vtil is computed.
+  cost more than the products). With one key block (b >= N) only Vtil is computed. The query means of the second
+  and later R updates are normalised over l in the log domain: in float32, where scores are a few hundred apart,
+  every L[j, ., k] of a key block can underflow to zero while their ratios, all qbar needs, stay defined.
 * Attention dropout is not applied: dropping entries of the implicit N x S Monarch matrix needs that matrix;
   a call with ``dropout > 0`` warns instead of ignoring it silently.
 * Cost (``Cost.matmul_macs``, the paper's "attention FLOPs" axis): the multiply-accumulates of the products
@@ -127,8 +129,9 @@ def cost(config: MonarchConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     macs = scores_r * d + gk * b * dv  # alpha, and Vtil = R V (last step)
     flops_extra = gq * (d + 1) if mk == 1 and config.steps > 1 else 0  # (one key block: each slot's query mean)
     pairs = scores_r
-    if t > 1:  # the L-weighted query means qbar (all but the first R update), their normalisers c in the same product
-        macs += (t - 1) * gq * mk * (d + 1)
+    if t > 1:  # the L-weighted query means qbar (all but the first R update), normalised over l in the log domain
+        macs += (t - 1) * gq * mk * d
+        flops_extra += 2 * (t - 1) * gq * mk
     if mk > 1:  # one block: L = 1, nothing more to compute
         macs += t * gk * b * d  # Ktil = R K
         macs += t * gq * mk * d + gq * mk * dv  # beta = q . Ktil, and O = L Vtil
@@ -305,10 +308,30 @@ def _heads_per_group(x: int, per_head: int) -> int:
     return 1 if per_head > _SMALL_HEAD else max(1, min(x, _GROUP_ELEMENTS // per_head))
 
 
+def _query_means(beta: torch.Tensor, q: torch.Tensor, w: torch.Tensor, keep: list | None) -> torch.Tensor:
+    """qbar[k] = sum_l L[l, k] w_l q_l / sum_l L[l, k] w_l for one chunk of slots: beta (c, mq, mk) the L scores,
+    q (c, mq, d) the queries, w (c, mq, 1) the real-query flags; (c, mk, d).
+
+    Normalised over l in the log domain: where a key block's weights L[., k] are all far below 1 (scores hundreds
+    apart, e.g. float32 with |s q.k| of a few hundred) their products underflow to zero, while their ratios, which
+    are all qbar needs, stay well defined. Rows l of padded queries are out (0 for a slot without a real query: its
+    grid rows are zero). ``keep`` collects L itself."""
+    log_l = torch.log_softmax(beta, -1)  # log L[l, k] (c, mq, mk)
+    if keep is not None:
+        keep.append(log_l.exp())
+    pads = w == 0
+    log_l = (
+        log_l.masked_fill(pads, _MIN[log_l.dtype])
+        if log_l.requires_grad
+        else log_l.masked_fill_(pads, _MIN[log_l.dtype])
+    )
+    return torch.bmm(torch.softmax(log_l, 1).transpose(1, 2), q)
+
+
 def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
     """L[j, l] = softmax_k(s q_(l, j) . Ktil[k, j] + H(R[k, j])), then O = L Vtil when ``vtil`` is given (the last
-    step), else the next R update's query means qbar[k, j] = sum_l L[j, l, k] q_(l, j) / sum_l L[j, l, k] w_(l, j)
-    (0 where no real query weighs in).
+    step), else the next R update's query means qbar[k, j] = sum_l L[j, l, k] w_(l, j) q_(l, j) / sum_l L[j, l, k]
+    w_(l, j) (0 where no real query weighs in), normalised over l in the log domain (:func:`_query_means`).
 
     qg (X, mq, b, d), w (X, mq, b) the real-query flags, ktil (X, mk, b, d), ent (X, mk, b) (the most negative
     number for key blocks without a real key: out of the softmax), vtil (X, mk, b, dv) or None. A group of heads
@@ -319,7 +342,6 @@ def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
     x, mq, b, d = qg.shape
     mk = ktil.shape[1]
     step = max(1, _chunk(qg) // (mq * mk))
-    tiny = torch.finfo(qg.dtype).tiny
     group = _heads_per_group(x, b * mq * mk)
     heads, ls = [], []
     scratch = None if grad else qg.new_empty(min(step, b * group), mq, mk)  # reused: fresh pages cost more
@@ -350,20 +372,23 @@ def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
                     scratch[:c], qh[sl], kh[sl].transpose(1, 2), beta=0.0, alpha=scale, out=scratch[:c]
                 )
                 beta.add_(bias[sl])
+            if vh is None:  # the next R update's query means, in the log domain (see below)
+                num = _query_means(beta, qh[sl], wh[sl], keep=ls if keep is not None else None)
+                if dest is None:
+                    pieces.append(num)
+                else:
+                    dest[sl].copy_(num)
+                continue
             top = beta.detach().amax(-1, keepdim=True)  # (c, mq, 1)
             ex = (beta - top).exp() if grad else beta.sub_(top).exp_()
             total = ex.sum(-1, keepdim=True)  # (c, mq, 1)
             if keep is not None:
                 ls.append(ex / total)
-            if vh is not None:  # O = L Vtil, normalised after the product (mq x dv instead of mq x mk)
-                num, den = torch.bmm(ex, vh[sl]), total  # (c, mq, dv)
-            else:  # [sum_l L q | sum_l L w], the normalisation folded into the right operand
-                acc = torch.bmm(ex.transpose(1, 2), torch.cat([qh[sl], wh[sl]], dim=-1) / total)  # (c, mk, d + 1)
-                num, den = acc[..., :d], acc[..., d:].clamp_min(tiny)
+            # O = L Vtil, normalised after the product (mq x dv instead of mq x mk)
             if dest is None:
-                pieces.append(num / den)
+                pieces.append(torch.bmm(ex, vh[sl]) / total)
             else:
-                torch.div(num, den, out=dest[sl])
+                torch.div(torch.bmm(ex, vh[sl]), total, out=dest[sl])
         if dest is None:
             heads.append(torch.cat(pieces).unflatten(0, (g, b)).transpose(1, 2))
         elif group > 1:

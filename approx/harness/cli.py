@@ -911,6 +911,37 @@ def _unknown_argument(unknown: list[str], command: str, parser: argparse.Argumen
     return ValueError(f"unknown argument {bad}{hint}; see `approx {command} --help`")
 
 
+class _FirstPass(Exception):
+    """An argparse error in :func:`_unknown_before_required`'s pass: left to the real one to report."""
+
+
+def _first_pass_error(message: str):
+    raise _FirstPass(message)
+
+
+def _unknown_before_required(parser: argparse.ArgumentParser, argv: list[str], command: str) -> None:
+    """Refuse unknown arguments before argparse says a required flag is missing: it checks the required ones first, so
+    ``approx fit --ouput-dir x`` read "the following arguments are required: --output-dir", the misspelling unnamed. A
+    first pass with nothing required finds the unknown ones; any other error is left to the real pass."""
+    sub = parser._subparsers._group_actions[0].choices.get(command)
+    required = [] if sub is None else [a for a in sub._actions if a.required]
+    if not required:
+        return
+    for action in required:
+        action.required = False
+    parser.error = sub.error = _first_pass_error  # (instances' own: argparse prints and exits otherwise)
+    try:
+        _, unknown = parser.parse_known_args(argv)
+    except _FirstPass:
+        return
+    finally:
+        for action in required:
+            action.required = True
+        del parser.error, sub.error
+    if unknown:
+        raise _unknown_argument(unknown, command, parser)
+
+
 _PYTHON_FORMAT = warnings.formatwarning  # Python's own, for other packages' warnings
 _PACKAGE = Path(__file__).resolve().parent.parent  # approx/
 
@@ -937,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in ("eval", "finetune") and not {"-h", "--help"} & set(argv):
             rest, groups, shared = split_method_args(argv)
+            _unknown_before_required(parser, rest, argv[0])
             args, unknown = parser.parse_known_args(rest)
             if unknown:
                 raise _unknown_argument(unknown, argv[0], parser)
@@ -946,6 +978,8 @@ def main(argv: list[str] | None = None) -> int:
                 get_task(args.task)  # a misspelt task before a missing --method: the first thing to fix
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
+            if argv and not {"-h", "--help", "--version"} & set(argv):
+                _unknown_before_required(parser, argv, argv[0])
             args, unknown = parser.parse_known_args(argv)
             if unknown:  # (argparse would print the top-level usage, which lists none of the command's flags)
                 raise _unknown_argument(unknown, args.command, parser)
