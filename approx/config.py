@@ -127,25 +127,34 @@ class MethodConfig:
         saved folder's layer, a result's method) is a record, taken as written."""
         cls._check_names(options)
         config = cls(**options)
-        if set(options) == set(cls.option_names()):
-            return config
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        for name, reader in config.unused().items():
-            if name in options and getattr(config, name) != defaults[name]:
-                raise ValueError(
-                    f"{cls.method}: option {name!r} = {options[name]!r} has no effect here (only with {reader}); "
-                    "leave it out"
-                )
+        if set(options) != set(cls.option_names()):
+            config._refuse_unused(options)
         return config
 
-    def given_options(self) -> dict[str, Any]:
-        """The options of this config that differ from the defaults, checked as :meth:`from_options` checks options
-        given by name (a value for an option the others leave unused is refused): a config object a caller built is
-        taken as if its options had been named (``approx.patch``, ``approx.evaluate``), not as a record."""
+    def _refuse_unused(self, given: dict[str, Any]) -> None:
+        """Refuse a value of ``given`` that differs from the default for an option the others leave unused."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        given = {k: v for k, v in self.to_dict().items() if v != defaults[k]}
-        type(self).from_options(**given)
-        return given
+        for name, reader in self.unused().items():
+            if name in given and getattr(self, name) != defaults[name]:
+                raise ValueError(
+                    f"{self.method}: option {name!r} = {given[name]!r} has no effect here (only with {reader}); "
+                    "leave it out"
+                )
+
+    def as_given(self, **overrides: Any) -> MethodConfig:
+        """This config with ``overrides``, read as options a caller named rather than as a record (``approx.patch``,
+        ``approx.evaluate``, ``approx.autotune``, ``approx.finetune`` given a config object): the options that differ
+        from the defaults, and the overrides, are checked as :meth:`from_options` checks options given by name, even
+        when every option differs (a value for an option the others leave unused is refused). A config that
+        :meth:`from_record` read, without overrides, is taken as written, as the record it came from."""
+        if not overrides and getattr(self, "_recorded", False):
+            return self
+        type(self)._check_names(overrides)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = {**{k: v for k, v in self.to_dict().items() if v != defaults[k]}, **overrides}
+        config = type(self)(**given)
+        config._refuse_unused(given)
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -172,7 +181,9 @@ class MethodConfig:
         :meth:`from_options` checks them; an unused option's value (see :meth:`unused`) is kept as recorded."""
         options = cls.recorded_options(record)
         cls._check_names(options)
-        return cls(**options)  # (a record may hold an unused option's value: it loads as written)
+        config = cls(**options)  # (a record may hold an unused option's value: it loads as written)
+        object.__setattr__(config, "_recorded", True)  # (not a field: equality, to_dict and replace ignore it)
+        return config
 
     @classmethod
     def describe(cls) -> list[dict[str, Any]]:

@@ -810,7 +810,7 @@ def patch(
         spec = get_method(method.method)
         if type(method) is not spec.config_class:
             raise TypeError(f"{type(method).__name__} is not {method.method}'s config ({spec.config_class.__name__})")
-        config = spec.make_config(**{**method.given_options(), **options})
+        config = method.as_given(**options)
     else:
         spec = get_method(method)
         config = spec.make_config(**options)

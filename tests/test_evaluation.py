@@ -419,8 +419,14 @@ def test_a_config_object_is_checked_as_patch_checks_it(fixture_dir, checkpoints)
     path = checkpoints("sequence-classification")
     with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
         _run(path, "rte", [NystromConfig(pinv="exact", pinv_iterations=3)], fixture_dir)
+    with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):  # every option changed
+        _run(path, "rte", [NystromConfig(landmarks=4, pinv="exact", pinv_iterations=3, exact_below=2)], fixture_dir)
     (result,) = _run(path, "rte", [NystromConfig(pinv="exact", landmarks=4)], fixture_dir)
     assert result["method"]["pinv"] == "exact" and result["method"]["landmarks"] == 4
+    # a config read from a record (a result's method) evaluates as written, as the record itself does
+    record = {k: v for k, v in result["method"].items() if k != "name"}
+    (again,) = _run(path, "rte", [NystromConfig.from_record({**record, "pinv_iterations": 3})], fixture_dir)
+    assert again["method"]["pinv_iterations"] == 3 and again["metrics"] == result["metrics"]
 
 
 def test_squad_end_to_end_with_several_windows(fixture_dir, checkpoints):
@@ -997,6 +1003,7 @@ def test_cli_eval_bad_input_exits_2(extra, words, capsys):
         (["autotune", "--output_dir", "o"], ["unknown argument --output_dir (did you mean '--output-dir'"]),
         (["finetune", "--taks", "rte", "--output-dir", "o"], ["unknown argument --taks (did you mean '--task'"]),
         (["eval", "--tsak", "rte", "--method", "clustered"], ["unknown argument --tsak (did you mean '--task'"]),
+        (["fit", "--ouput-dir", "o", "--version"], ["unknown argument --ouput-dir (did you mean '--output-dir'"]),
     ],
 )
 def test_cli_unknown_arguments_are_named_with_the_commands_own_flags(argv, words, capsys):

@@ -981,9 +981,20 @@ def test_patch_takes_a_config_object_as_evaluate_does():
         approx.patch(model, config, nosuch=1)
     with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
         approx.patch(model, NystromConfig(pinv="exact"), pinv_iterations=3)
-    # the same option set inside the config object (approx.evaluate refuses it too: test_evaluation)
+    # the same option set inside the config object (approx.evaluate refuses it too: test_evaluation), also when every
+    # option differs from its default (which from_options takes for a record); an override that makes it used is taken
     with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
         approx.patch(model, NystromConfig(pinv="exact", pinv_iterations=3))
+    with pytest.raises(ValueError, match="'pinv_iterations' = 3 has no effect here"):
+        approx.patch(model, NystromConfig(landmarks=8, pinv="exact", pinv_iterations=3, exact_below=5))
+    approx.patch(model, NystromConfig(pinv="exact", pinv_iterations=3), pinv="iterative")
+    assert approx.settings(model)[0]["config"] == NystromConfig(pinv_iterations=3).to_dict()
+    approx.unpatch(model)
+    # a config read from a record (a result's or a saved folder's) is taken as written, as the record loads
+    recorded = NystromConfig.from_record(NystromConfig(pinv="exact", pinv_iterations=3).to_dict())
+    approx.patch(model, recorded)
+    assert approx.patched_layers(model)[0].config == recorded
+    approx.unpatch(model)
 
     class Other(NystromConfig):
         method = "favor"

@@ -978,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
                 get_task(args.task)  # a misspelt task before a missing --method: the first thing to fix
             args.setups = eval_setups(groups, shared) if groups or shared or argv[0] == "eval" else []
         else:
-            if argv and not {"-h", "--help", "--version"} & set(argv):
+            if argv and not {"-h", "--help"} & set(argv):  # (help would print and exit in the first pass)
                 _unknown_before_required(parser, argv, argv[0])
             args, unknown = parser.parse_known_args(argv)
             if unknown:  # (argparse would print the top-level usage, which lists none of the command's flags)

@@ -165,8 +165,7 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
     if isinstance(method, os.PathLike):  # not a saved folder: said so as a path, never read as a method's name
         check_not_a_folder(os.path.join(".", os.fspath(method)))
     if isinstance(method, MethodConfig):
-        method.given_options()  # its options checked as if named (approx.patch's reading); then taken whole
-        setup = Setup.from_config(method)
+        setup = Setup.from_config(method.as_given())  # its options checked as if named, as approx.patch reads them
     elif isinstance(method, Setup):
         setup = method
     elif isinstance(method, str):
