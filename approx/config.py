@@ -146,14 +146,32 @@ class MethodConfig:
         ``approx.evaluate``, ``approx.autotune``, ``approx.finetune`` given a config object): the options that differ
         from the defaults, and the overrides, are checked as :meth:`from_options` checks options given by name, even
         when every option differs (a value for an option the others leave unused is refused). A config that
-        :meth:`from_record` read, without overrides, is taken as written, as the record it came from."""
-        if not overrides and getattr(self, "_recorded", False):
-            return self
+        :meth:`from_record` read is taken as written, as the record it came from, and only its overrides are
+        checked."""
         type(self)._check_names(overrides)
+        if self.recorded:  # the record's values as written; the overrides checked as named
+            if not overrides:
+                return self
+            config = self.replaced(**overrides)
+            config._refuse_unused(overrides)
+            return config
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         given = {**{k: v for k, v in self.to_dict().items() if v != defaults[k]}, **overrides}
         config = type(self)(**given)
         config._refuse_unused(given)
+        return config
+
+    @property
+    def recorded(self) -> bool:
+        """Whether :meth:`from_record` read this config from a record (kept by :meth:`replaced` and by copies)."""
+        return bool(self.__dict__.get("_recorded", False))
+
+    def replaced(self, **changes: Any) -> MethodConfig:
+        """``dataclasses.replace(self, **changes)`` (options checked as the constructor checks them) that stays
+        :attr:`recorded` when this config is: ``approx.redraw`` records a new seed in a config read from a record."""
+        config = dataclasses.replace(self, **changes)
+        if self.recorded:
+            object.__setattr__(config, "_recorded", True)
         return config
 
     def to_dict(self) -> dict[str, Any]:

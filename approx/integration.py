@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
 import os
@@ -1089,7 +1088,7 @@ def _seeded_configs(layers: dict[int, ApproxAttention], seed: int) -> dict[int, 
     """The configs with ``seed`` of the layers whose random state :meth:`ApproxAttention.redraw` draws from a seed
     option (validated: ``ValueError`` naming the option for an impossible seed)."""
     return {
-        i: dataclasses.replace(layer.config, seed=seed)
+        i: layer.config.replaced(seed=seed)
         for i, layer in layers.items()
         if layer.drawn_state and "seed" in layer.config.option_names()
     }

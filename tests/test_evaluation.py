@@ -1004,6 +1004,7 @@ def test_cli_eval_bad_input_exits_2(extra, words, capsys):
         (["finetune", "--taks", "rte", "--output-dir", "o"], ["unknown argument --taks (did you mean '--task'"]),
         (["eval", "--tsak", "rte", "--method", "clustered"], ["unknown argument --tsak (did you mean '--task'"]),
         (["fit", "--ouput-dir", "o", "--version"], ["unknown argument --ouput-dir (did you mean '--output-dir'"]),
+        (["eval", "--task", "rte", "--method", "full", "--version"], ["--version (the version is `approx --version`)"]),
     ],
 )
 def test_cli_unknown_arguments_are_named_with_the_commands_own_flags(argv, words, capsys):

@@ -995,6 +995,13 @@ def test_patch_takes_a_config_object_as_evaluate_does():
     approx.patch(model, recorded)
     assert approx.patched_layers(model)[0].config == recorded
     approx.unpatch(model)
+    # ... with overrides: only they are checked (the record's own unused value is not theirs to leave out)
+    approx.patch(model, recorded, landmarks=8)
+    assert approx.settings(model)[0]["config"] == {**recorded.to_dict(), "landmarks": 8}
+    approx.unpatch(model)
+    with pytest.raises(ValueError, match="'pinv_iterations' = 4 has no effect here"):
+        approx.patch(model, recorded, pinv_iterations=4)
+    assert not approx.is_patched(model)
 
     class Other(NystromConfig):
         method = "favor"
@@ -1002,6 +1009,20 @@ def test_patch_takes_a_config_object_as_evaluate_does():
     with pytest.raises(TypeError, match="is not favor's config"):
         approx.patch(model, Other())
     assert not approx.is_patched(model)
+
+
+def test_a_recorded_config_stays_recorded_through_redraw():
+    """A config read from a record stays one when approx.redraw records a new seed in it (it was rebuilt by
+    dataclasses.replace, lost the mark, and its record's unused value was then refused when given again)."""
+    from approx.attention.favor import FavorConfig
+
+    recorded = FavorConfig.from_record(FavorConfig(features=16, relu_eps=0.01).to_dict())
+    model = approx.patch(tiny_model("bert"), recorded)
+    approx.redraw(model, seed=5)
+    config = approx.patched_layers(model)[0].config
+    assert config.seed == 5 and config.recorded and config.relu_eps == 0.01
+    again = approx.patch(tiny_model("bert"), config)
+    assert approx.patched_layers(again)[0].config == config
 
 
 def test_an_outer_product_padding_mask_is_padding():

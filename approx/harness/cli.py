@@ -901,7 +901,9 @@ def _unknown_argument(unknown: list[str], command: str, parser: argparse.Argumen
     own = list(parser._subparsers._group_actions[0].choices[command]._option_string_actions)
     at = next((i for i, u in enumerate(unknown) if u.startswith("-")), 0)
     bad, _, inline = unknown[at].partition("=") if unknown[at].startswith("-") else (unknown[at], "", "")
-    if command in ("eval", "finetune"):
+    if bad == "--version":
+        hint = " (the version is `approx --version`)"
+    elif command in ("eval", "finetune"):
         hint = _one_method_each(bad, command) or did_you_mean(bad, [*method_flags(), *own])
     elif bad in method_flags() and "--method" in own:
         value = inline or next((u for u in unknown[at + 1 : at + 2] if not u.startswith("-")), "VALUE")
