@@ -815,7 +815,9 @@ def test_more_cost_models_are_their_formulas():
     config = get_method("monarch").make_config(block_size=4, steps=2)
     cost = get_method("monarch").cost(config, n=16, s=16, d=d, dv=dv)
     assert cost.qk_pairs == 2 * 16 * 4 + 2 * 16 * 4
-    assert cost.flops == 2 * cost.matmul_macs + 2 * 2 * 16 * 4  # the entropies: a dot of length b per (block, slot)
+    # the entropies (a dot of length b per key block and slot, each round), and the second round's query means
+    # normalised over the query blocks (two per query and key block)
+    assert cost.flops == 2 * cost.matmul_macs + 2 * 2 * 16 * 4 + 2 * 1 * 16 * 4
     one = get_method("monarch").cost(get_method("monarch").make_config(block_size=16, steps=2), n=16, s=16, d=d, dv=dv)
     assert one.flops == 2 * one.matmul_macs + 16 * (d + 1)  # one key block: each slot's query mean
     for alpha, mapping in ((1.5, n * s * (math.ceil(math.log2(s)) + 10)), (1.3, n * s * 4 * 50)):
