@@ -46,7 +46,11 @@ def as_integer(value: Any) -> int | None:
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` when a close match exists, else an empty string."""
     choices = list(choices)
-    same = [c for c in choices if c.lower() == name.lower()]  # "FAVOR", "Window": the case alone differs
+
+    def plain(x: str) -> str:  # "FAVOR", "Window", "SST-2" (GLUE's folder), "top-k": the case or a dash alone differs
+        return x.lower().replace("-", "").replace("_", "")
+
+    same = [c for c in choices if plain(c) == plain(name)]
     close = same or difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

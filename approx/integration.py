@@ -1086,12 +1086,9 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
 
 def _seeded_configs(layers: dict[int, ApproxAttention], seed: int) -> dict[int, MethodConfig]:
     """The configs with ``seed`` of the layers whose random state :meth:`ApproxAttention.redraw` draws from a seed
-    option (validated: ``ValueError`` naming the option for an impossible seed)."""
-    return {
-        i: layer.config.replaced(seed=seed)
-        for i, layer in layers.items()
-        if layer.drawn_state and "seed" in layer.config.option_names()
-    }
+    option the other options read (:attr:`ApproxAttention.seeded`; validated: ``ValueError`` naming the option for an
+    impossible seed)."""
+    return {i: layer.config.replaced(seed=seed) for i, layer in layers.items() if layer.seeded}
 
 
 def record_redraw_seed(model: nn.Module, seed: int) -> None:

@@ -311,10 +311,17 @@ class ApproxAttention(nn.Module):
                 made[id(tensor)] = _ordinary(tensor.to(mine[name].device))
             setattr(self, name, made[id(tensor)])
 
+    @property
+    def seeded(self) -> bool:
+        """Whether the config's ``seed`` option draws the state: drawn state, a ``seed`` option, and one the other
+        options read (not BigBird's without random blocks, nor Linformer's segment means: ``MethodConfig.unused``)."""
+        names = self.config.option_names()
+        return self.drawn_state and "seed" in names and "seed" not in self.config.unused()
+
     def seed_draws_state(self) -> bool:
         """Whether the state is what the config's ``seed`` option draws for this layer (:meth:`redraw`); True where
-        no seed option draws it (no state, fitted state, no seed option)."""
-        if not self.drawn_state or "seed" not in self.config.option_names():
+        no seed option draws it (no state, fitted state, no seed option, a seed the other options leave unused)."""
+        if not self.seeded:
             return True
         seed = layer_seed(self.config.seed, self.layer_index)
         mine = self.state()

@@ -72,8 +72,14 @@ FIGURE = RESULTS / "figures" / "monarch_protocol.png"
 METHODS: dict[str, list[dict[str, Any]]] = {
     # blocks of 96 and 128: the paper's 0.59x and 0.67x points if every input had 384 tokens (outer thirds); then
     # blocks of about sqrt(real length) per input (the default) with one to three rounds of alternating maximisation,
-    # and ten, close to the projection's convergence (about what more rounds could give at that block)
-    "monarch": [*({"block_size": b} for b in (24, 48, 96, 128)), *({"steps": t} for t in (1, 2, 3, 10))],
+    # and ten, close to the projection's convergence (about what more rounds could give at that block); then the uniform
+    # start (R uniform, one L update first) with one to three rounds and at the paper's two fixed blocks
+    "monarch": [
+        *({"block_size": b} for b in (24, 48, 96, 128)),
+        *({"steps": t} for t in (1, 2, 3, 10)),
+        *({"start": "uniform", "steps": t} for t in (1, 2, 3)),
+        *({"start": "uniform", "block_size": b} for b in (96, 128)),
+    ],
     "nystrom": [{"landmarks": m} for m in (16, 32, 64, 128)],
     "linformer": [{"projections": k} for k in (32, 64, 128)],
     "linear": [{}],
@@ -473,9 +479,11 @@ def markdown(record: dict[str, Any]) -> str:
 
 def _curve(method: dict[str, Any]) -> str:
     """The line of the figure a result is drawn on: its method's, except that MonarchAttention's fixed blocks and its
-    rounds at the default block (about sqrt(N) per input) are two lines (one line through both would zigzag)."""
+    rounds at the default block (about sqrt(N) per input) are two lines (one line through both would zigzag), and
+    two more with the uniform start."""
     if method["name"] == "monarch":
-        return "monarch (fixed blocks)" if method.get("block_size") else "monarch (default block; 1-10 rounds)"
+        start = ", uniform start" if method.get("start", "identity") == "uniform" else ""
+        return f"monarch{start} (fixed blocks)" if method.get("block_size") else f"monarch{start} (default block)"
     return method["name"]
 
 

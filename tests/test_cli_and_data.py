@@ -55,6 +55,10 @@ def test_parse_setup_types_options_from_the_config():
         ("favor:kernel=softmax,relu_eps=0.5", ["'relu_eps' = 0.5 has no effect here (only with kernel='relu')"]),
         ("sparsefinder:grouping=distance,buckets=4", ["'buckets' = 4 has no effect here (only with grouping="]),
         ("sparsefinder:clusters=4,threshold=0.5", ["'threshold' = 0.5 has no effect here (only with grouping="]),
+        ("entmax:n_iter=10", ["'n_iter' = 10 has no effect here (only with alpha != 1.5"]),
+        ("linformer:length=256", ["'length' = 256 has no effect here (only with mode='random' or mode='fitted')"]),
+        ("linformer:seed=3", ["'seed' = 3 has no effect here (only with mode='random'"]),
+        ("bigbird:random_blocks=0,seed=3", ["'seed' = 3 has no effect here (only with random_blocks of 1 or more)"]),
     ],
 )
 def test_parse_setup_errors(spec, words):

@@ -500,6 +500,7 @@ def test_cli_finetune_flags_reach_the_settings(base_model, fixture_dir, tmp_path
         ("window:window=8", "window:window=8 draws no random state"),
         ("linformer", "linformer draws no random state"),
         ("entmax", "entmax draws no random state"),
+        ("bigbird:random_blocks=0", "bigbird:random_blocks=0 draws no random state"),  # (a key it never reads)
         (approx.Setup("window", {"window": 8}), "window:window=8 draws no random state"),  # not the Setup's repr
     ],
 )

@@ -289,8 +289,10 @@ def test_linformers_fit_error_is_the_relative_output_error_over_the_real_queries
     q, k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(1, n, dtype=torch.bool)
     mask[0, length:] = False
-    config = approx.get_method("linformer").make_config(mode="mean", projections=4, length=length)
-    from approx.attention.linformer import fit_error
+    from approx.attention.linformer import LinformerConfig, fit_error
+
+    # (the constructor: the layer's means never read ``length``, which fit_error reads as the length they pool at)
+    config = LinformerConfig(mode="mean", projections=4, length=length)
 
     error = fit_error(config, {}, [(q, k, mask, d**-0.5, v)])
     layer = approx.ApproxAttention("linformer", config, head_dim=d)
@@ -369,6 +371,11 @@ def test_layers_of_two_fitted_methods_take_shared_settings_and_each_ones_own(mon
         ({"linformer": {"queries": 8}}, r"^(?!.*given plainly).*'queries'"),  # (in its own dict: no such hint)
         ({"stepz": 8}, r"^(?!.*given plainly).*'stepz'.*did you mean 'steps'"),  # (neither has it: no such hint)
         ({"sparsefinder": {"steps": -1}}, r"^(?!.*given plainly).*steps"),
+        # a method's own option (the fit draws from the layer's seed): where to give it
+        ({"seed": 1}, r"'seed' is an option of sparsefinder, not a setting of its fit: give it when patching "
+                      r"\(approx.patch\(model, 'sparsefinder', seed=...\)\)"),
+        ({"sparsefinder": {"clusters": 4}}, r"'clusters' is an option of sparsefinder, not a setting of its fit"),
+        ({"length": 8}, r"'length' is an option of linformer, not a setting of its fit"),  # (sparsefinder has none)
     ):  # fmt: skip
         with pytest.raises(ValueError, match=words):
             approx.fit(model, data, progress=False, **bad)

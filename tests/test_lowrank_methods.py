@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import batch, model_output, tiny_model
 from reference import naive_attention
 
@@ -637,7 +638,30 @@ def test_nystrom_computes_no_more_landmarks_than_tokens():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.linalg, "pinv", lambda a, *args, **kw: seen.append(a.shape[-1]) or real_pinv(a, *args, **kw))
         ApproxAttention("nystrom", many, head_dim=D)(q, k, v, mask)
-    assert seen == [n]
+        # a batch padded further (to 100 positions): still as many as the longest row's real tokens, not positions
+        padded = [F.pad(t, (0, 0, 0, 60)) for t in (q, k, v)]
+        out = ApproxAttention("nystrom", many, head_dim=D)(*padded, F.pad(mask, (0, 60)))
+    assert seen == [n, n]
+    torch.testing.assert_close(out[:, :, :n].masked_fill(~real, 0), outs[0].masked_fill(~real, 0))
+
+
+def test_linformer_means_score_no_more_segments_than_the_longest_row_has_keys(monkeypatch):
+    """Linformer ``mean`` on a batch padded to a fixed length: as many segments as its longest row's real keys when
+    they are fewer than the projections (10 real keys padded to 100 had scored 64 segments, 54 of them empty), and
+    the same output as the batch padded no further."""
+    from approx.attention import linformer
+
+    seen = []
+    means = linformer.segment_means
+    monkeypatch.setattr(linformer, "segment_means", lambda x, mask, m: seen.append(m) or means(x, mask, m))
+    q, k, v = make(10, seed=2)
+    mask = right_padded(10, 7)
+    lyr = ApproxAttention("linformer", LinformerConfig(projections=64), head_dim=D)
+    short = lyr(q, k, v, mask)
+    padded = lyr(*(F.pad(t, (0, 0, 0, 90)) for t in (q, k, v)), F.pad(mask, (0, 90)))
+    assert seen == [10, 10, 10, 10]
+    real = mask[:, None, :, None]
+    torch.testing.assert_close(padded[:, :, :10].masked_fill(~real, 0), short.masked_fill(~real, 0))
 
 
 @pytest.mark.parametrize("n", [20, 48, 300])

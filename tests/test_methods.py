@@ -269,6 +269,35 @@ def test_deterministic_under_seed(method):
     assert torch.equal(a, b)
 
 
+# Settings under which a method leaves options unused (``MethodConfig.unused``: a value given for one is refused), with
+# another value for each: every config class that says it leaves options unused is here
+UNUSED = {
+    "bigbird": ({"block": 4, "random_blocks": 0}, {"seed": 7}),
+    "entmax": ({}, {"n_iter": 3}),
+    "favor": ({"features": 16}, {"relu_eps": 0.5}),
+    "linformer": ({"projections": 8}, {"length": 16, "seed": 7}),
+    "nystrom": ({"landmarks": 8, "pinv": "exact"}, {"pinv_iterations": 2}),
+    "sparse-transformer": ({"stride": 16, "block": 8}, {"summary": 3}),
+    "sparsefinder": ({"grouping": "distance"}, {"buckets": 4, "top_clusters": 2}),
+}
+
+
+def test_every_method_that_leaves_options_unused_is_checked():
+    overriding = [m for m in METHODS if get_method(m).config_class.unused is not approx.MethodConfig.unused]
+    assert sorted(overriding) == sorted(UNUSED)
+
+
+@pytest.mark.parametrize("method", sorted(UNUSED))
+def test_an_option_said_unused_changes_nothing(method):
+    """What ``unused`` names is never read: another value for it gives the same output, to the bit (it is refused
+    when given, so it must not matter when a record holds it)."""
+    base, other = UNUSED[method]
+    assert set(other) <= set(get_method(method).config_class(**base).unused())
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 90)
+    assert torch.equal(layer(method, **base)(q, k, v, mask), layer(method, **base, **other)(q, k, v, mask))
+
+
 @pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_weights_are_distributions_consistent_with_output(method):
     spec = get_method(method)
@@ -820,6 +849,16 @@ def test_more_cost_models_are_their_formulas():
     assert cost.flops == 2 * cost.matmul_macs + 2 * 2 * 16 * 4 + 2 * 1 * 16 * 4
     one = get_method("monarch").cost(get_method("monarch").make_config(block_size=16, steps=2), n=16, s=16, d=d, dv=dv)
     assert one.flops == 2 * one.matmul_macs + 16 * (d + 1)  # one key block: each slot's query mean
+    # the uniform start: one more L update (the scores against each key block's mean key and the query means it
+    # gives, normalised over the query blocks) and the mean keys themselves (a sum of the block's keys per block)
+    uniform = get_method("monarch").cost(get_method("monarch").make_config(block_size=4, start="uniform"), n=16, s=16,
+                                         d=d, dv=dv)  # fmt: skip
+    ident = get_method("monarch").cost(get_method("monarch").make_config(block_size=4), n=16, s=16, d=d, dv=dv)
+    assert uniform.matmul_macs == ident.matmul_macs + 2 * 16 * 4 * d and uniform.qk_pairs == ident.qk_pairs + 16 * 4
+    assert uniform.flops == 2 * uniform.matmul_macs + 2 * 16 * 4 + 2 * 16 * 4 + 16 * d
+    for options in ({"block_size": 16, "start": "uniform"}, {"block_size": 16, "steps": 2}):  # one block: one mean
+        cost = get_method("monarch").cost(get_method("monarch").make_config(**options), n=16, s=16, d=d, dv=dv)
+        assert cost.flops == 2 * cost.matmul_macs + 16 * (d + 1), options
     for alpha, mapping in ((1.5, n * s * (math.ceil(math.log2(s)) + 10)), (1.3, n * s * 4 * 50)):
         cost = get_method("entmax").cost(get_method("entmax").make_config(alpha=alpha), n=n, s=s, d=d, dv=dv)
         assert cost.flops == 2 * n * s * (d + dv) + mapping and cost.matmul_macs == n * s * (d + dv)

@@ -18,14 +18,15 @@ from approx.attention.monarch import MonarchConfig, auto_block
 D = 6
 
 
-def naive_monarch(q, k, v, block, steps, scale):
+def naive_monarch(q, k, v, block, steps, scale, start="identity"):
     """MonarchAttention of one head on real tokens only, float64: (N, d), (S, d), (S, dv) -> ((N, dv), (N, S)).
 
     Token p sits in block p // b, slot p % b; M[(lb, j), (k, i)] = L[j, lb, k] R[k, j, i]. L starts as the identity
     (L[j, lb, k] = [lb == k]); each step sets every R[k, j] to its maximiser given L, then every L[j, lb] given R:
       R[k, j, i] = softmax_i(sum_l L[j, lb, k] Z[(lb, j), (k, i)] / sum_l L[j, lb, k])   (uniform where the sum is 0)
       L[j, lb, k] = softmax_k(sum_i R[k, j, i] Z[(lb, j), (k, i)] + H(R[k, j]))
-    with lb over the query rows that exist and i, k over the keys and key blocks that exist."""
+    with lb over the query rows that exist and i, k over the keys and key blocks that exist. ``start="uniform"``:
+    R starts uniform over each block's keys instead, and an L update given that R comes before the steps."""
     q, k, v = q.double(), k.double(), v.double()
     n, s = q.shape[0], k.shape[0]
     b = block
@@ -36,7 +37,8 @@ def naive_monarch(q, k, v, block, steps, scale):
         for lb in range(min(mq, mk)):
             lf[j, lb, lb] = 1.0
     rf = torch.zeros(mk, b, b, dtype=torch.float64)
-    for _ in range(steps):
+
+    def update_r():
         for kb in range(mk):
             keys = [i for i in range(b) if kb * b + i < s]
             for j in range(b):
@@ -48,6 +50,8 @@ def naive_monarch(q, k, v, block, steps, scale):
                         alpha[t] = sum(lf[j, lb, kb] * z[lb * b + j, kb * b + i] for lb in rows) / c
                 rf[kb, j] = 0.0
                 rf[kb, j, keys] = torch.softmax(alpha, 0)
+
+    def update_l():
         for j in range(b):
             for lb in range(mq):
                 if lb * b + j >= n:
@@ -59,6 +63,15 @@ def naive_monarch(q, k, v, block, steps, scale):
                     entropy = -torch.special.xlogy(r, r).sum()  # 0 log 0 = 0
                     beta[kb] = (r * z[lb * b + j, [kb * b + i for i in keys]]).sum() + entropy
                 lf[j, lb] = torch.softmax(beta, 0)
+
+    if start == "uniform":
+        for kb in range(mk):
+            keys = [i for i in range(b) if kb * b + i < s]
+            rf[kb, :, keys] = 1.0 / len(keys)
+        update_l()
+    for _ in range(steps):
+        update_r()
+        update_l()
     m = torch.zeros(n, s, dtype=torch.float64)
     for row in range(n):
         lb, j = divmod(row, b)
@@ -86,17 +99,18 @@ def layer(**options):
     [(24, 4, 1), (23, 4, 2), (23, 5, 3), (17, 3, 1), (30, 6, 2), (9, 2, 4), (12, 1, 2), (12, 12, 2), (12, 20, 1)],
 )
 @pytest.mark.parametrize("group", [1, 4, None])
-def test_matches_the_naive_algorithm(monkeypatch, n, block, steps, group):
-    """Output and dense weights equal the plain float64 loops, N a multiple of b or not, one or several steps, the L
-    update taking the heads one at a time (strided views), four at a time (of six: the last group short) or all at
-    once."""
+@pytest.mark.parametrize("start", ["identity", "uniform"])
+def test_matches_the_naive_algorithm(monkeypatch, n, block, steps, group, start):
+    """Output and dense weights equal the plain float64 loops, N a multiple of b or not, one or several steps, either
+    start, the L update taking the heads one at a time (strided views), four at a time (of six: the last group short)
+    or all at once."""
     monkeypatch.setattr(monarch, "_heads_per_group", lambda x, per_head: x if group is None else group)
     q, k, v = inputs(n, seed=n + block + steps, sharp=2.0, heads=3)
-    lyr = layer(block_size=block, steps=steps)
+    lyr = layer(block_size=block, steps=steps, start=start)
     out, w = lyr(q, k, v), lyr.weights(q, k)
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
-            ref_out, ref_w = naive_monarch(q[b, h], k[b, h], v[b, h], block, steps, D**-0.5)
+            ref_out, ref_w = naive_monarch(q[b, h], k[b, h], v[b, h], block, steps, D**-0.5, start)
             torch.testing.assert_close(out[b, h], ref_out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(w[b, h], ref_w, rtol=1e-12, atol=1e-12)
 
@@ -105,7 +119,7 @@ def test_cross_attention_matches_the_naive_algorithm():
     """N queries, S keys (N != S): the same b on both sides, ceil(N / b) query and ceil(S / b) key blocks."""
     for n, s in ((10, 17), (19, 7)):
         q, k, v = inputs(n, seed=n, s=s)
-        for steps in (1, 2):
+        for steps, start in ((1, "identity"), (2, "identity"), (1, "uniform")):
             out = monarch.monarch_attention(
                 q,
                 k,
@@ -113,12 +127,12 @@ def test_cross_attention_matches_the_naive_algorithm():
                 key_mask=None,
                 query_mask=None,
                 scale=D**-0.5,
-                config=MonarchConfig(block_size=3, steps=steps),
+                config=MonarchConfig(block_size=3, steps=steps, start=start),
                 state={},
             )
             for b in range(q.shape[0]):
                 for h in range(q.shape[1]):
-                    ref, _ = naive_monarch(q[b, h], k[b, h], v[b, h], 3, steps, D**-0.5)
+                    ref, _ = naive_monarch(q[b, h], k[b, h], v[b, h], 3, steps, D**-0.5, start)
                     torch.testing.assert_close(out[b, h], ref, rtol=1e-12, atol=1e-12)
 
 
@@ -136,7 +150,8 @@ def _mask(n, real, where="end"):
 
 @pytest.mark.parametrize("where", ["end", "start", "scattered"])
 @pytest.mark.parametrize("block", [0, 4])
-def test_padding_anywhere_changes_nothing(where, block):
+@pytest.mark.parametrize("start", ["identity", "uniform"])
+def test_padding_anywhere_changes_nothing(where, block, start):
     """Rows are laid out by their real tokens: wherever the pads are, the real rows equal the naive algorithm on
     the real tokens alone, padded keys get weight exactly 0, and poisoned pads (values inf, keys 1e3) do not leak;
     padded query rows get uniform attention over the real keys."""
@@ -146,12 +161,12 @@ def test_padding_anywhere_changes_nothing(where, block):
     q, k, v = q.clone(), k.clone(), v.clone()
     k[:, :, ~mask[0]] = 1e3
     v[:, :, ~mask[0]] = float("inf")
-    lyr = layer(block_size=block, steps=2)
+    lyr = layer(block_size=block, steps=2, start=start)
     out, w = lyr(q, k, v, mask), lyr.weights(q, k, mask)
     b = block or auto_block(real)
     idx = mask[0].nonzero().squeeze(1)
     for h in range(q.shape[1]):
-        ref_out, ref_w = naive_monarch(q[0, h, idx], k[0, h, idx], v[0, h, idx], b, 2, D**-0.5)
+        ref_out, ref_w = naive_monarch(q[0, h, idx], k[0, h, idx], v[0, h, idx], b, 2, D**-0.5, start)
         torch.testing.assert_close(out[0, h, idx], ref_out, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(w[0, h][idx][:, idx], ref_w, rtol=1e-12, atol=1e-12)
     assert (w[0, :, :, ~mask[0]] == 0).all()
@@ -174,8 +189,9 @@ def test_variable_lengths_in_one_batch():
         torch.testing.assert_close(out[r : r + 1, :, :real], alone, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("start", ["identity", "uniform"])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_exact_limits(steps):
+def test_exact_limits(steps, start):
     """One block (b >= N: L = 1, R the softmax itself) and blocks of one token (b = 1: R = 1, L the softmax
     itself) are exact softmax attention, padding included."""
     q, k, v = inputs(40, seed=5, sharp=2.0)
@@ -183,10 +199,10 @@ def test_exact_limits(steps):
     mask[1, 27:] = False
     ref = naive_attention(q, k, v, mask)
     for block in (40, 64, 1):
-        out = layer(block_size=block, steps=steps)(q, k, v, mask)
+        out = layer(block_size=block, steps=steps, start=start)(q, k, v, mask)
         torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out[1, :, :27], ref[1, :, :27], rtol=1e-12, atol=1e-12)
-    cost = monarch.cost(MonarchConfig(block_size=64), n=40, s=40, d=D, dv=D)
+    cost = monarch.cost(MonarchConfig(block_size=64, start=start), n=40, s=40, d=D, dv=D)
     assert cost.matmul_macs == 40 * 40 * 2 * D  # one block costs what softmax costs (scores and values)
 
 
@@ -199,8 +215,9 @@ def _objective(w, q, k, mask, scale):
     return inner.sum(-1)[rows].sum(), torch.logsumexp(z, -1)[rows].sum()
 
 
+@pytest.mark.parametrize("start", ["identity", "uniform"])
 @pytest.mark.parametrize("seed", range(3))
-def test_more_steps_never_move_away_from_softmax(seed):
+def test_more_steps_never_move_away_from_softmax(seed, start):
     """Each update maximises the objective f over one factor exactly, so f never decreases from step to step and
     never passes its maximum, reached at softmax; f = sum lse(Z_row) - sum KL(M_row || softmax(Z_row)): the
     summed KL divergence to exact attention never increases. (On these inputs the output error falls too, which
@@ -211,7 +228,7 @@ def test_more_steps_never_move_away_from_softmax(seed):
     ref = naive_attention(q, k, v, mask)
     values, errors = [], []
     for steps in range(1, 7):
-        lyr = layer(block_size=6, steps=steps)
+        lyr = layer(block_size=6, steps=steps, start=start)
         f, bound = _objective(lyr.weights(q, k, mask), q, k, mask, D**-0.5)
         values.append(float(f))
         out = lyr(q, k, v, mask)
@@ -275,27 +292,28 @@ def test_half_precision_error_is_the_input_rounding(dtype):
     assert moved <= 3 * exact_moved
 
 
-@pytest.mark.parametrize("steps", [2, 3])
-def test_float32_with_scores_hundreds_apart(steps):
+@pytest.mark.parametrize("steps, start", [(2, "identity"), (3, "identity"), (1, "uniform"), (2, "uniform")])
+def test_float32_with_scores_hundreds_apart(steps, start):
     """Scores of several hundred in float32: the L weights of a key block can all underflow, while the query means
     the next R update needs are their ratios. Against the float64 algorithm on the same (rounded) inputs the float32
     output stays close (it collapsed to a uniform R before the means were normalised in the log domain)."""
     q, k, v = (t.float() for t in inputs(64, seed=3, sharp=200.0, heads=2))
     assert (q @ k.transpose(-1, -2)).abs().max() * D**-0.5 > 500
-    out = layer(block_size=8, steps=steps)(q, k, v)
+    out = layer(block_size=8, steps=steps, start=start)(q, k, v)
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
-            ref, _ = naive_monarch(q[b, h], k[b, h], v[b, h], 8, steps, D**-0.5)
+            ref, _ = naive_monarch(q[b, h], k[b, h], v[b, h], 8, steps, D**-0.5, start)
             torch.testing.assert_close(out[b, h].double(), ref, rtol=0, atol=1e-3 * ref.abs().max().item())
 
 
-def test_gradcheck():
+@pytest.mark.parametrize("start", ["identity", "uniform"])
+def test_gradcheck(start):
     """Gradients of the whole algorithm (two steps, a padded row, N not a multiple of b) in float64."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 1, 11, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = torch.ones(2, 11, dtype=torch.bool)
     mask[1, 8:] = False
-    lyr = layer(block_size=3, steps=2)
+    lyr = layer(block_size=3, steps=2, start=start)
     real = mask[:, None, :, None]
     assert torch.autograd.gradcheck(lambda q, k, v: lyr(q, k, v, mask) * real, (q, k, v))
 
@@ -325,6 +343,9 @@ def test_cost_follows_the_paper():
         ({"block_size": 16}, 100),
         ({"block_size": 128}, 128),
         ({"block_size": 128, "steps": 3}, 100),
+        ({"start": "uniform"}, 300),
+        ({"block_size": 16, "steps": 2, "start": "uniform"}, 100),
+        ({"block_size": 128, "start": "uniform"}, 100),
     ],  # fmt: skip
 )
 @pytest.mark.parametrize("grad", [False, True])
@@ -350,6 +371,7 @@ def test_auto_block_and_bad_options():
         ({"block_size": -1}, "block_size"),
         ({"steps": 0}, "steps"),
         ({"exact_below": -2}, "exact_below"),
+        ({"start": "random"}, "start"),
     ):
         with pytest.raises(ValueError, match=word):
             MonarchConfig(**options)

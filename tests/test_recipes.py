@@ -640,6 +640,12 @@ def test_monarch_protocol_update_keeps_one_row_of_a_setting_recorded_twice():
     )
     merged = recipe.merge(old, _fake_record([_fake_result("all", "window", 45.0, 0.35, window=16)], "b"))
     assert [(r["method"]["name"], r["metrics"]["f1"]) for r in merged["results"]] == [("window", 45.0), ("lsh", 36.0)]
+    # MonarchAttention's start came later: a row recorded without it is the identity start, replaced by a new one
+    old = _fake_record([_fake_result("all", "monarch", 13.6, 0.2, block_size=0, steps=1, exact_below=0)], "a")
+    new = [_fake_result("all", "monarch", 13.6, 0.2, block_size=0, steps=1, start=s, exact_below=0)
+           for s in ("identity", "uniform")]  # fmt: skip
+    merged = recipe.merge(old, _fake_record(new, "b"))
+    assert [r["method"].get("start") for r in merged["results"]] == ["identity", "uniform"]
 
 
 def test_recipe_figures_follow_their_results_and_reports_name_a_missing_file(tmp_path):

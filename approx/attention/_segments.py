@@ -23,6 +23,12 @@ import torch
 from ._common import softmax_
 
 
+def longest(mask: torch.Tensor | None, n: int) -> int:
+    """The most real tokens of a batch row, (B, n) ``mask`` (True = real) or None (every one of the n): segments or
+    landmarks beyond it would be empty in every row (a batch padded to a fixed length), and computed for nothing."""
+    return n if mask is None or mask.numel() == 0 else int(mask.sum(-1).max())
+
+
 def segment_ids(mask: torch.Tensor | None, n: int, m: int, *, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The segment of every position, (B, n) long in [0, m] (m: padded, no segment), and the sizes (B, m) long.
 

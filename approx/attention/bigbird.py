@@ -95,6 +95,9 @@ class BigBirdConfig(MethodConfig):
         "Speed page)",
     )
 
+    def unused(self) -> dict[str, str]:
+        return {"seed": "random_blocks of 1 or more"} if self.random_blocks == 0 else {}
+
     def check(self) -> None:
         self.require(self.block >= 1, "block", "at least one token per block")
         self.require(self.random_blocks >= 0, "random_blocks", "0 (sliding and global blocks only) or more")

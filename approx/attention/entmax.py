@@ -63,6 +63,9 @@ class EntmaxConfig(MethodConfig):
     )
     n_iter: int = option(50, "bisection steps for alpha != 1.5 (tau to about 2^-n_iter; the entmax package's default)")
 
+    def unused(self) -> dict[str, str]:
+        return {"n_iter": "alpha != 1.5, which bisects"} if self.exact_sort else {}
+
     def check(self) -> None:
         self.require(math.isfinite(self.alpha), "alpha", "must be a finite number greater than 1")
         self.require(

@@ -64,7 +64,7 @@ from ._common import (
     zero_padded_values,
 )
 from ._fallback import exact_for_length
-from ._segments import attend_summaries, log_sizes, resample, segment_ids, segment_means, segment_sums
+from ._segments import attend_summaries, log_sizes, longest, resample, segment_ids, segment_means, segment_sums
 
 MODES = ("mean", "random", "fitted")
 NOT_FITTED = (
@@ -99,6 +99,10 @@ class LinformerConfig(MethodConfig):
     exact_below: int = option(
         0, "sequences with fewer real tokens get exact attention (0 = never; set it to the measured crossover)"
     )
+
+    def unused(self) -> dict[str, str]:
+        # (segment means need neither a length nor a seed: the fitted mode's seed orders the fit's samples)
+        return {name: "mode='random' or mode='fitted'" for name in ("length", "seed")} if self.mode == "mean" else {}
 
     def check(self) -> None:
         self.require(self.mode in MODES, "mode", f"choose one of {', '.join(map(repr, MODES))}")
@@ -166,8 +170,8 @@ def _budget(config: LinformerConfig) -> int | None:
 
 
 def _segments(config: LinformerConfig, s: int) -> int:
-    """``mean``'s segments for S keys: ``projections``, or one per key where there are fewer keys (more would be
-    empty, and scored for nothing)."""
+    """``mean``'s segments for S real keys: ``projections``, or one per key where there are fewer keys (more would
+    be empty, and scored for nothing; a padded call passes its longest row's real keys: :func:`longest`)."""
     return min(config.projections, s)
 
 
@@ -197,7 +201,7 @@ def _projected(k, v, key_mask, config, state, dt):
     """Keys (B, H, k, d) and values (B, H, k, dv) after projection, and the score bias (broadcastable to
     (B, H, 1, k)) or None."""
     if config.mode == "mean":
-        m = _segments(config, k.shape[2])
+        m = _segments(config, longest(key_mask, k.shape[2]))
         keys, sizes = segment_means(k, key_mask, m)
         values, _ = segment_means(v, key_mask, m)
         return keys, values, log_sizes(sizes, dt)
@@ -231,7 +235,7 @@ def linformer_weights(q, k, *, key_mask, query_mask, scale, config, state) -> to
     q, k = q.to(dt), k.to(dt)
     batch, heads, n, _ = q.shape
     s = k.shape[2]
-    m = _segments(config, s)
+    m = _segments(config, longest(key_mask, s))
 
     exact = exact_weight_rows(q, k, key_mask, scale)
 

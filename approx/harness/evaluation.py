@@ -516,10 +516,15 @@ def _check_before_loading(model: Any, local: str | None, allocations: bool, warm
 def _check_allocations(warmup: bool, device: torch.device | None) -> None:
     """``allocations=True`` measures the CPU allocator in the warm-up pass: refused without the warm-up, or on a
     ``device`` other than the CPU (None: not known yet)."""
-    if not warmup or (device is not None and device.type != "cpu"):
+    if not warmup:
         raise ValueError(
-            "allocations=True measures the CPU allocator in the warm-up pass: it needs warmup=True and a CPU "
-            f"device (got warmup={warmup}, device {device}; on CUDA peak_memory_mib is the allocator's peak)"
+            "allocations=True (--allocations) measures the CPU allocator in the warm-up pass: it needs the warm-up "
+            "(warmup=True; leave out --no-warmup)"
+        )
+    if device is not None and device.type != "cpu":
+        raise ValueError(
+            "allocations=True (--allocations) measures the CPU allocator: it needs the CPU, and this run is on "
+            f"{device} (there peak_memory_mib is the allocator's peak)"
         )
 
 

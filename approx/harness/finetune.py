@@ -722,8 +722,8 @@ def _check_setup(setup: Setup | None, method: Any, cfg: FinetuneConfig) -> None:
 def _draws_state(method, config) -> bool:
     """Whether ``method`` with ``config`` draws random state from a seed (what a redraw draws anew): not fitted
     state (learned), and not a method or mode that draws nothing (Linformer's ``mean``)."""
-    if method.init_state is None or method.requires_fit(config):
-        return False
+    if method.init_state is None or method.requires_fit(config) or "seed" in config.unused():
+        return False  # (a seed left unused: BigBird without random blocks draws a key it never reads)
     return bool(method.init_state(config, head_dim=8, seed=0))
 
 

@@ -141,6 +141,14 @@ def _settings_by_method(layers: dict[int, ApproxAttention], options: dict[str, A
     settings = {}
     for name, method in fitted.items():
         mine = {**shared, **named.get(name, {})}
+        for key in sorted(set(mine) - fields[name]):  # an option of a method (its seed, say): set when patching
+            owners = [n for n in (name, *sorted(fitted)) if key in fitted[n].config_class.option_names()]
+            if owners:
+                raise ValueError(
+                    f"{key!r} is an option of {owners[0]}, not a setting of its fit: give it when patching "
+                    f"(approx.patch(model, {owners[0]!r}, {key}=...)); the fit reads it from the layer. {owners[0]}'s "
+                    f"fit settings: {', '.join(sorted(fields[owners[0]])) or 'none'}"
+                )
         if method.fit_config is not None:
             method.fit_config.from_options(**mine)
         elif mine:

@@ -172,10 +172,24 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
         setup = parse_setup(method)
     else:
         raise TypeError(f"a method is a name, a Setup or a config object, got {type(method).__name__}")
-    fields = get_method(setup.method).config_class.option_names()
-    if seed is not None and "seed" in fields and "seed" not in setup.options:
+    if seed is not None and "seed" not in setup.options and reads_option(setup.method, setup.options, "seed"):
         setup = Setup(setup.method, {**setup.options, "seed": seed})
     return setup
+
+
+def reads_option(method: str, options: dict[str, Any], name: str) -> bool:
+    """Whether ``method`` with ``options`` has option ``name`` and reads it: not one its other options leave unused
+    (Linformer's ``seed`` under ``mode="mean"``), so that a run's seed goes only where it matters. (A method option
+    given before every ``--method`` on the command line is the user's own value: refused where unused, with the hint
+    to give it after one method.) Impossible options answer True: they are refused where the setup is checked, with
+    their own message."""
+    config_class = get_method(method).config_class
+    if name not in config_class.option_names():
+        return False
+    try:
+        return name not in config_class(**options).unused()
+    except (TypeError, ValueError):
+        return True
 
 
 def layer_entries(method: Any) -> list[dict[str, Any]] | None:
