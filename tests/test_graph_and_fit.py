@@ -11,7 +11,7 @@ from reference import naive_attention
 
 import approx
 from approx import ApproxAttention
-from approx.attention import _fitting, _graph
+from approx.attention import _fitting, _graph, sparsefinder
 from approx.attention.sparsefinder import SparsefinderConfig
 from approx.harness.fitting import as_batches
 from approx.integration import attention_probe
@@ -241,6 +241,37 @@ def test_kmeans_fits_queries_and_keys_and_leaves_padding_out():
     torch.testing.assert_close(got, means, rtol=0, atol=1e-5)
     unpadded = _kmeans([(q[:, :, :9], k[:, :, :9], None, 1.0)], clusters=2)
     torch.testing.assert_close(_kmeans([(q, k, mask, 1.0)], clusters=2), unpadded, rtol=0, atol=0)
+
+
+def _with_a_row_of_padding(samples):
+    """``samples`` with one more batch row whose tokens are all padding, filled with values far from the real ones."""
+    g = torch.Generator().manual_seed(9)
+    out = []
+    for q, k, mask, scale, *rest in samples:
+        pad = [10.0 * torch.randn(1, *x.shape[1:], generator=g) for x in (q, k, *rest)]
+        empty = torch.zeros(1, mask.shape[1], dtype=torch.bool)
+        joined = [torch.cat([x, y]) for x, y in zip((q, k), pad)]
+        out.append((*joined, torch.cat([mask, empty]), scale, *(torch.cat([x, y]) for x, y in zip(rest, pad[2:]))))
+    return out
+
+
+def test_sparsefinders_fit_learns_nothing_from_a_row_of_padding_alone():
+    """A batch row whose attention mask is all zeros (the attention runs it as if every token were real, to keep
+    its output finite) adds no pair to the projections' fit and no point to the k-means: the fitted state is the
+    one without it, to the bit. Samples of such rows alone are refused: there is nothing to fit on."""
+    config = SparsefinderConfig(projection_dim=3, clusters=3)
+    samples = _samples()
+    settings = {"steps": 20, "queries": 16, "kmeans_iterations": 5}
+    fitted = sparsefinder.fit(config, {}, samples, **settings)
+    padded = sparsefinder.fit(config, {}, _with_a_row_of_padding(samples), **settings)
+    for name in ("proj_q", "proj_k", "centroids"):
+        torch.testing.assert_close(padded[name], fitted[name], rtol=0, atol=0, msg=name)
+    q, k, mask, scale = samples[0]
+    nothing = [(q, k, torch.zeros_like(mask), scale)]
+    with pytest.raises(ValueError, match="every row of the samples is padding"):
+        sparsefinder.fit(config, {}, nothing, **settings)
+    with pytest.raises(ValueError, match="every row of the samples is padding"):
+        sparsefinder.fit(config, fitted, nothing, fit_projections_too=False)  # the k-means alone
 
 
 def test_kmeans_runs_to_a_fixed_point_of_lloyds_step():

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -38,6 +39,16 @@ def installed(tmp_path_factory) -> Path:
     env_dir = work / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=True)
     bin_dir = env_dir / "bin"
+    # and this interpreter's own packages, when it runs in a venv itself (whose packages a venv made from it does
+    # not see): a .pth of their folders, after the venv's own, so the wheel's approx is the one imported
+    inner = subprocess.run(
+        [str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    outer = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    Path(inner, "outer_packages.pth").write_text("".join(f"{path}\n" for path in outer), encoding="utf-8")
     install = subprocess.run(
         [str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
         capture_output=True,
@@ -47,18 +58,15 @@ def installed(tmp_path_factory) -> Path:
     return bin_dir
 
 
-def _run(bin_dir: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+def _run(bin_dir: Path, *args: str, cwd: Path, program: str = "approx") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}  # (a checkout on it would be imported)
     env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([str(bin_dir / "approx"), *args], capture_output=True, text=True, cwd=cwd, env=env)
+    return subprocess.run([str(bin_dir / program), *args], capture_output=True, text=True, cwd=cwd, env=env)
 
 
 def test_the_wheel_is_what_runs(installed, tmp_path):
-    where = subprocess.run(
-        [str(installed / "python"), "-c", "import approx; print(approx.__file__)"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
+    where = _run(
+        installed, "-c", "import approx; print(approx.__file__)", cwd=tmp_path, program="python"
     ).stdout.strip()
     assert Path(where).is_relative_to(installed.parent), f"imported {where}, not the wheel's copy"
     wheel_files = {p.name for p in Path(where).parent.rglob("*.py")}

@@ -30,6 +30,18 @@ def safe_key_mask(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return key_mask | empty
 
 
+NOTHING_REAL = "nothing to fit on: every row of the samples is padding (an attention mask of zeros only)"
+
+
+def real_tokens(key_mask: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
+    """(B, S) bool on the CPU: the real tokens of each row, none in a row of padding alone. (The attention runs such
+    a row as if every token were real, :func:`safe_key_mask`, to keep its output finite; a fit must not learn from
+    it.)"""
+    if key_mask is None:
+        return torch.ones(b, s, dtype=torch.bool)
+    return key_mask.detach().cpu().bool()
+
+
 def refuse_left_padding(
     key_mask: torch.Tensor | None, method: str, option: str, first: int | None = None, takes: str | None = None
 ) -> None:

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import MethodConfig, option
-from ._common import safe_key_mask
+from ._common import NOTHING_REAL, real_tokens, safe_key_mask
 from ._entmax import entmax
 
 
@@ -74,13 +74,17 @@ class _PairSampler:
             q, k = q.detach().float().cpu(), k.detach().float().cpu()
             mask = safe_key_mask(None if key_mask is None else key_mask.detach().cpu())
             gold = gold_graph(q, k, mask, scale, alpha)  # (B, H, N, S)
-            real = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool) if mask is None else mask
+            real = real_tokens(key_mask, q.shape[0], k.shape[2])
             for b in range(q.shape[0]):
+                if not bool(real[b].any()):  # a row of padding alone: nothing of it is a pair
+                    continue
                 g = gold[b] & real[b][None, :, None]  # real queries only (keys are masked already)
                 flat = g.flatten(1)  # (H, N * S)
                 counts = flat.sum(-1)  # (H,)
                 pairs = flat.nonzero()[:, 1]  # pair indices i * S + j, grouped by head
                 self.items.append((q[b], k[b], g, real[b].nonzero().squeeze(-1), pairs, counts))
+        if not self.items:
+            raise ValueError(NOTHING_REAL)
         self.heads, _, self.d = self.items[0][0].shape
 
     def draw(self, count: int, g: torch.Generator, retries: int = 4):
@@ -161,11 +165,13 @@ def fit_kmeans(samples, proj_q, proj_k, clusters: int, *, seed: int, iterations:
         q, k = q.detach().float().cpu(), k.detach().float().cpu()
         qp = torch.einsum("bhnd,hdr->bhnr", q, proj_q)
         kp = torch.einsum("bhsd,hdr->bhsr", k, proj_k)
-        real = None if key_mask is None else safe_key_mask(key_mask.detach().cpu())
+        real = real_tokens(key_mask, q.shape[0], k.shape[2])
         for b in range(q.shape[0]):
-            sel = slice(None) if real is None else real[b]
-            xs += [qp[b][:, sel], kp[b][:, sel]]
+            # queries are real where keys are (self-attention); cross-attention has no query mask: every query
+            xs += [qp[b][:, real[b]] if q.shape[2] == k.shape[2] else qp[b], kp[b][:, real[b]]]
     x = torch.cat(xs, dim=1)  # (H, P, r)
+    if x.shape[1] == 0:
+        raise ValueError(NOTHING_REAL)
     g = torch.Generator().manual_seed(seed)
     if x.shape[1] > points:
         x = x[:, torch.randperm(x.shape[1], generator=g)[:points]]

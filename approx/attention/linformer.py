@@ -56,10 +56,12 @@ from ..config import MethodConfig, option
 from ..registry import Cost, ExactLimit, register
 from . import _fallback
 from ._common import (
+    NOTHING_REAL,
     compute_dtype,
     dense_softmax,
     exact_rows,
     exact_weight_rows,
+    real_tokens,
     safe_key_mask,
     zero_padded_values,
 )
@@ -270,7 +272,8 @@ def _fit_item(sample, length: int) -> dict:
     mask = safe_key_mask(None if key_mask is None else key_mask.detach().cpu())
     batch, _, n, _ = q.shape
     s = k.shape[2]
-    real = mask if mask is not None and n == s else torch.ones(batch, n, dtype=torch.bool)
+    # the real query rows (none in a row of padding alone, which the attention runs as if all real)
+    real = real_tokens(key_mask, batch, n) if n == s else torch.ones(batch, n, dtype=torch.bool)
     weights = dense_softmax(q, k, mask, scale)  # (B, H, N, S)
     item = {"q": q * scale, "keys": resample(k, mask, length), "real": real}
     if rest:  # the values: fit the real output error
@@ -319,7 +322,9 @@ def fit(config: LinformerConfig, state, samples, *, progress: bool = False, **se
         return {}
     if not samples:
         raise ValueError("linformer: nothing to fit on (no samples)")
-    items = [_fit_item(sample, config.length) for sample in samples]
+    items = [item for item in (_fit_item(sample, config.length) for sample in samples) if bool(item["real"].any())]
+    if not items:
+        raise ValueError(f"linformer: {NOTHING_REAL}")
     heads = items[0]["q"].shape[1]
     start, log_size = mean_projection(config.projections, config.length)
     proj_e = start.repeat(heads, 1, 1).requires_grad_()  # (H, k, L)
@@ -346,7 +351,9 @@ def fit_error(config: LinformerConfig, state, samples) -> float:
     """The fit's objective (relative squared error of the output, or of the implied matrix without values) of a
     layer's current projections on ``samples``; ``mean`` and ``random`` are measured as the projections they
     are at length L (``mean``: its pooling at L, which equals ``mean`` on rows of exactly L real tokens)."""
-    items = [_fit_item(sample, config.length) for sample in samples]
+    items = [item for item in (_fit_item(sample, config.length) for sample in samples) if bool(item["real"].any())]
+    if not items:
+        raise ValueError(f"linformer: {NOTHING_REAL}")
     heads = items[0]["q"].shape[1]
     if config.mode == "fitted":
         _require_fitted(state)
