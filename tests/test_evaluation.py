@@ -388,6 +388,66 @@ def test_a_folder_fitted_on_another_model_is_said(fixture_dir, checkpoints, tmp_
             _run(path, "rte", [str(folder)], fixture_dir, resamples=0)
         told = [str(w.message) for w in caught if "was fitted on" in str(w.message)]
         assert bool(told) is said and (not said or "/elsewhere/model" in told[0])
+    # the folder as its own model (`approx eval --model F --method F`): approx fit saved into it the model it fitted on
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = approx.patch(AutoModelForSequenceClassification.from_pretrained(path), "favor")
+    own = approx.save(model, tmp_path / "own", tokenizer=AutoTokenizer.from_pretrained(path))
+    (own / "approx_fit.json").write_text(json.dumps({"model": "/elsewhere/model"}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(str(own), "rte", [str(own)], fixture_dir, resamples=0)
+    assert not [w for w in caught if "was fitted on" in str(w.message)]
+
+
+def _state_digest_of_folder(folder: Path) -> str:
+    """The SHA-256 the docs give for ``method_state``, computed here from the folder's state file: every layer's
+    tensors in layer and name order, each as "<layer>.<name>:<dtype>:<shape>;" then its bytes."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "approx_state.safetensors")
+    keyed = sorted((int(key.split(".")[1]), key.split(".", 2)[2], t) for key, t in tensors.items())
+    digest = hashlib.sha256()
+    for layer, name, t in keyed:
+        digest.update(f"{layer}.{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_results_name_the_weights_and_the_state_that_ran(fixture_dir, checkpoints, tmp_path):
+    """Two checkpoints saved in turn to one path, and two states saved in turn to one method folder (the same
+    options), give results that tell them apart: the weights' SHA-256 (a path's too) and the folder with the SHA-256
+    of its state; a method given by name has no ``method_state``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from approx.harness.provenance import weights_digest
+
+    source = checkpoints("sequence-classification")
+    path, folder = tmp_path / "ckpt", tmp_path / "method"
+    results = []
+    for seed in (0, 1):
+        model = AutoModelForSequenceClassification.from_pretrained(source)
+        with torch.no_grad():
+            model.classifier.bias.add_(seed)  # (another fine-tuning)
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+        patched = approx.patch(AutoModelForSequenceClassification.from_pretrained(source), "favor", features=4)
+        approx.redraw(patched, seed=seed)
+        approx.save(patched, folder)
+        (result,) = _run(str(path), "rte", [str(folder)], fixture_dir, resamples=0)
+        assert result["model_weights_sha256"] == weights_digest(model)
+        assert result["method_state"] == {
+            "folder": str(folder.resolve()),
+            "state_sha256": _state_digest_of_folder(folder),
+        }
+        results.append(result)
+    assert results[0]["model"] == results[1]["model"]
+    assert results[0]["model_weights_sha256"] != results[1]["model_weights_sha256"]
+    assert results[0]["method_state"]["state_sha256"] != results[1]["method_state"]["state_sha256"]
+    (by_name,) = _run(str(path), "rte", ["favor:features=4"], fixture_dir, resamples=0)
+    assert "method_state" not in by_name
 
 
 def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
@@ -1485,6 +1545,17 @@ def test_provenance_names_the_processor(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", unknown)
     assert prov.cpu_capability() is None and prov.provenance()["cpu_capability"] is None
+
+
+def test_provenance_records_the_command_as_a_shell_reads_it_back(monkeypatch):
+    """Arguments with spaces or quotes are quoted, so the recorded command runs again as it ran."""
+    import shlex
+
+    from approx.harness import provenance as prov
+
+    argv = ["approx", "eval", "--method", "favor:features = 8", "--output", "out/with space.json", "--note", "it's"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert shlex.split(prov.provenance()["command"]) == argv
 
 
 def test_provenance_records_the_load_average(monkeypatch):

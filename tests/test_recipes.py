@@ -117,7 +117,7 @@ def test_merged_halves_score_like_the_whole_split(task, fixture_dir, tmp_path):
 
 def test_halves_scored_by_model_objects_are_told_apart_by_their_weights(fixture_dir, tmp_path):
     """Two model objects loaded from one checkpoint (as two fine-tunings in memory would be) carry the same name:
-    their results record the weights' SHA-256 (a path's record does not), and their halves merge under the default
+    their results record the weights' SHA-256 (as a path's does), and their halves merge under the default
     protocol when the weights differ, not when one model scored both."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -147,10 +147,14 @@ def test_halves_scored_by_model_objects_are_told_apart_by_their_weights(fixture_
     by_path = approx.evaluate(
         path, "mrpc", ["favor:features=4"], split="dev/0", predictions=True, **{**opts, "tokenizer": None}
     )
-    assert "model_weights_sha256" not in by_path[0]
-    # one half by path, the other by an object of the same, unchanged weights: one model, as two paths would be
-    with pytest.raises(ValueError, match=r"both halves were scored by the same model \([^,]*\): 2-fold"):
+    assert by_path[0]["model_weights_sha256"] == weights_digest(first)  # (a path's weights as read)
+    # one half by path, the other by an object of the same, unchanged weights: one model
+    with pytest.raises(ValueError, match=r"both halves were scored by the same model \(.*, the same weights\)"):
         merge_halves([runs["first"][0], by_path], examples)
+    # a half by path recorded before paths had a digest: read as the same model as any other of its name
+    older = [{k: v for k, v in r.items() if k != "model_weights_sha256"} for r in by_path]
+    with pytest.raises(ValueError, match=r"both halves were scored by the same model \([^,]*\): 2-fold"):
+        merge_halves([runs["second"][0], older], examples)
     # objects whose weights give no digest (quantized): recorded as such, and not told apart, which the message says
     quantized = [[{**r, "model_weights_sha256": None} for r in h] for h in mine]
     with pytest.raises(ValueError, match=r"models named .* which their records cannot tell apart \(a model whose"):

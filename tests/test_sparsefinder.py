@@ -360,6 +360,11 @@ def test_cli_fit_saves_a_fitted_model_that_loads_and_runs(tmp_path, capsys):
     report = json.loads((out / "approx_fit.json").read_text())
     assert report["method"]["clusters"] == 3 and report["fit"]["options"] == {"steps": 20}
     assert 0 < report["graph_on_test"]["recall"] <= 1 and "git_commit" in report["provenance"]
+    # what the fit read: the file, and the batches its samples came in (their padding, its steps' draws)
+    assert report["data"] == {
+        "file": str((data / "wikitext-2" / "wiki.valid.tokens").resolve()), "split": "valid", "windows": 3,
+        "length": 32, "batch_size": 4,
+    }  # fmt: skip
     model = approx.load(out).eval()
     with torch.no_grad():
         ids = torch.randint(5, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -421,7 +421,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     from ..integration import load_pretrained, patch, save
     from ..positions import position_limit
-    from .data import wikitext_windows
+    from .data import find_data_dir, wikitext_file, wikitext_windows
     from .fitting import fit, graph_stats
     from .provenance import provenance
 
@@ -465,7 +465,13 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     result = {
         "model": model_path,
         "method": {"name": setup.method, **setup.config()},
-        "data": {"split": args.split, "windows": len(windows), "length": args.length},
+        "data": {
+            "file": str(find_data_dir(args.data_dir, need=wikitext_file(args.split)) / wikitext_file(args.split)),
+            "split": args.split,
+            "windows": len(windows),
+            "length": args.length,
+            "batch_size": args.batch_size,  # (the fit's samples are batches: their padding and its steps' draws)
+        },
         "fit": report,
     }
     if args.stats_windows:

@@ -51,8 +51,9 @@ def _trained_on(model: Any, task: str) -> str | None:
 def _check_cross_fitting(per_method: tuple[dict[str, Any], ...], protocol: str | None) -> None:
     """Refuse halves the merged result would misdescribe (see :func:`merge_halves`)."""
     models = [r.get("model") for r in per_method]
-    # a model object is told apart by its weights (its name may be the checkpoint it was fine-tuned from, the same
-    # for both); a path has no digest, so one name with a digest missing on either side reads as one model
+    # a model is told apart by its weights (an object's name may be the checkpoint it was fine-tuned from, the same
+    # for both); a path scored before 2026-12-01 has no digest, so one name with a digest missing on either side reads
+    # as one model
     weights = [r.get("model_weights_sha256") for r in per_method]
     named_alike = len({json.dumps(m, default=str) for m in models}) == 1
     same = named_alike and (None in weights or len(set(weights)) == 1)

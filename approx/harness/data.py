@@ -94,11 +94,16 @@ def wikitext_windows(
     non-overlapping chunks of ``length - 2`` tokens, each wrapped as ``[CLS] chunk [SEP]``; the first
     ``count`` windows are returned (all full windows when ``count`` is None).
     """
-    if split not in ("test", "valid", "train"):
-        raise ValueError(f"unknown WikiText split {split!r}; choose test, valid or train")
-    rel = f"wikitext-2/wiki.{split}.tokens"
+    rel = wikitext_file(split)
     path = find_data_dir(data_dir, need=rel) / rel
     return token_windows(tokenizer, read_wikitext(path), length=length, count=count, source=str(path))
+
+
+def wikitext_file(split: str) -> str:
+    """The token file of WikiText-2 ``split`` within the data folder."""
+    if split not in ("test", "valid", "train"):
+        raise ValueError(f"unknown WikiText split {split!r}; choose test, valid or train")
+    return f"wikitext-2/wiki.{split}.tokens"
 
 
 def window_ends(tokenizer: Any) -> tuple[int, int]:

@@ -104,7 +104,7 @@ class _Run:
     model_info: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
     main_process: bool = True  # under several processes, the one that says what the results cannot (warnings)
-    # a model object's {"model_weights_sha256": weights_digest} (its name may be the checkpoint it started from)
+    # {"model_weights_sha256": weights_digest} of the model evaluated (its name may be the checkpoint it started from)
     weights: dict[str, str | None] | None = None
 
     @property
@@ -176,6 +176,9 @@ class _MethodLayers:
 
     layers: dict
     local: str = "model"
+    # for layers given as they are (a saved folder, patched layers), whose state their options do not determine:
+    # {"folder": its path (a folder's), "state_sha256": the state that ran (layers_state_digest)}
+    state: dict[str, str] | None = None
 
 
 def _method_forward(run: _Run, inputs, method_layers: _MethodLayers, probe=None, measured: bool = True):
@@ -388,12 +391,12 @@ def _prepare(
         _say_if_trained_on(model, task, split)
         _say_if_fitted_elsewhere(model, methods)
         _check_own_weights(model, methods)
-    given = model
     model, tokenizer, model_name = _resolve_model(model, tokenizer, head, progress)
     from .provenance import weights_digest
 
-    # a model object's weights, before positions are extended (None where they give no digest); a path has none
-    weights = None if isinstance(given, str) else {"model_weights_sha256": weights_digest(model)}
+    # the weights, before positions are extended (None where they give no digest): a path's are what it held when
+    # it was read, and a model object's name may be the checkpoint it started from
+    weights = {"model_weights_sha256": weights_digest(model)}
     if device is not None:
         device = torch.device(device)
     else:
@@ -465,10 +468,12 @@ def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
         fitted_on = _read_record(Path(method) / FIT_RECORD, "model") if saved_folder(method) else None
         if fitted_on is None:
             continue
-        same = fitted_on == model or (
-            isinstance(fitted_on, str)
-            and Path(fitted_on).exists()
-            and Path(fitted_on).resolve() == Path(model).resolve()
+        # the folder itself as the model: `approx fit` saved into it the checkpoint it fitted on (a checkpoint written
+        # over it later is refused by its digest, _check_own_weights)
+        same = any(
+            name == model
+            or (isinstance(name, str) and Path(name).exists() and Path(name).resolve() == Path(model).resolve())
+            for name in (fitted_on, method)
         )
         if not same:
             warnings.warn(
@@ -481,20 +486,24 @@ def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
 def _method_layers(model, setups: list[Setup], methods: Sequence, device, local: str | None) -> list[_MethodLayers]:
     """Each method's patched layers, made once so their state is kept across batches, and how the sliding-window
     layers run under it: ``local`` when given, else as a saved folder records it, else their own attention."""
+    from .provenance import layers_state_digest
+
     layers = []
     for s, given in zip(setups, methods, strict=True):
-        mode = local or "model"
+        mode, state = local or "model", None
         if isinstance(given, dict):
             made = {i: lyr.to(device) for i, lyr in given.items()}
+            state = {"state_sha256": layers_state_digest(made)}
         elif saved_folder(given):
             made = {i: lyr.to(device) for i, lyr in saved_layers(model, given).items()}
             mode = local or saved_local(given)
+            state = {"folder": str(Path(given).resolve()), "state_sha256": layers_state_digest(made)}
         else:
             patch(model, s.method, **s.options)
             made = patched_layers(model)
             unpatch(model)
         check_local(model, attention_modules(model), mode, where=f"{s.label}: local" if local is None else "local")
-        layers.append(_MethodLayers(made, mode))
+        layers.append(_MethodLayers(made, mode, state))
     banded = [s.label for s, m in zip(setups, layers, strict=True) if m.local == "band"]
     if banded and device.type != "cpu":  # the kernel would not run, and the results would say it had
         raise ValueError(
@@ -544,11 +553,12 @@ def _results(
     prov,
     predictions: bool,
     intervals: dict[str, Any] | None,
-    local: list[str],
+    layers: list[_MethodLayers],
 ) -> list[dict[str, Any]]:
     """One self-describing result per method from the gathered batch records; ``intervals``: the options of
-    :func:`~approx.harness.resampling.paired_interval` (resamples, level, seed), or None for none; ``local``: how
-    each method's model ran its sliding-window layers."""
+    :func:`~approx.harness.resampling.paired_interval` (resamples, level, seed), or None for none; ``layers``: each
+    method's layers (how its model ran its sliding-window layers, and the state of layers given as they are)."""
+    local = [m.local for m in layers]
     task, mode, examples, n = run.task, run.mode, run.examples, len(run.features)
     ref_predictions = task.predict(examples, run.features, _in_feature_order(records, n), mode)
     reference_metrics = task.score(examples, ref_predictions, mode)
@@ -579,6 +589,7 @@ def _results(
             **({"positions": run.positions} if run.positions else {}),
             **run.model_info,
             "method": {"name": setup.method, **setup.config()},
+            **({"method_state": layers[s].state} if layers[s].state is not None else {}),
             **({"local": local[s]} if local[s] != "model" else {}),
             "metrics": task.score(examples, method_predictions, mode),
             "reference_metrics": reference_metrics,
@@ -777,7 +788,7 @@ def evaluate(
         **({"positions": run.positions} if run.positions else {}),
     )
     settings = dict(max_length=max_length, batch_size=batch_size, limit=limit, warmup=warmup, allocations=allocations)
-    return _results(run, setups, records, settings, prov, predictions, intervals, [m.local for m in layers])
+    return _results(run, setups, records, settings, prov, predictions, intervals, layers)
 
 
 # hidden-state cosines shown after the last layer's, when every result has them (older result files do not)

@@ -6,6 +6,7 @@ import datetime as _dt
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -132,9 +133,26 @@ def weights_digest(model: torch.nn.Module) -> str | None:
         return None
     digest = hashlib.sha256()
     for name, tensor in entries:
-        t = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _add_tensor(digest, name, tensor)
+    return digest.hexdigest()
+
+
+def _add_tensor(digest, name: str, tensor: torch.Tensor) -> None:
+    """A named tensor into ``digest``: its name, dtype and shape, then its bytes."""
+    t = tensor.detach().cpu().contiguous()
+    digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+    digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def layers_state_digest(layers: dict[int, torch.nn.Module]) -> str:
+    """SHA-256 of patched layers' state (``approx.patched_layers(model)``: hash planes, random features, fitted
+    projections): each layer's state tensors in layer and name order, with the layer index, name, dtype and shape.
+    What tells apart two results of layers whose options are the same and whose state is not (two fits saved to one
+    folder, say)."""
+    digest = hashlib.sha256()
+    for index in sorted(layers):
+        for name, tensor in sorted(layers[index].state().items()):
+            _add_tensor(digest, f"{index}.{name}", tensor)
     return digest.hexdigest()
 
 
@@ -166,6 +184,6 @@ def provenance(seed: int | None = None, device: str | torch.device | None = None
         "accelerator": accelerator(device),
         "seed": seed,
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": shlex.join(sys.argv),  # (quoted as a shell reads it back)
         **extra,
     }
