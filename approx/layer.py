@@ -153,6 +153,27 @@ def _additive_allowed(m: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
+def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor | None:
+    """A key-padding mask given to a layer: (B, S) bool, True at a real key, as it is; a tokenizer's 0/1 integer
+    ``attention_mask`` as bool; anything else refused, saying what it is (a float mask may be additive, 0 at a real
+    key, and read as 0/1 it would turn padding into keys)."""
+    if key_mask is None:
+        return None
+    want = (k.shape[0], k.shape[-2])
+    if tuple(key_mask.shape) != want:
+        raise ValueError(f"key_mask: a (B, S) = {want} mask, True at the real keys, got shape {tuple(key_mask.shape)}")
+    if key_mask.dtype == torch.bool:
+        return key_mask
+    if key_mask.is_floating_point() or key_mask.is_complex():
+        raise TypeError(
+            f"key_mask: a bool mask, True at the real keys (or a tokenizer's 0/1 attention_mask), got {key_mask.dtype}: "
+            "a float mask may be additive (0 at a real key, -inf at padding); give mask.bool() of a 0/1 one"
+        )
+    if not bool(((key_mask == 0) | (key_mask == 1)).all()):
+        raise ValueError("key_mask: an integer mask holds 0 (padding) and 1 (a real key) only")
+    return key_mask.to(torch.bool)
+
+
 def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
     """Whatever mask an attention function is passed (2-D, or a boolean or additive 4-D mask) -> (B, S) bool key-padding
     mask, or None (no padding). A 4-D mask is padding when every query row allows the same keys, or none at all on a
@@ -413,6 +434,7 @@ class ApproxAttention(nn.Module):
             return None
         if scale is None:
             scale = q.shape[-1] ** -0.5
+        key_mask = checked_key_mask(key_mask, k)
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
 
         def stats(heads):
@@ -467,6 +489,7 @@ class ApproxAttention(nn.Module):
                 return self.forward(q, k, v, key_mask, scale=scale, dropout=dropout)
         if scale is None:
             scale = q.shape[-1] ** -0.5
+        key_mask = checked_key_mask(key_mask, k)
         _fallback.start_call()  # (the rows a breakdown gives exact attention: this call's alone)
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
         split = self._split(q.shape[1])
@@ -499,6 +522,7 @@ class ApproxAttention(nn.Module):
                 return self.weights(q, k, key_mask, scale=scale)
         if scale is None:
             scale = q.shape[-1] ** -0.5
+        key_mask = checked_key_mask(key_mask, k)
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
         split = self._split(q.shape[1])
         heads = split[0] if split is not None else slice(None)

@@ -213,6 +213,8 @@ def test_band_declines_with_a_reason():
     q, k, v = qkv(40)
     with pytest.raises(ValueError, match="contiguous windows only"):
         WindowConfig(kernel="band", dilation=2)
+    with pytest.raises(ValueError, match="blocks of two rows or more"):  # when made, not at its first call
+        WindowConfig(kernel="band", block=1)
     with pytest.raises(ValueError, match="kernel"):
         SparseTransformerConfig(kernel="band")  # neither a band nor neighbouring blocks (bigbird's block-band kernel)
     layer = ApproxAttention("window", WindowConfig(window=3, block=8, kernel="band"), head_dim=D)

@@ -189,6 +189,28 @@ def test_flex_gives_the_gather_output(rows, options, monkeypatch):
     torch.testing.assert_close(out[1, :, :250], ref[1, :, :250], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [8, 24])
+def test_flex_is_not_used_on_the_cpu_at_blocks_it_gets_wrong(block):
+    """torch's compiled CPU FlexAttention gives wrong outputs (NaN at 24) at blocks of 8 mod 16 rows, with no error: at
+    any block not a multiple of 16 it is not used on the CPU, kernel='auto' (which took it at this length) runs the
+    gather kernel and gives its output, and kernel='flex' is refused saying why (a reviewer's finding)."""
+    from approx.attention.sparse_transformer import SparseTransformerConfig
+
+    n = _flex.MIN_LENGTH + 76
+    q, k, v = qkv(n, 7, dtype=torch.float32)
+    out = {}
+    with torch.no_grad():
+        for kernel in ("gather", "auto"):
+            config = SparseTransformerConfig(stride=32, block=block, kernel=kernel)
+            out[kernel] = ApproxAttention("sparse-transformer", config, head_dim=D)(q, k, v)
+        torch.testing.assert_close(out["auto"], out["gather"], rtol=1e-5, atol=1e-5)
+        flex = ApproxAttention(
+            "sparse-transformer", SparseTransformerConfig(stride=32, block=block, kernel="flex"), head_dim=D
+        )
+        with pytest.raises(RuntimeError, match="multiple of 16 rows only"):
+            flex(q[..., :96, :], k[..., :96, :], v[..., :96, :])
+
+
 def test_flex_runs_bigbird_like_gather():
     """BigBird is the hardest translation (per-row orders with the real tokens first, per-head random blocks,
     global blocks as shared keys and dense rows): FlexAttention gives the gather kernel's output."""

@@ -80,14 +80,14 @@ def kernel_option(*, band: str | None = None, fused: str | None = None) -> Any:
         return option(
             "auto",
             f"'band': {band}; 'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the "
-            "CPU: inference only, float32/16); 'auto': in CPU inference on short inputs SDPA over the pattern's "
+            "CPU: inference only, float32/16, blocks of a multiple of 16); 'auto': in CPU inference on short inputs SDPA over the pattern's "
             "dense mask, else band on the CPU where it can run the call, else flex on long inputs where it can, "
             "else gather (same output to rounding)" + (f"; 'fused': {fused}" if fused else ""),
         )
     return option(
         "auto",
         "'gather': approx's plain-torch block kernel; 'flex': compiled FlexAttention (on the CPU: inference only, "
-        "float32/16); 'auto': in CPU inference on short inputs SDPA over the pattern's dense mask, else flex on long "
+        "float32/16, blocks of a multiple of 16); 'auto': in CPU inference on short inputs SDPA over the pattern's dense mask, else flex on long "
         "inputs where it can run the call, else gather (same output to rounding)",
     )
 

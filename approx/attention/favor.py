@@ -86,7 +86,9 @@ class FavorConfig(MethodConfig):
     )
 
     def unused(self) -> dict[str, str]:
-        return {"relu_eps": "kernel='relu'"} if self.kernel != "relu" else {}
+        if self.kernel == "relu":  # the relu kernel's features are relu(w.x): no negated directions
+            return {"hyperbolic": "kernel='softmax'"}
+        return {"relu_eps": "kernel='relu'"}
 
     def check(self) -> None:
         self.require(self.features >= 1, "features", "need at least one random feature")

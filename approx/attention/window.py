@@ -73,6 +73,7 @@ class WindowConfig(MethodConfig):
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
         _blocksparse.check_kernel(self, band=True)
         self.require(self.kernel != "band" or self.dilation == 1, "kernel", "'band' runs contiguous windows only")
+        self.require(self.kernel != "band" or self.block >= 2, "kernel", "'band' needs blocks of two rows or more")
 
 
 def window_pairs(n: int, s: int, window: int, dilation: int) -> int:
