@@ -1132,6 +1132,18 @@ def test_a_specs_own_seed_wins_over_the_runs_and_a_fraction_is_not_an_integer():
         parse_setup("clustered:clusters=2.5")
 
 
+def test_a_label_leaves_out_what_a_record_held_for_an_unused_option_and_runs_as_a_spec():
+    """A record made before an unused value was refused (FAVOR+'s hyperbolic=False under the relu kernel) is labelled
+    with the options that were read, so the label is a spec that runs; a value that was read stays."""
+    from approx import get_method
+    from approx.harness.spec import parse_setup, short_label
+
+    record = {"name": "favor", **get_method("favor").config_class(kernel="relu", hyperbolic=False).to_dict()}
+    assert short_label(record) == "favor:kernel=relu"
+    assert parse_setup(short_label(record)).config()["kernel"] == "relu"  # (refused with hyperbolic=False)
+    assert short_label({**record, "kernel": "softmax"}) == "favor:hyperbolic=False"
+
+
 def test_a_per_layer_label_merges_only_consecutive_layers():
     from approx.harness.spec import short_label
 

@@ -142,6 +142,10 @@ def test_halves_scored_by_model_objects_are_told_apart_by_their_weights(fixture_
     (merged,) = merge_halves(mine, examples)
     assert merged["cross_fitting"].startswith("2-fold cross-fitting")
     assert merged["model_weights_sha256"] == [weights_digest(first), weights_digest(second)]  # (each half's)
+    assert "method_state" not in merged  # (a method by name)
+    states = [{"folder": f"/fitted-{i}", "state_sha256": str(i)} for i in range(2)]
+    stated = [[{**r, "method_state": state} for r in h] for h, state in zip(mine, states, strict=True)]
+    assert merge_halves(stated, examples)[0]["method_state"] == states  # each half's, not the first's for both
     with pytest.raises(ValueError, match=r"both halves were scored by the same model \(.*, the same weights\)"):
         merge_halves(runs["first"], examples)
     by_path = approx.evaluate(

@@ -148,6 +148,12 @@ def merge_halves(
                 if any(r.get("model_weights_sha256") for r in per_method)
                 else {}
             ),
+            # each half's state (a fitted folder per half, say), or none: not the first half's as if it were both's
+            **(
+                {"method_state": [r.get("method_state") for r in per_method]}
+                if any(r.get("method_state") for r in per_method)
+                else {}
+            ),
             metrics=task.score(all_examples, preds, mode),
             reference_metrics=task.score(all_examples, ref_preds, mode),
             fidelity=fidelity,

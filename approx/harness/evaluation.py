@@ -470,11 +470,8 @@ def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
             continue
         # the folder itself as the model: `approx fit` saved into it the checkpoint it fitted on (a checkpoint written
         # over it later is refused by its digest, _check_own_weights)
-        same = any(
-            name == model
-            or (isinstance(name, str) and Path(name).exists() and Path(name).resolve() == Path(model).resolve())
-            for name in (fitted_on, method)
-        )
+        names = [os.fspath(n) for n in (fitted_on, method) if isinstance(n, (str, os.PathLike))]
+        same = any(n == model or (Path(n).exists() and Path(n).resolve() == Path(model).resolve()) for n in names)
         if not same:
             warnings.warn(
                 f"approx: {method} was fitted on {fitted_on} (its approx_fit.json), not on {model}, the model evaluated: "

@@ -250,8 +250,9 @@ def layer_spans(indices: Iterable[int]) -> str:
 
 def short_label(method: dict[str, Any]) -> str:
     """``name:opt=value`` from a result's ``"method"`` entry (a full record: every option the method had when it was
-    written), with only the options that differ from the method's defaults; an option the record predates counts at
-    its ``absent`` value (``i-clustered:refine=0`` for a result from before ``refine``)."""
+    written), with only the options that differ from the method's defaults and that the others read (a record made
+    before an unused value was refused may hold one); an option the record predates counts at its ``absent`` value
+    (``i-clustered:refine=0`` for a result from before ``refine``)."""
     name = method["name"]
     if name == PER_LAYER and "layers" not in method:  # a per-layer result that names itself (e.g. merged halves)
         return f"{PER_LAYER}[{method.get('label', '')}]"
@@ -267,5 +268,9 @@ def short_label(method: dict[str, Any]) -> str:
     config_class = get_method(name).config_class
     defaults = config_class().to_dict()
     recorded = config_class.recorded_options({k: v for k, v in method.items() if k != "name"})  # as it was run
-    opts = ",".join(f"{k}={v}" for k, v in recorded.items() if defaults.get(k) != v)
+    try:  # an option the others left unused changed nothing: left out, so that the label runs as a spec
+        unused = config_class(**recorded).unused()
+    except (TypeError, ValueError):
+        unused = {}
+    opts = ",".join(f"{k}={v}" for k, v in recorded.items() if defaults.get(k) != v and k not in unused)
     return f"{name}:{opts}" if opts else name
