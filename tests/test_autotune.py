@@ -396,6 +396,7 @@ def test_cli_autotune_then_eval(tmp_path, base_model, fixture_dir, capsys):
     record = json.loads((out / "approx_autotune.json").read_text())
     assert record["tuning"]["candidates"] == ["efficient", "nystrom:landmarks=4"]
     assert record["calibration_data"]["windows"] == 4 and record["provenance"]["seed"] == 0
+    assert record["calibration_data"]["file"] == str(Path(fixture_dir, "wikitext-2", "wiki.valid.tokens"))
     argv = ["eval", "--model", base_model, "--task", "wikitext2", "--method", str(out), "--limit", "2",
             "--max-length", "24", "--data-dir", str(fixture_dir), "--quiet"]  # fmt: skip
     assert main(argv) == 0
@@ -436,6 +437,7 @@ def test_cli_autotune_extends_positions_for_a_tasks_longer_inputs(tmp_path, data
     assert main(argv) == 0
     record = json.loads((out / "approx_autotune.json").read_text())["calibration_data"]
     assert record["positions"]["extended_to"] == 600 and position_limit(approx.load(out)) == 600
+    assert record["data_source"].startswith(f"local folder {data_dir}")  # where the examples were read
 
 
 @pytest.mark.parametrize(

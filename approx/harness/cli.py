@@ -552,7 +552,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         parse_target,
         task_batches,
     )
-    from .data import wikitext_windows
+    from .data import find_data_dir, wikitext_file, wikitext_windows
     from .provenance import provenance
     from .scoring import task_scorer
     from .tasks import get_task
@@ -584,11 +584,14 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
             model, tokenizer, args.task, split=args.split, limit=args.limit, max_length=args.max_length,
             batch_size=args.batch_size, seed=args.seed, data_dir=args.data_dir, source=args.source,
         )  # fmt: skip
+        split = args.split or task.default_split
         described = {
             "task": args.task,
-            "split": args.split or task.default_split,
+            "split": split,
             "limit": args.limit,
             "max_length": args.max_length or task.default_max_length,
+            # where the examples were read (as an evaluation's provenance.data_source says)
+            "data_source": task.resolve_source(split, source=args.source, data_dir=args.data_dir).describe(),
         }
         if args.cost_examples is not None:  # the same split, read again for its lengths (the model never runs on them)
             cost_data = task_batches(
@@ -607,7 +610,8 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
             described.update(score=score.describe())
     else:
         data = wikitext_windows(tokenizer, args.data_dir, split="valid", length=args.length, count=args.windows)
-        described = {"text": "wikitext-2 valid", "windows": len(data), "length": args.length}
+        file = find_data_dir(args.data_dir, need=wikitext_file("valid")) / wikitext_file("valid")
+        described = {"text": "wikitext-2 valid", "file": str(file), "windows": len(data), "length": args.length}
     lengths = [b["input_ids"].shape[-1] if isinstance(b, dict) else len(b) for b in data]  # batches, or windows
     lengths += [len(f.input_ids) for f in score.features] if score else []
     length = (args.max_length or task.default_max_length) if args.task is not None else args.length
