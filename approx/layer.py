@@ -154,14 +154,17 @@ def _additive_allowed(m: torch.Tensor) -> torch.Tensor:
 
 
 def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor | None:
-    """A key-padding mask given to a layer: (B, S) bool, True at a real key, as it is; a tokenizer's 0/1 integer
-    ``attention_mask`` as bool; anything else refused, saying what it is (a float mask may be additive, 0 at a real
-    key, and read as 0/1 it would turn padding into keys)."""
+    """A key-padding mask given to a layer: (B, S) bool, True at a real key (or (1, S), one mask for the whole batch),
+    as it is; a tokenizer's 0/1 integer ``attention_mask`` as bool; anything else refused, saying what it is (a float
+    mask may be additive, 0 at a real key, and read as 0/1 it would turn padding into keys)."""
     if key_mask is None:
         return None
     want = (k.shape[0], k.shape[-2])
-    if tuple(key_mask.shape) != want:
-        raise ValueError(f"key_mask: a (B, S) = {want} mask, True at the real keys, got shape {tuple(key_mask.shape)}")
+    if tuple(key_mask.shape) not in (want, (1, want[1])):
+        raise ValueError(
+            f"key_mask: a (B, S) = {want} mask (or (1, S), shared by the batch), True at the real keys, got shape "
+            f"{tuple(key_mask.shape)}"
+        )
     if key_mask.dtype == torch.bool:
         return key_mask
     if key_mask.is_floating_point() or key_mask.is_complex():
