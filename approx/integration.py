@@ -87,6 +87,9 @@ _TUNING = "_approx_tuning"  # attribute on the model: how approx.autotune chose 
 # attribute on a patched model: the config object it was loaded with, which other models may share (two models made
 # from one config, AutoModel.from_config(model.config)); the patched model runs on its own copy (see `_own_config`)
 _SHARED_CONFIG = "_approx_shared_config"
+# attribute on a patched model: [(config, its copy, the config as it was when patched)] for each config its modules
+# hold that is not its own `config` (a composite model's parts: see `_own_stale_configs`)
+_STALE_CONFIGS = "_approx_stale_configs"
 # attribute on every attention module of a model patched from eager attention: its family's eager function, which a
 # layer left unpatched runs again (eager attention's arithmetic differs from SDPA's in the last bits)
 _MODULE_ORIGINAL = "_approx_eager_attention"
@@ -255,7 +258,7 @@ def _attention_forward(
         exact = layer is None
         weights = (
             dense_softmax(query, key, key_mask, scale) if exact else layer.weights(query, key, key_mask, scale=scale)
-        )
+        ).to(query.dtype)  # (methods compute float16/bfloat16 weights in float32: the model's dtype, as eager gives)
     return out.transpose(1, 2).contiguous(), weights
 
 
@@ -578,13 +581,29 @@ def _set_question(model: nn.Module, args: tuple, kwargs: dict) -> None:
                 "recomputes them during the backward pass, after this forward has ended and its question with it: "
                 "train without it (model.gradient_checkpointing_disable()), or with question_global=False"
             )
-    input_ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-    padding = _padding_of(kwargs.get("attention_mask"))
-    question = question_positions(model, input_ids, kwargs.get("token_type_ids"), padding)
+    given = _forward_arguments(model, args, kwargs)
+    padding = _padding_of(given.get("attention_mask"))
+    question = question_positions(model, given.get("input_ids"), given.get("token_type_ids"), padding)
     stack = getattr(_QUESTION_TOKENS, "stack", None)
     if stack is None:
         stack = _QUESTION_TOKENS.stack = []
     stack.append(_context._QUESTION.set(question))
+
+
+def _forward_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of ``model`` by name, whether given by name or by position (``model(ids, mask,
+    token_type_ids)``): the names of its ``forward``'s parameters; by name only where they cannot be bound."""
+    if not args:
+        return kwargs
+    try:
+        return dict(_forward_signature(type(model)).bind_partial(model, *args, **kwargs).arguments)
+    except (TypeError, ValueError):  # (a forward without a signature to read, or a call it would refuse anyway)
+        return kwargs
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
 
 
 def _padding_of(mask: Any) -> torch.Tensor | None:
@@ -849,6 +868,7 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
         _own_config(model)
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
+        _own_stale_configs(model, original)
         setattr(model, _ORIGINAL, original)
         if original == "eager":
             _keep_eager(modules)
@@ -948,6 +968,44 @@ def _own_config(model: nn.Module) -> None:
     model.__dict__[_SHARED_CONFIG] = (shared, copy.deepcopy(shared))  # (the object, as it was when patched)
 
 
+def _stale_configs(model: nn.Module) -> list[Any]:
+    """The configs that modules of ``model`` hold and that are neither ``model.config`` nor one of its sub-configs, in
+    module order. A composite model (``EncoderDecoderModel``, ``VisionTextDualEncoderModel``) sets its own sub-config
+    as its parts' ``config`` after they were built: their modules keep the config they were built with, and it is the
+    one their attention reads."""
+    from transformers import PretrainedConfig
+
+    known, stale = {id(c) for c in _configs(model.config)}, []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, PretrainedConfig) and id(value) not in known:
+                stale.append(value)
+                known.update(id(c) for c in _configs(value))
+    return stale
+
+
+def _own_stale_configs(model: nn.Module, original: str) -> None:
+    """Give the modules of ``model`` that hold a config other than its own (:func:`_stale_configs`) a copy of it, set
+    to approx's attention: otherwise they go on running their own attention while the model reads as patched (and is
+    reported, saved and evaluated as such). Only a copy whose implementation is the model's own (``original``) is
+    set; :func:`unpatch` puts the objects back, with what was set on the copies meanwhile."""
+    pairs = []
+    for config in _stale_configs(model):
+        if config._attn_implementation != original:
+            raise ValueError(
+                f"modules of {type(model).__name__} hold a config other than model.config (a part of a composite "
+                f"model, whose modules keep the config they were built with), and it runs "
+                f"{config._attn_implementation!r} attention where model.config says {original!r}: approx cannot tell "
+                "which its layers should replace; set one attention implementation on the whole model first"
+            )
+        own = copy.deepcopy(config)
+        _repoint(model, list(zip(_configs(config), _configs(own), strict=True)))
+        own._attn_implementation = ATTENTION_NAME
+        pairs.append((config, own, copy.deepcopy(config)))
+    if pairs:
+        model.__dict__[_STALE_CONFIGS] = pairs
+
+
 def _carry_back(own: Any, then: Any, shared: Any) -> None:
     """Set on ``shared`` each attribute that its copy ``own`` (:func:`_own_config`) changed since ``then`` (the config
     as it was when patched), but the attention implementation approx set there; what changed on ``shared`` itself
@@ -999,6 +1057,9 @@ def _check_routed(model: nn.Module) -> None:
     """Refuse a patched model whose attention no longer runs through approx (its config's implementation was changed
     behind the patch): its layers would be reported, saved and evaluated without running."""
     current = model.config._attn_implementation
+    if current == ATTENTION_NAME:  # and the copies its modules hold besides (a composite model's part)
+        owns = [own._attn_implementation for _, own, _ in model.__dict__.get(_STALE_CONFIGS, ())]
+        current = next((c for c in owns if c != ATTENTION_NAME), current)
     if current != ATTENTION_NAME:
         raise ValueError(
             f"{type(model).__name__} was patched by approx, but its attention implementation is now {current!r}, so "
@@ -1029,6 +1090,9 @@ def unpatch(model: nn.Module) -> nn.Module:
         for (own, theirs), before in zip(pairs, _configs(then), strict=True):  # what was set on the copy meanwhile
             _carry_back(own, before, theirs)  # (approx.extend_positions' length, say), but the implementation
         _repoint(model, pairs)
+    for theirs, own, before in model.__dict__.pop(_STALE_CONFIGS, ()):  # a composite model's part: its modules' own
+        _carry_back(own, before, theirs)
+        _repoint(model, list(zip(_configs(own), _configs(theirs), strict=True)))
     model.set_attn_implementation(getattr(model, _ORIGINAL))
     delattr(model, _ORIGINAL)
     for handle in getattr(model, _HOOKS, ()):
@@ -1177,6 +1241,8 @@ def save(model: nn.Module, path: str | os.PathLike, *, tokenizer: Any = None, **
         type(model).save_pretrained(model, path, state_dict=state_dict, **save_pretrained_kwargs)
     saved.write_state(patched_layers(model), path)
     meta = {"approx_version": __version__, "original_attn_implementation": getattr(model, _ORIGINAL)}
+    # the model its layer indices count in (restore and saved_layers check it on another model)
+    meta.update(model_type=getattr(model.config, "model_type", None), attention_layers=len(attention_modules(model)))
     meta.update(state_sha256=saved.state_digest(path), checkpoint_sha256=saved.checkpoint_digest(path))
     meta["layers"] = settings(model)
     if local_mode(model) != "model":  # how its sliding-window layers run (absent: their own attention)
@@ -1245,8 +1311,31 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 
 
 def _saved_layers(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> dict[int, ApproxAttention]:
+    _check_saved_model(model, modules, path)
     _, layers = saved.build_layers(path, [_head_dim(m, model) for m in modules], heads=_num_heads(model))
     return {i: layer.to(_device(modules[i])) for i, layer in layers.items()}
+
+
+def _check_saved_model(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> None:
+    """Refuse a folder saved from a model with another number of attention layers (its layer indices would name
+    other layers, and a deeper model would be patched in part, silently); warn where it was saved from another model
+    type (the same number of layers and shapes: taken, as a choice). Folders saved before 2026-12-01 record
+    neither."""
+    meta = saved.read_settings(path)
+    file, count, kind = Path(path) / saved.SETTINGS_FILE, meta.get("attention_layers"), meta.get("model_type")
+    if count is not None and count != len(modules):
+        raise ValueError(
+            f"{file}: saved from a model of {count} attention layers ({kind or 'model type not recorded'}), and "
+            f"{type(model).__name__} has {len(modules)}: its layer indices would name other layers; patch this model "
+            "with approx.patch(model, method, layers=...) instead"
+        )
+    mine = getattr(getattr(model, "config", None), "model_type", None)
+    if kind is not None and mine is not None and kind != mine:
+        warnings.warn(
+            f"approx: {file} was saved from a {kind!r} model and {type(model).__name__} is {mine!r}: its layers "
+            "are patched by index, with their saved state",
+            stacklevel=caller_level("torch", "transformers"),
+        )
 
 
 def saved_layers(model: nn.Module, path: str | os.PathLike) -> dict[int, ApproxAttention]:

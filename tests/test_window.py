@@ -187,6 +187,12 @@ def test_a_patched_model_passes_its_question(monkeypatch):
         model(input_ids=ids, token_type_ids=types)
     assert seen and all(torch.equal(m, (torch.arange(24) < 8).expand(2, 24)) for m in seen)
     assert _context.question_mask() is None
+    # arguments given by position are read by name as well (the token types were not seen: a reviewer's finding)
+    seen.clear()
+    mask = torch.ones(2, 24, dtype=torch.long)
+    with approx.integration.attention_probe(lambda *a: seen.append(_context.question_mask())):
+        model(ids, mask, types)
+    assert seen and all(torch.equal(m, (torch.arange(24) < 8).expand(2, 24)) for m in seen)
     with pytest.raises(RuntimeError, match="question"):
         model(input_ids=ids)  # BERT's config has no sep_token_id and no token types were given
     approx.unpatch(model)

@@ -65,6 +65,9 @@ class WindowConfig(MethodConfig):
         band="approx's banded kernel (strided views of K and V, no gathered copy; inference only, no dilation)"
     )
 
+    def unused(self) -> dict[str, str]:
+        return {} if self.window else {"dilation": "window >= 1"}
+
     def check(self) -> None:
         self.require(self.window >= 0, "window", "a one-sided width: 0 (only i = j) or more")
         self.require(self.dilation >= 1, "dilation", "1 (contiguous) or more")
@@ -154,7 +157,9 @@ def global_positions(config: WindowConfig, b: int, n: int, device) -> torch.Tens
 
 def pattern(config: WindowConfig, *, b: int, n: int, s: int, device) -> Pattern:
     """Query block t attends the key blocks that [t * block - reach, (t + 1) * block - 1 + reach] touches."""
-    blk, reach, dil = config.block, config.window * config.dilation, config.dilation
+    # at window 0 only i = j is in, whatever the dilation (:meth:`WindowConfig.unused`): the contiguous pattern, so
+    # that the kernel chosen and its rounding do not depend on it either
+    blk, reach, dil = config.block, config.window * config.dilation, config.dilation if config.window else 1
     tq, tk = -(-n // blk), -(-s // blk)
     starts = torch.arange(tq, device=device) * blk
     kv, valid = _blocksparse.range_blocks(starts - reach, starts + blk + reach, blk, tk)

@@ -629,7 +629,8 @@ def _nan(x: Any) -> bool:
 
 def undefined_notes(results: list[dict[str, Any]]) -> list[str]:
     """Sentences for task metrics and intervals that are NaN (undefined): too few examples, or constant labels or
-    predictions (a correlation over one example, Matthews' coefficient with one class)."""
+    predictions (a correlation over one example or of a constant column; Matthews' coefficient is 0, not NaN, when
+    labels or predictions are of one class, as in scikit-learn and GLUE)."""
     if not results:
         return []
     n = results[0]["examples"]

