@@ -865,10 +865,11 @@ def _install(model: nn.Module, modules: list[nn.Module], layers: dict[int, Appro
     _register()
     model.__dict__.pop(_TUNING, None)  # layers changed: a tuning record no longer describes them
     if not is_patched(model):
+        _check_stale_configs(model)  # (before anything changes)
         _own_config(model)
         original = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
-        _own_stale_configs(model, original)
+        _own_stale_configs(model)
         setattr(model, _ORIGINAL, original)
         if original == "eager":
             _keep_eager(modules)
@@ -984,20 +985,31 @@ def _stale_configs(model: nn.Module) -> list[Any]:
     return stale
 
 
-def _own_stale_configs(model: nn.Module, original: str) -> None:
-    """Give the modules of ``model`` that hold a config other than its own (:func:`_stale_configs`) a copy of it, set
-    to approx's attention: otherwise they go on running their own attention while the model reads as patched (and is
-    reported, saved and evaluated as such). Only a copy whose implementation is the model's own (``original``) is
-    set; :func:`unpatch` puts the objects back, with what was set on the copies meanwhile."""
-    pairs = []
+def _check_stale_configs(model: nn.Module) -> None:
+    """Refuse a model whose modules hold a config (:func:`_stale_configs`) set to another attention implementation than
+    ``model.config``: which one its unpatched layers run, and :func:`unpatch` gives back, would be a guess.
+    transformers' ``set_attn_implementation`` on a composite model sets its sub-configs, not the configs its parts'
+    modules hold, so this is how such a model gets there."""
+    original = model.config._attn_implementation
     for config in _stale_configs(model):
         if config._attn_implementation != original:
             raise ValueError(
                 f"modules of {type(model).__name__} hold a config other than model.config (a part of a composite "
-                f"model, whose modules keep the config they were built with), and it runs "
-                f"{config._attn_implementation!r} attention where model.config says {original!r}: approx cannot tell "
-                "which its layers should replace; set one attention implementation on the whole model first"
+                f"model, whose modules keep the config they were built with: set_attn_implementation on the "
+                f"composite does not reach it), and it runs {config._attn_implementation!r} attention where "
+                f"model.config says {original!r}: approx cannot tell which the layers it leaves unpatched should "
+                f"run; model.set_attn_implementation({config._attn_implementation!r}) makes them agree again (or "
+                "load the model with the implementation you want)"
             )
+
+
+def _own_stale_configs(model: nn.Module) -> None:
+    """Give the modules of ``model`` that hold a config other than its own (:func:`_stale_configs`) a copy of it, set
+    to approx's attention: otherwise they go on running their own attention while the model reads as patched (and is
+    reported, saved and evaluated as such). :func:`unpatch` puts the objects back, with what was set on the copies
+    meanwhile. (:func:`_check_stale_configs` has checked that they run the model's own implementation.)"""
+    pairs = []
+    for config in _stale_configs(model):
         own = copy.deepcopy(config)
         _repoint(model, list(zip(_configs(config), _configs(own), strict=True)))
         own._attn_implementation = ATTENTION_NAME
@@ -1311,16 +1323,17 @@ def restore(model: nn.Module, path: str | os.PathLike) -> nn.Module:
 
 
 def _saved_layers(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> dict[int, ApproxAttention]:
-    _check_saved_model(model, modules, path)
+    check_saved_model(model, path, modules=modules)
     _, layers = saved.build_layers(path, [_head_dim(m, model) for m in modules], heads=_num_heads(model))
     return {i: layer.to(_device(modules[i])) for i, layer in layers.items()}
 
 
-def _check_saved_model(model: nn.Module, modules: list[nn.Module], path: str | os.PathLike) -> None:
+def check_saved_model(model: nn.Module, path: str | os.PathLike, *, modules: list[nn.Module] | None = None) -> None:
     """Refuse a folder saved from a model with another number of attention layers (its layer indices would name
     other layers, and a deeper model would be patched in part, silently); warn where it was saved from another model
     type (the same number of layers and shapes: taken, as a choice). Folders saved before 2026-12-01 record
     neither."""
+    modules = attention_modules(model) if modules is None else modules
     meta = saved.read_settings(path)
     file, count, kind = Path(path) / saved.SETTINGS_FILE, meta.get("attention_layers"), meta.get("model_type")
     if count is not None and count != len(modules):

@@ -154,8 +154,9 @@ def _additive_allowed(m: torch.Tensor) -> torch.Tensor:
 
 
 def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor | None:
-    """A key-padding mask given to a layer: (B, S) bool, True at a real key (or (1, S), one mask for the whole batch),
-    as it is; a tokenizer's 0/1 integer ``attention_mask`` as bool; anything else refused, saying what it is (a float
+    """A key-padding mask given to a layer: (B, S) bool, True at a real key, as it is (a (1, S) mask, one for the whole
+    batch, expanded to (B, S): the block-sparse, LSH and Monarch methods read a mask per batch row, and had failed
+    inside on it or, the Sparse Transformer, returned wrong rows); a tokenizer's 0/1 integer ``attention_mask`` as bool; anything else refused, saying what it is (a float
     mask may be additive, 0 at a real key, and read as 0/1 it would turn padding into keys)."""
     if key_mask is None:
         return None
@@ -165,6 +166,8 @@ def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Te
             f"key_mask: a (B, S) = {want} mask (or (1, S), shared by the batch), True at the real keys, got shape "
             f"{tuple(key_mask.shape)}"
         )
+    if key_mask.shape[0] != want[0]:  # (1, S) for a batch: (B, S), as the methods read a mask
+        key_mask = key_mask.expand(want).contiguous()
     if key_mask.dtype == torch.bool:
         return key_mask
     if key_mask.is_floating_point() or key_mask.is_complex():
@@ -179,17 +182,27 @@ def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Te
 
 def finite_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``x`` (B, H, S, d) with its non-finite entries at padded positions (``mask`` (B, S) or (1, S) False) set to 0;
-    ``x`` itself where there are none (on the CPU: checked, as there it costs no synchronisation). What a model leaves
+    ``x`` itself where it is all finite (on the CPU: checked by its sum, one pass, as there a check costs no
+    synchronisation; a sum that overflows only takes the longer way). What a model leaves
     at padding reaches no real row through any method this way, in the backward pass as well: a padded query's NaN
     score row had crashed entmax's sort, and an inf padded key or query, whose masked product is 0 in the forward,
     gave 0 * inf = NaN gradients to the real tokens. Finite padding is left as it is, to the bit."""
     if mask is None:
         return x
+    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):  # (one pass, nothing allocated: all finite)
+        return x
     bad = ~torch.isfinite(x)
     bad &= ~mask[:, None, :, None]
-    if x.device.type == "cpu" and not bool(bad.any()):
-        return x
     return x.masked_fill(bad, 0.0)
+
+
+def _fit_sample(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, *rest: Any) -> tuple:
+    """A fit's sample (q, k, key mask, scale, and Linformer's values) as the forward reads its inputs: the mask checked
+    and made (B, S) bool (:func:`checked_key_mask`), and what a model leaves at padding, inf and NaN included, set
+    to 0 (:func:`finite_padding`), so that it fits as finite padding does."""
+    mask = checked_key_mask(mask, k)
+    rest = tuple(finite_padding(x, mask) if isinstance(x, torch.Tensor) and x.dim() == 4 else x for x in rest)
+    return finite_padding(q, mask if q.shape[-2] == k.shape[-2] else None), finite_padding(k, mask), mask, scale, *rest
 
 
 def key_mask_of(attention_mask: torch.Tensor | None, batch: int, s: int) -> torch.Tensor | None:
@@ -398,6 +411,7 @@ class ApproxAttention(nn.Module):
             )
             return
         old = self.state()
+        samples = [_fit_sample(*sample) for sample in samples]
         for name, t in self.method.fit(self.config, old, samples, **options).items():
             setattr(self, name, t.to(device=old[name].device))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +23,10 @@ from torch import nn
 
 from .config import as_integer
 
-__all__ = ["extend_positions", "extended_positions", "position_limit"]
+__all__ = ["extend_positions", "extended_positions", "position_limit", "trained_positions"]
 
 log = logging.getLogger(__name__)
+_ABSENT = object()
 
 
 def _embeddings(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -118,11 +120,56 @@ def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[s
     return problems, found
 
 
-def _tiled(weight: torch.Tensor, offset: int, max_length: int) -> torch.Tensor:
-    """(offset + max_length, D): the offset rows, then the trained rows weight[offset:] repeated in order."""
-    trained = weight.shape[0] - offset
-    rows = offset + torch.arange(max_length, device=weight.device) % trained  # (max_length,)
-    return torch.cat([weight[:offset], weight[rows]])  # (offset + max_length, D)
+# the config attribute recording how many position rows a model was pretrained with, written at its first extension
+# (and saved with its config): a later extension copies those rows again, not the table the first one made
+TRAINED_POSITIONS = "approx_trained_positions"
+
+
+def _tiled(weight: torch.Tensor, offset: int, max_length: int, period: int) -> torch.Tensor:
+    """(offset + max_length, D): the rows the table has, then for each new position p the trained row
+    offset + p % period (the first extension: every position's row is its trained row, block after block)."""
+    have = weight.shape[0] - offset
+    new = offset + torch.arange(have, max_length, device=weight.device) % period
+    return torch.cat([weight, weight[new]])
+
+
+def _period(config: Any, rows: torch.Tensor) -> int:
+    """The trained rows a new position copies, of the (L, D) table ``rows`` (after its offset rows): the count
+    :data:`TRAINED_POSITIONS` recorded at the first extension; without one (a model never extended, or extended before
+    the count was recorded) the table's own period (:func:`_table_period`). A recorded value that is not a count of
+    rows the table has (edited by hand) is ignored, with a warning."""
+    limit, recorded = rows.shape[0], getattr(config, TRAINED_POSITIONS, None)
+    if recorded is not None:
+        period = as_integer(recorded)
+        if period is not None and 1 <= period <= limit:
+            return period
+        warnings.warn(
+            f"approx: config.{TRAINED_POSITIONS} = {recorded!r} is not a number of rows the position table has "
+            f"({limit}): ignored; the table's own period is taken as its trained rows",
+            stacklevel=3,
+        )
+    return _table_period(rows)
+
+
+def _table_period(rows: torch.Tensor) -> int:
+    """The smallest p such that row i + p equals row i for every i (a table extended by older code repeats its
+    trained rows exactly, block after block; a pretrained or fine-tuned table has no such p below its length)."""
+    length = rows.shape[0]
+    for p in (rows == rows[0]).all(-1).nonzero()[:, 0].tolist():  # (rows equal to the first: few)
+        if p > 0 and torch.equal(rows[p:], rows[: length - p]):
+            return p
+    return length
+
+
+def trained_positions(model: nn.Module) -> int | None:
+    """How many trained position rows :func:`extend_positions` copies block after block for a new position: the count
+    recorded at the model's first extension, else its table's period (its length for a table never extended). None
+    for a model without one learned absolute position table."""
+    found = _embeddings(model)
+    if found is None:
+        return None
+    table = found[1].position_embeddings
+    return _period(getattr(model, "config", None), table.weight.detach()[_offset(table) :])
 
 
 def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None) -> nn.Module:
@@ -130,7 +177,11 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
     after block into a larger table (Longformer's initialisation); returns the same model, changed in place.
 
     Works for learned absolute positions (BERT, RoBERTa, XLM-R, CamemBERT, DistilBERT, ELECTRA, ALBERT), before
-    or after :func:`approx.patch`. For RoBERTa-like tables the offset rows (``padding_idx + 1`` of them) stay
+    or after :func:`approx.patch`. The number of rows the model was pretrained with is recorded in its config
+    (``approx_trained_positions``, saved with it) at the first extension: extending again keeps the rows the table
+    has and gives each new position p the trained row p mod that number, so extending to 1300 and then to 2000 gives
+    the model that extending to 2000 at once gives (rows trained since, by fine-tuning, are kept). A model extended
+    before the count was recorded is recognised by its table, whose rows repeat with the trained count's period. For RoBERTa-like tables the offset rows (``padding_idx + 1`` of them) stay
     in place and the table grows to ``max_length + offset`` rows. The first positions keep their rows
     bit-for-bit, so inputs within the old limit give exactly the old outputs. ``config.max_position_embeddings``,
     the embeddings' ``position_ids`` and ``token_type_ids`` buffers and ``tokenizer.model_max_length`` (when a
@@ -152,8 +203,9 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
     table = emb.position_embeddings
     offset, old_rows = _offset(table), table.num_embeddings
     rows = offset + max_length
+    period = _period(model.config, table.weight.detach()[offset:])
     with torch.no_grad():
-        weight = _tiled(table.weight.detach(), offset, max_length)
+        weight = _tiled(table.weight.detach(), offset, max_length, period)
     table.weight = nn.Parameter(weight, requires_grad=table.weight.requires_grad)
     table.num_embeddings = rows
     for buf in ("position_ids", "token_type_ids"):
@@ -167,6 +219,7 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
             new[:, :old_rows] = old
         setattr(emb, buf, new.contiguous())  # a registered buffer stays registered, persistence unchanged
     model.config.max_position_embeddings = rows
+    setattr(model.config, TRAINED_POSITIONS, period)
     if tokenizer is not None:
         tokenizer.model_max_length = max_length
         if isinstance(getattr(tokenizer, "init_kwargs", None), dict):
@@ -194,6 +247,7 @@ def extended_positions(model: nn.Module, max_length: int, *, tokenizer: Any = No
         "rows": table.num_embeddings,
         "buffers": {b: getattr(emb, b) for b in ("position_ids", "token_type_ids") if hasattr(emb, b)},
         "config": model.config.max_position_embeddings,
+        "trained": model.config.__dict__.get(TRAINED_POSITIONS, _ABSENT),
     }
     tok_saved = None
     if tokenizer is not None:
@@ -212,6 +266,10 @@ def extended_positions(model: nn.Module, max_length: int, *, tokenizer: Any = No
             current = getattr(emb, b, None)
             setattr(emb, b, value.to(current.device) if isinstance(current, torch.Tensor) else value)
         model.config.max_position_embeddings = saved["config"]
+        if saved["trained"] is _ABSENT:
+            model.config.__dict__.pop(TRAINED_POSITIONS, None)
+        else:
+            setattr(model.config, TRAINED_POSITIONS, saved["trained"])
         if tok_saved is not None:
             tokenizer.model_max_length = tok_saved[0]
             if tok_saved[1] is not None:

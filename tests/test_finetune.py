@@ -255,6 +255,27 @@ def test_finetuning_from_a_folder_keeps_its_sliding_window_layers_on_the_banded_
         assert _evaluation_local(model.to("meta")) == "model"
 
 
+def test_finetuning_a_deeper_model_with_a_folders_layers_is_refused(fixture_dir, tmp_path):
+    """A folder's layer indices count in the model it was saved from: a 2-layer model's folder given as the method to
+    fine-tune a 4-layer one had patched its layers 0 and 1 and said nothing (as ``approx.restore`` did: a reviewer's
+    finding); refused before training, as ``restore`` refuses it."""
+    from conftest import tiny_model
+    from evalfixtures import vocab
+    from transformers import AutoModelForSequenceClassification, BertTokenizer
+
+    base = write_checkpoint(tmp_path / "base", "sequence-classification")
+    two = AutoModelForSequenceClassification.from_pretrained(base)
+    approx.save(approx.patch(two, "favor", layers=[1], features=8), tmp_path / "two")
+    four = tmp_path / "four"
+    tiny_model(
+        "bert", "sequence-classification", vocab_size=len(vocab()), max_position_embeddings=512, num_hidden_layers=4
+    ).save_pretrained(four)
+    BertTokenizer(vocab=vocab()).save_pretrained(four)
+    with pytest.raises(ValueError, match=r"saved from a model of 2 attention layers.*has 4"):
+        _run(str(four), fixture_dir, tmp_path / "f", method=str(tmp_path / "two"), max_steps=1)
+    assert not (tmp_path / "f" / "approx_config.json").exists()
+
+
 @pytest.mark.parametrize("method", ["i-clustered:clusters=4,topk=8", "nystrom:landmarks=4"])
 def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path, method):
     """accelerate's bf16 mixed precision runs the model under torch.autocast, where improved clustered attention

@@ -274,6 +274,38 @@ def test_sparsefinders_fit_learns_nothing_from_a_row_of_padding_alone():
         sparsefinder.fit(config, fitted, nothing, fit_projections_too=False)  # the k-means alone
 
 
+@pytest.mark.parametrize("method, options", [("sparsefinder", {"clusters": 3}), ("linformer", {"mode": "fitted"})])
+def test_a_fit_on_non_finite_padding_learns_what_finite_padding_teaches(method, options):
+    """inf and NaN at padded queries, keys and values (a hidden state gone bad at padding) fit the state that finite
+    padding fits: Sparsefinder's entmax target had crashed in its sort on a padded query's NaN scores (a reviewer's
+    finding), and Linformer's fit had stored non-finite projections."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 24, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 15:] = False
+    fit = {"sparsefinder": {"steps": 10, "queries": 8}, "linformer": {"steps": 10}}[method]
+
+    def fitted(q, k, v, mask=mask):
+        torch.manual_seed(0)
+        layer = approx.ApproxAttention(method, approx.get_method(method).config_class(**options), head_dim=8)
+        sample = (q, k, mask, 8**-0.5) if method == "sparsefinder" else (q, k, mask, 8**-0.5, v)
+        layer.fit([sample], **fit)
+        return layer.state()
+
+    clean = fitted(q, k, v)
+    # the mask read as the forward reads it: a tokenizer's 0/1 integers as bool (the fits had failed on them)
+    for name, t in fitted(q, k, v, mask.long()).items():
+        torch.testing.assert_close(t, clean[name], rtol=0, atol=0, msg=name)
+    bad = [t.clone() for t in (q, k, v)]
+    for t in bad:
+        t[1, :, 15:20] = float("inf")
+        t[1, 0, 20:] = float("nan")
+    poisoned = fitted(*bad)
+    for name, t in clean.items():
+        assert torch.isfinite(poisoned[name]).all(), name
+        torch.testing.assert_close(poisoned[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_kmeans_runs_to_a_fixed_point_of_lloyds_step():
     """Points spread along a line, 3 clusters, 30 iterations: each centroid is the mean of the points nearest to it
     (Lloyd's fixed point, checked in float64 here); one iteration is not enough to get there from the start."""

@@ -66,6 +66,7 @@ def test_a_folder_read_past_its_positions(mlm_checkpoint, long_data):
     assert exact["features"] == 2 and exact["max_length"] == LONG
     for r in results:
         assert r["positions"]["extended_from"] == 512 and r["positions"]["extended_to"] == LONG
+        assert r["positions"]["trained_positions"] == 512  # the rows a new position copies: the table's own here
         assert f"extended to {LONG}" in r["protocol"]
         assert r["provenance"]["positions"] == r["positions"]
     # the reference is the extended model, checked against a run without the harness

@@ -12,6 +12,7 @@ import torch
 from conftest import ABSOLUTE_POSITIONS, ROTARY, batch, model_output, tiny_model
 
 import approx
+from approx.positions import extended_positions
 
 METHODS = approx.methods()
 ROWS = 64  # the tiny models' position table
@@ -62,6 +63,44 @@ def test_trained_rows_are_kept_and_tiled(family):
     if hasattr(emb, "token_type_ids"):
         assert torch.equal(emb.token_type_ids, torch.zeros(1, off + NEW, dtype=torch.long))
     assert "position_ids" in dict(emb.named_buffers())  # still registered buffers
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_extending_twice_gives_the_model_extending_once_gives(family, tmp_path):
+    """Extending to a length that is not a multiple of the trained rows, then further, repeats the trained rows, not
+    the table the first extension made (position 100 of a 64-row table read row 0 after 90 then 200, row 36 after 200
+    at once: a reviewer's finding), through a save and reload in between as well; rows trained after the first
+    extension (fine-tuning) are kept, and a new position still takes its trained row."""
+    from transformers import AutoModel
+
+    once = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), NEW)
+    twice = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), 90)
+    assert torch.equal(table(approx.extend_positions(twice, NEW)), table(once))
+    off, trained = offset_of(once), ROWS - offset_of(once)
+    saved = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), 90)
+    with torch.no_grad():
+        table(saved)[off + 80] += 1.0  # a row trained at the new length
+    saved.save_pretrained(tmp_path)
+    loaded = approx.extend_positions(AutoModel.from_pretrained(tmp_path), NEW)
+    want = table(once).clone()
+    want[off + 80] += 1.0
+    assert torch.equal(table(loaded), want)
+    assert loaded.config.approx_trained_positions == trained
+    with extended_positions(tiny_model(family, "base", max_position_embeddings=ROWS), NEW) as model:
+        assert model.config.approx_trained_positions == trained
+    assert not hasattr(model.config, "approx_trained_positions")  # the block leaves the config as it was
+    # a model extended before the count was recorded: its table repeats the trained rows, and that period is taken
+    old = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), 90)
+    del old.config.approx_trained_positions
+    assert approx.positions.trained_positions(old) == trained
+    assert torch.equal(table(approx.extend_positions(old, NEW)), table(once))
+    assert old.config.approx_trained_positions == trained
+    assert approx.positions.trained_positions(tiny_model(family, "base", max_position_embeddings=ROWS)) == trained
+    # a count edited by hand into something that is not one: said, and the table's period taken
+    edited = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), 90)
+    edited.config.approx_trained_positions = str(trained)
+    with pytest.warns(UserWarning, match=r"approx_trained_positions = '\d+' is not a number of rows"):
+        assert torch.equal(table(approx.extend_positions(edited, NEW)), table(once))
 
 
 @pytest.mark.parametrize("family", ABSOLUTE_POSITIONS)

@@ -226,6 +226,18 @@ def test_the_encoder_of_a_composite_model_runs_patched(tmp_path):
         assert torch.equal(encoder(**inputs).last_hidden_state, before)
     assert all(m.config is held[n] for n, m in encoder.named_modules() if n in held)
     assert all(c._attn_implementation != "approx" for c in held.values())
+    # the composite's set_attn_implementation reaches its sub-config, not the configs the encoder's modules hold: the
+    # two disagree, and patching is refused before anything changes (it had swapped in copies, and left them there)
+    ed.set_attn_implementation("eager")
+    assert encoder.config is ed.config.encoder and encoder.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match=r"runs 'sdpa' attention where model.config says 'eager'.*set_attn_impl"):
+        approx.patch(encoder, "favor", features=8)
+    assert encoder.config is ed.config.encoder and not approx.is_patched(encoder)
+    assert not any(k.startswith("_approx") for k in vars(encoder))
+    assert all(m.config is held[n] for n, m in encoder.named_modules() if n in held)
+    encoder.set_attn_implementation("sdpa")  # as the error says
+    approx.unpatch(approx.patch(encoder, "favor", features=8))
+    assert encoder.config is ed.config.encoder
 
 
 def test_push_to_hub_is_refused_before_anything_is_written(tmp_path):

@@ -643,7 +643,7 @@ def _extend_for_tuning(model, tokenizer, longest: int, length: int) -> dict | No
     ``approx finetune`` extends them to its ``max_length``, so that the tuned model is saved with the positions it was
     tuned at (the trained rows copied block after block, as Longformer did). What was done, for the record; None when
     nothing was needed. A model that cannot be extended is refused with what was found."""
-    from ..positions import extend_positions, position_limit
+    from ..positions import extend_positions, position_limit, trained_positions
 
     limit = position_limit(model)
     if limit is None:
@@ -653,12 +653,17 @@ def _extend_for_tuning(model, tokenizer, longest: int, length: int) -> dict | No
         return None
     if longest <= limit:
         return None
-    to = max(longest, length)
+    to, trained = max(longest, length), trained_positions(model)
     extend_positions(model, to, tokenizer=tokenizer)
     log.warning("inputs of up to %d tokens are longer than the model's %d learned positions: extended them to %d for "
                 "the tuning and the tuned model (trained rows copied block after block, as Longformer did)",
                 longest, limit, to)  # fmt: skip
-    return {"extended_from": limit, "extended_to": to, "rule": "approx.extend_positions (trained rows tiled)"}
+    return {
+        "extended_from": limit,
+        "extended_to": to,
+        "trained_positions": trained,
+        "rule": "approx.extend_positions (trained rows tiled)",
+    }
 
 
 def _autotune_data_flags(args: argparse.Namespace) -> None:

@@ -57,7 +57,7 @@ from ..integration import (
     saved_local,
     unpatch,
 )
-from ..positions import extend_positions, extended_positions, position_limit
+from ..positions import extend_positions, extended_positions, position_limit, trained_positions
 from ..registry import get_method
 from ..saved import FIT_RECORD, check_checkpoint, read_settings
 from . import fidelity as fid
@@ -359,12 +359,14 @@ def _extend(model, tokenizer, length: int, stack: contextlib.ExitStack) -> dict[
         return None
     if length <= limit:
         return None
+    trained = trained_positions(model)
     stack.enter_context(extended_positions(model, length, tokenizer=tokenizer))
     log.warning("inputs of up to %d tokens are longer than the model's %d learned positions: extended them for "
                 "this evaluation (trained rows copied block after block, as Longformer did)", length, limit)  # fmt: skip
     return {
         "extended_from": limit,
         "extended_to": length,
+        "trained_positions": trained,
         "rule": "approx.extend_positions: the trained position rows copied block after block (Longformer, §5)",
     }
 
@@ -568,9 +570,10 @@ def _results(
         protocol = task.protocol(mode, settings["max_length"])
         if run.positions:
             p = run.positions
+            blocks = "" if p["trained_positions"] == p["extended_from"] else f" of the {p['trained_positions']} trained"
             protocol += (
                 f"; the model's {p['extended_from']} learned positions extended to {p['extended_to']} "
-                "(trained rows copied block after block)"
+                f"(trained rows{blocks} copied block after block)"
             )
         if local[s] == "band":
             protocol += "; the sliding-window layers on approx's banded kernel (local='band'), full attention unpatched"

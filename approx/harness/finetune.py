@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from .. import _json
 from ..config import MethodConfig, option
 from ..integration import (
+    check_saved_model,
     checkpoint_heads,
     load_method_state,
     load_pretrained,
@@ -61,7 +62,7 @@ from ..integration import (
 )
 from ..integration import redraw as redraw_layers
 from ..layer import warn_seed_record
-from ..positions import extend_positions, position_limit
+from ..positions import extend_positions, position_limit, trained_positions
 from ..registry import get_method
 from ..saved import SETTINGS_FILE, STATE_FILE, read_settings, read_state
 from .spec import PER_LAYER, Setup, as_setup, layer_entries, saved_folder
@@ -254,6 +255,8 @@ def _start(
         overrides[dropout_key[0]] = cfg.attention_dropout
     net, tokenizer = load_pretrained(model, task=head_name, progress=progress, **task.head_options(), **overrides)
     head = _head(net, model, head_name)
+    if isinstance(origin, (str, os.PathLike)) and saved_folder(origin):  # its layer indices count in this model
+        check_saved_model(net, origin)
     if setup is not None and setup.method == PER_LAYER:  # a saved per-layer model (approx.autotune): layer by layer
         # (and a folder's sliding-window layers as it ran them: trained on their own attention, saved as it was)
         local = saved_local(origin) if isinstance(origin, (str, os.PathLike)) and saved_folder(origin) else None
@@ -304,8 +307,14 @@ def _extend_for_training(net, tokenizer, max_length: int, features: list[Feature
     limit = position_limit(net)
     if limit is None or longest <= limit:
         return None
+    trained = trained_positions(net)
     extend_positions(net, max_length, tokenizer=tokenizer)
-    return {"extended_from": limit, "extended_to": max_length, "rule": "approx.extend_positions (trained rows tiled)"}
+    return {
+        "extended_from": limit,
+        "extended_to": max_length,
+        "trained_positions": trained,
+        "rule": "approx.extend_positions (trained rows tiled)",
+    }
 
 
 def _run_record(model: str, task: str, train_split: str, limit, setup: Setup | None, cfg: FinetuneConfig) -> dict:
