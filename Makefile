@@ -37,8 +37,8 @@ bench:
 	$(PY) benchmarks/attention_op.py --methods clustered i-clustered favor --variant "clustered[engine=compiled]" \
 		--variant "i-clustered[engine=compiled]" --lengths 1024 4096 16384 --repeats 5 --no-memory --fallback none \
 		--background-load 1 --output benchmarks/results/attention_op_cpu_contention.json
-	$(PY) benchmarks/favor_chunks.py --background-load 1
-	$(PY) benchmarks/entmax_partial_sort.py
+	$(PY) benchmarks/favor_chunks.py --background-load 1 --output benchmarks/results/favor_chunks_cpu.json
+	$(PY) benchmarks/entmax_partial_sort.py --output benchmarks/results/entmax_partial_sort_cpu.json
 	$(PY) benchmarks/short_inputs.py --output benchmarks/results/short_inputs_cpu.json
 
 bench-gpu:

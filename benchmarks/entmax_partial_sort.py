@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ks", type=at_least(1), nargs="+", default=[32, 64, 128], help="partial-sort sizes K")
     p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--threads", type=at_least(1), default=2)
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "entmax_partial_sort_cpu.json")
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "out" / "entmax_partial_sort_cpu.json")
     return p.parse_args(argv)
 
 

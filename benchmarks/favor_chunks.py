@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=at_least(1), default=5)
     p.add_argument("--threads", type=at_least(1), default=2)
     p.add_argument("--background-load", type=at_least(0), default=0, metavar="JOBS", help="a second, loaded pass")
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "favor_chunks_cpu.json")
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "out" / "favor_chunks_cpu.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     res = {"provenance": provenance(seed=0, loadavg_before=os.getloadavg()), "rows": args.rows, "results": {}}

@@ -58,8 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--seed", type=at_least(0), default=0)
-    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "flex_vs_gather_cpu.json")
-    return device_checked(p, p.parse_args(argv))
+    p.add_argument(
+        "--output", type=Path, default=None, help="default: benchmarks/out/flex_vs_gather_<device type>.json"
+    )
+    args = device_checked(p, p.parse_args(argv))
+    if args.output is None:  # (benchmarks/out is not committed: a trial run replaces no committed result)
+        args.output = ROOT / "benchmarks" / "out" / f"flex_vs_gather_{torch.device(args.device).type}.json"
+    return args
 
 
 def flex_block_mask(config: WindowConfig, n: int, device: str):

@@ -58,10 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=at_least(0), default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=at_least(0), default=0)
-    p.add_argument("--output", type=Path, help="default: benchmarks/results/sparsefinder_flex_<device type>.json")
+    p.add_argument("--output", type=Path, help="default: benchmarks/out/sparsefinder_flex_<device type>.json")
     args = device_checked(p, p.parse_args(argv))
     if args.output is None:
-        args.output = ROOT / "benchmarks" / "results" / f"sparsefinder_flex_{torch.device(args.device).type}.json"
+        args.output = ROOT / "benchmarks" / "out" / f"sparsefinder_flex_{torch.device(args.device).type}.json"
     return args
 
 

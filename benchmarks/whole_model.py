@@ -382,12 +382,18 @@ def memory_report(res: dict[str, Any]) -> list[str]:
             f"\nAt N={big}, {len(level)} of {len(methods)} methods peak within 5% of no-attention's {floor:.0f} MiB "
             "(the rest of the model sets their peak; their exponent is the model's): " + ", ".join(level) + "."
         )
-    over = [c for c, v in b.items() if c != "eager" and (v is None or v > LINEAR)]
+    over = [c for c, v in b.items() if c != "eager" and v is not None and v > LINEAR]
+    unmeasured = [c for c, v in b.items() if c != "eager" and v is None]  # (one length: no exponent to fit)
     lines += ["", "## Target (issue 16)", ""]
+    verdict = "not met (" + ", ".join(over) + ")" if over else "not measured" if unmeasured else "met"
+    if unmeasured and over:
+        verdict += "; not measured: " + ", ".join(unmeasured)
+    elif unmeasured:
+        verdict += " (" + ", ".join(unmeasured) + ": an exponent needs two lengths or more)"
+    eager = b.get("eager")
     lines.append(
-        f"- peak memory linear in N (b <= {LINEAR}) for every contender except eager attention: "
-        + ("met" if not over else "not met (" + ", ".join(over) + ")")
-        + f"; eager b = {b.get('eager') or float('nan'):.2f}"
+        f"- peak memory linear in N (b <= {LINEAR}) for every contender except eager attention: {verdict}"
+        + ("" if eager is None else f"; eager b = {eager:.2f}")
     )
     return lines
 

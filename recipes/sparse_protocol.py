@@ -177,7 +177,8 @@ def best_table(results: list[dict[str, Any]]) -> str:
             cell = "- (no setting at that budget)"
         else:
             recall = "-" if p["recall"] is None else f"{p['recall']:.2f}"
-            cell = f"{p['f1']:.1f} ({p['kept']:.0%}; {p['setting']}, {p['pairs']:.2f}, recall {recall})"
+            kept = "-" if p["kept"] is None else f"{p['kept']:.0%}"  # (full attention's F1 of 0: a smoke run)
+            cell = f"{p['f1']:.1f} ({kept}; {p['setting']}, {p['pairs']:.2f}, recall {recall})"
         rows.append(f"| {b['method']} | {cell} |")
     return "\n".join(rows)
 
