@@ -28,7 +28,6 @@ result per method, with provenance) and prints the tables with each run's wall t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from approx.harness.data import default_model_path
 from approx.harness.evaluation import markdown_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _shared import MINILM_LABEL  # noqa: E402
+from _shared import MINILM_LABEL, write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 METHODS = [  # the clustering methods at the paper's clustering (refine=0), as the committed results were measured
@@ -81,8 +80,7 @@ def main(argv=None) -> None:
         options = {**options, **({} if args.limit is None else {"limit": args.limit})}
         results = approx.evaluate(default_model_path(), task, METHODS, data_dir=args.data_dir, **options)
         out = args.results_dir / filename
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(out, results)  # (a committed file only by the settings that made it)
         print(markdown_report(results, model_label=MINILM_LABEL))
         print(f"\nwall time {results[0]['provenance']['wall_seconds']:.0f} s; wrote {out}\n")
 

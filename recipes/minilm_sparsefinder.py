@@ -23,7 +23,7 @@ Writes recipes/results/minilm_sparsefinder.json (with provenance) and recipes/re
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +38,10 @@ from approx.harness.argcheck import at_least
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches, graph_summary
 from approx.harness.provenance import provenance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _shared import write_json  # noqa: E402
+
 from approx.integration import attach, attention_probe, load_pretrained, patched_layers
 from approx.layer import ApproxAttention
 
@@ -243,7 +247,7 @@ def main(argv=None) -> None:
     }
     result["provenance"] = provenance(seed=0, wall_seconds=time.perf_counter() - wall)
     out = Path(args.output)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)  # (a committed file only by the settings that made it)
     plot(curves, out.with_suffix(".png"))
     print(f"wall {result['provenance']['wall_seconds']:.0f} s; wrote {out} and {out.with_suffix('.png')}")
 

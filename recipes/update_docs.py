@@ -91,9 +91,12 @@ SHORT_TIMES = "Times are whole-model forward passes at this short length, where 
 def fidelity_block(path: str, recipe: str, title: str, *, model: str = "MiniLM-L6", times: str = SHORT_TIMES) -> str:
     results = json.loads((ROOT / path).read_text())
     first = results[0]
+    # the command the results record (its options: a run of other settings is shown as such), else the recipe's
+    recorded = first["provenance"].get("command")
+    command = recorded if isinstance(recorded, str) and recorded.split()[0] == recipe.split()[0] else recipe
     return (
         f"**{title}**, zero-shot on {model}, {first['examples']} WikiText-2 {first['split']} windows of "
-        f"{first['max_length']} tokens, every layer patched, no retraining (`python {recipe}`; "
+        f"{first['max_length']} tokens, every layer patched, no retraining (`python {command}`; "
         f"{_provenance_line(first['provenance'])}). {times}:\n\n" + _report(results) + "\n"
     )
 

@@ -1198,3 +1198,29 @@ def test_merged_halves_of_unequal_size_score_the_union(fixture_dir, tmp_path):
         assert merged[key] == pytest.approx(union)
     averaged = {m: (halves[0][0]["metrics"][m] + halves[1][0]["metrics"][m]) / 2 for m in merged["metrics"]}
     assert merged["metrics"] != pytest.approx(averaged)  # the fixture tells the two apart
+
+
+def test_a_trial_run_does_not_replace_committed_results(tmp_path, monkeypatch):
+    """A run with other settings than those that made a committed result (``--windows 1``) writes its results to
+    runs/trials/ and stops, saying what made the committed file and how to replace it (a reviewer's smoke runs had
+    replaced committed results, and update_docs then published them); the command that made it, a file git does not
+    track, and APPROX_REPLACE_RESULTS=1 write as before."""
+    shared = _recipe("_shared")
+    committed = RECIPES / "results" / "minilm_wikitext2_fidelity.json"
+    before = committed.read_bytes()
+    (recorded,) = shared._commands(json.loads(before))
+    monkeypatch.setattr(shared, "TRIALS", tmp_path / "trials")
+    monkeypatch.setattr(sys, "argv", ["recipes/minilm_wikitext2_fidelity.py", "--windows", "1", "--quiet"])
+    with pytest.raises(SystemExit, match=f"made by `{recorded}`.*APPROX_REPLACE_RESULTS=1") as e:
+        shared.write_json(committed, [{"trial": True}])
+    assert str(tmp_path / "trials" / committed.name) in str(e.value)
+    assert committed.read_bytes() == before
+    assert json.loads((tmp_path / "trials" / committed.name).read_text()) == [{"trial": True}]
+    # what may be written: the recorded settings (where options and --quiet aside), an untracked file, consent
+    monkeypatch.setattr(sys, "argv", [*recorded.split(), "--quiet", "--output", str(committed)])
+    assert shared._other_settings(committed) is None
+    monkeypatch.setattr(sys, "argv", ["recipes/minilm_wikitext2_fidelity.py", "--windows", "1"])
+    shared.write_json(tmp_path / "elsewhere.json", {"x": 1})
+    assert json.loads((tmp_path / "elsewhere.json").read_text()) == {"x": 1}
+    monkeypatch.setenv("APPROX_REPLACE_RESULTS", "1")
+    assert shared._other_settings(committed) is None
