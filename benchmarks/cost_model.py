@@ -8,7 +8,7 @@ Usage::
 Nothing is timed: the figures come from each registered method's cost model (``approx.get_method(m).cost``),
 per batch item and head, d = dv = 64, with the attention-op benchmark's settings (C = 100 clusters, k = 32,
 m = 256 features, sparsefinder with k-means grouping and about sqrt(N) clusters) and every other method at its
-defaults. ``full`` is exact attention (N^2 pairs). A log-log plot shows the asymptotics: O(N^2) for exact and
+defaults (LSH too: clusters of 64 keys, where the attention-op and whole-model benchmarks time clusters of 128). ``full`` is exact attention (N^2 pairs). A log-log plot shows the asymptotics: O(N^2) for exact and
 entmax attention; O(N) for clustered, improved clustered, FAVOR+, the linear kernels (linear, efficient,
 taylor), Linformer, Nystrom, LSH, BigBird and the window (fixed clusters, features, projections, landmarks,
 buckets, blocks or width); O(N sqrt(N)) for Sparsefinder with sqrt(N) balanced clusters and MonarchAttention with

@@ -14,7 +14,8 @@ examples cannot tell the two apart at that level; one entirely below 0 says the 
     python recipes/dominance_resolution.py --threads 2             # every case (about 10 minutes on 2 threads)
     python recipes/dominance_resolution.py --report                # the table from the committed JSON
 
-Needs the records' checkpoints in runs/checkpoints (the autotune recipe fine-tunes them; this recipe never does).
+Needs the records' checkpoints in runs/checkpoints, or the folder --checkpoints names (the autotune recipe fine-tunes
+them; this recipe never does): each is found by its folder name, the records' paths being where they were made.
 Writes ``recipes/results/dominance_resolution.json``.
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _shared import RESULTS, ROOT, write_json  # noqa: E402
+from _shared import CHECKPOINTS, RESULTS, ROOT, write_json  # noqa: E402
 
 import approx  # noqa: E402
 from approx.harness.argcheck import at_least  # noqa: E402
@@ -120,9 +121,18 @@ def run_case(case: tuple[str, str, str, str], args) -> dict[str, Any]:
     examples, tuned, uniform, reproduced, mode = [], [], [], [], None
     start = time.perf_counter()
     for tp, up in zip(t_parts, u_parts, strict=True):
-        folder = tp["model"]
-        if folder != up["model"] or not Path(folder).is_dir():
-            raise ValueError(f"{task} {tp['split']}: checkpoint {folder} (uniform row: {up['model']}) is not cached")
+        if tp["model"] != up["model"]:
+            raise ValueError(f"{task} {tp['split']}: the tuned and uniform rows ran other checkpoints")
+        # the records name the checkpoint where it was when they were made (another checkout, /tmp): its folder name
+        # under --checkpoints, where the autotune recipe caches it, else that path
+        folder = str(Path(args.checkpoints) / Path(tp["model"]).name)
+        if not Path(folder).is_dir():
+            folder = tp["model"]
+        if not Path(folder).is_dir():
+            raise ValueError(
+                f"{task} {tp['split']}: checkpoint {Path(tp['model']).name} is not cached in {args.checkpoints} (nor at "
+                f"{tp['model']}, where the record was made): run recipes/autotune_pareto.py first, or give --checkpoints"
+            )
         model, tokenizer = load_pretrained(folder, task=checkpoint_heads(folder)[0], progress=False)
         layers = _tuned_layers(model, tp["tuned_layers"])
         results = approx.evaluate(
@@ -206,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", help="data folder (default: $APPROX_DATA_DIR, then ../shared/data)")
     p.add_argument("--report", action="store_true", help="print the table from the committed JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--checkpoints", default=str(CHECKPOINTS), help="the cached checkpoints' folder (default runs/checkpoints)"
+    )
     p.add_argument("--output", default=str(OUTPUT), help=f"JSON to write (default {OUTPUT.relative_to(ROOT)})")
     args = p.parse_args(argv)
     if args.report:

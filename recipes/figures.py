@@ -10,7 +10,8 @@
   and improved-clustered attention with 25 clusters (k = 32), computed with each method's ``weights()``
   function on the same queries and keys (one layer and head; by default the last layer and the head whose full
   attention from the question is sharpest). The model is the SQuAD checkpoint of ``recipes/clustered_table.py``
-  that never saw this article (cross-fitting), else the plain MiniLM-L6 encoder.
+  that never saw this article (cross-fitting); without one (and without ``--model``) the figure is not drawn,
+  rather than redrawn from another model (``--model`` draws it from the one given, the plain MiniLM-L6 encoder say).
 
     python recipes/figures.py                # a few seconds; writes recipes/results/figures/*.png
 """
@@ -104,7 +105,7 @@ def speed(benchmark: Path, out: Path) -> Path | None:
     return out
 
 
-def _squad_model(args: argparse.Namespace, example: dict[str, Any]) -> str:
+def _squad_model(args: argparse.Namespace, example: dict[str, Any]) -> str | None:
     if args.model:
         return args.model
     from approx.harness.tasks.base import cross_fit_half
@@ -116,12 +117,10 @@ def _squad_model(args: argparse.Namespace, example: dict[str, Any]) -> str:
             found = sorted(args.checkpoints.glob(f"squad-dev{half}-*/finetune.json"))
             if found:
                 return str(found[-1].parent)
-    from approx.harness.data import default_model_path
-
-    return default_model_path()
+    return None
 
 
-def squad_attention(args: argparse.Namespace, out: Path) -> Path:
+def squad_attention(args: argparse.Namespace, out: Path) -> Path | None:
     from approx.harness.tasks import get_task
     from approx.integration import attention_probe, load_pretrained, patch, patched_layers, unpatch
 
@@ -129,6 +128,13 @@ def squad_attention(args: argparse.Namespace, out: Path) -> Path:
     args._examples = examples
     example = next((e for e in examples if e["id"] == args.question_id), examples[0])
     model_name = _squad_model(args, example)
+    if model_name is None:  # (the plain encoder had been drawn in its place, over the reader's figure, in silence)
+        print(
+            f"squad_attention.png not drawn: no SQuAD reader fine-tuned on the half without this article in "
+            f"{args.checkpoints} (recipes/clustered_table.py makes it); --model draws it from another model",
+            file=sys.stderr,
+        )
+        return None
     model, tokenizer = load_pretrained(model_name, progress=False)
     enc = tokenizer(example["question"], example["context"], truncation="only_second", max_length=384)
     inputs = {k: torch.tensor([v]) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
