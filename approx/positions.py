@@ -151,12 +151,19 @@ def _period(config: Any, rows: torch.Tensor) -> int:
     return _table_period(rows)
 
 
+# rows a period must be seen to repeat: fewer could be rows that happen to be equal at both ends (zeroed ones)
+_MIN_REPEAT = 8
+
+
 def _table_period(rows: torch.Tensor) -> int:
-    """The smallest p such that row i + p equals row i for every i (a table extended by older code repeats its
-    trained rows exactly, block after block; a pretrained or fine-tuned table has no such p below its length)."""
+    """The smallest p such that row i + p equals row i for every i, over at least :data:`_MIN_REPEAT` rows (a table
+    extended by older code repeats its trained rows exactly, block after block; a pretrained or fine-tuned table has
+    no such p below its length); the length for a table without values (meta tensors: a model built to be loaded)."""
     length = rows.shape[0]
+    if rows.is_meta or length <= _MIN_REPEAT:
+        return length
     for p in (rows == rows[0]).all(-1).nonzero()[:, 0].tolist():  # (rows equal to the first: few)
-        if p > 0 and torch.equal(rows[p:], rows[: length - p]):
+        if 0 < p <= length - _MIN_REPEAT and torch.equal(rows[p:], rows[: length - p]):
             return p
     return length
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -128,71 +127,51 @@ def evaluate_checkpoints(
     return merge_halves(halves, examples, protocol=CROSS_FIT_PROTOCOL)
 
 
-# set to 1 to let a run replace committed results that other settings made (see `write_json`)
-REPLACE_ENV = "APPROX_REPLACE_RESULTS"
-TRIALS = ROOT / "runs" / "trials"  # where such a run's results go instead (git-ignored)
-# options that say where things are or how much is printed, not what is measured; --update merges into a committed
-# file by design (the recipes that take it replace only the rows they ran)
-_WHERE = {"--output", "--results", "--results-dir", "--figure", "--data-dir", "--checkpoints", "--quiet", "--update"}
-
-
 def write_json(path: Path, payload: Any) -> None:
-    """Write ``payload`` to ``path``, unless ``path`` holds committed results (a file git tracks) that a run of other
-    settings made: a trial run (``--limit 4``, ``--windows 1``) would replace the reference numbers, and
-    ``recipes/update_docs.py`` would publish it. Such a run writes to ``runs/trials/`` instead and stops, saying how to
-    replace them (``APPROX_REPLACE_RESULTS=1``). The settings compared are the command line's options but those of
-    :data:`_WHERE`, against every command the file's provenance records."""
+    """Write ``payload`` to ``path``; where that replaces committed results (a file git tracks) with other content, say
+    so on stderr, with the command the file recorded and this run's: a trial run (``--limit 4``) written over them
+    would otherwise go unnoticed until ``recipes/update_docs.py`` published it. (A refusal was tried and taken out:
+    told apart by the command line's text, it let runs without ``--update`` through and refused documented ones.)"""
     path = Path(path)
-    made_by = _other_settings(path)
-    if made_by is not None:
-        trial = TRIALS / path.name
-        trial.parent.mkdir(parents=True, exist_ok=True)
-        trial.write_text(_json.dumps(payload))
-        raise SystemExit(
-            f"{path} holds committed results made by `{made_by}`; this run (`{shlex.join(sys.argv)}`) measured other "
-            f"settings, so its results were written to {trial} instead. Give --output (or --results-dir) elsewhere for "
-            f"a trial run, or set {REPLACE_ENV}=1 to replace the committed results"
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_json.dumps(payload))
-
-
-def _other_settings(path: Path) -> str | None:
-    """The command that made the committed results at ``path`` when this run's settings differ from every command
-    recorded there; None when the file may be written (not tracked by git, no command recorded, the same settings,
-    or ``APPROX_REPLACE_RESULTS=1``)."""
-    if os.environ.get(REPLACE_ENV) == "1" or not path.is_file():
-        return None
+    text = _json.dumps(payload)
+    replaced = path.is_file() and _tracked(path) and path.read_text() != text
     try:
-        tracked = subprocess.run(
+        made_by = _commands(json.loads(path.read_text()))[:1] if replaced else []
+    except ValueError:  # (not JSON: nothing recorded to name)
+        made_by = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if replaced:
+        print(
+            f"note: {path} held committed results ({'made by `' + made_by[0] + '`' if made_by else 'no command recorded'})"
+            f"; this run (`{shlex.join(sys.argv)}`) replaced them: `git diff -- {path}` shows the change, `git checkout "
+            f"-- {path}` restores them (for a trial run, give --output or --results-dir elsewhere)",
+            file=sys.stderr,
+        )
+
+
+def _tracked(path: Path) -> bool:
+    """Whether git tracks ``path`` in this checkout (False without git, or outside a git checkout)."""
+    try:
+        done = subprocess.run(
             ["git", "-C", str(ROOT), "ls-files", "--error-unmatch", str(path.resolve())],
             capture_output=True,
             check=False,
         )
-    except OSError:  # no git: no committed file to tell
-        return None
-    if tracked.returncode != 0:
-        return None
-    try:
-        recorded = _commands(json.loads(path.read_text()))
-    except (ValueError, UnicodeDecodeError):
-        return None
-    mine = _settings(sys.argv[1:])
-    if not recorded or any(_settings(shlex.split(c)[1:]) == mine for c in recorded):
-        return None
-    return recorded[0]
+    except OSError:
+        return False
+    return done.returncode == 0
 
 
 def _commands(record: Any) -> list[str]:
     """Every ``provenance.command`` in a results JSON, in order (a merged file holds several)."""
     found: list[str] = []
     if isinstance(record, dict):
-        command = (
-            (record.get("provenance") or {}).get("command") if isinstance(record.get("provenance"), dict) else None
-        )
-        if isinstance(command, str) and command not in found:
+        provenance = record.get("provenance")
+        command = provenance.get("command") if isinstance(provenance, dict) else None
+        if isinstance(command, str):
             found.append(command)
-        values = record.values()
+        values = list(record.values())
     elif isinstance(record, list):
         values = record
     else:
@@ -200,18 +179,6 @@ def _commands(record: Any) -> list[str]:
     for value in values:
         found.extend(c for c in _commands(value) if c not in found)
     return found
-
-
-def _settings(args: list[str]) -> list[tuple[str, tuple[str, ...]]]:
-    """A command line's options and their values, sorted, without those of :data:`_WHERE` ("--x=1" read as "--x 1")."""
-    options: list[tuple[str, list[str]]] = []
-    for token in args:
-        if token.startswith("--"):
-            name, _, value = token.partition("=")
-            options.append((name, [value] if value else []))
-        elif options:
-            options[-1][1].append(token)
-    return sorted((name, tuple(values)) for name, values in options if name not in _WHERE)
 
 
 def figure_beside(parser, figure: Path | None, output: Path, output_dest: str = "output") -> Path | None:

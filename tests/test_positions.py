@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import ABSOLUTE_POSITIONS, ROTARY, batch, model_output, tiny_model
+from conftest import ABSOLUTE_POSITIONS, ROTARY, batch, model_output, tiny_config, tiny_model
 
 import approx
 from approx.positions import extended_positions
@@ -96,6 +96,15 @@ def test_extending_twice_gives_the_model_extending_once_gives(family, tmp_path):
     assert torch.equal(table(approx.extend_positions(old, NEW)), table(once))
     assert old.config.approx_trained_positions == trained
     assert approx.positions.trained_positions(tiny_model(family, "base", max_position_embeddings=ROWS)) == trained
+    # rows that happen to be equal at both ends of a table are no period (a reviewer's finding: r[-1] = r[0] read as
+    # 511 of 512 trained rows), and a table without values (built on meta, to be loaded) extends as before
+    rows = torch.randn(512, 8)
+    rows[-3:] = rows[:3]
+    assert approx.positions._table_period(rows) == 512
+    assert approx.positions._table_period(torch.cat([rows, rows[:100]])) == 512
+    with torch.device("meta"):
+        meta = AutoModel.from_config(tiny_config(family, max_position_embeddings=ROWS))
+    assert table(approx.extend_positions(meta, NEW)).shape[0] == offset_of(meta) + NEW
     # a count edited by hand into something that is not one: said, and the table's period taken
     edited = approx.extend_positions(tiny_model(family, "base", max_position_embeddings=ROWS), 90)
     edited.config.approx_trained_positions = str(trained)

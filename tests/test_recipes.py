@@ -1146,7 +1146,7 @@ def test_dominance_resolution_recipe_smoke(fixture_dir, tmp_path, monkeypatch):
     (tmp_path / "rec.json").write_text(json.dumps(record))
     monkeypatch.setattr(recipe, "RESULTS", tmp_path)
     monkeypatch.setattr(recipe, "RESAMPLES", 200)
-    args = argparse.Namespace(quiet=True, data_dir=str(fixture_dir))
+    args = argparse.Namespace(quiet=True, data_dir=str(fixture_dir), checkpoints=str(tmp_path / "not-cached-here"))
     label = short_label(halves["dev/1"][1]["method"])
     out = recipe.run_case(("rec.json", "stsb", "flops", label), args)
     assert out["all_reproduced"] and len(out["reproduced"]) == 4  # two halves, tuned and uniform
@@ -1206,27 +1206,23 @@ def test_merged_halves_of_unequal_size_score_the_union(fixture_dir, tmp_path):
     assert merged["metrics"] != pytest.approx(averaged)  # the fixture tells the two apart
 
 
-def test_a_trial_run_does_not_replace_committed_results(tmp_path, monkeypatch):
-    """A run with other settings than those that made a committed result (``--windows 1``) writes its results to
-    runs/trials/ and stops, saying what made the committed file and how to replace it (a reviewer's smoke runs had
-    replaced committed results, and update_docs then published them); the command that made it, a file git does not
-    track, and APPROX_REPLACE_RESULTS=1 write as before."""
+def test_writing_over_committed_results_is_said(tmp_path, monkeypatch, capsys):
+    """A recipe run that replaces a committed result (a file git tracks) with other content says so, naming the command
+    the file recorded and how to see or undo the change (a reviewer's trial runs had replaced committed results, and
+    update_docs then published them, without a word); an untracked file, or the same content, is written quietly."""
     shared = _recipe("_shared")
     committed = RECIPES / "results" / "minilm_wikitext2_fidelity.json"
     before = committed.read_bytes()
     (recorded,) = shared._commands(json.loads(before))
-    monkeypatch.setattr(shared, "TRIALS", tmp_path / "trials")
-    monkeypatch.setattr(sys, "argv", ["recipes/minilm_wikitext2_fidelity.py", "--windows", "1", "--quiet"])
-    with pytest.raises(SystemExit, match=f"made by `{recorded}`.*APPROX_REPLACE_RESULTS=1") as e:
-        shared.write_json(committed, [{"trial": True}])
-    assert str(tmp_path / "trials" / committed.name) in str(e.value)
-    assert committed.read_bytes() == before
-    assert json.loads((tmp_path / "trials" / committed.name).read_text()) == [{"trial": True}]
-    # what may be written: the recorded settings (where options and --quiet aside), an untracked file, consent
-    monkeypatch.setattr(sys, "argv", [*recorded.split(), "--quiet", "--output", str(committed)])
-    assert shared._other_settings(committed) is None
     monkeypatch.setattr(sys, "argv", ["recipes/minilm_wikitext2_fidelity.py", "--windows", "1"])
+    try:
+        shared.write_json(committed, json.loads(before))  # the same content: nothing to say
+        assert capsys.readouterr().err == ""
+        shared.write_json(committed, [{"trial": True}])
+        err = capsys.readouterr().err
+        assert f"held committed results (made by `{recorded}`)" in err and "--windows 1" in err
+        assert f"git checkout -- {committed}" in err
+    finally:
+        committed.write_bytes(before)
     shared.write_json(tmp_path / "elsewhere.json", {"x": 1})
-    assert json.loads((tmp_path / "elsewhere.json").read_text()) == {"x": 1}
-    monkeypatch.setenv("APPROX_REPLACE_RESULTS", "1")
-    assert shared._other_settings(committed) is None
+    assert capsys.readouterr().err == "" and json.loads((tmp_path / "elsewhere.json").read_text()) == {"x": 1}

@@ -570,10 +570,10 @@ def _results(
         protocol = task.protocol(mode, settings["max_length"])
         if run.positions:
             p = run.positions
-            blocks = "" if p["trained_positions"] == p["extended_from"] else f" of the {p['trained_positions']} trained"
+            trained, rows = p["trained_positions"], p["extended_from"]
+            had = f"{rows} learned positions" if trained == rows else f"{rows} positions ({trained} of them trained)"
             protocol += (
-                f"; the model's {p['extended_from']} learned positions extended to {p['extended_to']} "
-                f"(trained rows{blocks} copied block after block)"
+                f"; the model's {had} extended to {p['extended_to']} (the trained rows copied block after block)"
             )
         if local[s] == "band":
             protocol += "; the sliding-window layers on approx's banded kernel (local='band'), full attention unpatched"
