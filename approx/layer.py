@@ -156,8 +156,9 @@ def _additive_allowed(m: torch.Tensor) -> torch.Tensor:
 def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor | None:
     """A key-padding mask given to a layer: (B, S) bool, True at a real key, as it is (a (1, S) mask, one for the whole
     batch, expanded to (B, S): the block-sparse, LSH and Monarch methods read a mask per batch row, and had failed
-    inside on it or, the Sparse Transformer, returned wrong rows); a tokenizer's 0/1 integer ``attention_mask`` as bool; anything else refused, saying what it is (a float
-    mask may be additive, 0 at a real key, and read as 0/1 it would turn padding into keys)."""
+    inside on it or, the Sparse Transformer, returned wrong rows); a tokenizer's 0/1 integer ``attention_mask`` as
+    bool; anything else refused, saying what it is (a float mask may be additive, 0 at a real key, and read as 0/1 it
+    would turn padding into keys)."""
     if key_mask is None:
         return None
     want = (k.shape[0], k.shape[-2])
@@ -183,10 +184,10 @@ def checked_key_mask(key_mask: torch.Tensor | None, k: torch.Tensor) -> torch.Te
 def finite_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``x`` (B, H, S, d) with its non-finite entries at padded positions (``mask`` (B, S) or (1, S) False) set to 0;
     ``x`` itself where it is all finite (on the CPU: checked by its sum, one pass, as there a check costs no
-    synchronisation; a sum that overflows only takes the longer way). What a model leaves
-    at padding reaches no real row through any method this way, in the backward pass as well: a padded query's NaN
-    score row had crashed entmax's sort, and an inf padded key or query, whose masked product is 0 in the forward,
-    gave 0 * inf = NaN gradients to the real tokens. Finite padding is left as it is, to the bit."""
+    synchronisation; a sum that overflows only takes the longer way). What a model leaves at padding reaches no real
+    row through any method this way, in the backward pass as well: a padded query's NaN score row had crashed
+    entmax's sort, and an inf padded key or query, whose masked product is 0 in the forward, gave 0 * inf = NaN
+    gradients to the real tokens. Finite padding is left as it is, to the bit."""
     if mask is None:
         return x
     if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):  # (one pass, nothing allocated: all finite)

@@ -188,8 +188,9 @@ def extend_positions(model: nn.Module, max_length: int, *, tokenizer: Any = None
     (``approx_trained_positions``, saved with it) at the first extension: extending again keeps the rows the table
     has and gives each new position p the trained row p mod that number, so extending to 1300 and then to 2000 gives
     the model that extending to 2000 at once gives (rows trained since, by fine-tuning, are kept). A model extended
-    before the count was recorded is recognised by its table, whose rows repeat with the trained count's period. For RoBERTa-like tables the offset rows (``padding_idx + 1`` of them) stay
-    in place and the table grows to ``max_length + offset`` rows. The first positions keep their rows
+    before the count was recorded is recognised by its table, whose rows repeat with the trained count's period.
+    For RoBERTa-like tables the offset rows (``padding_idx + 1`` of them) stay in place and the table grows to
+    ``max_length + offset`` rows. The first positions keep their rows
     bit-for-bit, so inputs within the old limit give exactly the old outputs. ``config.max_position_embeddings``,
     the embeddings' ``position_ids`` and ``token_type_ids`` buffers and ``tokenizer.model_max_length`` (when a
     tokenizer is given) follow, so ``save_pretrained`` and a plain ``from_pretrained`` keep the new length.
