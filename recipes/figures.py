@@ -30,6 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from approx.harness.provenance import provenance, weights_digest  # noqa: E402
 from approx.layer import ApproxAttention  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -194,8 +195,9 @@ def squad_attention(args: argparse.Namespace, out: Path) -> Path | None:
     plt.close(fig)
     shown = Path(model_name)
     shown = str(shown.relative_to(ROOT)) if shown.is_absolute() and shown.is_relative_to(ROOT) else model_name
-    meta = {"model": shown, "example": example["id"], "question": example["question"], "layer": layer}
-    (out.with_suffix(".json")).write_text(json.dumps({**meta, "head": head}, indent=2) + "\n")
+    meta = {"model": shown, "example": example["id"], "question": example["question"], "layer": layer, "head": head}
+    made = provenance(seed=0, model_weights_sha256=weights_digest(model))  # (seed: the methods' default, 0)
+    (out.with_suffix(".json")).write_text(json.dumps({**meta, "provenance": made}, indent=2) + "\n")
     return out
 
 

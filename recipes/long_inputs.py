@@ -21,7 +21,8 @@ fidelity (task agreement, hidden-state cosine, attention error), the whole-model
 
     python recipes/long_inputs.py                       # CPU profile: subsets (see PROFILES)
     python recipes/long_inputs.py --profile gpu         # every length to 16384, more questions and windows
-    python recipes/long_inputs.py --tasks squad-doc --lengths 1024 --questions 4 --results /tmp/li.json   # smoke
+    python recipes/long_inputs.py --tasks squad-doc --lengths 1024 --questions 4 --results /tmp/li.json \
+        --max-steps 2 --train-limit 8 --checkpoints /tmp/li-ck   # smoke: readers fine-tuned for 2 steps, elsewhere
     python recipes/long_inputs.py --report              # the table of best points and the targets
 
 Writes ``recipes/results/long_inputs.json`` (the harness's result format, per task and length) and
@@ -159,17 +160,30 @@ def methods(task: str = "wikitext2", names: list[str] | None = None) -> list[Any
 
 
 def squad_checkpoints(
-    profile: str, progress: bool, data_dir: str | None = None, reader: str = "squad"
+    profile: str,
+    progress: bool,
+    data_dir: str | None = None,
+    reader: str = "squad",
+    *,
+    root: Path | None = None,
+    max_steps: int | None = None,
+    train_limit: int | None = None,
 ) -> tuple[list[tuple[str, str]], list[dict[str, Any]]]:
-    """The SQuAD readers (fine-tuned now when not cached): (folder, split it scores). ``reader`` "squad": the
-    clustered table's checkpoints; "squad-doc": those fine-tuned again on squad-doc windows (:data:`LONG_READER`)."""
+    """The SQuAD readers (fine-tuned now when not cached, in ``root``): (folder, split it scores). ``reader``
+    "squad": the clustered table's checkpoints; "squad-doc": those fine-tuned again on squad-doc windows
+    (:data:`LONG_READER`). ``max_steps`` and ``train_limit`` (training examples) cap the fine-tuning for a short
+    run, as the clustered table's flags do (other settings, so other checkpoints: the cached ones are not used)."""
     if reader not in READERS:
         raise ValueError(f"unknown reader {reader!r}; choose one of {', '.join(READERS)}")
-    settings = {**base_settings("squad", profile), **READER[profile]}
-    if reader == "squad-doc" and not torch.cuda.is_available():  # refused before fine-tuning anything
+    root = CHECKPOINTS if root is None else Path(root)
+    caps = {"max_steps": max_steps, "limit": train_limit}
+    caps = {k: v for k, v in caps.items() if v is not None}  # (after READER, whose "limit" would lift the cap)
+    settings = {**base_settings("squad", profile), **READER[profile], **caps}
+    long_reader = {**LONG_READER, **caps}
+    if reader == "squad-doc" and not torch.cuda.is_available() and not caps:  # refused before fine-tuning anything
         for train_split, _ in FOLDS[profile]:
             base = checkpoint_key(default_model(), "squad", train_split, settings)  # the folder ensure_checkpoint uses
-            cached = CHECKPOINTS / checkpoint_key(base, "squad-doc", train_split, LONG_READER) / "finetune.json"
+            cached = root / checkpoint_key(base, "squad-doc", train_split, long_reader) / "finetune.json"
             if not cached.is_file():
                 raise SystemExit(
                     f"the squad-doc reader is fine-tuned at 4096 tokens on a CUDA device (LONG_READER: 2.6 min on an "
@@ -180,14 +194,14 @@ def squad_checkpoints(
     pairs, records = [], []
     for train_split, eval_split in FOLDS[profile]:
         folder, record, reused = ensure_checkpoint(
-            default_model(), "squad", train_split, settings, data_dir=data_dir, progress=progress
+            default_model(), "squad", train_split, settings, root=root, data_dir=data_dir, progress=progress
         )
         entry = {"folder": folder.name, "task": "squad", "train_split": train_split, "reused": reused,
                  "settings": record.get("settings"), "wall_seconds": record.get("provenance", {}).get("wall_seconds")}  # fmt: skip
         if reader == "squad-doc":
             base = folder
             folder, record, reused = ensure_checkpoint(
-                str(base), "squad-doc", train_split, LONG_READER, data_dir=data_dir, progress=progress
+                str(base), "squad-doc", train_split, long_reader, root=root, data_dir=data_dir, progress=progress
             )
             losses = record.get("losses") or [None]
             entry = {"folder": folder.name, "task": "squad-doc", "trained_from": entry, "train_split": train_split,
@@ -201,16 +215,28 @@ def squad_checkpoints(
     return pairs, records
 
 
-def mlm_checkpoint(progress: bool, data_dir: str | None = None) -> tuple[str, dict[str, Any]]:
-    """The masked-LM checkpoint of ``recipes/minilm_mlm.py`` (fine-tuned now when not cached)."""
+def mlm_checkpoint(
+    progress: bool,
+    data_dir: str | None = None,
+    *,
+    root: Path | None = None,
+    max_steps: int | None = None,
+    train_limit: int | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The masked-LM checkpoint of ``recipes/minilm_mlm.py`` (fine-tuned now when not cached, in ``root``; its flags
+    ``--max-steps`` and ``--train-limit`` as ``max_steps`` and ``train_limit``)."""
     import minilm_mlm
 
-    settings = minilm_mlm.settings(minilm_mlm.build_parser().parse_args([]))  # the recipe's defaults
+    root = CHECKPOINTS if root is None else Path(root)
+    caps = [*(["--max-steps", str(max_steps)] if max_steps is not None else [])]
+    caps += [*(["--train-limit", str(train_limit)] if train_limit is not None else [])]
+    settings = minilm_mlm.settings(minilm_mlm.build_parser().parse_args(caps))  # the recipe's defaults, capped
     folder, record, reused = ensure_checkpoint(
         default_model(),
         minilm_mlm.TASK,
         minilm_mlm.TRAIN_SPLIT,
         settings,
+        root=root,
         data_dir=data_dir,
         source="local",
         progress=progress,
@@ -506,6 +532,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--data-dir", help="default: $APPROX_DATA_DIR, then ../shared/data")
     p.add_argument(
+        "--checkpoints", type=Path,
+        help="where the fine-tuned readers and the masked-LM model are cached (default runs/checkpoints)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-steps", type=at_least(1),
+        help="cap every fine-tuning at this many steps (a short run: other checkpoints, not the cached ones)",
+    )  # fmt: skip
+    p.add_argument("--train-limit", type=at_least(1), help="cap every fine-tuning's training examples (a short run)")
+    p.add_argument(
         "--results", type=Path,
         help=f"default: recipes/results/{OUTPUT.name} ({DOC_READER_OUTPUT.name} with --reader squad-doc)",
     )  # fmt: skip
@@ -585,10 +620,13 @@ def main(argv: list[str] | None = None) -> int:
     made = provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None)
     checkpoints: dict[str, Any] = {}
     squad = mlm = None
+    caps = {"root": args.checkpoints, "max_steps": args.max_steps, "train_limit": args.train_limit}
     if "squad-doc" in args.tasks:
-        squad, checkpoints["squad"] = squad_checkpoints(args.profile, not args.quiet, args.data_dir, args.reader)
+        squad, checkpoints["squad"] = squad_checkpoints(
+            args.profile, not args.quiet, args.data_dir, args.reader, **caps
+        )
     if "wikitext2" in args.tasks:
-        mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet, args.data_dir)
+        mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet, args.data_dir, **caps)
     results: list[dict[str, Any]] = []
     seconds = {}
     for n in lengths:

@@ -290,6 +290,31 @@ def test_the_long_reader_is_fine_tuned_from_the_clustered_tables_reader(recipe, 
     assert calls == []
 
 
+def test_a_short_run_caps_every_fine_tuning_and_caches_it_where_it_is_told(recipe, monkeypatch, tmp_path):
+    """--max-steps, --train-limit and --checkpoints reach both readers' and the masked-LM model's fine-tuning (other
+    settings, so other cache keys than the full runs'); a capped squad-doc reader is trained on the CPU too."""
+    calls = []
+
+    def ensure(base, task, train_split, settings, **kw):
+        calls.append((task, settings, kw["root"]))
+        return tmp_path / f"{task}-{train_split.replace('/', '')}", {"settings": settings}, False
+
+    monkeypatch.setattr(recipe, "ensure_checkpoint", ensure)
+    monkeypatch.setattr(recipe, "default_model", lambda: "the-base-model")
+    monkeypatch.setattr(recipe.torch.cuda, "is_available", lambda: False)
+    root = tmp_path / "short"
+    recipe.squad_checkpoints("cpu", False, None, "squad-doc", root=root, max_steps=2, train_limit=8)
+    recipe.mlm_checkpoint(False, None, root=root, max_steps=2, train_limit=8)
+    assert [c[0] for c in calls] == ["squad", "squad-doc", "wikitext2"]
+    assert all(c[2] == root and c[1]["max_steps"] == 2 and c[1]["limit"] == 8 for c in calls)
+    assert calls[1][1] == {**recipe.LONG_READER, "max_steps": 2, "limit": 8}
+    calls.clear()
+    recipe.squad_checkpoints("cpu", False, None)  # no caps: the recipe's own settings, in runs/checkpoints
+    assert calls[0][2] == recipe.CHECKPOINTS and "max_steps" not in calls[0][1]
+    args = recipe.build_parser().parse_args(["--max-steps", "2", "--train-limit", "8", "--checkpoints", str(root)])
+    assert (args.max_steps, args.train_limit, args.checkpoints) == (2, 8, root)
+
+
 def test_update_refuses_to_merge_another_readers_results(recipe, monkeypatch, tmp_path):
     import json
 

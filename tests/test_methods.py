@@ -336,8 +336,12 @@ def test_deterministic_under_seed(method):
 # another value for each: every config class that says it leaves options unused is here
 UNUSED = {  # method -> (options, other values of options they leave unused), a case per mode
     "bigbird": [({"block": 4, "random_blocks": 0}, {"seed": 7})],
+    "clustered": [({"clusters": 1}, {"bits": 7, "iterations": 2, "refine": 0, "thresholds": "mean", "seed": 5})],
     "entmax": [({}, {"n_iter": 3})],
     "favor": [({"features": 16}, {"relu_eps": 0.5}), ({"features": 16, "kernel": "relu"}, {"hyperbolic": False})],
+    "i-clustered": [
+        ({"clusters": 1, "topk": 8}, {"bits": 7, "iterations": 2, "refine": 0, "thresholds": "mean", "seed": 5})
+    ],
     "linformer": [({"projections": 8}, {"length": 16, "seed": 7})],
     "nystrom": [({"landmarks": 8, "pinv": "exact"}, {"pinv_iterations": 2})],
     "sparse-transformer": [({"stride": 16, "block": 8}, {"summary": 3})],

@@ -316,6 +316,7 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert {"quality_vs_cost.png", "squad_attention.png"} <= pngs
     meta = json.loads((tmp_path / "res" / "figures" / "squad_attention.json").read_text())
     assert "squad-dev" in meta["model"]  # the cached SQuAD checkpoint that never saw the example's article
+    assert meta["provenance"]["command"] and len(meta["provenance"]["model_weights_sha256"]) == 64
     # without such a checkpoint the heatmap is not drawn (the plain encoder's had replaced the reader's, in silence)
     args = ["--results-dir", str(tmp_path / "res"), "--checkpoints", str(tmp_path / "none"), "--layer", "0"]
     args += ["--out-dir", str(tmp_path / "fig2"), "--data-dir", str(fixture_dir), "--source", "local"]

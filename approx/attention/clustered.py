@@ -94,6 +94,11 @@ class ClusteredConfig(MethodConfig):
         "speed: see the docs' Speed page; rows with at most C real tokens are always exact)",
     )
 
+    def unused(self) -> dict[str, str]:
+        # one cluster holds every query, whatever the hash and the K-means find: its centroid is their mean
+        clustering = ("bits", "iterations", "refine", "thresholds", "seed")
+        return {name: "clusters of 2 or more" for name in clustering} if self.clusters == 1 else {}
+
     def check(self) -> None:
         self.require(self.clusters >= 1, "clusters", "need at least one cluster")
         self.require(self.exact_below >= 0, "exact_below", "a length: 0 (off) or more")
