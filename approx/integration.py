@@ -1118,7 +1118,8 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def set_tuning(model: nn.Module, record: dict[str, Any]) -> None:
     """Record how the patched layers were chosen (``approx.autotune``); :func:`save` writes it as ``"tuning"``
-    in ``approx_config.json``. Patching or unpatching again drops it."""
+    in ``approx_config.json``. Patching or unpatching again drops it, and so does :func:`redraw` of a layer whose
+    random state it draws (with a warning: the recorded fidelity was measured on the state drawn before)."""
     if not is_patched(model):
         raise ValueError("the model is not patched: nothing to record a tuning for")
     model.__dict__[_TUNING] = record
@@ -1158,6 +1159,14 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
         patched[i].redraw(layer_seed(seed, i))
         if i in seeded:
             patched[i].config = seeded[i]
+    if seeded and model.__dict__.pop(_TUNING, None) is not None:  # its fidelity was measured on the state drawn before
+        warnings.warn(
+            f"approx.redraw: layers {sorted(seeded)} drew new random state, so approx.autotune's record of this model "
+            "(its fidelity, whether the target was met) no longer describes it and is dropped; approx.save writes "
+            "none. Tune again to measure the new state",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
 
 
 def _seeded_configs(layers: dict[int, ApproxAttention], seed: int) -> dict[int, MethodConfig]:

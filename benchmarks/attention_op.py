@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
 from approx.harness.argcheck import at_least, check_device, method_variant, option_value
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 B, H, D = 1, 12, 64
 BASELINES = ("sdpa", "eager")
@@ -683,6 +683,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     if args.replot is not None:
         res = json.loads(args.replot.read_text())

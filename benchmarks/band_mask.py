@@ -26,6 +26,7 @@ import approx
 from approx import integration
 from approx.harness.argcheck import at_least
 from approx.harness.memory import allocation_peak
+from approx.harness.provenance import mark_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lsh_split import write_record  # noqa: E402
@@ -79,6 +80,7 @@ def measure(model, n: int, *, repeats: int, switch: dict[str, bool], seed: int) 
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--lengths", type=at_least(128), nargs="+", default=[4096, 8192])

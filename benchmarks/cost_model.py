@@ -29,7 +29,7 @@ from typing import Any
 import approx
 from approx import get_method
 from approx.harness.argcheck import at_least
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 D = 64
@@ -139,6 +139,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     res: dict[str, Any] = {
         "provenance": provenance(),

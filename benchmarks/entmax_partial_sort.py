@@ -32,7 +32,7 @@ import approx
 from approx.harness.argcheck import at_least
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 from approx.integration import attention_probe, load_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,6 +76,7 @@ def time_pass(fn, scores: list[torch.Tensor]) -> float:
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

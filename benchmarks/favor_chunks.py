@@ -29,12 +29,13 @@ from torch.profiler import ProfilerActivity, profile
 from approx import ApproxAttention, get_method
 from approx.attention import _kernelized
 from approx.harness.argcheck import at_least
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=at_least(1), nargs="+", default=[4096, 16384])
     p.add_argument("--rows", type=at_least(1), nargs="+", default=[512, 1024, 2048, 4096, 8192])

@@ -42,7 +42,7 @@ from approx.attention import _blocksparse, _flex
 from approx.attention import window as window_mod
 from approx.attention.window import WindowConfig
 from approx.harness.argcheck import at_least, device_checked
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -188,6 +188,7 @@ def measure(n: int, args: argparse.Namespace, layers: dict, config: WindowConfig
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -209,7 +210,7 @@ def main(argv=None) -> None:
         "flex_backward": backward,
         "rows": rows,
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "provenance": provenance(device=args.device),
+        "provenance": provenance(seed=args.seed, device=args.device),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

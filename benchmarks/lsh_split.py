@@ -27,7 +27,7 @@ import torch
 import approx
 from approx.attention import _lshfused
 from approx.harness.argcheck import at_least
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 
 def _time(layer, q, k, v, split: str) -> float:
@@ -59,6 +59,7 @@ def measure(heads: int, n: int, *, repeats: int, cluster_size: int, rounds: int,
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--heads", type=at_least(1), nargs="+", default=[1, 2, 12])

@@ -46,7 +46,7 @@ from approx import ApproxAttention, get_method
 from approx.attention import _kernelized, iclustered
 from approx.harness.argcheck import at_least
 from approx.harness.memory import allocation_peak
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM, TOKENS = 12, 32, 4096
@@ -212,6 +212,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     if args.replot is not None:
         plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))

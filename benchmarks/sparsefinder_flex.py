@@ -41,7 +41,7 @@ from approx.attention import sparsefinder as sparsefinder_mod
 from approx.attention._graph import group_ids
 from approx.attention.sparsefinder import SparsefinderConfig
 from approx.harness.argcheck import at_least, device_checked
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flex_vs_gather import interleaved, timed  # noqa: E402
@@ -147,6 +147,7 @@ def measure(n: int, args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -164,7 +165,7 @@ def main(argv=None) -> None:
         "load_average_before": load,
         "rows": rows,
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "provenance": provenance(device=args.device),
+        "provenance": provenance(seed=args.seed, device=args.device),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -54,7 +54,7 @@ from torch import nn
 
 import approx
 from approx.harness.argcheck import at_least, device_checked, method_variant
-from approx.harness.provenance import provenance
+from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -468,6 +468,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started = dt.datetime.now(dt.timezone.utc)

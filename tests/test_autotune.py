@@ -365,6 +365,19 @@ def test_errors_say_what_to_do(bert):
             approx.autotune(model, data, progress=False, **kwargs)
     with pytest.raises(ValueError, match="at least two"):
         approx.autotune(model, data[:1], progress=False, methods=["efficient"])
+    with pytest.raises(ValueError, match="input 2 is an empty token-id list"):  # (a reshape error inside the model)
+        approx.autotune(model, [[7, 8], [9], [], []], progress=False, methods=["efficient"])
+    batches = _batches(data, 2)
+    blank = [{**b, "attention_mask": torch.zeros_like(b["attention_mask"])} for b in batches]
+    for halves, which in (
+        ({"data": blank, "check_data": batches}, "search's"),
+        ({"data": [x for pair in zip(batches, blank, strict=True) for x in pair]}, "check's"),
+    ):
+        # (measured as fidelity 0: a blind search, or "even full attention measures 0" on a blank check half)
+        with pytest.raises(ValueError, match=f"the {which} calibration inputs hold no real token"):
+            approx.autotune(model, **halves, progress=False, methods=["efficient"])
+    tuned = approx.autotune(copy.deepcopy(bert), data, progress=False, methods="efficient", target="cosine>=0.5")
+    assert tuned.candidates == ["efficient"]  # one spec as a string: one candidate (it was read letter by letter)
     with pytest.raises(ValueError, match="a bare encoder, or a regression head") as e:
         approx.autotune(model, data, target="kl<=0.1", methods=["efficient"], progress=False)
     assert "a kl target" in str(e.value) and "kl<=1" not in str(e.value)  # not the search's placeholder
@@ -477,7 +490,8 @@ def test_cli_autotune_suggests_an_evaluation_on_other_data(split, score_split, m
         (["--split", "train"], "--split: for calibration on a task's split (--task); this run calibrates on WikiText"),
         (["--task", "rte", "--windows", "4"], "--windows: for calibration on WikiText-2 windows (without --task)"),
         (["--task", "rte", "--length", "64"], "--length: for calibration on WikiText-2 windows"),
-        (["--windows", "0"], "--windows must be at least 1, got 0"),
+        (["--windows", "0"], "--windows must be at least 2, got 0"),
+        (["--windows", "1"], "--windows must be at least 2, got 1 (the search and the check read different"),
         (["--task", "rte", "--cost-examples", "1"], "--cost-examples is at least 2"),
         (["--method", "sparsefinder"], "candidate sparsefinder has fitted state"),  # (it loaded the model first)
         (["--method", "full"], "'full' is always a candidate"),
@@ -1036,3 +1050,23 @@ def test_the_tuning_objective_reads_only_the_real_tokens_whatever_padding_holds(
         if mask[b, t]
     )
     assert count == 7 and total == pytest.approx(want, rel=1e-5)
+
+
+def test_redraw_drops_the_tuning_record_it_makes_stale(bert, tmp_path):
+    """approx.redraw of layers whose random state a seed draws: the record's fidelity was measured on the state drawn
+    before, so the record is dropped with a warning (approx.save then writes none); a redraw that draws nothing (no
+    layer reads a seed) keeps it."""
+    model = copy.deepcopy(bert)
+    tuning = approx.autotune(model, _data(8, 3), target="cosine>=0.5", methods=["favor:features=8"], progress=False)
+    assert "favor" in {x["method"] for x in approx.settings(model)}, tuning.choices
+    assert approx.integration.tuning(model) is not None
+    with pytest.warns(UserWarning, match="no longer describes it and is dropped"):
+        approx.redraw(model, seed=3)
+    assert approx.integration.tuning(model) is None
+    assert "tuning" not in json.loads((approx.save(model, tmp_path / "t") / "approx_config.json").read_text())
+    other = copy.deepcopy(bert)
+    approx.autotune(other, _data(8, 3), target="cosine>=0.5", methods=["efficient"], progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        approx.redraw(other, seed=3)  # efficient draws no state: its record still describes it
+    assert approx.integration.tuning(other) is not None

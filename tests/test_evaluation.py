@@ -375,20 +375,24 @@ def test_a_checkpoint_evaluated_on_the_examples_it_trained_on_is_said(fixture_di
     assert not [w for w in caught if "not held out" in str(w.message)]
 
 
-def test_a_folder_fitted_on_another_model_is_said(fixture_dir, checkpoints, tmp_path):
-    """A method folder whose approx_fit.json names another model than the one evaluated: a warning says its fitted
-    state learned that model's queries and keys; the same model, by another spelling of its path, says nothing."""
+@pytest.mark.parametrize("record, made", [("approx_fit.json", "fitted"), ("approx_autotune.json", "tuned")])
+def test_a_folder_fitted_on_another_model_is_said(fixture_dir, checkpoints, tmp_path, record, made):
+    """A method folder whose approx_fit.json (or approx_autotune.json: a tuned folder's choices were measured on that
+    model) names another model than the one evaluated: a warning says so; the same model, by another spelling of its
+    path, says nothing."""
     from conftest import tiny_model
 
     path = checkpoints("sequence-classification")
     folder = approx.save(approx.patch(tiny_model("bert"), "favor"), tmp_path / "fitted")
     for fitted_on, said in (("/elsewhere/model", True), (str(Path(path) / ".." / Path(path).name), False)):
-        (folder / "approx_fit.json").write_text(json.dumps({"model": fitted_on}))
+        (folder / record).write_text(json.dumps({"model": fitted_on}))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             _run(path, "rte", [str(folder)], fixture_dir, resamples=0)
-        told = [str(w.message) for w in caught if "was fitted on" in str(w.message)]
+        told = [str(w.message) for w in caught if f"was {made} on" in str(w.message)]
         assert bool(told) is said and (not said or "/elsewhere/model" in told[0])
+    if record != "approx_fit.json":
+        return
     # the folder as its own model (`approx eval --model F --method F`): approx fit saved into it the model it fitted on
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -450,6 +454,12 @@ def test_results_name_the_weights_and_the_state_that_ran(fixture_dir, checkpoint
     assert results[0]["method_state"]["state_sha256"] != results[1]["method_state"]["state_sha256"]
     (by_name,) = _run(str(path), "rte", ["favor:features=4"], fixture_dir, resamples=0)
     assert "method_state" not in by_name
+    # the dtype the model ran in (the same weights in bfloat16 give other numbers, and had read the same)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    for dtype, said in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype)
+        (result,) = _run(model, "rte", ["favor:features=4"], fixture_dir, resamples=0, tokenizer=tokenizer, limit=2)
+        assert result["model_dtype"] == said
 
 
 def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):
@@ -1585,7 +1595,8 @@ def test_provenance_records_the_load_average(monkeypatch):
 
 def test_provenance_records_the_device_and_threads_given_and_a_dirty_package(monkeypatch):
     """The device and torch's thread count as they are, and ``+dirty`` after the commit when git reports a change
-    to the package's code (only the code's paths are asked about: an edited README changes no result)."""
+    to the code (the package's, and the recipes' and benchmarks' scripts: only those paths are asked about, an edited
+    README changes no result)."""
     import subprocess
 
     from approx.harness import provenance as prov
@@ -1611,7 +1622,7 @@ def test_provenance_records_the_device_and_threads_given_and_a_dirty_package(mon
     status["out"] = ""
     assert prov.git_commit() == "abc123"
     (status_cmd,) = {tuple(c) for c in asked if "status" in c}
-    assert status_cmd[status_cmd.index("--") + 1 :] == ("approx", "pyproject.toml")
+    assert status_cmd[status_cmd.index("--") + 1 :] == ("approx", "pyproject.toml", "recipes/*.py", "benchmarks/*.py")
 
 
 def test_provenance_flags_a_commit_made_while_the_process_ran(monkeypatch):
@@ -1638,6 +1649,46 @@ def test_provenance_flags_a_commit_made_while_the_process_ran(monkeypatch):
     assert docs._provenance_line(later).startswith(
         "commit `bbb`, committed during the run, which had started at `aaa`, "
     )
+
+
+def test_dirty_means_uncommitted_code_not_results(tmp_path):
+    """``+dirty`` marks uncommitted changes to the package and to the recipes' and benchmarks' scripts (which compute
+    and choose what is recorded: an edited recipe had recorded a clean commit), not to results, figures or docs (a
+    recipe's first result written would otherwise mark its later ones)."""
+    from approx.harness.provenance import git_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    files = ["approx/m.py", "recipes/r.py", "recipes/results/r.json", "benchmarks/b.py", "docs/d.md", "README.md"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "HEAD").strip()
+    for name in files:
+        (tmp_path / name).write_text("1\n")
+        code = name.endswith(".py")
+        assert git_commit(tmp_path) == head + ("+dirty" if code else ""), name
+        git("checkout", "-q", "--", name)
+
+
+def test_every_benchmark_reads_its_start_commit_first():
+    """Each benchmark that writes a provenance takes its start reading (``mark_start``) first in ``main``: its first
+    ``provenance`` call comes when the work is done, which had recorded a commit made meanwhile as the code run."""
+    import ast
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    for path in sorted(benchmarks.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        main = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), None)
+        if main is None or "provenance" not in path.read_text():
+            continue
+        body = [n for n in main.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        first = ast.unparse(body[0])
+        assert first == "mark_start()", f"{path.name}: main starts with {first!r}"
 
 
 def test_a_result_of_some_layers_is_labelled_with_its_layers(checkpoints, fixture_dir):

@@ -279,16 +279,26 @@ def test_finetuning_a_deeper_model_with_a_folders_layers_is_refused(fixture_dir,
 @pytest.mark.parametrize("method", ["i-clustered:clusters=4,topk=8", "nystrom:landmarks=4"])
 def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path, method):
     """accelerate's bf16 mixed precision runs the model under torch.autocast, where improved clustered attention
-    had failed on a product's dtype (and Nystrom attention in inference): both train with it."""
-    from accelerate.state import AcceleratorState
+    had failed on a product's dtype (and Nystrom attention in inference): both train with it. accelerate keeps one
+    state per process, which refused another precision after the first run's ("restart your runtime"): runs in one
+    process switch precision both ways."""
+    from accelerate.state import AcceleratorState, DistributedType
 
-    # accelerate keeps one process-wide state, set by the first run (no mixed precision): a fresh one before and after
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        rec = _run(base_model, fixture_dir, tmp_path / "mp", method=method, max_steps=2, mixed_precision="bf16")
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    from approx.harness.finetune import _accelerator
+
+    _run(base_model, fixture_dir, tmp_path / "plain", max_steps=1)  # the process's accelerate state: no precision
+    rec = _run(base_model, fixture_dir, tmp_path / "mp", method=method, max_steps=2, mixed_precision="bf16")
     assert rec["method"]["name"] == method.split(":")[0] and all(map(torch.isfinite, map(torch.tensor, rec["losses"])))
+    assert rec["settings"]["mixed_precision"] == "bf16"
+    assert _run(base_model, fixture_dir, tmp_path / "back", max_steps=1)["settings"]["mixed_precision"] == "no"
+    held = dict(AcceleratorState._shared_state)  # several processes share it: not reset, refused
+    AcceleratorState._shared_state.update(distributed_type=DistributedType.MULTI_CPU)
+    try:
+        with pytest.raises(ValueError, match="across several processes"):
+            _accelerator("bf16")
+    finally:
+        AcceleratorState._shared_state.clear()
+        AcceleratorState._shared_state.update(held)
 
 
 def test_redrawn_seed_is_recorded_whether_the_run_was_resumed_or_not(base_model, fixture_dir, tmp_path):

@@ -320,13 +320,24 @@ class _Reference:
 class _Calibration:
     """Runs the model on fixed batches and compares with the unpatched model's outputs on them."""
 
-    def __init__(self, model, batches: list[dict[str, torch.Tensor]], target: Target, local: str | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        batches: list[dict[str, torch.Tensor]],
+        target: Target,
+        local: str | None = None,
+        what: str = "the calibration inputs",
+    ) -> None:
         self.model, self.target, self.local = model, target, local
         self.device = next(model.parameters()).device
         self.refs = []
-        self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per batch: (attention mask, question)
+        # per batch: (attention mask, question); refuses a batch without input_ids and attention_mask
+        self.masks: list[tuple[torch.Tensor, torch.Tensor | None]] = [_masks(model, inputs) for inputs in batches]
+        if not any(
+            bool(mask.any()) for mask, _ in self.masks
+        ):  # (measured as fidelity 0: every loss 1, a blind search)
+            raise ValueError(f"{what} hold no real token (every attention mask is 0): nothing to compare on")
         for inputs in batches:
-            self.masks.append(_masks(model, inputs))  # refuses a batch without input_ids and attention_mask
             inputs = {k: v.to(self.device) for k, v in inputs.items()}
             out = model(**inputs, output_hidden_states=True)
             logits = _output_logits(out, inputs["attention_mask"])
@@ -601,6 +612,8 @@ class Search:
             raise ValueError(
                 "the model is patched: autotune compares with the unpatched model; approx.unpatch it first"
             )
+        if isinstance(methods, (str, Setup, MethodConfig)):  # one candidate (a string was read letter by letter)
+            methods = [methods]
         given = list(methods) if methods is not None else list(DEFAULT_CANDIDATES)
         if not given:
             raise ValueError("name at least one candidate method (see `approx methods`)")
@@ -643,8 +656,8 @@ class Search:
         self.rows = sorted(self.full)
         self.local_layers = local_layers(model)
         n_layers = len(self.rows)
-        fit = _Calibration(model, fit_batches, self.measure, self.local)
-        self.check = _Calibration(model, check_batches, self.measure, self.local)
+        fit = _Calibration(model, fit_batches, self.measure, self.local, "the search's calibration inputs")
+        self.check = _Calibration(model, check_batches, self.measure, self.local, "the check's calibration inputs")
         # per layer, per option (option 0 full attention, option c column c - 1): the loss, and per convention the
         # costs the path, the budget and the report use: each layer's cost model at the cost inputs' lengths (the
         # check inputs', where the verification runs, unless cost_data was given; the table below: the fit inputs'),

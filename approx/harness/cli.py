@@ -685,9 +685,10 @@ def _autotune_data_flags(args: argparse.Namespace) -> None:
     if args.task is None:
         args.windows = 16 if args.windows is None else args.windows
         args.length = 512 if args.length is None else args.length
-        for flag, value, least in (("--windows", args.windows, 1), ("--length", args.length, 3)):
+        for flag, value, least in (("--windows", args.windows, 2), ("--length", args.length, 3)):
             if value < least:
-                raise ValueError(f"{flag} must be at least {least}, got {value}")
+                why = " (the search and the check read different windows)" if flag == "--windows" else ""
+                raise ValueError(f"{flag} must be at least {least}, got {value}{why}")
 
 
 def _eval_hint(args, task, folder: str, score_split: str | None = None) -> str:

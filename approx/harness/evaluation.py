@@ -59,7 +59,7 @@ from ..integration import (
 )
 from ..positions import extend_positions, extended_positions, position_limit, trained_positions
 from ..registry import get_method
-from ..saved import FIT_RECORD, check_checkpoint, read_settings
+from ..saved import AUTOTUNE_RECORD, FIT_RECORD, check_checkpoint, read_settings
 from . import fidelity as fid
 from .argcheck import check_device
 from .crossfit import examples_digest
@@ -104,7 +104,8 @@ class _Run:
     model_info: dict[str, Any]
     positions: dict[str, Any] | None = None  # set when the harness extended the model's positions
     main_process: bool = True  # under several processes, the one that says what the results cannot (warnings)
-    # {"model_weights_sha256": weights_digest} of the model evaluated (its name may be the checkpoint it started from)
+    # {"model_weights_sha256": weights_digest, "model_dtype": its parameters' dtypes} of the model evaluated (its name
+    # may be the checkpoint it started from; the same weights in bfloat16 give other numbers)
     weights: dict[str, str | None] | None = None
 
     @property
@@ -398,7 +399,7 @@ def _prepare(
 
     # the weights, before positions are extended (None where they give no digest): a path's are what it held when
     # it was read, and a model object's name may be the checkpoint it started from
-    weights = {"model_weights_sha256": weights_digest(model)}
+    weights = {"model_weights_sha256": weights_digest(model), "model_dtype": _dtypes(model)}
     if device is not None:
         device = torch.device(device)
     else:
@@ -429,6 +430,13 @@ def _prepare(
         model, model_name, task, mode, split, examples, where, features, device, pad_id, model_info, positions, main,
         weights,
     )  # fmt: skip
+
+
+def _dtypes(model: torch.nn.Module) -> str | None:
+    """The dtypes of the model's floating-point parameters, as torch names them without ``torch.`` (``"float32"``;
+    ``"bfloat16, float32"`` for a mix), None without any."""
+    found = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    return ", ".join(sorted(found)) or None
 
 
 def _read_record(file: Path, key: str) -> Any:
@@ -463,23 +471,32 @@ def _check_own_weights(model: str, methods: Sequence) -> None:
             check_checkpoint(method, read_settings(method))
 
 
+_MADE_ON = (  # a folder's record of the model a tool made it on, and what that model's weights shaped
+    (FIT_RECORD, "fitted", "its fitted state learned that model's queries and keys"),
+    (AUTOTUNE_RECORD, "tuned", "each layer's method was chosen, and its fidelity measured, on that model's attention"),
+)
+
+
 def _say_if_fitted_elsewhere(model: str, methods: Sequence) -> None:
-    """Warn when a folder given as a method was fitted (``approx fit``: its ``approx_fit.json``) on another model than
-    the one evaluated: its fitted state learned that model's queries and keys."""
+    """Warn when a folder given as a method was fitted (``approx fit``: its ``approx_fit.json``) or tuned (``approx
+    autotune``: its ``approx_autotune.json``) on another model than the one evaluated: its fitted state learned that
+    model's queries and keys, its choices were measured on that model. (A folder written by ``approx.save`` from
+    Python records no such model: nothing to compare.)"""
     for method in methods:
-        fitted_on = _read_record(Path(method) / FIT_RECORD, "model") if saved_folder(method) else None
-        if fitted_on is None:
-            continue
-        # the folder itself as the model: `approx fit` saved into it the checkpoint it fitted on (a checkpoint written
-        # over it later is refused by its digest, _check_own_weights)
-        names = [os.fspath(n) for n in (fitted_on, method) if isinstance(n, (str, os.PathLike))]
-        same = any(n == model or (Path(n).exists() and Path(n).resolve() == Path(model).resolve()) for n in names)
-        if not same:
-            warnings.warn(
-                f"approx: {method} was fitted on {fitted_on} (its approx_fit.json), not on {model}, the model evaluated: "
-                "its fitted state learned that model's queries and keys",
-                stacklevel=4,
-            )
+        for record, made, why in _MADE_ON:
+            made_on = _read_record(Path(method) / record, "model") if saved_folder(method) else None
+            if made_on is None:
+                continue
+            # the folder itself as the model: the tool saved into it the checkpoint it worked on (a checkpoint written
+            # over it later is refused by its digest, _check_own_weights)
+            names = [os.fspath(n) for n in (made_on, method) if isinstance(n, (str, os.PathLike))]
+            same = any(n == model or (Path(n).exists() and Path(n).resolve() == Path(model).resolve()) for n in names)
+            if not same:
+                warnings.warn(
+                    f"approx: {method} was {made} on {made_on} (its {record}), not on {model}, the model evaluated: "
+                    f"{why}",
+                    stacklevel=4,
+                )
 
 
 def _method_layers(model, setups: list[Setup], methods: Sequence, device, local: str | None) -> list[_MethodLayers]:

@@ -229,6 +229,25 @@ class _Training:
     losses: list[float] = dataclasses.field(default_factory=list)
 
 
+def _accelerator(mixed_precision: str):
+    """accelerate's ``Accelerator`` in ``mixed_precision``. accelerate keeps one state per process, set by its first
+    ``Accelerator``, and refuses another precision after it ("restart your runtime"): a second ``finetune`` call in
+    one Python process (a notebook comparing bf16 with float32) gets a fresh state when the process runs alone, and
+    a clear refusal under ``accelerate launch`` with several processes, whose shared state must not be reset."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, DistributedType
+
+    held = AcceleratorState._shared_state.get("_mixed_precision")
+    if held is not None and held != mixed_precision:
+        if AcceleratorState._shared_state.get("distributed_type", DistributedType.NO) != DistributedType.NO:
+            raise ValueError(
+                f"mixed_precision {mixed_precision!r}: this process already trains under accelerate in {held!r} "
+                "across several processes, whose state cannot change: launch a new run for the other precision"
+            )
+        AcceleratorState._reset_state()  # one process: the precision this run asks for
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+
+
 def _start(
     model: str,
     task: Task,
@@ -243,10 +262,9 @@ def _start(
     """Load the model with the task's head, patch it (a per-layer ``setup`` from ``origin``, the folder or layers it
     was read from, named in errors; ``state_from``: that folder or those layers, whose state the model's layers take:
     drawn or fitted, as they hold it), make the data loader, optimizer and schedule."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = _accelerator(cfg.mixed_precision)
     set_seed(cfg.seed)
     head_name = next(iter(task.modes))
     overrides, dropout_key = {}, None

@@ -16,15 +16,17 @@ import torch
 
 from .._version import __version__
 
-# What "dirty" means: uncommitted changes to the package itself (what produces a number), not to recipes,
-# results or docs.
-_CODE = ["approx", "pyproject.toml"]
+# What "dirty" means: uncommitted changes to the code that produces a number: the package, and the recipes' and
+# benchmarks' scripts (which compute, choose settings and write records themselves); not results, figures or docs
+# (a recipe's first result written would otherwise mark its later ones)
+_CODE = ["approx", "pyproject.toml", "recipes/*.py", "benchmarks/*.py"]
 
 
-def git_commit() -> str | None:
-    """The commit of the approx checkout (``+dirty`` when the package has uncommitted changes); None when approx
-    is installed from a wheel (no checkout around it)."""
-    root = Path(__file__).resolve().parents[2]
+def git_commit(root: str | os.PathLike | None = None) -> str | None:
+    """The commit of the approx checkout (``+dirty`` when the package, or a recipe or benchmark script, has
+    uncommitted changes); None when approx is installed from a wheel (no checkout around it). ``root``: another
+    checkout's folder (default: the one this module is in)."""
+    root = Path(__file__).resolve().parents[2] if root is None else Path(root)
     if not (root / ".git").exists() or not (root / "approx").is_dir():
         return None
     try:
@@ -119,9 +121,9 @@ _AT_START: dict[str, str | None] = {}
 
 def mark_start() -> None:
     """Read the checkout's commit now as this process's start (nothing after the first reading): the entry points
-    (``approx.evaluate``, ``approx.finetune``, the ``approx`` command) call it before they load or run anything,
-    so that a commit made while they run shows in their record as ``git_commit_at_start``. Without it the first
-    :func:`provenance` call takes that reading, when the work is done."""
+    (``approx.evaluate``, ``approx.finetune``, the ``approx`` command, the benchmarks) call it before they load or
+    run anything, so that a commit made while they run shows in their record as ``git_commit_at_start``. Without it
+    the first :func:`provenance` call takes that reading, when the work is done."""
     _AT_START.setdefault("commit", git_commit())
 
 
