@@ -15,12 +15,14 @@ backward of ``out.sum()``), no mask:
   to ``--eager-max``, and each method through ``approx.ApproxAttention``) run side by side in this process,
   interleaved: one warm-up call each, then per repeat one timed call (``time.perf_counter``) of each. The
   median is reported; ratio = median(sdpa) / median(method), > 1 means faster than SDPA.
-* peak memory: each (contender, N) runs once in a fresh subprocess; the first call's peak RSS minus the RSS
-  before it (inputs already made, everything imported); for a method with a compiled kernel (the sparse patterns'
-  ``kernel`` option, FlexAttention; ``engine="compiled"``; lsh's ``engine="fused"``) one call compiles first and the
-  second is measured (``after_a_compiling_call``). On Linux the peak is ``VmHWM`` of /proc/self/status,
-  reset through /proc/self/clear_refs, because ``ru_maxrss`` of a child inherits the parent's high-water
-  mark across exec; elsewhere ``ru_maxrss`` is used. It is a peak-RSS delta, not an allocator count.
+* peak memory: each (contender, N) runs in a fresh subprocess: one untimed call (where a compiled kernel is built
+  and every contender's one-time costs fall), then the measured call's peak RSS minus the RSS before it, the memory
+  the C allocator kept from the first call handed back first (``malloc_trim``, as the harness's ``PeakMemory``), the
+  same for every contender (``"measured": "second call"``; records written before 2026-12-01 measured the first
+  call, and the second for some contenders only, marked ``after_a_compiling_call``: not comparable). On Linux the
+  peak is ``VmHWM`` of /proc/self/status, reset through /proc/self/clear_refs, because ``ru_maxrss`` of a child
+  inherits the parent's high-water mark across exec; elsewhere ``ru_maxrss`` is used. It is a peak-RSS delta, not
+  an allocator count.
 * cost model: ``qk_pairs`` and ``flops`` from each method's ``spec.cost`` (N*N pairs for sdpa and eager).
 * fallback rows: ``METHOD+exact<L`` is METHOD with ``exact_below=L`` (``--fallback METHOD=L``, defaults at the
   crossovers measured on this machine), i.e. exact SDPA below L and the approximation from L on.
@@ -60,6 +62,7 @@ import torch.nn.functional as F
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
 from approx.harness.argcheck import at_least, check_device, method_variant, option_value
+from approx.harness.memory import PeakMemory
 from approx.harness.provenance import mark_start, provenance
 
 B, H, D = 1, 12, 64
@@ -396,8 +399,21 @@ def _reset_peak() -> bool:
     return _proc_status_kib("VmHWM") is not None
 
 
+def memory_call(mem: dict[Any, dict[str, dict[str, Any]]]) -> str:
+    """Which call a record's memory figures measured: every contender's second (records since 2026-12-01), or the
+    first, and the second for some (``after_a_compiling_call``, named) in older records, which are not comparable."""
+    entries = [(c, e) for per_n in mem.values() for c, e in per_n.items()]
+    if entries and all("measured" in e for _, e in entries):
+        return "the call after one untimed call, every contender alike"
+    second = sorted({c for c, e in entries if e.get("after_a_compiling_call")})
+    if not second:
+        return "the first call"
+    return f"the first call; of the second for {', '.join(second)}, so these are not comparable with the others"
+
+
 def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Runs inside the fresh subprocess: peak extra RSS of the first call."""
+    """Runs inside the fresh subprocess: peak extra RSS of a call after one untimed call (CPU), or of the first call
+    in process (CUDA's allocator peak)."""
     torch.set_num_threads(args.threads)
     fn = contender_fn(contender, all_configs(args), n, args.device)
     if fn is None:
@@ -411,16 +427,23 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
         torch.cuda.synchronize()
         extra = (torch.cuda.max_memory_allocated() - before) / 2**20
         return {"peak_extra_mib": extra, "rss_before_mib": before / 2**20, "counter": "cuda_max_memory_allocated"}
-    # a compiled kernel (the sparse patterns' FlexAttention, an engine="compiled" method, lsh's engine="fused") is built
-    # on its first call: that call is made first, so that the compiler's memory is not counted as the attention's
-    config = all_configs(args).get(contender)
-    warm = getattr(config, "kernel", "gather") != "gather" or getattr(config, "engine", "eager") in (
-        "compiled",
-        "fused",
-    )
-    if warm:
-        call(fn, q, k, v, args.backward)
-    if _reset_peak():
+    # every contender alike: one untimed call first, where a compiled kernel (FlexAttention, engine="compiled" or
+    # "fused") is built and where every contender's one-time costs fall (first-touch pages, lazy imports, caches);
+    # then the measured call, from a resident set without the memory the C allocator kept (PeakMemory: malloc_trim,
+    # then the peak mark reset). Records written before 2026-12-01 measured the first call, and the second only for
+    # some contenders ("after_a_compiling_call"), which made them incomparable.
+    call(fn, q, k, v, args.backward)
+    with PeakMemory("cpu") as peak:
+        out = call(fn, q, k, v, args.backward)
+    del out
+    if peak.mib is not None:
+        return {
+            "peak_extra_mib": peak.mib,
+            "rss_before_mib": peak._before / 1024,
+            "counter": "VmHWM",
+            "measured": "second call",
+        }
+    if _reset_peak():  # (elsewhere than Linux: the process's high-water mark, which cannot be reset)
         counter, read = "VmHWM", lambda: _proc_status_kib("VmHWM") or 0
     else:
         counter, read = "ru_maxrss", lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -432,7 +455,7 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
         "peak_extra_mib": (after - before) / 1024,
         "rss_before_mib": before / 1024,
         "counter": counter,
-        "after_a_compiling_call": warm,
+        "measured": "third call (ru_maxrss: a high-water mark that cannot be reset)",
     }
 
 
@@ -549,7 +572,7 @@ def report(res: dict[str, Any], configs: dict[str, MethodConfig]) -> str:
         counter = next(iter(next(iter(mem.values())).values()))["counter"]
         mcols = [c for c in cols if any(c in mem.get(n, {}) for n in ns)]
         where = "in process" if counter.startswith("cuda") else "in a fresh process"
-        out += ["", f"## Peak extra memory, {mode} (MiB; {counter} delta of the first call {where})", ""]
+        out += ["", f"## Peak extra memory, {mode} (MiB; {counter} delta of {memory_call(mem)} {where})", ""]
         out += ["| N | inputs | " + " | ".join(mcols) + " |", "|" + "---|" * (len(mcols) + 2)]
         for n in ns:
             cells = [f"{mem[n][c]['peak_extra_mib']:.1f}" if c in mem.get(n, {}) else "-" for c in mcols]

@@ -134,6 +134,23 @@ def _hardware(res: dict) -> str:
     return f"{dtype} {mode}, {prov['torch_threads']} threads"
 
 
+def _memory_how(mem: dict[str, dict[str, dict]]) -> str:
+    """How an attention-op record measured memory: since 2026-12-01 every contender's call after an untimed one;
+    before, the first call, and the second for the contenders marked ``after_a_compiling_call`` (not comparable)."""
+    entries = [(c, e) for per_n in mem.values() for c, e in per_n.items()]
+    if any(e.get("counter", "").startswith("cuda") for _, e in entries):
+        return "the CUDA allocator's peak during the first call"
+    if entries and all("measured" in e for _, e in entries):
+        return "peak RSS added by a call after one untimed call, in a fresh process"
+    second = sorted({c for c, e in entries if e.get("after_a_compiling_call")})
+    said = (
+        f"; {', '.join(second)}: the second call, after a compiling one, so not comparable with the others"
+        if second
+        else ""
+    )
+    return f"peak RSS added by the first call, in a fresh process{said}"
+
+
 def benchmark_block(path: str) -> str:
     res = json.loads((ROOT / path).read_text())
     names = res.get("contenders", ["sdpa", "eager", *res["methods"]])
@@ -164,7 +181,7 @@ def benchmark_block(path: str) -> str:
         + (f"; load average {load[0]:.1f} before the run" if load else "")
         + "; full table, memory and plot in `benchmarks/results/`):\n\n"
         + "\n".join(rows)
-        + (f"\n\nPeak extra memory at N = {big}: {mem_line}." if mem_line else "\n\n")
+        + (f"\n\nPeak extra memory at N = {big} ({_memory_how(mem)}): {mem_line}." if mem_line else "\n\n")
         + f" Settings: {configs}"
         + (" (clusters: about sqrt(N) per length)" if "sparsefinder" in cols else "")
         + ". `METHOD+exact<L` is METHOD with `exact_below=L` (exact SDPA below L). Dense"

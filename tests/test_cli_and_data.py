@@ -1152,3 +1152,24 @@ def test_a_per_layer_label_merges_only_consecutive_layers():
 
     assert short_label(record([0, 1, 2])) == "per-layer[0-2 full]"
     assert short_label(record([0, 3])) == "per-layer[0 full; 3 full]"
+
+
+def test_attention_op_measures_every_contenders_memory_alike(benchmark_script, monkeypatch):
+    """benchmarks/attention_op.py's memory probe makes one untimed call of every contender before the measured one (it
+    made it for some only, whose kernel compiles, and then named them all "the first call": favor's and the windows'
+    peaks were their second call's against clustered's and SDPA's first); the record and the reports say which call."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    bench = benchmark_script("attention_op")
+    calls = []
+    made = bench.call
+    monkeypatch.setattr(bench, "call", lambda fn, *a: calls.append(fn) or made(fn, *a))
+    args = bench.parse_args(["--methods", "favor", "clustered", "--threads", "1", "--fallback", "none"])
+    for contender in ("sdpa", "favor", "clustered"):
+        calls.clear()
+        entry = bench.memory_probe(contender, 64, args)
+        assert len(calls) == 2 and calls[0] is calls[1], contender
+        assert entry["measured"] == "second call" and entry["peak_extra_mib"] >= 0
+    said = bench.memory_call({"64": {"sdpa": entry, "favor": entry}})
+    assert "after one untimed call, every contender alike" in said
+    older = {"64": {"sdpa": {"counter": "VmHWM"}, "favor": {"after_a_compiling_call": True}}}
+    assert "the second for favor, so these are not comparable" in bench.memory_call(older)

@@ -66,7 +66,11 @@ def input_list(data: Iterable | Mapping) -> list:
                 f"input {i} is a {type(x).__name__}: give token-id lists or input dicts (input_ids, attention_mask), "
                 "e.g. tokenizer(texts)['input_ids']"
             )
-        if not len(x):  # (a batch of empty rows reached the model as a 0-token tensor: a reshape error)
+        try:
+            empty = len(x) == 0
+        except TypeError:  # (a 0-d tensor: one number)
+            raise ValueError(f"input {i} is a single number: give token-id lists") from None
+        if empty:  # (a batch of empty rows reached the model as a 0-token tensor: a reshape error)
             raise ValueError(f"input {i} is an empty token-id list: every input needs at least one token")
     return items
 
