@@ -38,10 +38,10 @@ from .layer import (
     attention_probe,
     check_heads,
     layer_seed,
+    probes,
     select_layers,
     warn_seed_record,
 )
-from .layer import PROBES as _PROBES
 from .layer import key_mask_of as _key_mask
 from .registry import get_method
 
@@ -251,7 +251,7 @@ def _attention_forward(
         out = exact_attention(query, key, value, key_mask, scale, dropout)
     else:
         out = layer(query, key, value, key_mask, scale=scale, dropout=dropout)
-        for probe in _PROBES:
+        for probe in probes():
             probe(layer, query, key, value, key_mask, scale, out)
     weights = None
     if _attentions_requested():  # O(N * S), as eager attention: only when asked for
@@ -1155,18 +1155,24 @@ def redraw(model: nn.Module, *, seed: int | None = None, layers: Iterable[int] |
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
     seeded = _seeded_configs({i: patched[i] for i in chosen}, seed)  # a bad seed refused before any state moves
+    before = {i: {k: t.clone() for k, t in patched[i].state().items()} for i in seeded} if tuning(model) else {}
     for i in chosen:
         patched[i].redraw(layer_seed(seed, i))
         if i in seeded:
             patched[i].config = seeded[i]
-    if seeded and model.__dict__.pop(_TUNING, None) is not None:  # its fidelity was measured on the state drawn before
+    moved = sorted(i for i, state in before.items() if not _same_state(state, patched[i].state()))
+    if moved and model.__dict__.pop(_TUNING, None) is not None:  # its fidelity was measured on the state drawn before
         warnings.warn(
-            f"approx.redraw: layers {sorted(seeded)} drew new random state, so approx.autotune's record of this model "
+            f"approx.redraw: layers {moved} drew new random state, so approx.autotune's record of this model "
             "(its fidelity, whether the target was met) no longer describes it and is dropped; approx.save writes "
             "none. Tune again to measure the new state",
             UserWarning,
             stacklevel=caller_level(),
         )
+
+
+def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _seeded_configs(layers: dict[int, ApproxAttention], seed: int) -> dict[int, MethodConfig]:

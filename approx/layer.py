@@ -20,6 +20,7 @@ computes the same alone as beside the others.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from typing import Any
 
@@ -582,21 +583,30 @@ class ApproxAttention(nn.Module):
         return f"method={self.method.name!r}, layer={self.layer_index}{heads}" + (f", {opts}" if opts else "")
 
 
-# Callables run after every patched layer: probe(layer, q, k, v, key_mask, scale, out); see attention_probe.
-PROBES: list[Any] = []
+# Callables run after every patched layer of this thread's (context's) forwards: probe(layer, q, k, v, key_mask,
+# scale, out); see attention_probe. A context variable, not a list for the process: a probe opened in one thread had
+# seen the forwards other threads ran meanwhile (another model's queries and keys in approx.fit's samples).
+_PROBES: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("approx_probes", default=())
+
+
+def probes() -> tuple[Any, ...]:
+    """The probes open in this thread (context), innermost last."""
+    return _PROBES.get()
 
 
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
     """Within the block, call ``probe(layer, q, k, v, key_mask, scale, out)`` after every patched layer's
-    attention: q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None, ``out`` the layer's (B, H, N, dv)
-    output. For measuring (attention error, graph statistics), not for changing the output."""
+    attention run in this thread (or asyncio context): q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None,
+    ``out`` the layer's (B, H, N, dv) output. Forwards other threads run meanwhile are not seen. For measuring
+    (attention error, graph statistics), not for changing the output."""
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
+        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> Any:
-        PROBES.append(self.probe)
+        self._tokens.append(_PROBES.set((*_PROBES.get(), self.probe)))
         return self.probe
 
     def __exit__(self, *exc: Any) -> None:
-        PROBES.remove(self.probe)
+        _PROBES.reset(self._tokens.pop())

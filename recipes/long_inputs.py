@@ -537,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--max-steps", type=at_least(1),
-        help="cap every fine-tuning at this many steps (a short run: other checkpoints, not the cached ones)",
+        help="cap every fine-tuning at this many steps (a short run: other checkpoints, not the cached ones; "
+        "--update merges it only with results made under the same caps)",
     )  # fmt: skip
     p.add_argument("--train-limit", type=at_least(1), help="cap every fine-tuning's training examples (a short run)")
     p.add_argument(
@@ -601,12 +602,19 @@ def main(argv: list[str] | None = None) -> int:
         figure(record, args.figure)
         print(markdown(record))
         return 0
-    if args.update and "squad-doc" in args.tasks and args.results.is_file():  # refused before any work
-        held = json.loads(args.results.read_text()).get("reader") or "squad"
-        if held != args.reader:
+    caps = {k: v for k, v in (("max_steps", args.max_steps), ("train_limit", args.train_limit)) if v is not None}
+    if args.update and args.results.is_file():  # refused before any work
+        old = json.loads(args.results.read_text())
+        held = old.get("reader") or "squad"
+        if "squad-doc" in args.tasks and held != args.reader:
             raise SystemExit(
                 f"{args.results} holds squad-doc results of the {held!r} reader, this run reads with "
                 f"{args.reader!r}: write them to another --results file"
+            )
+        if (old.get("fine_tuning_caps") or {}) != caps:  # other checkpoints: a trial's rows beside the full run's
+            raise SystemExit(
+                f"{args.results} holds results of checkpoints fine-tuned with caps {old.get('fine_tuning_caps') or {}}"
+                f", this run's are {caps} (--max-steps, --train-limit): write them to another --results file"
             )
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -620,13 +628,13 @@ def main(argv: list[str] | None = None) -> int:
     made = provenance(seed=args.seed, device=args.device, torch_threads_requested=args.threads or None)
     checkpoints: dict[str, Any] = {}
     squad = mlm = None
-    caps = {"root": args.checkpoints, "max_steps": args.max_steps, "train_limit": args.train_limit}
+    capped = {"root": args.checkpoints, "max_steps": args.max_steps, "train_limit": args.train_limit}
     if "squad-doc" in args.tasks:
         squad, checkpoints["squad"] = squad_checkpoints(
-            args.profile, not args.quiet, args.data_dir, args.reader, **caps
+            args.profile, not args.quiet, args.data_dir, args.reader, **capped
         )
     if "wikitext2" in args.tasks:
-        mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet, args.data_dir, **caps)
+        mlm, checkpoints["masked_lm"] = mlm_checkpoint(not args.quiet, args.data_dir, **capped)
     results: list[dict[str, Any]] = []
     seconds = {}
     for n in lengths:
@@ -659,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": args.profile,
         "device": args.device,
         "reader": reader,  # squad-doc's reader (None: no squad-doc result)
+        **({"fine_tuning_caps": caps} if caps else {}),  # a short run's (--max-steps, --train-limit): other checkpoints
         "lengths": list(lengths),
         "methods": {
             m: [c.to_dict() for c in cs] for m, cs in METHODS.items() if any(r["method"]["name"] == m for r in results)

@@ -378,6 +378,9 @@ def test_errors_say_what_to_do(bert):
             approx.autotune(model, **halves, progress=False, methods=["efficient"])
     tuned = approx.autotune(copy.deepcopy(bert), data, progress=False, methods="efficient", target="cosine>=0.5")
     assert tuned.candidates == ["efficient"]  # one spec as a string: one candidate (it was read letter by letter)
+    layers = approx.patched_layers(approx.patch(copy.deepcopy(bert), "efficient"))
+    tuned = approx.autotune(copy.deepcopy(bert), data, progress=False, methods=layers, target="cosine>=0.5")
+    assert len(tuned.candidates) == 1  # a layers dict alone: one candidate, as approx.evaluate reads it
     with pytest.raises(ValueError, match="a bare encoder, or a regression head") as e:
         approx.autotune(model, data, target="kl<=0.1", methods=["efficient"], progress=False)
     assert "a kl target" in str(e.value) and "kl<=1" not in str(e.value)  # not the search's placeholder
@@ -1059,6 +1062,10 @@ def test_redraw_drops_the_tuning_record_it_makes_stale(bert, tmp_path):
     model = copy.deepcopy(bert)
     tuning = approx.autotune(model, _data(8, 3), target="cosine>=0.5", methods=["favor:features=8"], progress=False)
     assert "favor" in {x["method"] for x in approx.settings(model)}, tuning.choices
+    assert approx.integration.tuning(model) is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        approx.redraw(model, seed=0)  # the seed it was tuned with: the same state, and the record still holds
     assert approx.integration.tuning(model) is not None
     with pytest.warns(UserWarning, match="no longer describes it and is dropped"):
         approx.redraw(model, seed=3)

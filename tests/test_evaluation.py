@@ -460,6 +460,11 @@ def test_results_name_the_weights_and_the_state_that_ran(fixture_dir, checkpoint
         model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype)
         (result,) = _run(model, "rte", ["favor:features=4"], fixture_dir, resamples=0, tokenizer=tokenizer, limit=2)
         assert result["model_dtype"] == said
+    # and the examples scored, whatever folder they came from (the data source says only where)
+    from approx.harness.crossfit import examples_digest
+
+    two = get_task("rte").load("dev", source="local", data_dir=str(fixture_dir), limit=2)[0]
+    assert result["examples_digest"] == examples_digest(two) != by_name["examples_digest"]
 
 
 def test_evaluate_takes_a_pathlib_path(fixture_dir, checkpoints):

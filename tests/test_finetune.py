@@ -191,6 +191,24 @@ def test_a_resume_that_asks_for_other_settings_is_refused(base_model, fixture_di
     assert json.loads((tmp_path / "r" / "finetune.json").read_text())["step"] == 1  # untouched
 
 
+def test_a_resume_compares_the_methods_without_their_unused_options(base_model, fixture_dir, tmp_path):
+    """A run whose method record holds a value for an option its other options leave unused (clustered's seed at one
+    cluster, recorded before such a value was refused) resumes: the value trained nothing, and giving it again is
+    refused. An option that matters still stops the resume."""
+    from approx.harness.finetune import PROGRESS_FILE
+
+    out = tmp_path / "r"
+    _run(base_model, fixture_dir, out, max_steps=3, stop_after=1, method="clustered:clusters=1")
+    (progress,) = out.rglob(PROGRESS_FILE)
+    saved = json.loads(progress.read_text())
+    saved["run"]["method"]["seed"] = 3  # (as a run started before the refusal recorded its --seed there)
+    progress.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="method: started with"):
+        _run(base_model, fixture_dir, out, max_steps=3, resume=True, method="clustered:clusters=2")
+    rec = _run(base_model, fixture_dir, out, max_steps=3, resume=True, method="clustered:clusters=1")
+    assert rec["step"] == 3 and not rec["partial"]
+
+
 def test_a_resume_may_checkpoint_more_often(base_model, fixture_dir, tmp_path):
     """How often a run checkpoints changes nothing it trains: a resume may ask for another interval."""
     _run(base_model, fixture_dir, tmp_path / "r", max_steps=3, stop_after=1)
@@ -299,6 +317,17 @@ def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path
     finally:
         AcceleratorState._shared_state.clear()
         AcceleratorState._shared_state.update(held)
+    # a state the caller's own Accelerator made is theirs: not changed under them (every Accelerator reads it)
+    from accelerate import Accelerator
+
+    AcceleratorState._reset_state()
+    try:
+        mine = Accelerator(mixed_precision="bf16", cpu=True)
+        with pytest.raises(ValueError, match="an Accelerator of yours already set .* to 'bf16'"):
+            _run(base_model, fixture_dir, tmp_path / "theirs", max_steps=1)
+        assert mine.mixed_precision == "bf16"
+    finally:
+        AcceleratorState._reset_state()
 
 
 def test_redrawn_seed_is_recorded_whether_the_run_was_resumed_or_not(base_model, fixture_dir, tmp_path):

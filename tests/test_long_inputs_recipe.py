@@ -337,3 +337,11 @@ def test_update_refuses_to_merge_another_readers_results(recipe, monkeypatch, tm
     monkeypatch.setattr(recipe, "OUTPUT", results)
     with pytest.raises(SystemExit, match="'squad-doc' reader, this run reads with 'squad'"):
         recipe.main(argv)
+    # a short run's checkpoints (--max-steps, --train-limit) are others than the full run's: not merged either way
+    # (a 1-step reader's rows had joined the committed ones, and its folder replaced theirs in "checkpoints")
+    results.write_text(json.dumps({"reader": "squad", "results": [], "runs": []}))
+    with pytest.raises(SystemExit, match=r"caps \{\}, this run's are \{'max_steps': 1\}"):
+        recipe.main([*argv, "--max-steps", "1"])
+    results.write_text(json.dumps({"reader": "squad", "fine_tuning_caps": {"max_steps": 1}, "results": [], "runs": []}))
+    with pytest.raises(SystemExit, match=r"caps \{'max_steps': 1\}, this run's are \{\}"):
+        recipe.main([*argv, "--tasks", "wikitext2"])

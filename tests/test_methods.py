@@ -357,12 +357,17 @@ def test_every_method_that_leaves_options_unused_is_checked():
 
 @pytest.mark.parametrize("method, base, other", [(m, *case) for m in sorted(UNUSED) for case in UNUSED[m]])
 def test_an_option_said_unused_changes_nothing(method, base, other):
-    """What ``unused`` names is never read: another value for it gives the same output, to the bit (it is refused
-    when given, so it must not matter when a record holds it)."""
-    assert set(other) <= set(get_method(method).config_class(**base).unused())
+    """What ``unused`` names is never read: another value for it gives the same output, to the bit, and the same cost
+    (it is refused when given, so it must not matter when a record holds it; at one cluster the clustered methods'
+    cost had still counted a hash and a K-means that changed nothing)."""
+    spec = get_method(method)
+    assert set(other) <= set(spec.config_class(**base).unused())
     q, k, v = make_qkv()
     mask = padded_mask(120, 90)
     assert torch.equal(layer(method, **base)(q, k, v, mask), layer(method, **base, **other)(q, k, v, mask))
+    for n in (40, 120):
+        sizes = {"n": n, "s": n, "d": 16, "dv": 16}
+        assert spec.cost(spec.config_class(**base), **sizes) == spec.cost(spec.config_class(**base, **other), **sizes)
 
 
 @pytest.mark.parametrize("method", with_kernels(METHODS))

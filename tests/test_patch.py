@@ -1163,3 +1163,36 @@ def test_one_texts_unbatched_ids_fit_as_a_batch_of_one_and_fail_as_unpatched_in_
         unpatched(input_ids=ids)
     with pytest.raises(type(plain.value), match=re.escape(str(plain.value))):
         approx.patch(unpatched, "window", question_global=True)(input_ids=ids)
+
+
+def test_a_probe_sees_its_own_threads_forwards():
+    """A probe opened in one thread sees the patched layers that thread runs, not those another thread runs meanwhile
+    (the probes were one list for the process: approx.fit had taken another model's queries and keys, run by another
+    thread, into its samples, and the fit changed)."""
+    import threading
+
+    from approx.integration import attention_probe
+
+    mine = approx.patch(tiny_model("bert").eval(), "favor", features=8)
+    theirs = approx.patch(tiny_model("bert").eval(), "clustered", clusters=2)
+    inputs = batch(16)
+    seen = []
+    with torch.no_grad(), attention_probe(lambda layer, *a: seen.append(layer)):
+        thread = threading.Thread(target=lambda: theirs(**inputs))
+        thread.start()
+        thread.join()
+        assert seen == []  # the other thread's forward, run while the probe was open
+        mine(**inputs)
+    assert seen and all(layer in approx.patched_layers(mine).values() for layer in seen)
+    # a thread of its own sees what it runs, and not the probes opened in the thread that started it
+    outer, inner = [], []
+
+    def run() -> None:
+        with torch.no_grad(), attention_probe(lambda layer, *a: inner.append(layer)):
+            theirs(**inputs)
+
+    with attention_probe(lambda layer, *a: outer.append(layer)):
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    assert outer == [] and inner and all(layer in approx.patched_layers(theirs).values() for layer in inner)

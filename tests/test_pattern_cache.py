@@ -293,3 +293,40 @@ def test_unpatch_forgets_the_kept_patterns():
     assert _blocksparse._CACHE
     approx.unpatch(model)
     assert not _blocksparse._CACHE
+
+
+def test_threads_sharing_the_cache_wait_for_each_other(monkeypatch):
+    """One model called from several threads shares the cache: a thread that adds a pattern while another walks the
+    entries to trim them waits (it had changed the dict under the walk: "OrderedDict mutated during iteration", 4 of
+    240 calls of a threaded reviewer's run). Made deterministic: the walk pauses at its first entry until the other
+    thread has added its pattern, or for a second when it is (rightly) kept waiting."""
+    import threading
+
+    started, done, failed = threading.Event(), threading.Event(), []
+
+    class Walked(collections.OrderedDict):
+        def values(self):
+            for value in super().values():
+                if not started.is_set():
+                    started.set()
+                    done.wait(timeout=1.0)
+                yield value
+
+    monkeypatch.setattr(_blocksparse, "_CACHE", Walked())
+    _blocksparse._CACHE[("z",)] = [[torch.zeros(1)], 4]  # an entry before: the walk has one more to take after
+
+    def other():
+        started.wait(timeout=5.0)
+        try:
+            _blocksparse.cached(("b",), lambda: [torch.zeros(2)])
+        except Exception as e:  # noqa: BLE001 (reported below)
+            failed.append(e)
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        _blocksparse.cached(("a",), lambda: [torch.zeros(3)])  # walks the entries to trim them after adding its own
+    finally:
+        thread.join()
+    assert not failed and [k[0] for k in _blocksparse._CACHE] == ["z", ("a",), ("b",)]

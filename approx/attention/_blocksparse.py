@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -153,6 +154,10 @@ class Pattern:
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 CACHE_SIZE = 64
 CACHE_BYTES = 1 << 30
+# One model called from several threads (a server): every read and change of _CACHE holds this lock (trimming had
+# walked the dict while another thread changed it: "OrderedDict mutated during iteration"); a build runs outside it,
+# so two threads may build one pattern, and the first kept is the one both get after.
+_LOCK = threading.RLock()
 
 
 def cached(key: tuple | None, build: Callable[[], Any]) -> Any:
@@ -167,32 +172,42 @@ def cached(key: tuple | None, build: Callable[[], Any]) -> Any:
     if key is None:
         return build()
     full = (key, torch.is_inference_mode_enabled())
-    hit = _CACHE.get(full)
-    if hit is not None:
-        _CACHE.move_to_end(full)
-        return hit[0]
+    with _LOCK:
+        hit = _CACHE.get(full)
+        if hit is not None:
+            _CACHE.move_to_end(full)
+            return hit[0]
     made = build()
     _mark(made, full)
-    _CACHE[full] = [made, _nbytes(made)]
-    _trim()
+    size = _nbytes(made)
+    with _LOCK:
+        hit = _CACHE.get(full)  # (another thread built it meanwhile: theirs, kept, and not a second copy)
+        if hit is not None:
+            _CACHE.move_to_end(full)
+            return hit[0]
+        _CACHE[full] = [made, size]
+        _trim()
     return made
 
 
 def account(pattern: Pattern) -> None:
     """Count again the bytes of the entry that keeps ``pattern`` (a kernel added to its ``derived``), dropping the
     least recently used entries past the limits."""
-    entry = _CACHE.get(pattern.cache_key) if pattern.cache_key is not None else None
-    if entry is not None:
-        entry[1] = _nbytes(entry[0])
-        _trim()
+    with _LOCK:
+        entry = _CACHE.get(pattern.cache_key) if pattern.cache_key is not None else None
+        if entry is not None:
+            entry[1] = _nbytes(entry[0])
+            _trim()
 
 
 def clear_cache() -> None:
     """Forget the patterns kept by :func:`cached` and the block masks derived from them (``approx.unpatch`` does)."""
-    _CACHE.clear()
+    with _LOCK:
+        _CACHE.clear()
 
 
 def _trim() -> None:
+    """Drop the least recently used entries past the limits (the caller holds :data:`_LOCK`)."""
     total = sum(size for _, size in _CACHE.values())
     while len(_CACHE) > 1 and (len(_CACHE) > CACHE_SIZE or total > CACHE_BYTES):  # the newest entry stays
         _, (_, size) = _CACHE.popitem(last=False)

@@ -95,7 +95,7 @@ class ClusteredConfig(MethodConfig):
     )
 
     def unused(self) -> dict[str, str]:
-        # one cluster holds every query, whatever the hash and the K-means find: its centroid is their mean
+        # one cluster holds every query: no hash, K-means or refinement runs (prepare), its centroid is their mean
         clustering = ("bits", "iterations", "refine", "thresholds", "seed")
         return {name: "clusters of 2 or more" for name in clustering} if self.clusters == 1 else {}
 
@@ -129,9 +129,10 @@ def cost(config: ClusteredConfig, *, n: int, s: int, d: int, dv: int) -> Cost:
     if exact_for(config, n):
         return Cost(flops=2 * n * s * (d + dv), qk_pairs=n * s, matmul_macs=n * s * (d + dv))
     c, b = config.clusters, config.bits
-    hashing = 2 * n * b * d
-    kmeans = 2 * (config.iterations + 1) * n * c * b
-    refine = config.refine * (2 * n * c * d + 2 * n * d)  # query-centroid products, then the new means
+    clustering = c > 1  # one cluster holds every query: no hash, no K-means, no Euclidean step (prepare)
+    hashing = 2 * n * b * d if clustering else 0
+    kmeans = 2 * (config.iterations + 1) * n * c * b if clustering else 0
+    refine = config.refine * (2 * n * c * d + 2 * n * d) if clustering else 0  # query-centroid products, new means
     attention = 2 * c * s * (d + dv)
     return Cost(flops=hashing + kmeans + refine + attention, qk_pairs=c * s, matmul_macs=c * s * (d + dv))
 
@@ -269,7 +270,10 @@ def prepare(q, k, v, key_mask, query_mask, config, state, scale):
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     key_mask = safe_key_mask(key_mask)
     k, v = zero_padded_values(k, key_mask), zero_padded_values(v, key_mask)
-    if config.engine == "compiled":
+    if config.clusters == 1:  # every query in the one cluster, whatever a hash and a K-means would find: skipped
+        assign = torch.zeros(q.shape[:3], dtype=torch.long, device=q.device)
+        qc, _ = centroids(q, assign, query_mask, 1)
+    elif config.engine == "compiled":
         args = (
             q,
             query_mask,

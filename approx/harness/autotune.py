@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -612,8 +613,8 @@ class Search:
             raise ValueError(
                 "the model is patched: autotune compares with the unpatched model; approx.unpatch it first"
             )
-        if isinstance(methods, (str, Setup, MethodConfig)):  # one candidate (a string was read letter by letter)
-            methods = [methods]
+        if isinstance(methods, (str, os.PathLike, Setup, MethodConfig, dict)):  # one candidate, as evaluate reads it
+            methods = [methods]  # (a string was read letter by letter, a folder's Path or a layers dict refused)
         given = list(methods) if methods is not None else list(DEFAULT_CANDIDATES)
         if not given:
             raise ValueError("name at least one candidate method (see `approx methods`)")

@@ -579,7 +579,7 @@ def _results(
     ref_predictions = task.predict(examples, run.features, _in_feature_order(records, n), mode)
     reference_metrics = task.score(examples, ref_predictions, mode)
     n_layers, n_heads, head_dim = attention_shape(run.model)
-    digest = examples_digest(examples) if predictions else None
+    digest = examples_digest(examples)  # which examples were scored, whatever file or folder they came from
     results = []
     for s, setup in enumerate(setups):
         method_predictions = task.predict(examples, run.features, _in_feature_order(records, n, s), mode)
@@ -617,6 +617,7 @@ def _results(
                 else {}
             ),
             "examples": len(ref_predictions),
+            "examples_digest": digest,
             "features": n,
             **settings,
             "provenance": prov,
@@ -626,7 +627,6 @@ def _results(
                 predictions=method_predictions,
                 reference_predictions=ref_predictions,
                 fidelity_sums=sums,
-                examples_digest=digest,
             )
         results.append(result)
         if run.main_process:  # once, not by every process

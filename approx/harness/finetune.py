@@ -232,20 +232,36 @@ class _Training:
 def _accelerator(mixed_precision: str):
     """accelerate's ``Accelerator`` in ``mixed_precision``. accelerate keeps one state per process, set by its first
     ``Accelerator``, and refuses another precision after it ("restart your runtime"): a second ``finetune`` call in
-    one Python process (a notebook comparing bf16 with float32) gets a fresh state when the process runs alone, and
-    a clear refusal under ``accelerate launch`` with several processes, whose shared state must not be reset."""
+    one Python process (a notebook comparing bf16 with float32) gets a fresh state when an earlier ``finetune`` made
+    the one there, in a process that runs alone. A state the caller's own ``Accelerator`` made is not reset (every
+    ``Accelerator`` reads that one state: theirs would change precision under them), nor one shared by several
+    processes (``accelerate launch``): another precision is refused there, with what to do."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, DistributedType
 
-    held = AcceleratorState._shared_state.get("_mixed_precision")
+    state = AcceleratorState._shared_state
+    held = state.get("_mixed_precision")
     if held is not None and held != mixed_precision:
-        if AcceleratorState._shared_state.get("distributed_type", DistributedType.NO) != DistributedType.NO:
+        if state.get("distributed_type", DistributedType.NO) != DistributedType.NO:
             raise ValueError(
                 f"mixed_precision {mixed_precision!r}: this process already trains under accelerate in {held!r} "
                 "across several processes, whose state cannot change: launch a new run for the other precision"
             )
-        AcceleratorState._reset_state()  # one process: the precision this run asks for
-    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+        if state.get(_MADE_HERE) is not True:
+            raise ValueError(
+                f"mixed_precision {mixed_precision!r}: an Accelerator of yours already set this process's accelerate "
+                f"state to {held!r}, and approx does not change it under you: fine-tune with "
+                f"mixed_precision={held!r}, or in a fresh process"
+            )
+        AcceleratorState._reset_state()  # one process, a state an earlier finetune made: the precision asked for
+    fresh = not state
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    if fresh:
+        state[_MADE_HERE] = True  # (in accelerate's shared state, so that a reset by anyone else forgets it)
+    return accelerator
+
+
+_MADE_HERE = "_approx_finetune_made_it"  # a key of accelerate's shared state: the state was made by finetune
 
 
 def _start(
@@ -364,13 +380,32 @@ def _check_resume(state_dir: Path, run: dict[str, Any]) -> None:
     checkpoint written before runs were recorded is checked on its attention dropout alone."""
     saved = _progress(state_dir)
     started = saved.get("run", {"attention_dropout": saved.get("attention_dropout")})
-    differ = [(k, v, run.get(k)) for k, v in started.items() if run.get(k) != v]
+    differ = [
+        (k, v, run.get(k))
+        for k, v in started.items()
+        if (_used(run.get(k)) != _used(v) if k == "method" else run.get(k) != v)
+    ]
     if differ:
         what = "; ".join(f"{k}: started with {v!r}, now {now!r}" for k, v, now in differ)
         raise ValueError(
             f"the run in {state_dir} started with other settings than this resume asks for ({what}): resume with the "
             "same ones, or start afresh in another output folder"
         )
+
+
+def _used(method: Any) -> Any:
+    """A run's method record without the options its other options leave unused (``MethodConfig.unused``): a run
+    started with a value for one (recorded before it was refused, or by a run's seed) trains as one without it."""
+    if not isinstance(method, dict) or not isinstance(method.get("name"), str):
+        return method
+    try:
+        config_class = get_method(method["name"]).config_class
+        unused = config_class(
+            **config_class.recorded_options({k: v for k, v in method.items() if k != "name"})
+        ).unused()
+    except (KeyError, TypeError, ValueError):  # (not a method of today's registry, a per-layer record: as recorded)
+        return method
+    return {k: v for k, v in method.items() if k not in unused}
 
 
 def _check_no_unfinished_run(output_dir: Path, state_dir: Path) -> None:

@@ -207,12 +207,14 @@ def fit(
     batches = as_batches(data, batch_size)
     samples: dict[int, list] = {i: [] for i in layers}
 
+    stand_ins = {i: _stand_in(lyr).to(next(model.parameters()).device) for i, lyr in layers.items()}
+
     def collect(layer, q, k, v, key_mask, scale, out) -> None:
-        if layer.layer_index in samples:
+        if stand_ins.get(layer.layer_index) is layer:  # this model's layers only (not another model's of that index)
             mask = None if key_mask is None else key_mask.detach().cpu()
             samples[layer.layer_index].append((q.detach().float().cpu(), k.detach().float().cpu(), mask, scale))
 
-    attach(model, {i: _stand_in(lyr).to(next(model.parameters()).device) for i, lyr in layers.items()})
+    attach(model, stand_ins)
     try:
         _run(model, batches, collect, progress, "collect q/k")
     finally:
