@@ -597,16 +597,23 @@ def probes() -> tuple[Any, ...]:
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
     """Within the block, call ``probe(layer, q, k, v, key_mask, scale, out)`` after every patched layer's
     attention run in this thread (or asyncio context): q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None,
-    ``out`` the layer's (B, H, N, dv) output. Forwards other threads run meanwhile are not seen. For measuring
+    ``out`` the layer's (B, H, N, dv) output. Forwards other threads run meanwhile are not seen; blocks may close in
+    any order (each takes out its own probe), in the thread that opened them. For measuring
     (attention error, graph statistics), not for changing the output."""
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
-        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> Any:
-        self._tokens.append(_PROBES.set((*_PROBES.get(), self.probe)))
+        _PROBES.set((*_PROBES.get(), self.probe))
         return self.probe
 
     def __exit__(self, *exc: Any) -> None:
-        _PROBES.reset(self._tokens.pop())
+        # this probe's last entry taken out, the others left: blocks may close out of order (two generators each
+        # probing their own forwards), where resetting to the state at entry dropped a probe still open and kept
+        # this one
+        held = list(_PROBES.get())
+        last = next((i for i in range(len(held) - 1, -1, -1) if held[i] is self.probe), None)
+        if last is not None:
+            del held[last]
+            _PROBES.set(tuple(held))

@@ -403,8 +403,10 @@ def memory_call(mem: dict[Any, dict[str, dict[str, Any]]]) -> str:
     """Which call a record's memory figures measured: every contender's second (records since 2026-12-01), or the
     first, and the second for some (``after_a_compiling_call``, named) in older records, which are not comparable."""
     entries = [(c, e) for per_n in mem.values() for c, e in per_n.items()]
-    if entries and all("measured" in e for _, e in entries):
+    if entries and all(e.get("measured") == "second call" for _, e in entries):
         return "the call after one untimed call, every contender alike"
+    if entries and all(e.get("measured") == "first call" for _, e in entries):
+        return "the first call, every contender alike (ru_maxrss: no untimed call before it)"
     second = sorted({c for c, e in entries if e.get("after_a_compiling_call")})
     if not second:
         return "the first call"
@@ -427,6 +429,13 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
         torch.cuda.synchronize()
         extra = (torch.cuda.max_memory_allocated() - before) / 2**20
         return {"peak_extra_mib": extra, "rss_before_mib": before / 2**20, "counter": "cuda_max_memory_allocated"}
+    if not _reset_peak():  # elsewhere than Linux: ru_maxrss, a high-water mark that cannot be reset, so the first call
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = call(fn, q, k, v, args.backward)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        del out
+        return {"peak_extra_mib": (after - before) / 1024, "rss_before_mib": before / 1024, "counter": "ru_maxrss",
+                "measured": "first call"}  # fmt: skip
     # every contender alike: one untimed call first, where a compiled kernel (FlexAttention, engine="compiled" or
     # "fused") is built and where every contender's one-time costs fall (first-touch pages, lazy imports, caches);
     # then the measured call, from a resident set without the memory the C allocator kept (PeakMemory: malloc_trim,
@@ -436,27 +445,8 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
     with PeakMemory("cpu") as peak:
         out = call(fn, q, k, v, args.backward)
     del out
-    if peak.mib is not None:
-        return {
-            "peak_extra_mib": peak.mib,
-            "rss_before_mib": peak._before / 1024,
-            "counter": "VmHWM",
-            "measured": "second call",
-        }
-    if _reset_peak():  # (elsewhere than Linux: the process's high-water mark, which cannot be reset)
-        counter, read = "VmHWM", lambda: _proc_status_kib("VmHWM") or 0
-    else:
-        counter, read = "ru_maxrss", lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    before = read()
-    out = call(fn, q, k, v, args.backward)
-    after = read()
-    del out
-    return {
-        "peak_extra_mib": (after - before) / 1024,
-        "rss_before_mib": before / 1024,
-        "counter": counter,
-        "measured": "third call (ru_maxrss: a high-water mark that cannot be reset)",
-    }
+    return {"peak_extra_mib": peak.mib, "rss_before_mib": peak._before / 1024, "counter": "VmHWM",
+            "measured": "second call"}  # fmt: skip
 
 
 def measure_memory(args: argparse.Namespace, configs: dict[str, MethodConfig]) -> dict[int, dict[str, dict[str, Any]]]:

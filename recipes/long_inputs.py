@@ -509,6 +509,22 @@ def figure(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, int]) -> None:
+    """Refuse to merge this run's results into ``old`` (``--update``) when they were read by another squad-doc reader,
+    or from checkpoints fine-tuned under other caps (``--max-steps``, ``--train-limit``: other checkpoints)."""
+    held = old.get("reader") or "squad"
+    if "squad-doc" in args.tasks and held != args.reader:
+        raise SystemExit(
+            f"{args.results} holds squad-doc results of the {held!r} reader, this run reads with "
+            f"{args.reader!r}: write them to another --results file"
+        )
+    if (old.get("fine_tuning_caps") or {}) != caps:  # other checkpoints: a trial's rows beside the full run's
+        raise SystemExit(
+            f"{args.results} holds results of checkpoints fine-tuned with caps {old.get('fine_tuning_caps') or {}}, "
+            f"this run's are {caps} (--max-steps, --train-limit): write them to another --results file"
+        )
+
+
 # ---------------------------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -604,18 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     caps = {k: v for k, v in (("max_steps", args.max_steps), ("train_limit", args.train_limit)) if v is not None}
     if args.update and args.results.is_file():  # refused before any work
-        old = json.loads(args.results.read_text())
-        held = old.get("reader") or "squad"
-        if "squad-doc" in args.tasks and held != args.reader:
-            raise SystemExit(
-                f"{args.results} holds squad-doc results of the {held!r} reader, this run reads with "
-                f"{args.reader!r}: write them to another --results file"
-            )
-        if (old.get("fine_tuning_caps") or {}) != caps:  # other checkpoints: a trial's rows beside the full run's
-            raise SystemExit(
-                f"{args.results} holds results of checkpoints fine-tuned with caps {old.get('fine_tuning_caps') or {}}"
-                f", this run's are {caps} (--max-steps, --train-limit): write them to another --results file"
-            )
+        check_update(args, json.loads(args.results.read_text()), caps)
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()

@@ -140,11 +140,11 @@ def _memory_how(mem: dict[str, dict[str, dict]]) -> str:
     entries = [(c, e) for per_n in mem.values() for c, e in per_n.items()]
     if any(e.get("counter", "").startswith("cuda") for _, e in entries):
         return "the CUDA allocator's peak during the first call"
-    if entries and all("measured" in e for _, e in entries):
+    if entries and all(e.get("measured") == "second call" for _, e in entries):
         return "peak RSS added by a call after one untimed call, in a fresh process"
     second = sorted({c for c, e in entries if e.get("after_a_compiling_call")})
     said = (
-        f"; {', '.join(second)}: the second call, after a compiling one, so not comparable with the others"
+        f"; {', '.join(second)}: the second call, after an untimed one, so not comparable with the others"
         if second
         else ""
     )

@@ -1173,3 +1173,9 @@ def test_attention_op_measures_every_contenders_memory_alike(benchmark_script, m
     assert "after one untimed call, every contender alike" in said
     older = {"64": {"sdpa": {"counter": "VmHWM"}, "favor": {"after_a_compiling_call": True}}}
     assert "the second for favor, so these are not comparable" in bench.memory_call(older)
+    # where the peak mark cannot be reset (ru_maxrss), an untimed call would raise it first: the first call, said so
+    monkeypatch.setattr(bench, "_reset_peak", lambda: False)
+    calls.clear()
+    entry = bench.memory_probe("favor", 64, args)
+    assert len(calls) == 1 and entry["measured"] == "first call" and entry["counter"] == "ru_maxrss"
+    assert "the first call, every contender alike" in bench.memory_call({"64": {"sdpa": entry, "favor": entry}})

@@ -309,18 +309,21 @@ def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path
     assert rec["method"]["name"] == method.split(":")[0] and all(map(torch.isfinite, map(torch.tensor, rec["losses"])))
     assert rec["settings"]["mixed_precision"] == "bf16"
     assert _run(base_model, fixture_dir, tmp_path / "back", max_steps=1)["settings"]["mixed_precision"] == "no"
-    held = dict(AcceleratorState._shared_state)  # several processes share it: not reset, refused
+    assert not AcceleratorState._shared_state  # each run forgot the state it made
+    _accelerator("no")  # a run's state, shared by several processes: not reset, refused
     AcceleratorState._shared_state.update(distributed_type=DistributedType.MULTI_CPU)
     try:
         with pytest.raises(ValueError, match="across several processes"):
             _accelerator("bf16")
     finally:
-        AcceleratorState._shared_state.clear()
-        AcceleratorState._shared_state.update(held)
-    # a state the caller's own Accelerator made is theirs: not changed under them (every Accelerator reads it)
+        AcceleratorState._reset_state()
+    # a state the caller's own Accelerator made is theirs: not changed under them (every Accelerator reads it); a run
+    # forgets the state it made when it ends, so an Accelerator made after it is the caller's own (it had shared the
+    # run's state, which the next run reset under it)
     from accelerate import Accelerator
 
-    AcceleratorState._reset_state()
+    _run(base_model, fixture_dir, tmp_path / "before", max_steps=1, mixed_precision="bf16")
+    assert not AcceleratorState._shared_state
     try:
         mine = Accelerator(mixed_precision="bf16", cpu=True)
         with pytest.raises(ValueError, match="an Accelerator of yours already set .* to 'bf16'"):

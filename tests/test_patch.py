@@ -1196,3 +1196,33 @@ def test_a_probe_sees_its_own_threads_forwards():
         thread.start()
         thread.join()
     assert outer == [] and inner and all(layer in approx.patched_layers(theirs).values() for layer in inner)
+
+
+def test_probes_closed_out_of_order_each_stop_alone():
+    """Two generators each probing their own forwards, the first ending first: the second's probe still sees its
+    forwards and the first's sees nothing more (resetting the probes to what they were at entry had dropped the open
+    one and kept the closed one for good)."""
+    from approx.integration import attention_probe
+
+    model = approx.patch(tiny_model("bert").eval(), "favor", features=8)
+    inputs = batch(16)
+    seen: dict[str, int] = {"a": 0, "b": 0}
+
+    def stream(name: str, count: int):
+        def probe(*args):
+            seen[name] += 1
+
+        with attention_probe(probe):  # (not torch.no_grad, whose blocks must close in order: it would leave it off)
+            for _ in range(count):
+                yield model(**inputs)
+
+    a, b = stream("a", 1), stream("b", 3)
+    next(a), next(b)
+    assert next(a, None) is None  # a's block closes first
+    layers = len(approx.patched_layers(model))
+    before = dict(seen)
+    for _ in b:
+        pass
+    assert seen["a"] == before["a"] and seen["b"] == before["b"] + 2 * layers
+    model(**inputs)  # every block closed: nobody sees it
+    assert seen["b"] == before["b"] + 2 * layers and seen["a"] == before["a"]

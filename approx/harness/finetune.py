@@ -29,6 +29,7 @@ positions (:func:`masked_lm_loss`), the same cross-entropy as the model's own lo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -262,6 +263,20 @@ def _accelerator(mixed_precision: str):
 
 
 _MADE_HERE = "_approx_finetune_made_it"  # a key of accelerate's shared state: the state was made by finetune
+
+
+@contextlib.contextmanager
+def _accelerate_state():
+    """A run's accelerate state: one that this run made (:func:`_accelerator`, marked) is forgotten when the run
+    ends, however it ends, so that an ``Accelerator`` the caller makes later gets a state of its own, which a later
+    ``finetune`` then leaves alone (it had reset a state the caller's Accelerator shared with the run before)."""
+    try:
+        yield
+    finally:
+        from accelerate.state import AcceleratorState
+
+        if AcceleratorState._shared_state.get(_MADE_HERE) is True:
+            AcceleratorState._reset_state()
 
 
 def _start(
@@ -674,35 +689,36 @@ def finetune(
     if eval_split is not None:  # a split that does not exist, or data that cannot be read: now, not after training
         task_def.load(eval_split, source=source, data_dir=data_dir)
     origin = "the patched layers given" if isinstance(method, dict) else method
-    tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin, state_from=method)
-    tr.run, tr.run_id = run, uuid.uuid4().hex  # (a resume reads the run's own)
-    if resume:
-        _resume(tr)
-    stop = tr.total if stop_after is None else min(tr.total, tr.step + stop_after)
-    show = progress and tr.accelerator.is_main_process
-    with tqdm(total=tr.total, initial=tr.step, disable=not show, desc=f"finetune {task}") as bar:
-        _train(tr, stop, callback, bar)
-    tr.accelerator.wait_for_everyone()
-    record = _record(tr, task_def, model, train_split, eval_split, len(examples))
-    record.update(partial=tr.step < tr.total, step=tr.step, run_id=tr.run_id)
-    if record["partial"]:  # stopped on request: the model so far, loadable; the training state to resume from
-        _save_model(tr, output_dir)
-        record["stopped_at"] = tr.step
-    else:
-        data = {"data_dir": data_dir, "source": source}
-        evaluation = _save_and_evaluate(tr, task_def, output_dir, eval_split, data, progress)
-        if evaluation is not None:
-            record["evaluation"] = evaluation
-    record["provenance"] = provenance(
-        seed=cfg.seed,
-        device=tr.accelerator.device,
-        processes=tr.accelerator.num_processes,
-        data_source=where.describe(),
-        wall_seconds=time.perf_counter() - wall,
-    )
-    if tr.accelerator.is_main_process:
-        (output_dir / "finetune.json").write_text(_json.dumps(record))
-    return record
+    with _accelerate_state():  # (one made here is not left for the caller's own Accelerator to share)
+        tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin, state_from=method)
+        tr.run, tr.run_id = run, uuid.uuid4().hex  # (a resume reads the run's own)
+        if resume:
+            _resume(tr)
+        stop = tr.total if stop_after is None else min(tr.total, tr.step + stop_after)
+        show = progress and tr.accelerator.is_main_process
+        with tqdm(total=tr.total, initial=tr.step, disable=not show, desc=f"finetune {task}") as bar:
+            _train(tr, stop, callback, bar)
+        tr.accelerator.wait_for_everyone()
+        record = _record(tr, task_def, model, train_split, eval_split, len(examples))
+        record.update(partial=tr.step < tr.total, step=tr.step, run_id=tr.run_id)
+        if record["partial"]:  # stopped on request: the model so far, loadable; the training state to resume from
+            _save_model(tr, output_dir)
+            record["stopped_at"] = tr.step
+        else:
+            data = {"data_dir": data_dir, "source": source}
+            evaluation = _save_and_evaluate(tr, task_def, output_dir, eval_split, data, progress)
+            if evaluation is not None:
+                record["evaluation"] = evaluation
+        record["provenance"] = provenance(
+            seed=cfg.seed,
+            device=tr.accelerator.device,
+            processes=tr.accelerator.num_processes,
+            data_source=where.describe(),
+            wall_seconds=time.perf_counter() - wall,
+        )
+        if tr.accelerator.is_main_process:
+            (output_dir / "finetune.json").write_text(_json.dumps(record))
+        return record
 
 
 def _keep_state(net: torch.nn.Module, origin: Any) -> None:
