@@ -586,12 +586,12 @@ class ApproxAttention(nn.Module):
 # Callables run after every patched layer of this thread's (context's) forwards: probe(layer, q, k, v, key_mask,
 # scale, out); see attention_probe. A context variable, not a list for the process: a probe opened in one thread had
 # seen the forwards other threads ran meanwhile (another model's queries and keys in approx.fit's samples).
-_PROBES: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("approx_probes", default=())
+_PROBES: contextvars.ContextVar[tuple[tuple[object, Any], ...]] = contextvars.ContextVar("approx_probes", default=())
 
 
 def probes() -> tuple[Any, ...]:
     """The probes open in this thread (context), innermost last."""
-    return _PROBES.get()
+    return tuple(probe for _, probe in _PROBES.get())
 
 
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
@@ -603,17 +603,17 @@ class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_g
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
+        self._entries: list[object] = []  # this block's own entry (a stack: the instance may be entered again)
 
     def __enter__(self) -> Any:
-        _PROBES.set((*_PROBES.get(), self.probe))
+        entry = object()
+        self._entries.append(entry)
+        _PROBES.set((*_PROBES.get(), (entry, self.probe)))
         return self.probe
 
     def __exit__(self, *exc: Any) -> None:
-        # this probe's last entry taken out, the others left: blocks may close out of order (two generators each
-        # probing their own forwards), where resetting to the state at entry dropped a probe still open and kept
-        # this one
-        held = list(_PROBES.get())
-        last = next((i for i in range(len(held) - 1, -1, -1) if held[i] is self.probe), None)
-        if last is not None:
-            del held[last]
-            _PROBES.set(tuple(held))
+        # this block's own entry taken out, the others left in their order: blocks may close out of order (two
+        # generators each probing their own forwards), where resetting to the state at entry dropped a probe still
+        # open and kept this one
+        entry = self._entries.pop()
+        _PROBES.set(tuple(e for e in _PROBES.get() if e[0] is not entry))

@@ -21,8 +21,9 @@ backward of ``out.sum()``), no mask:
   same for every contender (``"measured": "second call"``; records written before 2026-12-01 measured the first
   call, and the second for some contenders only, marked ``after_a_compiling_call``: not comparable). On Linux the
   peak is ``VmHWM`` of /proc/self/status, reset through /proc/self/clear_refs, because ``ru_maxrss`` of a child
-  inherits the parent's high-water mark across exec; elsewhere ``ru_maxrss`` is used. It is a peak-RSS delta, not
-  an allocator count.
+  inherits the parent's high-water mark across exec; elsewhere ``ru_maxrss`` is used, which cannot be reset, so the
+  first call is measured there, with no untimed call before it (``"measured": "first call"``). It is a peak-RSS
+  delta, not an allocator count.
 * cost model: ``qk_pairs`` and ``flops`` from each method's ``spec.cost`` (N*N pairs for sdpa and eager).
 * fallback rows: ``METHOD+exact<L`` is METHOD with ``exact_below=L`` (``--fallback METHOD=L``, defaults at the
   crossovers measured on this machine), i.e. exact SDPA below L and the approximation from L on.
@@ -430,9 +431,10 @@ def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, 
         extra = (torch.cuda.max_memory_allocated() - before) / 2**20
         return {"peak_extra_mib": extra, "rss_before_mib": before / 2**20, "counter": "cuda_max_memory_allocated"}
     if not _reset_peak():  # elsewhere than Linux: ru_maxrss, a high-water mark that cannot be reset, so the first call
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        unit = 1024 if sys.platform == "darwin" else 1  # (KiB; bytes on macOS)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit
         out = call(fn, q, k, v, args.backward)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / unit
         del out
         return {"peak_extra_mib": (after - before) / 1024, "rss_before_mib": before / 1024, "counter": "ru_maxrss",
                 "measured": "first call"}  # fmt: skip

@@ -512,8 +512,8 @@ def figure(record: dict[str, Any], path: Path) -> None:
 def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, int]) -> None:
     """Refuse to merge this run's results into ``old`` (``--update``) when they were read by another squad-doc reader,
     or from checkpoints fine-tuned under other caps (``--max-steps``, ``--train-limit``: other checkpoints)."""
-    held = old.get("reader") or "squad"
-    if "squad-doc" in args.tasks and held != args.reader:
+    held = old.get("reader", "squad")  # (None: no squad-doc result; absent: written before readers were named)
+    if "squad-doc" in args.tasks and held is not None and held != args.reader:
         raise SystemExit(
             f"{args.results} holds squad-doc results of the {held!r} reader, this run reads with "
             f"{args.reader!r}: write them to another --results file"

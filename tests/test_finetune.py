@@ -309,21 +309,34 @@ def test_patched_finetuning_in_mixed_precision(base_model, fixture_dir, tmp_path
     assert rec["method"]["name"] == method.split(":")[0] and all(map(torch.isfinite, map(torch.tensor, rec["losses"])))
     assert rec["settings"]["mixed_precision"] == "bf16"
     assert _run(base_model, fixture_dir, tmp_path / "back", max_steps=1)["settings"]["mixed_precision"] == "no"
-    assert not AcceleratorState._shared_state  # each run forgot the state it made
-    _accelerator("no")  # a run's state, shared by several processes: not reset, refused
+    from approx.harness import finetune as ft
+
+    ft._RUNNING[0] += 1  # another thread's run under way on the state: not reset under it, refused
+    try:
+        with pytest.raises(ValueError, match="another finetune runs in this process"):
+            ft._RUNNING[0] += 1  # (and this one)
+            try:
+                _accelerator("bf16")
+            finally:
+                ft._RUNNING[0] -= 1
+    finally:
+        ft._RUNNING[0] -= 1
+    held = dict(AcceleratorState._shared_state)  # several processes share it: not reset, refused
     AcceleratorState._shared_state.update(distributed_type=DistributedType.MULTI_CPU)
     try:
         with pytest.raises(ValueError, match="across several processes"):
             _accelerator("bf16")
     finally:
-        AcceleratorState._reset_state()
-    # a state the caller's own Accelerator made is theirs: not changed under them (every Accelerator reads it); a run
-    # forgets the state it made when it ends, so an Accelerator made after it is the caller's own (it had shared the
-    # run's state, which the next run reset under it)
+        AcceleratorState._shared_state.clear()
+        AcceleratorState._shared_state.update(held)
+    # an Accelerator a callback makes shares the run's state, and works after the run (a reset at the end broke it)
     from accelerate import Accelerator
 
-    _run(base_model, fixture_dir, tmp_path / "before", max_steps=1, mixed_precision="bf16")
-    assert not AcceleratorState._shared_state
+    made = []
+    _run(base_model, fixture_dir, tmp_path / "cb", max_steps=1, callback=lambda step, m: made.append(Accelerator()))
+    assert made[0].device.type == "cpu" and made[0].mixed_precision == "no"
+    # a state the caller's own Accelerator made is theirs: not changed under them (every Accelerator reads it)
+    AcceleratorState._reset_state()
     try:
         mine = Accelerator(mixed_precision="bf16", cpu=True)
         with pytest.raises(ValueError, match="an Accelerator of yours already set .* to 'bf16'"):

@@ -320,7 +320,7 @@ def test_update_refuses_to_merge_another_readers_results(recipe, monkeypatch, tm
 
     """Refused before any fine-tuning or evaluation; --reader squad-doc writes its own files by default."""
 
-    def never(*args):
+    def never(*args, **kwargs):
         raise AssertionError("worked before refusing")
 
     results = tmp_path / "r.json"
@@ -345,3 +345,7 @@ def test_update_refuses_to_merge_another_readers_results(recipe, monkeypatch, tm
     results.write_text(json.dumps({"reader": "squad", "fine_tuning_caps": {"max_steps": 1}, "results": [], "runs": []}))
     with pytest.raises(SystemExit, match=r"caps \{'max_steps': 1\}, this run's are \{\}"):
         recipe.main([*argv, "--tasks", "wikitext2"])
+    # a file without squad-doc results (a wikitext2 run's: reader null) takes either reader's
+    results.write_text(json.dumps({"reader": None, "results": [], "runs": []}))
+    with pytest.raises(AssertionError, match="worked before refusing"):  # (not refused: on to the work)
+        recipe.main([*argv, "--reader", "squad-doc", "--results", str(results)])

@@ -1226,3 +1226,22 @@ def test_probes_closed_out_of_order_each_stop_alone():
     assert seen["a"] == before["a"] and seen["b"] == before["b"] + 2 * layers
     model(**inputs)  # every block closed: nobody sees it
     assert seen["b"] == before["b"] + 2 * layers and seen["a"] == before["a"]
+    # one probe open in two blocks: the block that closes takes out its own entry, the others keep their order
+    from approx.layer import probes
+
+    def p1(*args):
+        pass
+
+    def p2(*args):
+        pass
+
+    def holding():
+        with attention_probe(p1):
+            yield
+
+    g = holding()
+    next(g)
+    with attention_probe(p2), attention_probe(p1):
+        g.close()
+        assert probes() == (p2, p1)
+    assert probes() == ()

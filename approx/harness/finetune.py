@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -234,9 +235,11 @@ def _accelerator(mixed_precision: str):
     """accelerate's ``Accelerator`` in ``mixed_precision``. accelerate keeps one state per process, set by its first
     ``Accelerator``, and refuses another precision after it ("restart your runtime"): a second ``finetune`` call in
     one Python process (a notebook comparing bf16 with float32) gets a fresh state when an earlier ``finetune`` made
-    the one there, in a process that runs alone. A state the caller's own ``Accelerator`` made is not reset (every
-    ``Accelerator`` reads that one state: theirs would change precision under them), nor one shared by several
-    processes (``accelerate launch``): another precision is refused there, with what to do."""
+    the one there, in a process that runs alone, and no other run is under way in it. A state the caller's own
+    ``Accelerator`` made is not reset (every ``Accelerator`` reads that one state: theirs would change precision
+    under them), nor one shared by several processes (``accelerate launch``), nor one another thread's run trains
+    on: another precision is refused there, with what to do. An ``Accelerator`` the caller makes after a
+    ``finetune`` shares its state, which a later ``finetune`` in another precision resets."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, DistributedType
 
@@ -254,6 +257,11 @@ def _accelerator(mixed_precision: str):
                 f"state to {held!r}, and approx does not change it under you: fine-tune with "
                 f"mixed_precision={held!r}, or in a fresh process"
             )
+        if _RUNNING[0] > 1:  # (this run counts itself)
+            raise ValueError(
+                f"mixed_precision {mixed_precision!r}: another finetune runs in this process (another thread) in "
+                f"{held!r}, on accelerate's one state: fine-tune with mixed_precision={held!r}, or after it ends"
+            )
         AcceleratorState._reset_state()  # one process, a state an earlier finetune made: the precision asked for
     fresh = not state
     accelerator = Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
@@ -265,18 +273,22 @@ def _accelerator(mixed_precision: str):
 _MADE_HERE = "_approx_finetune_made_it"  # a key of accelerate's shared state: the state was made by finetune
 
 
+_RUNNING = [0]  # finetune runs under way in this process (threads), this one included: none resets the state then
+_RUNNING_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _accelerate_state():
-    """A run's accelerate state: one that this run made (:func:`_accelerator`, marked) is forgotten when the run
-    ends, however it ends, so that an ``Accelerator`` the caller makes later gets a state of its own, which a later
-    ``finetune`` then leaves alone (it had reset a state the caller's Accelerator shared with the run before)."""
+    """Count a run as under way, so that another run's :func:`_accelerator` does not reset the accelerate state it
+    trains on. (Resetting a run's own state when it ended was tried and taken out: an ``Accelerator`` a callback
+    made, or another thread's run, shared that state and broke.)"""
+    with _RUNNING_LOCK:
+        _RUNNING[0] += 1
     try:
         yield
     finally:
-        from accelerate.state import AcceleratorState
-
-        if AcceleratorState._shared_state.get(_MADE_HERE) is True:
-            AcceleratorState._reset_state()
+        with _RUNNING_LOCK:
+            _RUNNING[0] -= 1
 
 
 def _start(
@@ -689,7 +701,7 @@ def finetune(
     if eval_split is not None:  # a split that does not exist, or data that cannot be read: now, not after training
         task_def.load(eval_split, source=source, data_dir=data_dir)
     origin = "the patched layers given" if isinstance(method, dict) else method
-    with _accelerate_state():  # (one made here is not left for the caller's own Accelerator to share)
+    with _accelerate_state():  # (counted as under way: another thread's run does not reset its state)
         tr = _start(model, task_def, examples, setup, cfg, state_dir, progress, origin=origin, state_from=method)
         tr.run, tr.run_id = run, uuid.uuid4().hex  # (a resume reads the run's own)
         if resume:
