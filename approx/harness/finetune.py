@@ -722,12 +722,9 @@ def finetune(
             if evaluation is not None:
                 record["evaluation"] = evaluation
         record["provenance"] = provenance(
-            seed=cfg.seed,
-            device=tr.accelerator.device,
-            processes=tr.accelerator.num_processes,
-            data_source=where.describe(),
-            wall_seconds=time.perf_counter() - wall,
-        )
+            seed=cfg.seed, device=tr.accelerator.device, processes=tr.accelerator.num_processes,
+            data_source=where.describe(), wall_seconds=time.perf_counter() - wall,
+        )  # fmt: skip
         if tr.accelerator.is_main_process:
             (output_dir / "finetune.json").write_text(_json.dumps(record))
         return record
