@@ -583,30 +583,42 @@ class ApproxAttention(nn.Module):
         return f"method={self.method.name!r}, layer={self.layer_index}{heads}" + (f", {opts}" if opts else "")
 
 
+class _ProbeEntry:
+    __slots__ = ("closed",)
+
+    def __init__(self) -> None:
+        self.closed = False
+
+
 # Callables run after every patched layer of this thread's (context's) forwards: probe(layer, q, k, v, key_mask,
 # scale, out); see attention_probe. A context variable, not a list for the process: a probe opened in one thread had
 # seen the forwards other threads ran meanwhile (another model's queries and keys in approx.fit's samples).
-_PROBES: contextvars.ContextVar[tuple[tuple[object, Any], ...]] = contextvars.ContextVar("approx_probes", default=())
+# An entry is closed where its block closes, so a block closed in another thread than the one that opened it (a
+# generator resumed there) is closed in the opening thread too, whose context the closing thread cannot change.
+_PROBES: contextvars.ContextVar[tuple[tuple[_ProbeEntry, Any], ...]] = contextvars.ContextVar(
+    "approx_probes", default=()
+)
 
 
 def probes() -> tuple[Any, ...]:
     """The probes open in this thread (context), innermost last."""
-    return tuple(probe for _, probe in _PROBES.get())
+    return tuple(probe for entry, probe in _PROBES.get() if not entry.closed)
 
 
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
     """Within the block, call ``probe(layer, q, k, v, key_mask, scale, out)`` after every patched layer's
     attention run in this thread (or asyncio context): q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None,
     ``out`` the layer's (B, H, N, dv) output. Forwards other threads run meanwhile are not seen; blocks may close in
-    any order (each takes out its own probe), in the thread that opened them. For measuring
-    (attention error, graph statistics), not for changing the output."""
+    any order (each takes out its own probe), and in another thread than the one that opened them (a generator
+    resumed there): the probe then stops in the opening thread too. For measuring (attention error, graph
+    statistics), not for changing the output."""
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
-        self._entries: list[object] = []  # this block's own entry (a stack: the instance may be entered again)
+        self._entries: list[_ProbeEntry] = []  # this block's own entry (a stack: the instance may be entered again)
 
     def __enter__(self) -> Any:
-        entry = object()
+        entry = _ProbeEntry()
         self._entries.append(entry)
         _PROBES.set((*_PROBES.get(), (entry, self.probe)))
         return self.probe
@@ -616,4 +628,5 @@ class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_g
         # generators each probing their own forwards), where resetting to the state at entry dropped a probe still
         # open and kept this one
         entry = self._entries.pop()
-        _PROBES.set(tuple(e for e in _PROBES.get() if e[0] is not entry))
+        entry.closed = True  # (seen by the opening thread's context too, where this is another thread)
+        _PROBES.set(tuple(e for e in _PROBES.get() if e[0] is not entry and not e[0].closed))

@@ -405,13 +405,15 @@ def memory_call(mem: dict[Any, dict[str, dict[str, Any]]]) -> str:
     first, and the second for some (``after_a_compiling_call``, named) in older records, which are not comparable."""
     entries = [(c, e) for per_n in mem.values() for c, e in per_n.items()]
     if entries and all(e.get("measured") == "second call" for _, e in entries):
-        return "the call after one untimed call, every contender alike"
+        return "a call after one untimed call, every contender alike"
     if entries and all(e.get("measured") == "first call" for _, e in entries):
         return "the first call, every contender alike (ru_maxrss: no untimed call before it)"
     second = sorted({c for c, e in entries if e.get("after_a_compiling_call")})
     if not second:
         return "the first call"
-    return f"the first call; of the second for {', '.join(second)}, so these are not comparable with the others"
+    return (
+        f"the first call; {', '.join(second)}: the second call, after an untimed one, so not comparable with the others"
+    )
 
 
 def memory_probe(contender: str, n: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -135,20 +135,13 @@ def _hardware(res: dict) -> str:
 
 
 def _memory_how(mem: dict[str, dict[str, dict]]) -> str:
-    """How an attention-op record measured memory: since 2026-12-01 every contender's call after an untimed one;
-    before, the first call, and the second for the contenders marked ``after_a_compiling_call`` (not comparable)."""
-    entries = [(c, e) for per_n in mem.values() for c, e in per_n.items()]
-    if any(e.get("counter", "").startswith("cuda") for _, e in entries):
+    """How an attention-op record measured memory, in the words of the benchmark's own report (``memory_call``)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention_op import memory_call
+
+    if any(e.get("counter", "").startswith("cuda") for per_n in mem.values() for e in per_n.values()):
         return "the CUDA allocator's peak during the first call"
-    if entries and all(e.get("measured") == "second call" for _, e in entries):
-        return "peak RSS added by a call after one untimed call, in a fresh process"
-    second = sorted({c for c, e in entries if e.get("after_a_compiling_call")})
-    said = (
-        f"; {', '.join(second)}: the second call, after an untimed one, so not comparable with the others"
-        if second
-        else ""
-    )
-    return f"peak RSS added by the first call, in a fresh process{said}"
+    return f"peak RSS added, in a fresh process, by {memory_call(mem)}"
 
 
 def benchmark_block(path: str) -> str:

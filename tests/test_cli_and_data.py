@@ -1172,7 +1172,7 @@ def test_attention_op_measures_every_contenders_memory_alike(benchmark_script, m
     said = bench.memory_call({"64": {"sdpa": entry, "favor": entry}})
     assert "after one untimed call, every contender alike" in said
     older = {"64": {"sdpa": {"counter": "VmHWM"}, "favor": {"after_a_compiling_call": True}}}
-    assert "the second for favor, so these are not comparable" in bench.memory_call(older)
+    assert "; favor: the second call, after an untimed one, so not comparable" in bench.memory_call(older)
     # where the peak mark cannot be reset (ru_maxrss), an untimed call would raise it first: the first call, said so
     monkeypatch.setattr(bench, "_reset_peak", lambda: False)
     calls.clear()

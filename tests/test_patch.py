@@ -1245,3 +1245,31 @@ def test_probes_closed_out_of_order_each_stop_alone():
         g.close()
         assert probes() == (p2, p1)
     assert probes() == ()
+
+
+def test_probe_closed_in_another_thread_stops_in_the_opening_one():
+    """A generator probing its forwards, opened in one thread and closed in another: the probe stops in the thread
+    that opened it, whose context the closing thread cannot change (it had stayed open there for good)."""
+    import threading
+
+    from approx.integration import attention_probe
+    from approx.layer import probes
+
+    model = approx.patch(tiny_model("bert").eval(), "favor", features=8)
+    inputs = batch(16)
+    seen: list[object] = []
+
+    def stream():
+        with attention_probe(lambda layer, *a: seen.append(layer)):
+            yield
+
+    g = stream()
+    next(g)  # opened in this thread
+    assert len(probes()) == 1
+    closer = threading.Thread(target=g.close)
+    closer.start()
+    closer.join()
+    assert probes() == ()
+    with torch.no_grad():
+        model(**inputs)
+    assert seen == []
