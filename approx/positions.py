@@ -54,6 +54,18 @@ def position_limit(model: nn.Module) -> int | None:
     return table.num_embeddings - _offset(table)
 
 
+def limit_for(model: nn.Module, length: int, tokenizer: Any = None) -> int | None:
+    """:func:`position_limit`, after refusing a model without a learned position table (rotary or relative
+    positions: nothing to extend) asked to read more than its ``config.max_position_embeddings``, with
+    :func:`extend_positions`'s list of what was found. The check every entry point that reads long inputs makes."""
+    limit = position_limit(model)
+    if limit is None:
+        configured = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(configured, int) and length > configured:
+            extend_positions(model, length, tokenizer=tokenizer)  # raises, listing what was found
+    return limit
+
+
 def _length(max_length: Any) -> Any:
     """``max_length`` as an ``int`` when it is an integer scalar (NumPy, 0-d torch), else as given (refused later)."""
     value = as_integer(max_length)
@@ -74,6 +86,11 @@ def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[s
         found.append(f"config.position_embedding_type = {kind!r}")
         if kind not in (None, "absolute"):
             problems.append(f"positions are {kind!r}, not learned absolute positions ('absolute')")
+        if getattr(config, "relative_attention", False):  # DeBERTa: relative buckets sized by the same number
+            problems.append(
+                "the model also has relative attention (config.relative_attention), whose relative-position "
+                "embeddings are sized by config.max_position_embeddings: the saved model would not load again"
+            )
         if getattr(config, "sinusoidal_pos_embds", False):
             problems.append("positions are fixed sinusoids (config.sinusoidal_pos_embds), not learned")
         found.append(f"config.max_position_embeddings = {getattr(config, 'max_position_embeddings', None)!r}")

@@ -39,6 +39,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -246,17 +247,34 @@ def mlm_checkpoint(
                          "last_loss": losses[-1]}  # fmt: skip
 
 
+def questions_per_fold(args: argparse.Namespace, n: int) -> int | None:
+    """squad-doc questions each fold's reader reads at length ``n`` (None: all): ``--questions`` (or the profile's)
+    shared among the profile's folds, at least one each."""
+    questions = args.questions or PROFILES[args.profile]["questions"][n]
+    return None if questions is None else max(1, questions // len(FOLDS[args.profile]))
+
+
+def requested(args: argparse.Namespace, lengths: Iterable[int]) -> dict[str, dict[str, int | None]]:
+    """What this run reads at each length, per task (None: everything): the results a merge may put beside them."""
+    out: dict[str, dict[str, int | None]] = {}
+    if "squad-doc" in args.tasks:
+        folds = len(FOLDS[args.profile])
+        per_fold = {str(n): questions_per_fold(args, n) for n in lengths}
+        out["squad-doc"] = out["squad-doc-sliding"] = {n: q and q * folds for n, q in per_fold.items()}
+    if "wikitext2" in args.tasks:
+        out["wikitext2"] = {str(n): args.windows or PROFILES[args.profile]["windows"][n] for n in lengths}
+    return out
+
+
 def run_length(n: int, args, squad: list[tuple[str, str]] | None, mlm: str | None) -> list[dict[str, Any]]:
     """Every result at length ``n``: squad-doc under every method, its sliding baseline, wikitext2."""
-    profile = PROFILES[args.profile]
     common = dict(data_dir=args.data_dir, progress=not args.quiet, seed=args.seed, device=args.device)
     # on the CPU the squad-doc evaluation also measures the allocator's peak in an untimed pass (the memory-growth
     # fit reads squad-doc only; the sliding baseline and wikitext2 are spared the profiled pass)
     allocations = args.device == "cpu"
     out: list[dict[str, Any]] = []
     if squad is not None:
-        questions = args.questions or profile["questions"][n]
-        half = None if questions is None else max(1, questions // len(squad))
+        half = questions_per_fold(args, n)
         for task, configs, batch, allocate in (
             ("squad-doc", methods("squad-doc", args.methods), 1, allocations),
             ("squad-doc-sliding", ["full"], SLIDING_BATCH, False),
@@ -266,7 +284,7 @@ def run_length(n: int, args, squad: list[tuple[str, str]] | None, mlm: str | Non
             )
             out += results
     if mlm is not None:
-        windows = args.windows or profile["windows"][n]
+        windows = args.windows or PROFILES[args.profile]["windows"][n]
         import approx
 
         out += approx.evaluate(
@@ -509,9 +527,42 @@ def figure(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, int]) -> None:
+def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, int], lengths: Iterable[int]) -> None:
     """Refuse to merge this run's results into ``old`` (``--update``) when they were read by another squad-doc reader,
-    or from checkpoints fine-tuned under other caps (``--max-steps``, ``--train-limit``: other checkpoints)."""
+    from checkpoints fine-tuned under other caps (``--max-steps``, ``--train-limit``: other checkpoints), under
+    another profile (other readers), on another device, with another seed, or on another number of questions or
+    windows at a length both runs read (the record names one of each, so its rows must share them)."""
+    differs = [
+        f"{what} {theirs!r} (this run: {mine!r})"
+        for what, theirs, mine in (
+            ("profile", old.get("profile"), args.profile),
+            ("device", old.get("device"), args.device),
+        )
+        if theirs is not None and theirs != mine
+    ]
+    rows = old.get("results", []) + old.get("baselines", [])
+    seeds = sorted({r["provenance"].get("seed") for r in rows}, key=str)
+    if any(seed != args.seed for seed in seeds):
+        differs.append(f"seed {', '.join(map(str, seeds))} (this run: {args.seed})")
+    wanted = requested(args, lengths)
+    held = old.get("requested") or {}  # (records written before it: the examples their rows scored)
+    for task, per_length in wanted.items():
+        for n, count in per_length.items():
+            theirs = {r["examples"] for r in rows if r["task"] == task and str(r["max_length"]) == n}
+            if n in held.get(task, {}):
+                if held[task][n] != count:
+                    differs.append(
+                        f"{task} at {n} tokens: {held[task][n] or 'every'} examples (this run: {count or 'every'})"
+                    )
+            elif theirs and count is not None and theirs != {count}:
+                differs.append(
+                    f"{task} at {n} tokens: {', '.join(map(str, sorted(theirs)))} examples (this run: {count})"
+                )
+    if differs:
+        raise SystemExit(
+            f"{args.results} holds results made otherwise: {'; '.join(differs)}. Run with the same settings, or write "
+            "to another --results file"
+        )
     held = old.get("reader", "squad")  # (None: no squad-doc result; absent: written before readers were named)
     if "squad-doc" in args.tasks and held is not None and held != args.reader:
         raise SystemExit(
@@ -541,7 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one fine-tuned again on squad-doc windows at 4096 tokens (LONG_READER; trained on a CUDA device when "
         "not cached)",
     )  # fmt: skip
-    p.add_argument("--questions", type=at_least(1), help="squad-doc questions per length (default: the profile's)")
+    p.add_argument(
+        "--questions",
+        type=at_least(1),
+        help="squad-doc questions per length (default: the profile's; shared among the profile's folds, so a "
+        "multiple of their number is read, at least one per fold)",
+    )
     p.add_argument("--windows", type=at_least(1), help="wikitext2 test windows per length (default: the profile's)")
     p.add_argument("--device", help="default: cuda when available, else cpu")
     p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default: torch's choice)")
@@ -574,7 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--update", action="store_true",
         help="keep the results already in --results that this run does not redo: the other tasks', and with "
-        "--methods the other methods' (run the tasks or methods one after the other)",
+        "--methods the other methods' (run the tasks or methods one after the other); refused when they were made "
+        "with another profile, device, seed, reader, caps, or number of questions or windows at a shared length",
     )  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     return p
@@ -619,14 +676,14 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(record))
         return 0
     caps = {k: v for k, v in (("max_steps", args.max_steps), ("train_limit", args.train_limit)) if v is not None}
-    if args.update and args.results.is_file():  # refused before any work
-        check_update(args, json.loads(args.results.read_text()), caps)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
     args.profile = args.profile or ("gpu" if cuda else "cpu")
     args.device = args.device or ("cuda" if cuda else "cpu")
     lengths = args.lengths or PROFILES[args.profile]["lengths"]
+    if args.update and args.results.is_file():  # refused before any work
+        check_update(args, json.loads(args.results.read_text()), caps, lengths)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     start = time.perf_counter()
     run_id = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")  # stamped in every result it makes
     # the code as the run starts, not after a commit made while it ran
@@ -653,8 +710,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = [{"run": run_id, "tasks": args.tasks, "lengths": list(lengths), "wall_seconds": wall,
              "provenance": made}]  # fmt: skip
     reader = args.reader if "squad-doc" in args.tasks else None
+    requested_record = requested(args, lengths)
     if args.update and args.results.is_file():  # what an earlier run made that this one did not redo
         old = json.loads(args.results.read_text())
+        for task, per_length in (old.get("requested") or {}).items():  # (check_update: equal where both read)
+            requested_record[task] = {**per_length, **requested_record.get(task, {})}
         reader = reader or old.get("reader", "squad")
         mine = set(args.tasks) | ({"squad-doc-sliding"} if "squad-doc" in args.tasks else set())
         kept = [r for r in old["results"] + old.get("baselines", []) if not redone(r, mine, lengths, args.methods)]
@@ -674,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         "reader": reader,  # squad-doc's reader (None: no squad-doc result)
         **({"fine_tuning_caps": caps} if caps else {}),  # a short run's (--max-steps, --train-limit): other checkpoints
         "lengths": list(lengths),
+        "requested": requested_record,  # examples read per task and length (None: all); a merge must match them
         "methods": {
             m: [c.to_dict() for c in cs] for m, cs in METHODS.items() if any(r["method"]["name"] == m for r in results)
         },

@@ -199,6 +199,32 @@ def test_fine_tuning_past_the_positions_extends_them_for_good(tmp_path, long_dat
     assert position_limit(model) == LONG and model.config.max_position_embeddings == LONG
 
 
+def test_fine_tuning_a_rotary_model_past_its_length_is_refused_before_training(tmp_path, long_data, monkeypatch):
+    """A 512-position rotary model (no table to extend) asked to fine-tune at 1024 tokens: refused, with what was
+    found, as its evaluation at that length is (it had trained and saved a checkpoint recording nothing); so is
+    `approx fit --length` past it."""
+    from approx.harness import finetune as ft
+
+    base = write_checkpoint(tmp_path / "base", "masked-lm", family="esm")
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained before refusing")
+
+    monkeypatch.setattr(ft, "_train", never)
+    with pytest.raises(ValueError, match=r"positions are rotary \(RoPE\)"):
+        ft.finetune(
+            str(base), "wikitext2", output_dir=tmp_path / "ft", train_split="valid", data_dir=str(long_data),
+            source="local", max_length=LONG, max_steps=1, batch_size=1, limit=1, progress=False,
+        )  # fmt: skip
+    assert not (tmp_path / "ft" / "finetune.json").exists()
+    from approx.harness.cli import main
+
+    argv = ["fit", "--model", str(base), "--method", "sparsefinder", "--length", str(LONG), "--windows", "1"]
+    argv += ["--output-dir", str(tmp_path / "fit"), "--data-dir", str(long_data), "--quiet"]
+    assert main(argv) != 0
+    assert not (tmp_path / "fit").exists()
+
+
 def test_halves_read_at_different_lengths_are_not_merged():
     from approx.harness.crossfit import merge_halves
 

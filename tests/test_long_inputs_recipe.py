@@ -169,6 +169,51 @@ def test_figure_and_table(recipe, tmp_path):
     assert "squad-doc-sliding | 1024" in table and table.count("\n") == 2 + len(record["best"])
 
 
+def test_update_refuses_results_made_with_other_settings(recipe, monkeypatch, tmp_path):
+    """--update refuses, before any work, a file whose results came from another profile (other readers), device,
+    seed, or number of questions or windows at a length this run reads too: the record names one of each (a run
+    with --profile gpu --seed 3 --questions 5 had been merged beside another's rows, the record naming only its own
+    readers). Other lengths may hold other numbers; a record naming what it read is compared on that."""
+    import json
+
+    def never(*args, **kwargs):
+        raise AssertionError("worked before refusing")
+
+    monkeypatch.setattr(recipe, "squad_checkpoints", never)
+    monkeypatch.setattr(recipe, "mlm_checkpoint", never)
+    path = tmp_path / "r.json"
+
+    def held(examples=16, seed=0, **top):
+        rows = []
+        for task, n in (("squad-doc", 1024), ("squad-doc-sliding", 1024), ("wikitext2", 2048)):
+            r = result(task, n, "full", 1, 1, 1, 1)
+            r.update(examples=examples if task != "wikitext2" else 4, provenance={"seed": seed})
+            rows.append(r)
+        record = {"reader": "squad", "profile": "cpu", "device": "cpu", "results": rows, "runs": [], **top}
+        path.write_text(json.dumps(record))
+
+    argv = ["--lengths", "1024", "--update", "--quiet", "--profile", "cpu", "--device", "cpu", "--results", str(path)]
+    held()
+    for extra, said in (
+        (["--profile", "gpu"], "profile 'cpu' \\(this run: 'gpu'\\)"),
+        (["--seed", "3"], "seed 0 \\(this run: 3\\)"),
+        (["--questions", "5"], "squad-doc at 1024 tokens: 16 examples \\(this run: 5\\)"),
+    ):
+        with pytest.raises(SystemExit, match=said):
+            recipe.main([*argv, *extra])
+    with pytest.raises(SystemExit, match="device 'cpu' \\(this run: 'cuda'\\)"):
+        recipe.main([*argv, "--device", "cuda", "--tasks", "wikitext2"])
+    with pytest.raises(SystemExit, match="wikitext2 at 2048 tokens: 4 examples \\(this run: 1\\)"):
+        recipe.main([*argv, "--tasks", "wikitext2", "--lengths", "2048", "--windows", "1"])
+    for same in ([], ["--tasks", "wikitext2", "--lengths", "2048"], ["--lengths", "2048", "--questions", "5"]):
+        with pytest.raises(AssertionError, match="worked before refusing"):  # the same settings: on to the work
+            recipe.main([*argv, *same])
+    # a record naming what it read is compared on that (here: every example at 1024 tokens)
+    held(requested={"squad-doc": {"1024": None}})
+    with pytest.raises(SystemExit, match="squad-doc at 1024 tokens: every examples \\(this run: 16\\)"):
+        recipe.main(argv)
+
+
 def test_update_keeps_what_the_run_does_not_redo(recipe):
     """--update: a result is replaced only when this run makes it again (its task, its length, its method when
     --methods names some); the sliding baseline is redone with squad-doc whatever the methods."""

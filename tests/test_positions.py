@@ -154,6 +154,21 @@ def test_rotary_positions_are_refused_and_left_alone(family):
     assert_same_state(before, model)
 
 
+def test_a_table_beside_relative_attention_is_refused():
+    """DeBERTa-v2 with relative attention and a biased absolute table: its relative embeddings are sized by
+    config.max_position_embeddings, so an extended model saved would not load again: refused, nothing changed."""
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    config = DebertaV2Config(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=32, max_position_embeddings=64, relative_attention=True,
+                             position_biased_input=True)  # fmt: skip
+    model = DebertaV2Model(config).eval()
+    before = state(model)
+    with pytest.raises(ValueError, match=r"relative attention \(config.relative_attention\)"):
+        approx.extend_positions(model, 200)
+    assert_same_state(before, model)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_extend_after_patch(method):
     spec = approx.get_method(method)

@@ -420,7 +420,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     import time
 
     from ..integration import load_pretrained, patch, save
-    from ..positions import position_limit
+    from ..positions import limit_for
     from .data import find_data_dir, wikitext_file, wikitext_windows
     from .fitting import fit, graph_stats
     from .provenance import provenance
@@ -454,7 +454,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     wall = time.perf_counter()
     model_path, _ = _model(args.model)
     model, tokenizer = load_pretrained(model_path, progress=not args.quiet)
-    limit = position_limit(model)
+    limit = limit_for(model, args.length, tokenizer)  # (a model without a learned table: refused past its length)
     if limit is not None and args.length > limit:
         raise ValueError(f"--length {args.length}: the model has {limit} learned positions; fit on at most {limit}")
     windows = wikitext_windows(tokenizer, args.data_dir, split=args.split, length=args.length, count=args.windows)
@@ -643,15 +643,10 @@ def _extend_for_tuning(model, tokenizer, longest: int, length: int) -> dict | No
     ``approx finetune`` extends them to its ``max_length``, so that the tuned model is saved with the positions it was
     tuned at (the trained rows copied block after block, as Longformer did). What was done, for the record; None when
     nothing was needed. A model that cannot be extended is refused with what was found."""
-    from ..positions import extend_positions, position_limit, trained_positions
+    from ..positions import extend_positions, limit_for, trained_positions
 
-    limit = position_limit(model)
-    if limit is None:
-        configured = getattr(model.config, "max_position_embeddings", None)
-        if isinstance(configured, int) and longest > configured:
-            extend_positions(model, longest, tokenizer=tokenizer)  # raises, listing what was found
-        return None
-    if longest <= limit:
+    limit = limit_for(model, longest, tokenizer)  # (refuses what cannot be extended)
+    if limit is None or longest <= limit:
         return None
     to, trained = max(longest, length), trained_positions(model)
     extend_positions(model, to, tokenizer=tokenizer)

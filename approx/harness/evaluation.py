@@ -57,7 +57,7 @@ from ..integration import (
     saved_local,
     unpatch,
 )
-from ..positions import extend_positions, extended_positions, position_limit, trained_positions
+from ..positions import extended_positions, limit_for, trained_positions
 from ..registry import get_method
 from ..saved import AUTOTUNE_RECORD, FIT_RECORD, check_checkpoint, read_settings
 from . import fidelity as fid
@@ -352,13 +352,8 @@ def _extend(model, tokenizer, length: int, stack: contextlib.ExitStack) -> dict[
     position table is shorter: the trained rows copied block after block (:func:`approx.extend_positions`) for
     the evaluation only (a model object passed in gets its own table back afterwards). What was done, for the
     result; None when nothing was needed. A model that cannot be extended is refused with what was found."""
-    limit = position_limit(model)
-    if limit is None:
-        configured = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if isinstance(configured, int) and length > configured:
-            extend_positions(model, length, tokenizer=tokenizer)  # raises, listing what was found
-        return None
-    if length <= limit:
+    limit = limit_for(model, length, tokenizer)  # (refuses what cannot be extended)
+    if limit is None or length <= limit:
         return None
     trained = trained_positions(model)
     stack.enter_context(extended_positions(model, length, tokenizer=tokenizer))

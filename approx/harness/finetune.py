@@ -64,7 +64,7 @@ from ..integration import (
 )
 from ..integration import redraw as redraw_layers
 from ..layer import warn_seed_record
-from ..positions import extend_positions, position_limit, trained_positions
+from ..positions import extend_positions, limit_for, trained_positions
 from ..registry import get_method
 from ..saved import SETTINGS_FILE, STATE_FILE, read_settings, read_state
 from .spec import PER_LAYER, Setup, as_setup, layer_entries, saved_folder
@@ -365,7 +365,7 @@ def _extend_for_training(net, tokenizer, max_length: int, features: list[Feature
     rows copied block after block, as Longformer did before training at 4096), so the saved checkpoint reads
     that length; refused with what was found when the positions cannot be extended."""
     longest = max((len(f.input_ids) for f in features), default=0)
-    limit = position_limit(net)
+    limit = limit_for(net, longest, tokenizer)  # (refuses a model whose positions cannot be extended)
     if limit is None or longest <= limit:
         return None
     trained = trained_positions(net)

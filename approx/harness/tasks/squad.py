@@ -4,9 +4,9 @@ Protocol (version 1): question and context are tokenised as a pair with the mode
 context truncated (``only_second``) to windows of at most ``max_length`` tokens (default 384) that overlap
 by a document stride of 128 tokens (a third of the window when it is shorter than 384), as in transformers'
 ``run_qa`` example. For every window the 20 best
-start and end positions among its context tokens are combined (end >= start, at most 30 tokens; ``run_qa`` takes
-its 20 best over the whole window and then drops those outside the context, so that question and padding
-positions can crowd context positions out of its lists: here they cannot); the answer is
+start and end positions are taken over its tokens, padding left out, and those outside the context dropped, as
+``run_qa`` does (so question and special tokens can crowd context tokens out of the lists; padding cannot); the
+remaining starts and ends are combined (end >= start, at most 30 tokens); the answer is
 the span of highest start + end logit over all windows of the question, cut from the context by the token
 offsets. Exact match and F1 use the official v1.1 normalisation and take the best over the gold answers.
 Fidelity: agreement is the share of questions with the same predicted text; the KL divergence is the mean
