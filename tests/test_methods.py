@@ -276,6 +276,27 @@ def test_non_finite_padding_leaves_real_outputs_and_gradients_as_finite_padding_
         torch.testing.assert_close(bad_g[1, :, :70], g[1, :, :70], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_half_precision_weights_are_computed_in_float32(method):
+    """A method's dense weights of bfloat16 inputs come in float32, as the forward computes (exact attention's,
+    clustering's and improved clustering's had been rounded to bfloat16, full's scores too: 0.075 from softmax with
+    sharp queries, further than a method at its exact limit); the integration casts them to the model's dtype."""
+    spec = get_method(method)
+    if spec.weights is None or spec.requires_fit(spec.config_class(**spec.test_options)):
+        pytest.skip(f"{method} exposes no weights, or needs fitting first")
+    q, k, v = (x.to(torch.bfloat16) for x in make_qkv(n=37, sharp=60.0))
+    mask = padded_mask(37, 20)
+    try:
+        weights = layer(method, **small_budget(method)).weights(q, k, mask)
+    except NotImplementedError:
+        pytest.skip(f"{method} exposes no weights with these options")
+    assert weights.dtype == torch.float32
+    if method == "full":
+        exact = naive_weights(q.double(), k.double(), mask)
+        real = mask[:, None, :, None].expand_as(weights)
+        assert (weights.double() - exact)[real].abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", with_kernels(METHODS))
 def test_half_precision(method, dtype):

@@ -118,9 +118,12 @@ def exact_weight_rows(q, k, key_mask: torch.Tensor | None, scale: float, dtype: 
 
 
 def dense_softmax(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """softmax(s Q K^T + log m) as a dense (B, H, N, S) matrix: for analysis and plots, never a fast path."""
+    """softmax(s Q K^T + log m) as a dense (B, H, N, S) matrix: for analysis and plots, never a fast path. Half
+    precision is computed, and returned, in float32 as every method's weights are (scores rounded to bfloat16 had
+    put exact attention's weights further from softmax than a method's)."""
     key_mask = safe_key_mask(key_mask)
-    scores = (q @ k.transpose(-1, -2)) * scale
+    dtype = compute_dtype(q.dtype)
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return scores.softmax(-1)

@@ -328,7 +328,7 @@ def run(
         exact_below=config.exact_below,
         at_most=config.clusters,
     )
-    return out.to(q.dtype)
+    return out if dense else out.to(q.dtype)  # (weights in the compute dtype, as every method's)
 
 
 def clustered_weights(q, k, *, key_mask, query_mask, scale, config, state) -> torch.Tensor:
