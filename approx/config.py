@@ -159,11 +159,15 @@ class MethodConfig:
             config = self.replaced(**overrides)
             config._refuse_unused(overrides)
             return config
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        given = {**{k: v for k, v in self.to_dict().items() if v != defaults[k]}, **overrides}
+        given = {**self.changed(), **overrides}
         config = type(self)(**given)
         config._refuse_unused(given)
         return config
+
+    def changed(self) -> dict[str, Any]:
+        """The options whose values differ from the defaults: what a caller who built this config chose."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return {k: v for k, v in self.to_dict().items() if v != defaults[k]}
 
     @property
     def recorded(self) -> bool:

@@ -1132,6 +1132,70 @@ def test_a_specs_own_seed_wins_over_the_runs_and_a_fraction_is_not_an_integer():
         parse_setup("clustered:clusters=2.5")
 
 
+def test_a_config_object_takes_the_runs_seed_as_its_spec_does():
+    """A config the caller built is the options it changes, so the run's seed reaches it as it reaches the same
+    method written as a spec (it had run with seed 0 beside the spec's 3); a config read from a record keeps the
+    record's seed; its own seed wins."""
+    from approx import get_method
+    from approx.harness.spec import as_setup
+
+    favor = get_method("favor")
+    built = favor.make_config(features=64)
+    assert (
+        as_setup(built, seed=3).options == as_setup("favor:features=64", seed=3).options == {"features": 64, "seed": 3}
+    )
+    assert as_setup(favor.make_config(features=64, seed=5), seed=3).options["seed"] == 5
+    recorded = favor.config_class.from_record(built.to_dict())
+    assert as_setup(recorded, seed=3).options == built.to_dict()  # (seed 0, as recorded)
+
+
+def test_a_folder_saved_before_an_option_existed_evaluates_as_it_loads(tmp_path):
+    """A folder whose layers hold a value for an option their others leave unused, saved before a later option
+    existed: read as the record it is, as approx.load reads it (it had been refused as if the values were named)."""
+    from conftest import tiny_model
+
+    from approx.harness.spec import as_setup
+    from approx.saved import SETTINGS_FILE
+
+    model = approx.patch(tiny_model("bert").eval(), "clustered", clusters=1)
+    approx.save(model, tmp_path / "f")
+    settings = json.loads((tmp_path / "f" / SETTINGS_FILE).read_text())
+    settings = {k: v for k, v in settings.items() if not k.endswith("_sha256")}  # (as folders saved then)
+    for layer in settings["layers"]:
+        layer["config"].pop("thresholds")
+        layer["config"]["iterations"] = 5
+    (tmp_path / "f" / SETTINGS_FILE).write_text(json.dumps(settings))
+    setup = as_setup(str(tmp_path / "f"))
+    assert setup.config()["iterations"] == 5
+    loaded = approx.patched_layers(approx.load(tmp_path / "f"))
+    assert setup.config() == loaded[0].config.to_dict()
+
+
+@pytest.mark.parametrize("spec", ["", "  ", ":clusters=2"])
+def test_an_empty_method_is_refused_not_read_as_this_folder(spec, tmp_path, monkeypatch):
+    from approx.harness.spec import as_setup
+
+    model = approx.patch(__import__("conftest").tiny_model("bert").eval(), "favor", features=8)
+    approx.save(model, tmp_path)
+    monkeypatch.chdir(tmp_path)  # a saved folder here: an empty name must not pick it
+    with pytest.raises(ValueError, match="no method named in"):
+        as_setup(spec)
+
+
+def test_a_bad_fit_or_finetune_flag_value_is_said_as_a_spec_says_it(capsys):
+    """Flags generated from the fit and fine-tuning configs: a bad value gives the option's own message, not
+    argparse's "invalid <lambda> value"."""
+    for argv, said in (
+        (["fit", "--method", "sparsefinder", "--fit-projections-too", "maybe", "--output-dir", "o"],
+         "expects true or false, got 'maybe'"),
+        (["finetune", "--task", "sst2", "--max-steps", "1.5", "--output-dir", "o"], "expects an integer, got '1.5'"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "lambda" not in err, err
+
+
 def test_a_label_leaves_out_what_a_record_held_for_an_unused_option_and_runs_as_a_spec():
     """A record made before an unused value was refused (FAVOR+'s hyperbolic=False under the relu kernel) is labelled
     with the options that were read, so the label is a spec that runs; a value that was read stays."""

@@ -5,6 +5,7 @@ dataclass decides."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 from .. import methods
 from ..config import MethodConfig
@@ -154,9 +155,18 @@ def config_flags(p, config_class: type[MethodConfig], *, owner: str | None = Non
             dest=opt["name"],
             action=Once,  # a repeat is refused, not silently the last value
             metavar=kind.upper(),
-            type=lambda v, kind=kind, name=opt["name"]: parse_value(v, kind, name, owner or config_class.method),
+            type=functools.partial(_flag_value, kind=kind, name=opt["name"], owner=owner or config_class.method),
             help=f"{opt['help']}{default}",
         )
+
+
+def _flag_value(value: str, *, kind: str, name: str, owner: str):
+    """A flag's value parsed as a spec's is, its error said as written (argparse reads a ValueError from ``type`` as
+    "invalid <lambda> value" and drops the message)."""
+    try:
+        return parse_value(value, kind, name, owner)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def config_values(args: argparse.Namespace, config_class: type[MethodConfig]) -> dict:

@@ -95,7 +95,10 @@ def names_a_method(spec: Any) -> bool:
 
 
 def saved_folder(method: Any) -> bool:
-    """Whether a method as given is a folder written by :func:`approx.save` or ``approx fit`` (not a method's name)."""
+    """Whether a method as given is a folder written by :func:`approx.save` or ``approx fit`` (not a method's name;
+    never an empty string, which a path would read as the current folder)."""
+    if isinstance(method, str) and not method.strip():
+        return False
     return not names_a_method(method) and is_saved_setting(method)
 
 
@@ -104,6 +107,8 @@ def check_not_a_folder(spec: str) -> None:
     saying what is wrong with it, rather than calling it an unknown method."""
     if names_a_method(spec):
         return
+    if not spec.partition(":")[0].strip():  # (a path would read "" as the current folder)
+        raise ValueError(f"no method named in {spec!r}: name one of {', '.join(methods())}")
     looks_like_path = "/" in spec or "\\" in spec or spec.startswith((".", "~"))
     folder = Path(spec).expanduser()
     if folder.is_dir():
@@ -164,8 +169,11 @@ def as_setup(method: str | Setup | MethodConfig | dict, seed: int | None = None)
         return _layers_setup(entries, tuned=saved_folder(method) and "tuning" in read_settings(method))
     if isinstance(method, os.PathLike):  # not a saved folder: said so as a path, never read as a method's name
         check_not_a_folder(os.path.join(".", os.fspath(method)))
-    if isinstance(method, MethodConfig):
-        setup = Setup.from_config(method.as_given())  # its options checked as if named, as approx.patch reads them
+    if isinstance(method, MethodConfig):  # its options checked as if named, as approx.patch reads them; a config
+        # built by the caller is the options it changes (so the run's seed reaches it, as it reaches the same spec),
+        # one read from a record is the record (its seed as recorded)
+        config = method.as_given()
+        setup = Setup(config.method, config.to_dict() if config.recorded else config.changed())
     elif isinstance(method, Setup):
         setup = method
     elif isinstance(method, str):
@@ -210,8 +218,8 @@ def layer_entries(method: Any) -> list[dict[str, Any]] | None:
             )
         return [layer_record(as_integer(i), x) for i, x in sorted(method.items())]
     if saved_folder(method):  # a folder written by approx.save / `approx fit`
-        return [  # options the folder predates: as it was saved
-            {**x, "config": get_method(x["method"]).config_class.recorded_options(x["config"])}
+        return [  # every option, as the folder means it (one it predates: as it was saved), so read as a record
+            {**x, "config": get_method(x["method"]).config_class.from_record(x["config"]).to_dict()}
             for x in read_settings(method)["layers"]
         ]
     return None
