@@ -358,4 +358,11 @@ def methods() -> list[str]:
 
 def get_method(name: str) -> Method:
     """The registered method ``name``; ``ValueError`` listing the available ones otherwise."""
+    base = name.partition(":")[0].strip() if isinstance(name, str) and ":" in name else None
+    if base is not None and base in _METHODS.names():  # a spec where a name goes (approx.patch, ApproxAttention)
+        raise ValueError(
+            f"unknown attention method {name!r}: a spec 'name:opt=val,...' is read by approx.evaluate, "
+            f"approx.autotune, approx.finetune and the approx command; here give the name and its options apart: "
+            f"approx.patch(model, {base!r}, option=value), or get_method({base!r}).make_config(option=value)"
+        )
     return _METHODS.get(name)

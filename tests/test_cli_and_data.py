@@ -1196,6 +1196,21 @@ def test_a_bad_fit_or_finetune_flag_value_is_said_as_a_spec_says_it(capsys):
         assert e.value.code == 2 and said in err and "lambda" not in err, err
 
 
+def test_methods_markdown_checks_and_keeps_the_names_it_is_given(capsys):
+    assert main(["methods", "--markdown", "favor"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| `")]
+    assert rows and all(r.startswith("| `favor`") for r in rows[:1]) and "`full`" not in "".join(rows)
+    assert main(["methods", "--markdown", "nope"]) == 2
+    assert "unknown attention method 'nope'" in capsys.readouterr().err
+
+
+def test_patch_given_a_spec_says_how_to_give_the_options():
+    from conftest import tiny_model
+
+    with pytest.raises(ValueError, match=r"approx.patch\(model, 'favor', option=value\)"):
+        approx.patch(tiny_model("bert"), "favor:features=64")
+
+
 def test_a_label_leaves_out_what_a_record_held_for_an_unused_option_and_runs_as_a_spec():
     """A record made before an unused value was refused (FAVOR+'s hyperbolic=False under the relu kernel) is labelled
     with the options that were read, so the label is a spec that runs; a value that was read stays."""

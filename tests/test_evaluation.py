@@ -276,6 +276,23 @@ def test_label_mapping_by_name(fixture_dir, tmp_path):
     assert "by name" in r["label_mapping"]
 
 
+def test_another_tasks_classifier_is_refused_and_numbered_labels_go_by_index(fixture_dir, tmp_path):
+    """An RTE classifier (entailment, not_entailment) scored on SST-2 is refused, naming both label sets (it had been
+    scored by index without a word); labels that only number the outputs (LABEL_0, ...) are matched by index."""
+    from transformers import AutoConfig
+
+    path = write_checkpoint(tmp_path / "rte", "sequence-classification")
+    config = AutoConfig.from_pretrained(path)
+    assert config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
+    (r,) = _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
+    assert r["label_mapping"].startswith("by index")
+    config.id2label = {0: "entailment", 1: "not_entailment"}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    config.save_pretrained(path)
+    with pytest.raises(ValueError, match=r"labels \(entailment, not_entailment\) are not the task's \(negative"):
+        _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
+
+
 def test_stsb_zero_shot_and_fine_tuned(fixture_dir, checkpoints):
     from scipy.stats import pearsonr, spearmanr
     from transformers import AutoModel, AutoTokenizer

@@ -125,6 +125,20 @@ def test_resume_continues_exactly_where_it_stopped(base_model, fixture_dir, tmp_
     _run(base_model, fixture_dir, tmp_path / "b", max_steps=2)  # a finished run's folder: started afresh, as asked
 
 
+def test_a_model_no_run_wrote_is_not_written_over(base_model, fixture_dir, tmp_path):
+    """The model being fine-tuned as its own output folder, or a folder holding a checkpoint without finetune.json,
+    is refused before anything loads (a question-answering model had been replaced by an RTE classifier without a
+    word); nothing in it changes."""
+    copy = tmp_path / "copy"
+    shutil.copytree(base_model, copy)
+    before = {f.name: f.read_bytes() for f in copy.iterdir() if f.is_file()}
+    with pytest.raises(ValueError, match="is the model being fine-tuned"):
+        _run(str(copy), fixture_dir, copy, max_steps=1)
+    with pytest.raises(ValueError, match="holds a model that no fine-tuning run wrote"):
+        _run(base_model, fixture_dir, copy, max_steps=1)
+    assert {f.name: f.read_bytes() for f in copy.iterdir() if f.is_file()} == before
+
+
 def test_starting_afresh_over_a_run_that_did_not_finish_is_refused(base_model, fixture_dir, tmp_path):
     """A run stopped by ``stop_after``, or killed (its training state there, no record of it finishing), would have
     been overwritten by a run started without ``resume``, its steps lost without a word: refused, naming resume."""

