@@ -328,14 +328,19 @@ def harness_block(paths: list[str]) -> str:
     runs = [json.loads((ROOT / p).read_text()) for p in paths if (ROOT / p).is_file()]
     if not runs:
         return ""
-    prov = runs[0][0]["provenance"]
+    made = []  # each file as its own run made it (one run's commit and threads had been given for both)
+    for r in runs:
+        prov = r[0]["provenance"]
+        command = prov.get("command", "recipes/minilm_harness_report.py")
+        if "--limit" in command.split():
+            print(f"warning: {r[0]['task']}'s results come from a trial run (`{command}`)", file=sys.stderr)
+        made.append(
+            f"{r[0]['task']}: `python {command}`, {_provenance_line(prov)}, {prov.get('torch_threads', '?')} torch "
+            f"thread(s), {prov['wall_seconds']:.0f} s"
+        )
     text = (
         "**Evaluation harness**, MiniLM-L6 zero-shot, every method against the unpatched model on the same batches "
-        f"(`python recipes/minilm_harness_report.py`; {_provenance_line(prov)}; {prov.get('torch_threads', '?')} torch "
-        "thread(s)). Wall time of each run, all "
-        "methods included: "
-        + ", ".join(f"{r[0]['task']} {r[0]['provenance']['wall_seconds']:.0f} s" for r in runs)
-        + ". *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta"
+        f"({'; '.join(made)}; the wall time of each run, all methods included). *seconds* are the forward passes of each method over the whole run; peak MiB is a peak-RSS delta"
         + (
             " above the resident set after the C allocator returned what it kept, the harness's own measurements "
             "left out"

@@ -430,6 +430,25 @@ def test_recovery_recipe_smoke(base_model, fixture_dir, tmp_path):
     )
 
 
+def test_the_harness_block_names_each_files_own_run_and_warns_of_a_trial(tmp_path, capsys):
+    """Each results file as its own run made it: its command, commit and threads (the first file's had been given
+    for both, and the command typed in, so a trial run read as the full one); a trial (--limit) is warned of."""
+    docs = _recipe("update_docs")
+    paths = []
+    for i, name in enumerate(docs.HARNESS):
+        results = json.loads((docs.ROOT / name).read_text())
+        for r in results:
+            r["provenance"].update(git_commit=f"{i}" * 40, torch_threads=i + 1)
+            if i:
+                r["provenance"]["command"] = "recipes/minilm_harness_report.py --only wikitext2 --limit 4"
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(results))
+    text = docs.harness_block([str(p) for p in paths])
+    assert f"commit `{'0' * 12}`" in text and f"commit `{'1' * 12}`" in text
+    assert "1 torch thread(s)" in text and "2 torch thread(s)" in text and "--limit 4`" in text
+    assert "come from a trial run" in capsys.readouterr().err
+
+
 @pytest.mark.smoke
 def test_sparsefinder_task_recipe_smoke(base_model, fixture_dir, tmp_path):
     """Both targets, two cross-fitted halves each (the entmax checkpoints fine-tuned patched), every budget point."""
