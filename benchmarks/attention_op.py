@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 import approx
 from approx import ApproxAttention, MethodConfig, get_method
-from approx.harness.argcheck import at_least, check_device, method_variant, option_value
+from approx.harness.argcheck import at_least, check_device, method_variant, option_value, run_script
 from approx.harness.memory import PeakMemory
 from approx.harness.provenance import mark_start, provenance
 
@@ -758,4 +758,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -24,7 +24,7 @@ import torch
 
 import approx
 from approx import integration
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.memory import allocation_peak
 from approx.harness.provenance import mark_start
 
@@ -119,4 +119,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

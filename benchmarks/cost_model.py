@@ -28,7 +28,7 @@ from typing import Any
 
 import approx
 from approx import get_method
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,4 +158,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -29,7 +29,7 @@ import torch
 from entmax import entmax15
 
 import approx
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches
 from approx.harness.provenance import mark_start, provenance
@@ -136,4 +136,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

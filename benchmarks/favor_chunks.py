@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from approx import ApproxAttention, get_method
 from approx.attention import _kernelized
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,8 @@ def main(argv=None) -> None:
     p.add_argument("--background-load", type=at_least(0), default=0, metavar="JOBS", help="a second, loaded pass")
     p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "out" / "favor_chunks_cpu.json")
     args = p.parse_args(argv)
+    if _kernelized._CHUNK not in args.rows:  # every row's ratio is to the default chunk's time, measured beside it
+        p.error(f"--rows must include the default chunk size, {_kernelized._CHUNK} (the ratios are to its time)")
     torch.set_num_threads(args.threads)
     res = {"provenance": provenance(seed=0, loadavg_before=os.getloadavg()), "rows": args.rows, "results": {}}
     res["background_load"] = args.background_load
@@ -96,4 +98,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

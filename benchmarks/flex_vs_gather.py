@@ -41,7 +41,7 @@ from approx import ApproxAttention
 from approx.attention import _blocksparse, _flex
 from approx.attention import window as window_mod
 from approx.attention.window import WindowConfig
-from approx.harness.argcheck import at_least, device_checked
+from approx.harness.argcheck import at_least, device_checked, run_script
 from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,4 +246,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

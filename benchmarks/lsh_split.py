@@ -26,7 +26,7 @@ import torch
 
 import approx
 from approx.attention import _lshfused
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.provenance import mark_start, provenance
 
 
@@ -100,4 +100,4 @@ def write_record(benchmark: str, args: argparse.Namespace, rows: list[dict], loa
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from approx import ApproxAttention, get_method
 from approx.attention import _kernelized, iclustered
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.memory import allocation_peak
 from approx.harness.provenance import mark_start, provenance
 
@@ -241,4 +241,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

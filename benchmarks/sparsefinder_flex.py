@@ -40,7 +40,7 @@ from approx.attention import _flex
 from approx.attention import sparsefinder as sparsefinder_mod
 from approx.attention._graph import group_ids
 from approx.attention.sparsefinder import SparsefinderConfig
-from approx.harness.argcheck import at_least, device_checked
+from approx.harness.argcheck import at_least, device_checked, run_script
 from approx.harness.provenance import mark_start, provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -197,4 +197,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

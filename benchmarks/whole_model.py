@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 import approx
-from approx.harness.argcheck import at_least, device_checked, method_variant
+from approx.harness.argcheck import at_least, device_checked, method_variant, run_script
 from approx.harness.provenance import mark_start, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -525,4 +525,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

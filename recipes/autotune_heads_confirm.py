@@ -18,7 +18,7 @@ from _shared import CHECKPOINTS, RESULTS, ROOT, write_json
 
 import approx
 from approx.harness import metrics as M
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.provenance import provenance
 from approx.harness.tasks import get_task
 
@@ -88,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 import approx
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.autotune import Search, task_batches
 from approx.harness.crossfit import merge_halves
 from approx.harness.provenance import provenance
@@ -855,4 +855,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -46,7 +46,7 @@ import approx
 from approx.attention.clustered import ClusteredConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.evaluation import markdown_report
 from approx.harness.provenance import provenance
 
@@ -425,4 +425,4 @@ def report(folder: Path, *, as_json: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

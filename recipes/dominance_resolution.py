@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import CHECKPOINTS, RESULTS, ROOT, write_json  # noqa: E402
 
 import approx  # noqa: E402
-from approx.harness.argcheck import at_least  # noqa: E402
+from approx.harness.argcheck import (
+    at_least,  # noqa: E402
+    run_script,
+)
 from approx.harness.provenance import provenance  # noqa: E402
 from approx.harness.resampling import interval_text, level_label, paired_interval  # noqa: E402
 from approx.harness.spec import short_label  # noqa: E402
@@ -129,7 +132,7 @@ def run_case(case: tuple[str, str, str, str], args) -> dict[str, Any]:
         if not Path(folder).is_dir():
             folder = tp["model"]
         if not Path(folder).is_dir():
-            raise ValueError(
+            raise FileNotFoundError(
                 f"{task} {tp['split']}: checkpoint {Path(tp['model']).name} is not cached in {args.checkpoints} (nor at "
                 f"{tp['model']}, where the record was made): run recipes/autotune_pareto.py first, or give --checkpoints"
             )
@@ -248,4 +251,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

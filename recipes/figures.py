@@ -30,6 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from approx.harness.argcheck import run_script
 from approx.harness.provenance import provenance, weights_digest  # noqa: E402
 from approx.layer import ApproxAttention  # noqa: E402
 
@@ -217,8 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out_dir = args.out_dir or args.results_dir / "figures"
     out_dir.mkdir(parents=True, exist_ok=True)
+    results = load_results(args.results_dir)
+    if not results:  # (a mistyped folder had read as success, the figure left out without a word)
+        print(
+            f"quality_vs_cost.png not drawn: no clustered_table_*.json in {args.results_dir} "
+            "(recipes/clustered_table.py makes them)",
+            file=sys.stderr,
+        )
     made = [
-        quality_vs_cost(load_results(args.results_dir), out_dir / "quality_vs_cost.png"),
+        quality_vs_cost(results, out_dir / "quality_vs_cost.png"),
         speed(args.benchmark, out_dir / "speed.png"),
     ]
     if not args.skip_squad:
@@ -226,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in made:
         if path is not None:
             print(f"wrote {path}")
-    return 0
+    return 0 if results else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

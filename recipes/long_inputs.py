@@ -58,7 +58,7 @@ from approx.attention.nystrom import NystromConfig
 from approx.attention.sparse_transformer import SparseTransformerConfig
 from approx.attention.taylor import TaylorConfig
 from approx.attention.window import WindowConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.provenance import provenance
 from approx.harness.spec import short_label
 
@@ -758,4 +758,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

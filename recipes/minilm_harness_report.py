@@ -36,7 +36,7 @@ from approx.attention.clustered import ClusteredConfig
 from approx.attention.entmax import EntmaxConfig
 from approx.attention.favor import FavorConfig
 from approx.attention.iclustered import IClusteredConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.data import default_model_path
 from approx.harness.evaluation import markdown_report
 
@@ -86,4 +86,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -42,6 +42,7 @@ from approx.harness.provenance import provenance
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import write_json  # noqa: E402
 
+from approx.harness.argcheck import run_script
 from approx.integration import attach, attention_probe, load_pretrained, patched_layers
 from approx.layer import ApproxAttention
 
@@ -253,4 +254,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from approx.attention.favor import FavorConfig
+from approx.harness.argcheck import run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import RESULTS, wikitext_fidelity_main  # noqa: E402
@@ -33,4 +34,4 @@ CONFIGS = [
 ]
 
 if __name__ == "__main__":
-    wikitext_fidelity_main(CONFIGS, RESULTS / "minilm_wikitext2_favor.json", __doc__)
+    run_script(lambda: wikitext_fidelity_main(CONFIGS, RESULTS / "minilm_wikitext2_favor.json", __doc__))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from approx.attention.clustered import ClusteredConfig
 from approx.attention.iclustered import IClusteredConfig
+from approx.harness.argcheck import run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import RESULTS, wikitext_fidelity_main  # noqa: E402
@@ -30,4 +31,4 @@ CONFIGS = [  # the paper's clustering (refine=0), as the committed results were 
 ]
 
 if __name__ == "__main__":
-    wikitext_fidelity_main(CONFIGS, RESULTS / "minilm_wikitext2_fidelity.json", __doc__)
+    run_script(lambda: wikitext_fidelity_main(CONFIGS, RESULTS / "minilm_wikitext2_fidelity.json", __doc__))

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from approx.attention.lsh import LshConfig
+from approx.harness.argcheck import run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import RESULTS, wikitext_fidelity_main  # noqa: E402
@@ -28,6 +29,8 @@ KEYS = 512  # keys per query: rounds * cluster_size
 CONFIGS = [LshConfig(cluster_size=KEYS // rounds, rounds=rounds) for rounds in (8, 4, 2, 1)]
 
 if __name__ == "__main__":
-    wikitext_fidelity_main(
-        CONFIGS, RESULTS / "minilm_wikitext2_lsh_shapes.json", __doc__, windows=8, length=4096, batch_size=1
+    run_script(
+        lambda: wikitext_fidelity_main(
+            CONFIGS, RESULTS / "minilm_wikitext2_lsh_shapes.json", __doc__, windows=8, length=4096, batch_size=1
+        )
     )

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import approx
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.provenance import provenance
 from approx.harness.spec import short_label
 from approx.integration import load_pretrained
@@ -571,4 +571,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

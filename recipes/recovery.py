@@ -28,7 +28,7 @@ import torch
 
 import approx
 from approx.config import MethodConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.finetune import FinetuneConfig, finetune
 from approx.harness.provenance import provenance
 from approx.harness.spec import parse_setup
@@ -226,4 +226,4 @@ def recover(config: MethodConfig, args, folder: Path, record: dict[str, Any], re
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

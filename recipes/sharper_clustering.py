@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import approx
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.data import default_model_path, wikitext_windows
 from approx.harness.fitting import as_batches
 from approx.harness.provenance import provenance
@@ -365,4 +365,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -38,7 +38,7 @@ import torch
 import approx
 from approx.attention.entmax import EntmaxConfig
 from approx.attention.sparsefinder import SparsefinderConfig
-from approx.harness.argcheck import at_least
+from approx.harness.argcheck import at_least, run_script
 from approx.harness.crossfit import merge_halves
 from approx.harness.fitting import as_batches
 from approx.harness.provenance import provenance
@@ -338,4 +338,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

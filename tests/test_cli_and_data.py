@@ -868,6 +868,7 @@ BENCHMARK_COUNTS = [
         ("whole_model", ["--methods", "lsh", "--variant", "lsh[engine=fused]]"], "expected METHOD[KEY=VALUE,...]"),
         ("whole_model", ["--methods", "lsh", "--variant", "lsh[=3]"], "expected METHOD[KEY=VALUE,...]"),
         ("whole_model", ["--methods", "lsh", *["--variant", "lsh[rounds=2]"] * 2], "given twice: ['lsh[rounds=2]']"),
+        ("favor_chunks", ["--rows", "128", "256"], "--rows must include the default chunk size"),
     ],
 )
 def test_benchmark_devices_methods_and_options_are_refused_in_one_line(name, argv, words, benchmark_script, capsys,
@@ -878,6 +879,32 @@ def test_benchmark_devices_methods_and_options_are_refused_in_one_line(name, arg
     with pytest.raises(SystemExit) as e:
         benchmark_script(name).main(argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_scripts_missing_data_or_file_is_one_line_and_other_errors_keep_their_traceback(capsys, monkeypatch):
+    """run_script, every recipe's and benchmark's entry: missing data or a missing file is said in one line, exit
+    status 2 (they had ended in tracebacks); a script's status is its main's; another error is raised as it is."""
+    from approx.harness.argcheck import run_script
+    from approx.harness.data import DataError, DataNotFoundError
+
+    monkeypatch.setattr(sys, "argv", ["some_recipe.py"])
+    for err in (DataNotFoundError("no data in /nonexistent"), FileNotFoundError("results.json"), DataError("bad row")):
+
+        def main(err=err):
+            raise err
+
+        with pytest.raises(SystemExit) as e:
+            run_script(main)
+        assert e.value.code == 2 and capsys.readouterr().err == f"some_recipe.py: error: {err}\n"
+    with pytest.raises(SystemExit) as e:
+        run_script(lambda: 3)
+    assert e.value.code == 3
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_script(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted([*(root / "recipes").glob("*.py"), *(root / "benchmarks").glob("*.py")]):
+        tail = path.read_text().split('if __name__ == "__main__":')
+        assert len(tail) < 2 or "run_script(" in tail[-1] or path.name == "update_docs.py", path
 
 
 def test_band_mask_times_the_band_with_and_without_the_dense_mask(benchmark_script, tmp_path, monkeypatch, capsys):

@@ -276,7 +276,7 @@ def test_table_report(tmp_path, capsys):
 
 
 @pytest.mark.smoke
-def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path):
+def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path, capsys):
     """A train-split task and two cross-fitted ones (SQuAD split by article), one step each; the cache is reused."""
     recipe = _recipe("clustered_table")
     favor = next(m for m in recipe.METHODS if m.method == "favor")
@@ -323,6 +323,10 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path):
     assert figures.main(args) == 0
     assert not (tmp_path / "fig2" / "squad_attention.png").exists()
     assert (tmp_path / "fig2" / "quality_vs_cost.png").exists()
+    # a results folder without the tables' results: said, and a failing status (it had read as success)
+    args = ["--results-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "fig3"), "--skip-squad"]
+    assert figures.main(args) == 1
+    assert "quality_vs_cost.png not drawn: no clustered_table_*.json" in capsys.readouterr().err
 
 
 def _check_methods_rerun(recipe, argv, path):

@@ -4,10 +4,23 @@ be available, positive counts and flags that may be given only once. Each failur
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-__all__ = ["Once", "at_least", "check_device", "looks_like_path", "method_variant", "option_value", "set_threads"]
+__all__ = [
+    "Once",
+    "at_least",
+    "check_device",
+    "looks_like_path",
+    "method_variant",
+    "option_value",
+    "run_script",
+    "set_threads",
+]
 
 
 def looks_like_path(name: str) -> bool:
@@ -139,3 +152,18 @@ def without_bookkeeping(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` without what :class:`Once` kept on it while parsing."""
     args.__dict__.pop(_GIVEN, None)
     return args
+
+
+def run_script(main: Callable[[], int | None]) -> NoReturn:
+    """Run a recipe's or a benchmark's ``main`` and exit with its status. What the user can put right (data or a
+    file that is not there, data that cannot be read: ``FileNotFoundError``, the harness's ``DataError``) is said in
+    one line, exit status 2, as the ``approx`` command says it, rather than as a traceback; other errors keep theirs
+    (a lab script's bug is to be read)."""
+    from .data import DataError
+
+    try:
+        code = main()
+    except (FileNotFoundError, DataError) as err:
+        print(f"{Path(sys.argv[0]).name}: error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
