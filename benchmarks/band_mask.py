@@ -79,6 +79,16 @@ def measure(model, n: int, *, repeats: int, switch: dict[str, bool], seed: int) 
             "dense_over_keys": medians["dense"] / medians["keys"]}  # fmt: skip
 
 
+def markdown(rows: list[dict]) -> str:
+    """The table of ``rows`` (a record's ``results``), as docs/speed.md shows it."""
+    lines = ["| N | band's keys | dense mask built too | ratio | peak, keys | peak, dense |", "|" + " --- |" * 6]
+    for r in rows:
+        s, p = r["seconds"], r["peak_mib"]
+        lines.append(f"| {r['n']} | {s['keys'] * 1e3:.0f} ms | {s['dense'] * 1e3:.0f} ms | {r['dense_over_keys']:.2f}× | "
+                     f"{p['keys']:.0f} MiB | {p['dense']:.0f} MiB |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     mark_start()  # the code as the run starts (a commit made while it runs is said in its record)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,13 +117,7 @@ def main(argv=None) -> None:
     print(f"ModernBERT-base (random weights), {args.method} + local='band', float32 inference, batch 1, "
           f"{args.threads} threads, medians of {args.repeats} interleaved calls; load average {load[0]:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after")  # fmt: skip
-    print(
-        "| N | band's keys | dense mask built too | ratio | peak, keys | peak, dense |\n| --- | --- | --- | --- | --- | --- |"
-    )
-    for r in rows:
-        s, p = r["seconds"], r["peak_mib"]
-        print(f"| {r['n']} | {s['keys'] * 1e3:.0f} ms | {s['dense'] * 1e3:.0f} ms | {r['dense_over_keys']:.2f}x | "
-              f"{p['keys']:.0f} MiB | {p['dense']:.0f} MiB |")  # fmt: skip
+    print(markdown(rows))
     if args.output:
         write_record("band_mask", args, rows, load)
 

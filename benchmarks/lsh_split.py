@@ -79,12 +79,18 @@ def main(argv=None) -> None:
     ]
     print(f"LSH fused, {args.rounds} rounds of {args.cluster_size}, float32, {args.threads} threads, medians of "
           f"{args.repeats} interleaved calls; load average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after")  # fmt: skip
-    print("| shape | by row | by cluster | row / cluster | auto takes |\n| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| (1, {r['heads']}, {r['n']}, 64) | {r['rows_s'] * 1e3:.1f} ms | {r['clusters_s'] * 1e3:.1f} ms | "
-              f"{r['rows_over_clusters']:.2f}x | {r['auto']} |")  # fmt: skip
+    print(markdown(rows))
     if args.output:
         write_record("lsh_split", args, rows, load)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table of ``rows`` (a record's ``results``), as docs/speed.md shows it."""
+    lines = ["| shape | by row | by cluster | row / cluster | `auto` takes |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| (1, {r['heads']}, {r['n']}, 64) | {r['rows_s'] * 1e3:.1f} ms | {r['clusters_s'] * 1e3:.1f} ms | "
+                     f"{r['rows_over_clusters']:.2f}× | {r['auto']} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def write_record(benchmark: str, args: argparse.Namespace, rows: list[dict], load: tuple[float, ...]) -> None:

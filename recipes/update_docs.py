@@ -6,7 +6,10 @@ no table is ever typed:
 * docs/results.md: the fidelity and harness reports, Sparsefinder's sparsity-recall sweep, the reproduced
   clustered-attention table (gpu and cpu profiles), the FAVOR+ recovery, Sparsefinder on a fine-tuned task and
   the masked-LM MiniLM-L6's bits per token at 512 and 4096 tokens;
-* docs/speed.md: the attention-op and whole-model benchmarks;
+* docs/speed.md: the attention-op and whole-model benchmarks, the fixed Sparse Transformer's kernels, LSH's split
+  (CPU and the lent GPU machine's CPU) and ModernBERT's band mask;
+* docs/long-inputs.md: the long-inputs runs and the squad-doc reader's F1 on the GPU beside its CPU speed-ups;
+* docs/autotune.md: the Pareto runs and the command-line tunings' evaluations;
 * docs/finetuning.md: the settings of ``approx finetune`` and ``approx fit`` (from their config dataclasses).
 
 Each block sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` markers; text outside them is prose.
@@ -560,6 +563,132 @@ def kernel_benchmark_block(script: str, path: str) -> str:
     return markdown(record) + f"\n\nCommand: `{record['command']}`{where}.{note}\n"
 
 
+SPARSE_FIXED = "benchmarks/results/attention_op_cpu_sparse_fixed.json"
+# the fixed Sparse Transformer's table: (column, contender), kernel="auto" and FlexAttention, split and union heads
+SPARSE_FIXED_COLUMNS = [
+    ("split: auto", "sparse-transformer"),
+    ("split: flex", "sparse-transformer[kernel=flex]"),
+    ("union: auto", "sparse-transformer[heads=union]"),
+    ("union: flex", "sparse-transformer[heads=union,kernel=flex]"),
+]
+
+
+def _ms3(value: float) -> str:
+    """Three significant digits from 10 ms up: one decimal below 100 ms, none above."""
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def contenders_block(path: str = SPARSE_FIXED, columns: list[tuple[str, str]] = SPARSE_FIXED_COLUMNS) -> str:
+    """Some contenders of an attention-op record side by side: median ms and × SDPA, one column per
+    (title, contender) of ``columns``."""
+    res = json.loads((ROOT / path).read_text())
+    rows = [
+        "| N | SDPA ms | " + " | ".join(title for title, _ in columns) + " |",
+        "|---|" + "---|" * (1 + len(columns)),
+    ]
+    for n in res["lengths"]:
+        t = {c: _median_ms(v) for c, v in res["times_s"][str(n)].items()}
+        cells = [f"{_ms3(t[c])} ({t['sdpa'] / t[c]:.2f}×)" for _, c in columns]
+        rows.append(f"| {n} | {_ms(t['sdpa'])} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+LSH_SPLIT = "benchmarks/results/lsh_split_cpu.json"
+LSH_SPLIT_H200HOST = "benchmarks/results/lsh_split_h200host_cpu.json"
+BAND_MASK = "benchmarks/results/band_mask_cpu.json"
+
+
+def results_table_block(script: str, path: str) -> str:
+    """A benchmark of ``benchmarks/`` that prints one table (lsh_split.py, band_mask.py): its record's ``results``
+    rendered by the script's own ``markdown``."""
+    if not (ROOT / path).is_file():
+        return f"*No result file yet: run `python benchmarks/{script}.py --output {path}`.*\n"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    markdown = importlib.import_module(script).markdown
+    return markdown(json.loads((ROOT / path).read_text())["results"]) + "\n"
+
+
+LONG_INPUTS_GPU = RESULTS / "gpu"  # the squad-doc reader's quality on 200 questions, read on a lent GPU
+
+
+def _long_inputs_label(m: dict) -> str:
+    """A method's settings as the long-inputs GPU table names them."""
+    name = m["name"]
+    if name == "window":
+        return f"window {m['window']}" + (", question global" if m.get("question_global") else "")
+    if name == "sparse-transformer":
+        return "sparse-transformer" + (", heads' union" if m.get("heads") == "union" else f", {m['pattern']}")
+    words = {
+        "bigbird": "BigBird, block {block}",
+        "monarch": "MonarchAttention",
+        "i-clustered": "improved clustered, {clusters} clusters",
+        "nystrom": "Nyström, {landmarks} landmarks",
+    }
+    return words[name].format(**m) if name in words else name
+
+
+def long_inputs_gpu_block(folder: Path = LONG_INPUTS_GPU, cpu: str = LONG_INPUTS_DOC_READER, n: int = 4096) -> str:
+    """The squad-doc reader at ``n`` tokens: F1 and its share of exact attention's from the GPU records in ``folder``
+    (each share against the exact F1 of its own run), beside the speed-up of the same settings in the CPU record."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from long_inputs import kept
+
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("long_inputs_doc_reader_*.json"))]
+    results = [r for run in runs for r in run["results"] if r["max_length"] == n]
+    sliding = [b for run in runs for b in run["baselines"] if b["max_length"] == n]
+    cpu_results = [r for r in json.loads((ROOT / cpu).read_text())["results"] if r["max_length"] == n]
+    speed = {json.dumps(r["method"], sort_keys=True): r["fidelity"]["speedup"] for r in cpu_results}
+    order = ["window", "bigbird", "sparse-transformer", "monarch", "i-clustered", "nystrom"]
+    results.sort(key=lambda r: order.index(r["method"]["name"]) if r["method"]["name"] in order else len(order))
+    rows = [
+        f"| method (budget) at {n} tokens | F1, {results[0]['examples']} questions (GPU) | kept | speed-up over exact "
+        f"attention on the CPU ({cpu_results[0]['examples']} questions) |",
+        "| --- | --- | --- | --- |",
+        f"| exact attention | {results[0]['reference_metrics']['f1']:.1f} | 1 | 1 |",
+    ]
+    for r in results:
+        s = speed.get(json.dumps(r["method"], sort_keys=True))
+        rows.append(
+            f"| {_long_inputs_label(r['method'])} | {r['metrics']['f1']:.1f} | {kept(r):.2f} | "
+            + ("-" if s is None else f"{s:.2f}×")
+            + " |"
+        )
+    rows += [f"| sliding 384-token windows (exact) | {b['metrics']['f1']:.1f} | - | - |" for b in sliding[:1]]
+    return "\n".join(rows) + "\n"
+
+
+AUTOTUNE_CLI = "recipes/results/autotune_cli_squad_sparse99_"  # + tuning.json / eval.json
+AUTOTUNE_CLI_HEADS = "recipes/results/autotune_cli_squad_sparse99_heads_"
+
+
+def autotune_cli_block(evaluation: str, models: list[tuple[str, str | None]]) -> str:
+    """``approx autotune`` then ``approx eval`` on the command line: full attention, then each model of the
+    ``evaluation`` record in its order, named by ``models`` (label, the tuning record that made it or None):
+    F1 on the training questions the tuning scored and on the evaluation questions, each with its share of full
+    attention's, the cost and the speed against full attention."""
+    results = json.loads((ROOT / evaluation).read_text())
+    if len(results) != len(models):
+        raise SystemExit(f"{evaluation} holds {len(results)} models; the docs name {len(models)}")
+    scores = {p: json.loads((ROOT / p).read_text())["tuning"]["score"] for _, p in models if p}
+    first, r0 = next(iter(scores.values())), results[0]
+    rows = [
+        f"| model | F1 on the {first['scorer']['count']} training questions scored (share) | F1 on the "
+        f"{r0['examples']} evaluation questions (share) | flops vs full ({r0['split']}) | speed vs full ({r0['split']}) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| full attention | {first['reference']:.2f} | {r0['reference_metrics']['f1']:.2f} | 1.000 | 1.00x |",
+    ]
+    for (label, tuning), r in zip(models, results, strict=True):
+        s = scores.get(tuning)
+        train = "-" if s is None else f"{s['value']:.2f} ({100 * s['relative']:.2f} %)"
+        f1, ref = r["metrics"]["f1"], r["reference_metrics"]["f1"]
+        f = r["fidelity"]
+        rows.append(
+            f"| {label} | {train} | {f1:.2f} ({100 * f1 / ref:.2f} %) | {f['cost']['flops_vs_full']:.3f} | "
+            f"{f['speedup']:.2f}x |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def _reader(entry: dict) -> str:
     """A SQuAD reader of the long-inputs record: its folder, and what it was fine-tuned from when it was."""
     base = entry.get("trained_from")
@@ -785,6 +914,7 @@ def blocks() -> dict[Path, dict[str, str]]:
         DOCS / "long-inputs.md": {
             "minilm-mlm": minilm_mlm_table(),
             "long-inputs": long_inputs_block(),
+            "long-inputs-gpu": long_inputs_gpu_block(),
             "long-inputs-doc-reader": long_inputs_block(
                 LONG_INPUTS_DOC_READER, "long_inputs_doc_reader.png", DOC_READER_OPTIONS
             ),
@@ -814,6 +944,28 @@ def blocks() -> dict[Path, dict[str, str]]:
             ),
             "autotune-pareto-doc": autotune_block(AUTOTUNE_DOC, AUTOTUNE_DOC_COMMAND, "autotune_pareto_squad_doc.png"),
             "dominance-resolution": dominance_resolution_block(),
+            "autotune-cli-sparse99": autotune_cli_block(
+                AUTOTUNE_CLI + "eval.json",
+                [
+                    ("BigBird (blocks of 16) on layers 0, 1 and 5", AUTOTUNE_CLI + "tuning.json"),
+                    ("BigBird (blocks of 16) on every layer", None),
+                ],
+            ),
+            "autotune-cli-sparse99-heads": autotune_cli_block(
+                AUTOTUNE_CLI_HEADS + "eval.json",
+                [
+                    (
+                        "tuned with heads: BigBird (blocks of 16) on layer 0, the window of 32 (question global) on 9 "
+                        "heads of each other layer",
+                        AUTOTUNE_CLI_HEADS + "tuning.json",
+                    ),
+                    (
+                        "tuned without heads (above): BigBird (blocks of 16) on layers 0, 1 and 5",
+                        AUTOTUNE_CLI + "tuning.json",
+                    ),
+                    ("BigBird (blocks of 16) on every layer", None),
+                ],
+            ),
         },
         DOCS / "speed.md": {
             "benchmarks": benchmarks(),
@@ -823,6 +975,10 @@ def blocks() -> dict[Path, dict[str, str]]:
             "contention": contention_block(),
             "entmax-sort": entmax_sort_block(),
             "lsh-shapes": lsh_shapes_block(),
+            "sparse-fixed": contenders_block(),
+            "lsh-split-cpu": results_table_block("lsh_split", LSH_SPLIT),
+            "lsh-split-h200host": results_table_block("lsh_split", LSH_SPLIT_H200HOST),
+            "band-mask": results_table_block("band_mask", BAND_MASK),
         },
     }
 
