@@ -627,6 +627,10 @@ class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_g
         # this block's own entry taken out, the others left in their order: blocks may close out of order (two
         # generators each probing their own forwards), where resetting to the state at entry dropped a probe still
         # open and kept this one
-        entry = self._entries.pop()
+        # this block's entry: the last one of this instance open in this context (one instance may be open in
+        # several threads or tasks at once); none here: a block closed in another thread (a generator resumed there)
+        here = {id(e) for e, _ in _PROBES.get()}
+        mine = next((i for i in range(len(self._entries) - 1, -1, -1) if id(self._entries[i]) in here), -1)
+        entry = self._entries.pop(mine)
         entry.closed = True  # (seen by the opening thread's context too, where this is another thread)
         _PROBES.set(tuple(e for e in _PROBES.get() if e[0] is not entry and not e[0].closed))

@@ -55,15 +55,24 @@ def position_limit(model: nn.Module) -> int | None:
 
 
 def limit_for(model: nn.Module, length: int, tokenizer: Any = None) -> int | None:
-    """:func:`position_limit`, after refusing a model without a learned position table (rotary or relative
-    positions: nothing to extend) asked to read more than its ``config.max_position_embeddings``, with
-    :func:`extend_positions`'s list of what was found. The check every entry point that reads long inputs makes."""
+    """:func:`position_limit`, after refusing a model without a learned position table (rotary positions, fixed
+    sinusoids: nothing to extend) asked to read more than its ``config.max_position_embeddings``, with
+    :func:`extend_positions`'s list of what was found; positions that are relative only (DeBERTa-v3) read any length
+    and are let through. The check every entry point that reads long inputs makes."""
     limit = position_limit(model)
-    if limit is None:
-        configured = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    config = getattr(model, "config", None)
+    if limit is None and not _relative_only(model):  # (relative positions alone read any length: DeBERTa-v3)
+        configured = getattr(config, "max_position_embeddings", None)
         if isinstance(configured, int) and length > configured:
             extend_positions(model, length, tokenizer=tokenizer)  # raises, listing what was found
     return limit
+
+
+def _relative_only(model: nn.Module) -> bool:
+    """Positions that are relative only (DeBERTa's ``relative_attention`` without an absolute table): no length
+    limit to extend or to refuse."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "relative_attention", False)) and _embeddings(model) is None
 
 
 def _length(max_length: Any) -> Any:
@@ -86,11 +95,6 @@ def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[s
         found.append(f"config.position_embedding_type = {kind!r}")
         if kind not in (None, "absolute"):
             problems.append(f"positions are {kind!r}, not learned absolute positions ('absolute')")
-        if getattr(config, "relative_attention", False):  # DeBERTa: relative buckets sized by the same number
-            problems.append(
-                "the model also has relative attention (config.relative_attention), whose relative-position "
-                "embeddings are sized by config.max_position_embeddings: the saved model would not load again"
-            )
         if getattr(config, "sinusoidal_pos_embds", False):
             problems.append("positions are fixed sinusoids (config.sinusoidal_pos_embds), not learned")
         found.append(f"config.max_position_embeddings = {getattr(config, 'max_position_embeddings', None)!r}")
@@ -119,6 +123,11 @@ def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[s
         f"table {name}.position_embeddings: {table.num_embeddings} rows, offset {offset} (padding_idx "
         f"{table.padding_idx}), so {limit} tokens"
     )
+    if getattr(config, "relative_attention", False):  # DeBERTa: relative buckets sized by the same number
+        problems.append(
+            "the model also has relative attention (config.relative_attention), whose relative-position "
+            "embeddings are sized by config.max_position_embeddings: the saved model would not load again"
+        )
     if config is not None and getattr(config, "max_position_embeddings", None) != table.num_embeddings:
         problems.append(
             f"the table has {table.num_embeddings} rows but config.max_position_embeddings is "

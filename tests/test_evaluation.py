@@ -278,7 +278,8 @@ def test_label_mapping_by_name(fixture_dir, tmp_path):
 
 def test_another_tasks_classifier_is_refused_and_numbered_labels_go_by_index(fixture_dir, tmp_path):
     """An RTE classifier (entailment, not_entailment) scored on SST-2 is refused, naming both label sets (it had been
-    scored by index without a word); labels that only number the outputs (LABEL_0, ...) are matched by index."""
+    scored by index without a word); labels that only number the outputs (LABEL_0, ...) are matched by index, and
+    names of the checkpoint's own (NEG, POS) by index with a warning."""
     from transformers import AutoConfig
 
     path = write_checkpoint(tmp_path / "rte", "sequence-classification")
@@ -286,11 +287,21 @@ def test_another_tasks_classifier_is_refused_and_numbered_labels_go_by_index(fix
     assert config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
     (r,) = _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
     assert r["label_mapping"].startswith("by index")
-    config.id2label = {0: "entailment", 1: "not_entailment"}
+    config.id2label = {0: "Entailment", 1: "not-entailment "}  # (spelt its own way: read as the names they are)
     config.label2id = {v: k for k, v in config.id2label.items()}
     config.save_pretrained(path)
-    with pytest.raises(ValueError, match=r"labels \(entailment, not_entailment\) are not the task's \(negative"):
+    with pytest.raises(
+        ValueError, match=r"labels \(entailment, not_entailment\) are those of qnli, rte, wnli, not the task's \(neg"
+    ):
         _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
+    (r,) = _run(str(path), "rte", ["full"], fixture_dir, limit=2)  # RTE's own labels, by name
+    assert r["label_mapping"].startswith("by name")
+    config.id2label = {0: "NEG", 1: "POS"}  # names of its own: read in the task's order, said in a warning
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    config.save_pretrained(path)
+    with pytest.warns(UserWarning, match="names its labels neg, pos, which are not the task's"):
+        (r,) = _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
+    assert r["label_mapping"].startswith("by index") and "neg, pos" in r["label_mapping"]
 
 
 def test_stsb_zero_shot_and_fine_tuned(fixture_dir, checkpoints):

@@ -1247,6 +1247,44 @@ def test_probes_closed_out_of_order_each_stop_alone():
     assert probes() == ()
 
 
+def test_one_probe_open_in_two_threads_closes_in_each_alone():
+    """One attention_probe instance open in two threads at once: the block that closes takes out its own thread's
+    entry (taking the instance's last one had stopped the other thread's probe inside its open block)."""
+    import threading
+
+    from approx.integration import attention_probe
+    from approx.layer import probes
+
+    shared = attention_probe("P")
+    seen: dict[str, tuple] = {}
+    opened, closed = threading.Event(), threading.Event()
+
+    def first():
+        shared.__enter__()
+        opened.set()
+        second_in.wait()
+        shared.__exit__(None, None, None)
+        seen["first after"] = probes()
+        closed.set()
+
+    def second():
+        opened.wait()
+        shared.__enter__()
+        second_in.set()
+        closed.wait()
+        seen["second inside"] = probes()
+        shared.__exit__(None, None, None)
+        seen["second after"] = probes()
+
+    second_in = threading.Event()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"first after": (), "second inside": ("P",), "second after": ()}
+
+
 def test_probe_closed_in_another_thread_stops_in_the_opening_one():
     """A generator probing its forwards, opened in one thread and closed in another: the probe stops in the thread
     that opened it, whose context the closing thread cannot change (it had stayed open there for good)."""

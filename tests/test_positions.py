@@ -167,6 +167,15 @@ def test_a_table_beside_relative_attention_is_refused():
     with pytest.raises(ValueError, match=r"relative attention \(config.relative_attention\)"):
         approx.extend_positions(model, 200)
     assert_same_state(before, model)
+    # relative positions alone (DeBERTa-v3: no table) read any length: nothing to extend, and nothing refused (a
+    # plain fine-tuning past 64 tokens had been refused as a rotary model's is)
+    config.position_biased_input = False
+    relative = DebertaV2Model(config).eval()
+    assert approx.positions.position_limit(relative) is None
+    assert approx.positions.limit_for(relative, 200) is None
+    rotary = tiny_model("esm", "base")
+    with pytest.raises(ValueError, match="rotary"):
+        approx.positions.limit_for(rotary, rotary.config.max_position_embeddings + 1)
 
 
 @pytest.mark.parametrize("method", METHODS)

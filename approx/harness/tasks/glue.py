@@ -4,9 +4,10 @@ Common protocol (version 1): each example is tokenised as one sequence or a pair
 tokenizer, special tokens added, truncated to ``max_length`` tokens (default 128, as in the
 clustered-attention paper; pairs truncated longest-first). A checkpoint fine-tuned for sequence
 classification predicts the argmax of its logits (STS-B: its single regression output). The checkpoint's
-labels are matched to the task's by name when its config names them (``id2label``), by index in the hub's label
-order when it only numbers them (``LABEL_0``, ...), and refused when it names other labels (a classifier of
-another task); the mapping used is recorded in the result.
+labels are matched to the task's by name when its config names them (``id2label``; case, spaces and dashes
+aside), by index in the hub's label order when it only numbers them (``LABEL_0``, ...) or names them its own way
+(``neg``, ``pos``: with a warning), and refused when they are another GLUE task's (an RTE classifier run as
+SST-2); the mapping used is recorded in the result.
 
 STS-B also runs zero-shot on an encoder without a task head (e.g. a sentence-embedding model such as
 MiniLM-L6): each sentence is encoded alone, hidden states are mean-pooled over real tokens and the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,11 +27,25 @@ import torch
 import torch.nn.functional as F
 
 from .. import metrics as M
-from .base import DataError, Feature, Task, read_tsv_lines, register_task
+from .base import DataError, Feature, Task, get_task, read_tsv_lines, register_task, tasks
 
 FINE_TUNED = "fine-tuned"
 ZERO_SHOT = "zero-shot-cosine"
 _GENERIC_LABEL = re.compile(r"(label_)?\d+", re.ASCII)  # id2label names that say nothing (matched by index)
+
+
+def _label_name(name: Any) -> str:
+    """A label as the tasks spell theirs: ``"Not-Entailment "`` -> ``"not_entailment"``."""
+    return re.sub(r"[\s\-]+", "_", str(name).strip().lower())
+
+
+def _task_with_labels(names: list[str], but: str) -> str | None:
+    """The GLUE tasks other than ``but`` whose labels ``names`` are (an RTE classifier's, run as SST-2), if any."""
+    own = sorted(get_task(but).labels)
+    found = [t for t in tasks() if sorted(getattr(get_task(t), "labels", ())) == sorted(names)]
+    return ", ".join(found) if found and sorted(names) != own else None
+
+
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
 
 
@@ -153,18 +169,27 @@ class GlueTask(Task):
                 f"{self.name}: the checkpoint has {n} labels ({list(config.id2label.values())}), the task has "
                 f"{len(self.labels)} ({', '.join(self.labels)}); it was not fine-tuned for {self.name}"
             )
-        names = [str(config.id2label[i]).lower().replace(" ", "_") for i in range(n)]
+        names = [_label_name(config.id2label[i]) for i in range(n)]
         if sorted(names) == sorted(self.labels):
             self._label_map = [self.labels.index(name) for name in names]
             how = "by name from the checkpoint's id2label"
         elif all(_GENERIC_LABEL.fullmatch(name) for name in names):  # transformers' LABEL_0, ... or bare numbers
             self._label_map = list(range(n))
             how = f"by index in the hub's label order ({', '.join(self.labels)})"
-        else:  # labels named, but not this task's: another task's classifier would be scored here without a word
-            raise ValueError(
-                f"{self.name}: the checkpoint's labels ({', '.join(names)}) are not the task's "
-                f"({', '.join(self.labels)}), so it was not fine-tuned for {self.name}; a checkpoint that is should "
-                f"name them in config.id2label, or number them (LABEL_0, ...) to be matched in the task's order"
+        else:
+            other = _task_with_labels(names, self.name)
+            if other is not None:  # another task's classifier, which would be scored here without a word
+                raise ValueError(
+                    f"{self.name}: the checkpoint's labels ({', '.join(names)}) are those of {other}, not the "
+                    f"task's ({', '.join(self.labels)}): it was fine-tuned for another task"
+                )
+            self._label_map = list(range(n))  # names of its own (neg/pos): read in the task's order, and said so
+            how = (
+                f"by index in the hub's label order ({', '.join(self.labels)}): the checkpoint names its labels "
+                f"{', '.join(names)}, which are not the task's"
+            )
+            warnings.warn(
+                f"{self.name}: labels matched {how}; check that it was fine-tuned for {self.name}", stacklevel=2
             )
         return {"label_mapping": how, "label_map": self._label_map}
 
