@@ -239,10 +239,11 @@ def wikitext_fidelity_main(
     windows: int = 32,
     length: int = 512,
     batch_size: int = 4,
-) -> list[dict]:
+) -> int:
     """Command line of a zero-shot WikiText-2 fidelity recipe on MiniLM-L6: ``approx.evaluate`` on the
     ``wikitext2`` task (fidelity mode: the bare encoder) under ``configs``; writes the list of results to
-    ``output`` and prints the table. ``windows``, ``length``, ``batch_size``: the recipe's defaults."""
+    ``output`` and prints the table. ``windows``, ``length``, ``batch_size``: the recipe's defaults. The exit
+    status, 0 (the results are in ``output``)."""
     import argparse
 
     import torch
@@ -277,4 +278,4 @@ def wikitext_fidelity_main(
     write_json(args.output, results)
     print(markdown_report(results, model_label=MINILM_LABEL))
     print(f"\nwall time {results[0]['provenance']['wall_seconds']:.0f} s; wrote {args.output}")
-    return results
+    return 0

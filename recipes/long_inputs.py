@@ -531,7 +531,8 @@ def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, 
     """Refuse to merge this run's results into ``old`` (``--update``) when they were read by another squad-doc reader,
     from checkpoints fine-tuned under other caps (``--max-steps``, ``--train-limit``: other checkpoints), under
     another profile (other readers), on another device, with another seed, or on another number of questions or
-    windows at a length both runs read (the record names one of each, so its rows must share them)."""
+    windows at a length both runs read (the record names one of each, so the rows it keeps must share them: rows this
+    run makes again are not compared)."""
     differs = [
         f"{what} {theirs!r} (this run: {mine!r})"
         for what, theirs, mine in (
@@ -540,7 +541,8 @@ def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, 
         )
         if theirs is not None and theirs != mine
     ]
-    rows = old.get("results", []) + old.get("baselines", [])
+    mine = set(args.tasks) | ({"squad-doc-sliding"} if "squad-doc" in args.tasks else set())
+    rows = [r for r in old.get("results", []) + old.get("baselines", []) if not redone(r, mine, lengths, args.methods)]
     seeds = sorted({r["provenance"].get("seed") for r in rows}, key=str)
     if any(seed != args.seed for seed in seeds):
         differs.append(f"seed {', '.join(map(str, seeds))} (this run: {args.seed})")
@@ -549,12 +551,13 @@ def check_update(args: argparse.Namespace, old: dict[str, Any], caps: dict[str, 
     for task, per_length in wanted.items():
         for n, count in per_length.items():
             theirs = {r["examples"] for r in rows if r["task"] == task and str(r["max_length"]) == n}
+            if not theirs:  # nothing kept at this length: this run's rows replace them all
+                continue
             if n in held.get(task, {}):
                 if held[task][n] != count:
-                    differs.append(
-                        f"{task} at {n} tokens: {held[task][n] or 'every'} examples (this run: {count or 'every'})"
-                    )
-            elif theirs and count is not None and theirs != {count}:
+                    before, now = ("every" if c is None else c for c in (held[task][n], count))
+                    differs.append(f"{task} at {n} tokens: {before} examples (this run: {now})")
+            elif count is not None and theirs != {count}:
                 differs.append(
                     f"{task} at {n} tokens: {', '.join(map(str, sorted(theirs)))} examples (this run: {count})"
                 )
@@ -680,6 +683,17 @@ def main(argv: list[str] | None = None) -> int:
     args.profile = args.profile or ("gpu" if cuda else "cpu")
     args.device = args.device or ("cuda" if cuda else "cpu")
     lengths = args.lengths or PROFILES[args.profile]["lengths"]
+    unsized = [  # a length the profile gives no number of questions or windows for, and no flag either
+        f"{n} ({flag})"
+        for n in lengths
+        for task, key, flag in (("squad-doc", "questions", "--questions"), ("wikitext2", "windows", "--windows"))
+        if task in args.tasks and getattr(args, key) is None and n not in PROFILES[args.profile][key]
+    ]
+    if unsized:
+        raise SystemExit(
+            f"the {args.profile} profile sizes lengths {', '.join(map(str, PROFILES[args.profile]['lengths']))}; "
+            f"give how many to read at {', '.join(unsized)}"
+        )
     if args.update and args.results.is_file():  # refused before any work
         check_update(args, json.loads(args.results.read_text()), caps, lengths)
     if args.threads:

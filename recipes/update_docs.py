@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -335,7 +336,8 @@ def harness_block(paths: list[str]) -> str:
     for r in runs:
         prov = r[0]["provenance"]
         command = prov.get("command", "recipes/minilm_harness_report.py")
-        if "--limit" in command.split():
+        # --limit as argparse reads it: --limit 4, --limit=4, or a prefix (--lim 4; no other option starts --l)
+        if any(len(t.split("=")[0]) > 2 and "--limit".startswith(t.split("=")[0]) for t in shlex.split(command)):
             print(f"warning: {r[0]['task']}'s results come from a trial run (`{command}`)", file=sys.stderr)
         made.append(
             f"{r[0]['task']}: `python {command}`, {_provenance_line(prov)}, {prov.get('torch_threads', '?')} torch "

@@ -899,6 +899,8 @@ def test_a_scripts_missing_data_or_file_is_one_line_and_other_errors_keep_their_
     with pytest.raises(SystemExit) as e:
         run_script(lambda: 3)
     assert e.value.code == 3
+    with pytest.raises(TypeError, match="main returned list, not an exit status"):  # (sys.exit had printed it, 1)
+        run_script(lambda: [{"task": "wikitext2"}])
     with pytest.raises(RuntimeError, match="a bug"):
         run_script(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
     root = Path(__file__).resolve().parent.parent

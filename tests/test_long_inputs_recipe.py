@@ -193,25 +193,35 @@ def test_update_refuses_results_made_with_other_settings(recipe, monkeypatch, tm
         path.write_text(json.dumps(record))
 
     argv = ["--lengths", "1024", "--update", "--quiet", "--profile", "cpu", "--device", "cpu", "--results", str(path)]
+    some = ["--methods", "window"]  # (the file's "full" rows are kept beside this run's, so they are compared)
     held()
     for extra, said in (
         (["--profile", "gpu"], "profile 'cpu' \\(this run: 'gpu'\\)"),
-        (["--seed", "3"], "seed 0 \\(this run: 3\\)"),
-        (["--questions", "5"], "squad-doc at 1024 tokens: 16 examples \\(this run: 5\\)"),
+        ([*some, "--seed", "3"], "seed 0 \\(this run: 3\\)"),
+        ([*some, "--questions", "5"], "squad-doc at 1024 tokens: 16 examples \\(this run: 5\\)"),
     ):
         with pytest.raises(SystemExit, match=said):
             recipe.main([*argv, *extra])
     with pytest.raises(SystemExit, match="device 'cpu' \\(this run: 'cuda'\\)"):
         recipe.main([*argv, "--device", "cuda", "--tasks", "wikitext2"])
     with pytest.raises(SystemExit, match="wikitext2 at 2048 tokens: 4 examples \\(this run: 1\\)"):
-        recipe.main([*argv, "--tasks", "wikitext2", "--lengths", "2048", "--windows", "1"])
-    for same in ([], ["--tasks", "wikitext2", "--lengths", "2048"], ["--lengths", "2048", "--questions", "5"]):
-        with pytest.raises(AssertionError, match="worked before refusing"):  # the same settings: on to the work
+        recipe.main([*argv, *some, "--tasks", "wikitext2", "--lengths", "2048", "--windows", "1"])
+    for same in (
+        [],
+        ["--tasks", "wikitext2", "--lengths", "2048"],
+        [*some, "--lengths", "2048", "--questions", "5"],  # (other lengths may hold other numbers)
+        ["--questions", "5"],  # every row at 1024 made again: none kept there to compare
+        ["--tasks", "wikitext2", "--lengths", "2048", "--windows", "1"],
+    ):
+        with pytest.raises(AssertionError, match="worked before refusing"):  # on to the work
             recipe.main([*argv, *same])
     # a record naming what it read is compared on that (here: every example at 1024 tokens)
     held(requested={"squad-doc": {"1024": None}})
     with pytest.raises(SystemExit, match="squad-doc at 1024 tokens: every examples \\(this run: 16\\)"):
-        recipe.main(argv)
+        recipe.main([*argv, *some])
+    # a length the profile does not size, without --questions / --windows: refused before any work
+    with pytest.raises(SystemExit, match="give how many to read at 3000 \\(--questions\\), 3000 \\(--windows\\)"):
+        recipe.main([*argv, "--lengths", "3000"])
 
 
 def test_update_keeps_what_the_run_does_not_redo(recipe):

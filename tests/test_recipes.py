@@ -323,10 +323,14 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path, capsys)
     assert figures.main(args) == 0
     assert not (tmp_path / "fig2" / "squad_attention.png").exists()
     assert (tmp_path / "fig2" / "quality_vs_cost.png").exists()
-    # a results folder without the tables' results: said, and a failing status (it had read as success)
+    # a results folder without the tables' results, or no benchmark file: said before anything is drawn, and a
+    # failing status (it had read as success)
     args = ["--results-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "fig3"), "--skip-squad"]
     assert figures.main(args) == 1
-    assert "quality_vs_cost.png not drawn: no clustered_table_*.json" in capsys.readouterr().err
+    assert "quality_vs_cost.png: no clustered_table_*.json" in capsys.readouterr().err
+    args = ["--results-dir", str(tmp_path / "res"), "--benchmark", str(tmp_path / "typo.json"), "--skip-squad"]
+    assert figures.main([*args, "--out-dir", str(tmp_path / "fig3")]) == 1
+    assert "speed.png: no " in capsys.readouterr().err and not (tmp_path / "fig3").exists()
 
 
 def _check_methods_rerun(recipe, argv, path):
@@ -451,6 +455,16 @@ def test_the_harness_block_names_each_files_own_run_and_warns_of_a_trial(tmp_pat
     assert f"commit `{'0' * 12}`" in text and f"commit `{'1' * 12}`" in text
     assert "1 torch thread(s)" in text and "2 torch thread(s)" in text and "--limit 4`" in text
     assert "come from a trial run" in capsys.readouterr().err
+    for command in ("--lim 4", "--limit=4", "--data-dir d --l=2"):  # as argparse reads --limit too
+        results = json.loads(paths[1].read_text())
+        results[0]["provenance"]["command"] = f"recipes/minilm_harness_report.py {command}"
+        paths[1].write_text(json.dumps(results))
+        docs.harness_block([str(p) for p in paths])
+        assert "come from a trial run" in capsys.readouterr().err, command
+    results[0]["provenance"]["command"] = "recipes/minilm_harness_report.py --only wikitext2 --data-dir /data/lim"
+    paths[1].write_text(json.dumps(results))
+    docs.harness_block([str(p) for p in paths])
+    assert "trial run" not in capsys.readouterr().err
 
 
 @pytest.mark.smoke

@@ -166,4 +166,6 @@ def run_script(main: Callable[[], int | None]) -> NoReturn:
     except (FileNotFoundError, DataError) as err:
         print(f"{Path(sys.argv[0]).name}: error: {str(err).strip() or type(err).__name__}", file=sys.stderr)
         sys.exit(2)
+    if code is not None and (isinstance(code, bool) or not isinstance(code, int)):  # sys.exit would print it, status 1
+        raise TypeError(f"{Path(sys.argv[0]).name}: main returned {type(code).__name__}, not an exit status")
     sys.exit(code)
