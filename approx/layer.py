@@ -601,8 +601,12 @@ _PROBES: contextvars.ContextVar[tuple[tuple[_ProbeEntry, Any], ...]] = contextva
 
 
 def probes() -> tuple[Any, ...]:
-    """The probes open in this thread (context), innermost last."""
-    return tuple(probe for entry, probe in _PROBES.get() if not entry.closed)
+    """The probes open in this thread (context), innermost last; one open in nested blocks once (at its outermost)."""
+    out: list[Any] = []
+    for entry, probe in _PROBES.get():
+        if not entry.closed and not any(probe is p for p in out):
+            out.append(probe)
+    return tuple(out)
 
 
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
@@ -610,14 +614,20 @@ class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_g
     attention run in this thread (or asyncio context): q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None,
     ``out`` the layer's (B, H, N, dv) output. Forwards other threads run meanwhile are not seen; blocks may close in
     any order (each takes out its own probe), and in another thread than the one that opened them (a generator
-    resumed there): the probe then stops in the opening thread too. For measuring (attention error, graph
-    statistics), not for changing the output."""
+    resumed there): the probe then stops in the opening thread too. One instance is open in one thread (or task) at
+    a time, nested blocks included (the probe is then called once); entering it from another is refused: make one
+    per block. For measuring (attention error, graph statistics), not for changing the output."""
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
         self._entries: list[_ProbeEntry] = []  # this block's own entry (a stack: the instance may be entered again)
 
     def __enter__(self) -> Any:
+        here = {id(e) for e, _ in _PROBES.get()}
+        if any(id(e) not in here for e in self._entries):  # its exit could not tell which thread's block closes
+            raise RuntimeError(
+                "this attention_probe is open in another thread or task: make one attention_probe(probe) per block"
+            )
         entry = _ProbeEntry()
         self._entries.append(entry)
         _PROBES.set((*_PROBES.get(), (entry, self.probe)))

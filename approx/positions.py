@@ -109,6 +109,12 @@ def _problems(model: nn.Module, max_length: Any, tokenizer: Any) -> tuple[list[s
             f"config.max_position_embeddings ({getattr(config, 'max_position_embeddings', None)!r}) as it is"
         )
         return problems, found
+    if not tables and getattr(config, "relative_attention", False):  # DeBERTa-v3: relative positions only
+        problems.append(
+            "positions are relative only (config.relative_attention, no position table): the model reads any length "
+            "as it is; there is nothing to extend"
+        )
+        return problems, found
     if len(tables) != 1:
         found.append(f"position tables: {[f'{n}.position_embeddings' for n in tables]}")
         problems.append(

@@ -122,21 +122,34 @@ def _squad_model(args: argparse.Namespace, example: dict[str, Any]) -> str | Non
     return None
 
 
-def squad_attention(args: argparse.Namespace, out: Path) -> Path | None:
+def squad_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str] | str:
+    """The heatmap's question and reader, or why it cannot be drawn (read before any figure is)."""
     from approx.harness.tasks import get_task
-    from approx.integration import attention_probe, load_pretrained, patch, patched_layers, unpatch
 
     examples, _ = get_task("squad").load("dev", source=args.source, data_dir=args.data_dir)
     args._examples = examples
-    example = next((e for e in examples if e["id"] == args.question_id), examples[0])
-    model_name = _squad_model(args, example)
-    if model_name is None:  # (the plain encoder had been drawn in its place, over the reader's figure, in silence)
+    wanted = args.question_id or QUESTION_ID
+    example = next((e for e in examples if e["id"] == wanted), None)
+    if example is None and args.question_id:  # (the first question had been drawn in the place of a mistyped one)
+        return f"squad_attention.png: no question {args.question_id!r} in SQuAD dev"
+    if example is None:  # the default question is not in this file (a smaller one): its first, said
+        example = examples[0]
         print(
-            f"squad_attention.png not drawn: no SQuAD reader fine-tuned on the half without this article in "
-            f"{args.checkpoints} (recipes/clustered_table.py makes it); --model draws it from another model",
+            f"squad_attention.png: question {QUESTION_ID} is not in this SQuAD dev file: {example['id']}",
             file=sys.stderr,
         )
-        return None
+    model_name = _squad_model(args, example)
+    if model_name is None:  # (the plain encoder had been drawn in its place, over the reader's figure, in silence)
+        return (
+            f"squad_attention.png: no SQuAD reader fine-tuned on the half without this article in {args.checkpoints} "
+            "(recipes/clustered_table.py makes it; --model draws it from another model, --skip-squad leaves it out)"
+        )
+    return example, model_name
+
+
+def squad_attention(args: argparse.Namespace, out: Path, example: dict[str, Any], model_name: str) -> Path:
+    from approx.integration import attention_probe, load_pretrained, patch, patched_layers, unpatch
+
     model, tokenizer = load_pretrained(model_name, progress=False)
     enc = tokenizer(example["question"], example["context"], truncation="only_second", max_length=384)
     inputs = {k: torch.tensor([v]) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--benchmark", type=Path, default=BENCHMARK)
     p.add_argument("--checkpoints", type=Path, default=CHECKPOINTS, help="where the SQuAD checkpoints are cached")
     p.add_argument("--model", help="model for the attention heatmap (default: see above)")
-    p.add_argument("--question-id", default=QUESTION_ID)
+    p.add_argument("--question-id", help=f"default {QUESTION_ID}, or the file's first question when it lacks that one")
     p.add_argument("--layer", type=int, default=-1)
     p.add_argument("--head", type=int, help="default: the sharpest head")
     p.add_argument("--data-dir")
@@ -222,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         missing.append(f"quality_vs_cost.png: no clustered_table_*.json in {args.results_dir} (clustered_table.py)")
     if not args.benchmark.is_file():
         missing.append(f"speed.png: no {args.benchmark} (benchmarks/attention_op.py makes it)")
+    squad = None if args.skip_squad else squad_inputs(args)
+    if isinstance(squad, str):
+        missing.append(squad)
     if missing:  # said before anything is drawn or a folder made
         print("not drawn: " + "; ".join(missing), file=sys.stderr)
         return 1
@@ -231,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         quality_vs_cost(results, out_dir / "quality_vs_cost.png"),
         speed(args.benchmark, out_dir / "speed.png"),
     ]
-    if not args.skip_squad:
-        made.append(squad_attention(args, out_dir / "squad_attention.png"))
+    if squad is not None:
+        made.append(squad_attention(args, out_dir / "squad_attention.png", *squad))
     for path in made:
         if path is not None:
             print(f"wrote {path}")

@@ -368,6 +368,23 @@ def test_scorer_restores_the_training_flag_and_prepares_its_task_again(checkpoin
     assert model.training and task._label_map == [0, 1]
 
 
+def test_a_scorer_records_how_it_read_the_labels_and_warns_once(checkpoints, fixture_dir):
+    """A checkpoint naming its labels its own way (NEG, POS) is read by index with a warning: the scorer's record says
+    so (the tuning record had lost it), and scoring again warns no more (it had warned at every call)."""
+    import warnings
+
+    model, tok = _loaded(checkpoints["mrpc"])
+    model.config.id2label = {0: "NO", 1: "YES"}
+    with pytest.warns(UserWarning, match="names its labels no, yes"):
+        scorer = task_scorer(model, tok, "mrpc", split="train", limit=4, data_dir=str(fixture_dir))
+    assert "no, yes" in scorer.describe()["label_mapping"]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        scorer(model)
+        scorer(model)
+    assert not [w for w in said if "labels matched" in str(w.message)]
+
+
 def test_cli_score_flags_checked_against_the_task_before_loading(tmp_path, capsys):
     base = ["autotune", "--model", str(tmp_path / "absent"), "--output-dir", str(tmp_path / "o")]
     for extra, words in (

@@ -302,6 +302,11 @@ def test_another_tasks_classifier_is_refused_and_numbered_labels_go_by_index(fix
     with pytest.warns(UserWarning, match="names its labels neg, pos, which are not the task's"):
         (r,) = _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
     assert r["label_mapping"].startswith("by index") and "neg, pos" in r["label_mapping"]
+    config.id2label = {0: "positive", 1: "neg"}  # one named as the task's, at another index: refused
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    config.save_pretrained(path)
+    with pytest.raises(ValueError, match=r"name some of the task's \(positive\) but not all"):
+        _run(str(path), "sst2", ["full"], fixture_dir, limit=2)
 
 
 def test_stsb_zero_shot_and_fine_tuned(fixture_dir, checkpoints):

@@ -173,6 +173,8 @@ def test_a_table_beside_relative_attention_is_refused():
     relative = DebertaV2Model(config).eval()
     assert approx.positions.position_limit(relative) is None
     assert approx.positions.limit_for(relative, 200) is None
+    with pytest.raises(ValueError, match="relative only .* reads any length as it is"):
+        approx.extend_positions(relative, 200)
     rotary = tiny_model("esm", "base")
     with pytest.raises(ValueError, match="rotary"):
         approx.positions.limit_for(rotary, rotary.config.max_position_embeddings + 1)

@@ -317,10 +317,16 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path, capsys)
     meta = json.loads((tmp_path / "res" / "figures" / "squad_attention.json").read_text())
     assert "squad-dev" in meta["model"]  # the cached SQuAD checkpoint that never saw the example's article
     assert meta["provenance"]["command"] and len(meta["provenance"]["model_weights_sha256"]) == 64
-    # without such a checkpoint the heatmap is not drawn (the plain encoder's had replaced the reader's, in silence)
+    # without such a checkpoint the heatmap cannot be drawn (the plain encoder's had replaced the reader's, in
+    # silence), nor for a question that is not there (the first question's had been drawn): said before any figure,
+    # a failing status; --skip-squad draws the others
     args = ["--results-dir", str(tmp_path / "res"), "--checkpoints", str(tmp_path / "none"), "--layer", "0"]
     args += ["--out-dir", str(tmp_path / "fig2"), "--data-dir", str(fixture_dir), "--source", "local"]
-    assert figures.main(args) == 0
+    assert figures.main(args) == 1
+    assert "squad_attention.png: no SQuAD reader" in capsys.readouterr().err and not (tmp_path / "fig2").exists()
+    assert figures.main([*args[:4], *args[6:], "--question-id", "nope"]) == 1
+    assert "no question 'nope'" in capsys.readouterr().err
+    assert figures.main([*args, "--skip-squad"]) == 0
     assert not (tmp_path / "fig2" / "squad_attention.png").exists()
     assert (tmp_path / "fig2" / "quality_vs_cost.png").exists()
     # a results folder without the tables' results, or no benchmark file: said before anything is drawn, and a

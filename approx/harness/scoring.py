@@ -50,6 +50,7 @@ class TaskScorer:
     pad_id: int
     source: str = ""
     progress: bool = False
+    prepared: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the task's prepare() said (labels)
 
     def __call__(self, model: torch.nn.Module) -> float:
         return self.scored(model)[0]
@@ -59,7 +60,12 @@ class TaskScorer:
         device = next(model.parameters()).device
         # the task object is shared (one per registered task) and prepare() keeps what predict() reads (GLUE's label
         # map): prepared again for this model, so that another checkpoint prepared meanwhile changes nothing here
-        self.task.prepare(model, self.mode)
+        with warnings.catch_warnings(record=True) as said:  # (said once, when the scorer was made for this model)
+            warnings.simplefilter("always")
+            prepared = self.task.prepare(model, self.mode)
+        if prepared != self.prepared:  # another checkpoint than the scorer's: its warnings are news
+            for w in said:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         order = sorted(range(len(self.features)), key=lambda i: -len(self.features[i].input_ids))
         outputs: list[Any] = [None] * len(self.features)
         training = model.training
@@ -99,6 +105,7 @@ class TaskScorer:
             "count": len(self.examples),
             "max_length": self.max_length,
             "source": self.source,
+            **({"label_mapping": self.prepared["label_mapping"]} if "label_mapping" in self.prepared else {}),
         }
 
 
@@ -140,13 +147,14 @@ def task_scorer(
             f"scoring on {len(examples)}",
             stacklevel=2,  # task_scorer's caller
         )
-    spec.prepare(model, mode)
+    prepared = spec.prepare(model, mode) or {}
     length = spec.default_max_length if max_length is None else max_length
     features = spec.features(examples, tokenizer, max_length=length, mode=mode)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TaskScorer(
-        spec, mode, chosen, split, skip, examples, features, length, batch_size, pad, where.describe(), progress
-    )
+        spec, mode, chosen, split, skip, examples, features, length, batch_size, pad, where.describe(), progress,
+        prepared,
+    )  # fmt: skip
 
 
 def check_metric(task: Task, metric: str | None) -> str:

@@ -6,8 +6,8 @@ clustered-attention paper; pairs truncated longest-first). A checkpoint fine-tun
 classification predicts the argmax of its logits (STS-B: its single regression output). The checkpoint's
 labels are matched to the task's by name when its config names them (``id2label``; case, spaces and dashes
 aside), by index in the hub's label order when it only numbers them (``LABEL_0``, ...) or names them its own way
-(``neg``, ``pos``: with a warning), and refused when they are another GLUE task's (an RTE classifier run as
-SST-2); the mapping used is recorded in the result.
+(``neg``, ``pos``, none of them the task's: with a warning), and refused when they are another GLUE task's (an RTE
+classifier run as SST-2) or name only some of the task's; the mapping used is recorded in the result.
 
 STS-B also runs zero-shot on an encoder without a task head (e.g. a sentence-embedding model such as
 MiniLM-L6): each sentence is encoded alone, hidden states are mean-pooled over real tokens and the
@@ -182,6 +182,15 @@ class GlueTask(Task):
                 raise ValueError(
                     f"{self.name}: the checkpoint's labels ({', '.join(names)}) are those of {other}, not the "
                     f"task's ({', '.join(self.labels)}): it was fine-tuned for another task"
+                )
+            shared = sorted(set(names) & set(self.labels))
+            if (
+                shared
+            ):  # some named as the task's, the others not: read by index, a named one could be scored as another
+                raise ValueError(
+                    f"{self.name}: the checkpoint's labels ({', '.join(names)}) name some of the task's "
+                    f"({', '.join(shared)}) but not all ({', '.join(self.labels)}): name every one as the task does "
+                    f"in config.id2label, or number them (LABEL_0, ...) in the task's order"
                 )
             self._label_map = list(range(n))  # names of its own (neg/pos): read in the task's order, and said so
             how = (
