@@ -20,7 +20,9 @@ computes the same alone as beside the others.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import threading
 import warnings
 from typing import Any
 
@@ -584,10 +586,22 @@ class ApproxAttention(nn.Module):
 
 
 class _ProbeEntry:
-    __slots__ = ("closed",)
+    """One open block of an :class:`attention_probe` (``source``), closed where the block closes."""
 
-    def __init__(self) -> None:
+    __slots__ = ("closed", "source")
+
+    def __init__(self, source: attention_probe) -> None:
         self.closed = False
+        self.source = source
+
+
+def _owner() -> tuple[int, int | None]:
+    """The thread, and the asyncio task within it, running now: who may open and close an instance's blocks."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop running in this thread
+        task = None
+    return threading.get_ident(), None if task is None else id(task)
 
 
 # Callables run after every patched layer of this thread's (context's) forwards: probe(layer, q, k, v, key_mask,
@@ -601,12 +615,12 @@ _PROBES: contextvars.ContextVar[tuple[tuple[_ProbeEntry, Any], ...]] = contextva
 
 
 def probes() -> tuple[Any, ...]:
-    """The probes open in this thread (context), innermost last; one open in nested blocks once (at its outermost)."""
-    out: list[Any] = []
+    """The probes open in this thread (context), innermost last; an instance open in nested blocks once."""
+    out: list[tuple[attention_probe, Any]] = []
     for entry, probe in _PROBES.get():
-        if not entry.closed and not any(probe is p for p in out):
-            out.append(probe)
-    return tuple(out)
+        if not entry.closed and not any(entry.source is source for source, _ in out):
+            out.append((entry.source, probe))
+    return tuple(probe for _, probe in out)
 
 
 class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_grad)
@@ -614,33 +628,32 @@ class attention_probe:  # noqa: N801 (used as a context manager, like torch.no_g
     attention run in this thread (or asyncio context): q/k/v are (B, H, N, d), ``key_mask`` (B, S) bool or None,
     ``out`` the layer's (B, H, N, dv) output. Forwards other threads run meanwhile are not seen; blocks may close in
     any order (each takes out its own probe), and in another thread than the one that opened them (a generator
-    resumed there): the probe then stops in the opening thread too. One instance is open in one thread (or task) at
-    a time, nested blocks included (the probe is then called once); entering it from another is refused: make one
-    per block. For measuring (attention error, graph statistics), not for changing the output."""
+    resumed there): the probe then stops in the opening thread too. One instance is open in one thread (or asyncio
+    task) at a time, nested blocks included (the probe is then called once per layer); entering it from another
+    thread or task, even one whose context was copied from it, is refused: make one per block. For measuring
+    (attention error, graph statistics), not for changing the output."""
 
     def __init__(self, probe: Any) -> None:
         self.probe = probe
-        self._entries: list[_ProbeEntry] = []  # this block's own entry (a stack: the instance may be entered again)
+        self._entries: list[_ProbeEntry] = []  # its open blocks, all of one owner (a stack: it may be nested)
+        self._owner: tuple[int, int | None] | None = None
 
     def __enter__(self) -> Any:
-        here = {id(e) for e, _ in _PROBES.get()}
-        if any(id(e) not in here for e in self._entries):  # its exit could not tell which thread's block closes
+        if self._entries and self._owner != _owner():  # its exit could not tell which owner's block closes
             raise RuntimeError(
                 "this attention_probe is open in another thread or task: make one attention_probe(probe) per block"
             )
-        entry = _ProbeEntry()
+        self._owner = _owner()
+        entry = _ProbeEntry(self)
         self._entries.append(entry)
         _PROBES.set((*_PROBES.get(), (entry, self.probe)))
         return self.probe
 
     def __exit__(self, *exc: Any) -> None:
-        # this block's own entry taken out, the others left in their order: blocks may close out of order (two
-        # generators each probing their own forwards), where resetting to the state at entry dropped a probe still
-        # open and kept this one
-        # this block's entry: the last one of this instance open in this context (one instance may be open in
-        # several threads or tasks at once); none here: a block closed in another thread (a generator resumed there)
-        here = {id(e) for e, _ in _PROBES.get()}
-        mine = next((i for i in range(len(self._entries) - 1, -1, -1) if id(self._entries[i]) in here), -1)
-        entry = self._entries.pop(mine)
-        entry.closed = True  # (seen by the opening thread's context too, where this is another thread)
+        # one of its blocks closes: its blocks are all of one owner, so any of its open entries will do (the last);
+        # the other probes' entries are left in their order (blocks of different instances may close out of order:
+        # two generators each probing their own forwards). In another thread (a generator resumed there) the entry
+        # is marked closed, which the opening thread's context sees, though this thread cannot change it.
+        entry = self._entries.pop()
+        entry.closed = True
         _PROBES.set(tuple(e for e in _PROBES.get() if e[0] is not entry and not e[0].closed))

@@ -30,7 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from approx.harness.argcheck import run_script
+from approx.harness.argcheck import looks_like_path, run_script
 from approx.harness.provenance import provenance, weights_digest  # noqa: E402
 from approx.layer import ApproxAttention  # noqa: E402
 
@@ -138,6 +138,8 @@ def squad_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], str] | str:
             f"squad_attention.png: question {QUESTION_ID} is not in this SQuAD dev file: {example['id']}",
             file=sys.stderr,
         )
+    if args.model and looks_like_path(args.model) and not Path(args.model).expanduser().is_dir():
+        return f"squad_attention.png: --model {args.model}: no such folder"
     model_name = _squad_model(args, example)
     if model_name is None:  # (the plain encoder had been drawn in its place, over the reader's figure, in silence)
         return (

@@ -1274,12 +1274,58 @@ def test_one_probe_instance_is_open_in_one_thread_at_a_time_and_called_once_when
         assert probes() == ("P",)
     assert probes() == ()
     assert len(errors) == 1 and "make one attention_probe(probe) per block" in str(errors[0])
+    # a thread or an asyncio task whose context was copied from the opener's holds its entry: refused all the same
+    # (it had been let in, and a generator closed from a third thread then stopped the wrong block)
+    import asyncio
+    import contextvars
+
+    def copied():
+        try:
+            shared.__enter__()
+        except RuntimeError as err:
+            errors.append(err)
+
+    async def child():
+        try:
+            shared.__enter__()
+        except RuntimeError as err:
+            errors.append(err)
+
+    async def parent():
+        with shared:
+            await asyncio.create_task(child())
+
+    with shared:
+        t = threading.Thread(target=contextvars.copy_context().run, args=(copied,))
+        t.start()
+        t.join()
+    asyncio.run(parent())
+    assert len(errors) == 3 and probes() == ()
+
+    def stream():
+        with shared:
+            yield
+
+    g = stream()
+    next(g)
+    closer = threading.Thread(target=g.close)
+    closer.start()
+    closer.join()
+    assert probes() == ()
     model = approx.patch(tiny_model("bert").eval(), "favor", features=8)
     calls: list[object] = []
     counted = attention_probe(lambda layer, *a: calls.append(layer))
     with torch.no_grad(), counted, counted:
         model(**batch(16))
     assert len(calls) == len(approx.patched_layers(model))
+    calls.clear()  # two instances of one callable are two probes, each called (a function as a bound method)
+
+    def record(layer, *args):
+        calls.append(layer)
+
+    with torch.no_grad(), attention_probe(record), attention_probe(record):
+        model(**batch(16))
+    assert len(calls) == 2 * len(approx.patched_layers(model))
 
 
 def test_probe_closed_in_another_thread_stops_in_the_opening_one():

@@ -326,6 +326,8 @@ def test_clustered_table_recipe_smoke(base_model, fixture_dir, tmp_path, capsys)
     assert "squad_attention.png: no SQuAD reader" in capsys.readouterr().err and not (tmp_path / "fig2").exists()
     assert figures.main([*args[:4], *args[6:], "--question-id", "nope"]) == 1
     assert "no question 'nope'" in capsys.readouterr().err
+    assert figures.main([*args[:4], *args[6:], "--model", str(tmp_path / "typo")]) == 1
+    assert "no such folder" in capsys.readouterr().err and not (tmp_path / "fig2").exists()
     assert figures.main([*args, "--skip-squad"]) == 0
     assert not (tmp_path / "fig2" / "squad_attention.png").exists()
     assert (tmp_path / "fig2" / "quality_vs_cost.png").exists()
